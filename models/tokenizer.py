@@ -1,0 +1,234 @@
+"""Byte-level BPE tokenizer rebuilt from a GGUF file's metadata (no ``transformers``).
+
+The vocabulary, merges, token types and chat template all live in the GGUF's
+``tokenizer.*`` fields; this module turns them into a ``tokenizers.Tokenizer`` and
+renders the chat template with a sandboxed Jinja environment.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Iterable, Mapping, Sequence
+
+import gguf
+import jinja2.ext
+import jinja2.sandbox
+import tokenizers
+from tokenizers import decoders, models, pre_tokenizers
+
+from models.gguf_loader import read_gguf_metadata
+
+# llama.cpp's ``tokenizer.ggml.token_type`` values.
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+
+CHATML_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+
+
+def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre == "smollm":
+        return pre_tokenizers.Sequence(
+            [pre_tokenizers.Digits(individual_digits=True), byte_level])
+    if pre in ("gpt2", "default"):
+        return byte_level
+    raise ValueError(f"tokenizer.ggml.pre={pre!r} is not supported "
+                     f"(known: 'smollm', 'gpt2', 'default')")
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+class GGUFTokenizer:
+    """Byte-level BPE tokenizer and chat template of a GGUF checkpoint.
+
+    Build it with :meth:`from_gguf`.
+    """
+
+    def __init__(self, tokenizer: tokenizers.Tokenizer, tokens: Sequence[str], *,
+                 bos_token_id: int | None, eos_token_id: int | None,
+                 chat_template: str | None = None, add_bos: bool = False,
+                 add_eos: bool = False):
+        """Wraps an already built tokenizer.
+
+        Args:
+            tokenizer: the ``tokenizers.Tokenizer`` doing the work.
+            tokens: vocabulary, id -> token string (GGUF ``tokenizer.ggml.tokens``).
+            bos_token_id, eos_token_id: special ids (``None`` when absent).
+            chat_template: Jinja chat template; ``None`` means plain ChatML.
+            add_bos, add_eos: what ``encode(..., add_special_tokens=True)`` adds.
+        """
+        self._tok = tokenizer
+        self._tokens = list(tokens)
+        self._bos, self._eos = bos_token_id, eos_token_id
+        self._add_bos, self._add_eos = add_bos, add_eos
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+        env.globals["raise_exception"] = _raise_exception
+        self.chat_template = chat_template or CHATML_TEMPLATE
+        self._template = env.from_string(self.chat_template)
+
+    @classmethod
+    def from_gguf(cls, path_or_reader: str | os.PathLike | gguf.GGUFReader) -> GGUFTokenizer:
+        """Rebuilds the tokenizer stored in a GGUF file.
+
+        Args:
+            path_or_reader: a ``.gguf`` path or an open ``gguf.GGUFReader``.
+
+        Returns:
+            The tokenizer.
+
+        Raises:
+            ValueError: an unsupported ``tokenizer.ggml.model`` / ``tokenizer.ggml.pre``,
+                or missing / inconsistent vocabulary fields.
+        """
+        meta = read_gguf_metadata(path_or_reader)
+        model = meta.get("tokenizer.ggml.model")
+        if model != "gpt2":
+            raise ValueError(f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2')")
+        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+            if key not in meta:
+                raise ValueError(f"GGUF metadata field {key!r} is missing")
+        tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens)))
+        if len(types) != len(tokens):
+            raise ValueError(f"tokenizer.ggml.token_type has len={len(types)}, "
+                             f"tokenizer.ggml.tokens has len={len(tokens)}")
+        vocab = {tok: i for i, tok in enumerate(tokens)}
+        if len(vocab) != len(tokens):
+            raise ValueError(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicates")
+        merges = []
+        for merge in meta["tokenizer.ggml.merges"]:
+            left, sep, right = merge.partition(" ")
+            if not sep or not left or not right:
+                raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not 'left right'")
+            merges.append((left, right))
+
+        tok = tokenizers.Tokenizer(models.BPE(vocab, merges))
+        tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([
+            tokenizers.AddedToken(t, special=True, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
+        tok.add_tokens([
+            tokenizers.AddedToken(t, special=False, normalized=False)
+            for t, ty in zip(tokens, types) if ty == _TOKEN_USER_DEFINED])
+
+        def opt_int(key: str) -> int | None:
+            return None if meta.get(key) is None else int(meta[key])
+
+        return cls(tok, tokens,
+                   bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
+                   eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
+                   chat_template=meta.get("tokenizer.chat_template"),
+                   add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
+                   add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
+
+    @property
+    def bos_token_id(self) -> int | None:
+        """Beginning-of-sequence id, or ``None``."""
+        return self._bos
+
+    @property
+    def eos_token_id(self) -> int | None:
+        """End-of-sequence id, or ``None``."""
+        return self._eos
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of tokens in the GGUF vocabulary."""
+        return len(self._tokens)
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        """Ids that end generation: EOS, ``<|im_end|>`` and ``<|endoftext|>`` when present."""
+        ids = {self.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        ids.add(self._eos)
+        return frozenset(i for i in ids if i is not None)
+
+    def token_to_id(self, token: str) -> int | None:
+        """Id of a vocabulary string (e.g. ``"<|im_start|>"``), or ``None``."""
+        return self._tok.token_to_id(token)
+
+    def id_to_token(self, token_id: int) -> str:
+        """Vocabulary string of an id (byte-level form, e.g. ``"Ġthe"``).
+
+        Raises:
+            ValueError: ``token_id`` is out of range.
+        """
+        if not 0 <= token_id < len(self._tokens):
+            raise ValueError(f"token_id={token_id} is outside [0, {len(self._tokens)})")
+        return self._tokens[token_id]
+
+    def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
+        """Tokenizes text; special-token strings in it map to their single ids.
+
+        Args:
+            text: input string.
+            add_special_tokens: add BOS / EOS as the GGUF's ``add_bos_token`` /
+                ``add_eos_token`` flags ask.
+
+        Returns:
+            Token ids, ``[num_tokens]``.
+
+        Raises:
+            ValueError: ``text`` is not a ``str``.
+        """
+        if not isinstance(text, str):
+            raise ValueError(f"text={text!r} must be a str")
+        ids = self._tok.encode(text, add_special_tokens=False).ids
+        if add_special_tokens:
+            if self._add_bos and self._bos is not None:
+                ids = [self._bos, *ids]
+            if self._add_eos and self._eos is not None:
+                ids = [*ids, self._eos]
+        return ids
+
+    def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
+        """Turns token ids back into text.
+
+        Args:
+            ids: token ids, ``[num_tokens]`` (a list, tuple or 1-D integer array).
+            skip_special_tokens: drop control tokens such as ``<|im_end|>``.
+
+        Returns:
+            The decoded string.
+
+        Raises:
+            ValueError: an id is outside the vocabulary.
+        """
+        ids = [int(i) for i in ids]
+        bad = [i for i in ids if not 0 <= i < len(self._tokens)]
+        if bad:
+            raise ValueError(f"ids={bad[:8]} are outside [0, {len(self._tokens)})")
+        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
+                            add_generation_prompt: bool = True) -> str:
+        """Renders a conversation with the GGUF's chat template.
+
+        Args:
+            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+            add_generation_prompt: end with the assistant turn header.
+
+        Returns:
+            The prompt text (encode it with :meth:`encode`).
+
+        Raises:
+            ValueError: a message is not a mapping with string ``role`` and ``content``.
+        """
+        for i, message in enumerate(messages):
+            if not isinstance(message, Mapping) or not all(
+                    isinstance(message.get(k), str) for k in ("role", "content")):
+                raise ValueError(f"messages[{i}]={message!r} must be a dict with str "
+                                 f"'role' and 'content'")
+        special = lambda i: None if i is None else self._tokens[i]  # noqa: E731
+        return self._template.render(
+            messages=[dict(m) for m in messages],
+            add_generation_prompt=add_generation_prompt,
+            bos_token=special(self._bos) or "", eos_token=special(self._eos) or "")

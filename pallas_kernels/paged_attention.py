@@ -1,0 +1,316 @@
+"""Paged decode attention: one query token per sequence over a paged KV cache.
+
+vLLM: ``PagedAttention.forward_decode`` (``paged_attention_v1`` / ``paged_attention_v2`` CUDA kernels).
+
+Layout read by the kernel (jaxkv's Pallas backend, see ``jaxkv/backends/pallas.py``)::
+
+    kv_cache: [2, num_blocks, num_kv_heads, block_size, head_size]   # 0 = key, 1 = value
+
+One program handles one (sequence, KV head, context partition). It loads the query rows of every query
+head of the KV head's group at once (padded to the 16 rows a Triton dot needs), streams the sequence's
+blocks ``pages_per_compute_block`` at a time through the block table, and keeps an online softmax in
+float32. Each K/V tile is therefore read from memory once per KV head and used by the whole group.
+With ``num_splits > 1`` (vLLM's v2) the context is cut into partitions whose partial outputs, maxima and
+sums are written in float32 and merged by a small XLA reduction.
+
+File shape (design.md §5): ``_paged_attention_kernel`` (refs) → ``_paged_attention_pallas`` (grid,
+BlockSpecs, split merge) → ``paged_attention`` (public, validated, jitted) and
+``paged_attention_reference`` (plain jnp, same signature).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+SUPPORTED_HEAD_SIZES = (16, 32, 64, 128, 256)  # powers of two: Triton tiles are powers of two
+MIN_DOT_ROWS = 16  # a Triton dot needs at least 16 rows
+
+
+def _dot(a, b, *, contract_b_dim: int):
+    """a[m, k] · b → f32[m, n]; b is [n, k] (contract_b_dim=1) or [k, n] (contract_b_dim=0)."""
+    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
+    return lax.dot_general(a, b, (((1,), (contract_b_dim,)), ((), ())),
+                           precision=precision, preferred_element_type=jnp.float32)
+
+
+def _paged_attention_kernel(
+    seq_lens_ref,      # i32[1]                          this sequence's length in tokens
+    block_table_ref,   # i32[pages_per_partition]        this sequence's blocks in this partition
+    q_ref,             # [block_h, head_size]            the group's query heads, zero-padded rows
+    k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
+    v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
+    o_ref,             # [block_h, head_size]            output (normalised) or f32 partial
+    *stats_refs,       # ([block_h] f32 max, [block_h] f32 sum) when num_splits > 1
+    scale: float,
+    pages_per_compute_block: int,
+    normalize: bool,
+):
+    partition = pl.program_id(2)
+    block_h, head_size = q_ref.shape
+    num_blocks, block_size, _ = k_cache_ref.shape
+    pages_per_partition = block_table_ref.shape[0]
+    block_k = pages_per_compute_block * block_size
+
+    seq_len = seq_lens_ref[0]
+    num_pages = pl.cdiv(seq_len, block_size)
+    first_page = partition * pages_per_partition
+    last_page = jnp.minimum(num_pages, first_page + pages_per_partition)
+    num_iters = pl.cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
+
+    q = q_ref[...]
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        local_page = i * pages_per_compute_block
+        page = first_page + local_page + jnp.arange(pages_per_compute_block)
+        block_ids = block_table_ref[pl.ds(local_page, pages_per_compute_block)]
+        # Entries past the sequence's last block are not the sequence's: never dereference them.
+        block_ids = jnp.where(page < num_pages, block_ids, 0)
+        block_ids = jnp.clip(block_ids, 0, num_blocks - 1)
+        k = k_cache_ref[block_ids].reshape(block_k, head_size)  # [block_k, head_size]
+        v = v_cache_ref[block_ids].reshape(block_k, head_size)  # [block_k, head_size]
+
+        token = (first_page + local_page) * block_size + jnp.arange(block_k)
+        valid = token < seq_len  # [block_k]
+        logits = _dot(q, k, contract_b_dim=1) * scale  # f32[block_h, block_k]
+        logits = jnp.where(valid[None, :], logits, -jnp.inf)
+
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        correction = jnp.exp(m_prev - m_next)
+        p = jnp.exp(logits - m_next[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        # Slots past seq_len may hold anything (NaN included); p is 0 there but 0 * NaN is NaN.
+        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b_dim=0)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((block_h, head_size), jnp.float32)
+    m = jnp.full((block_h,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((block_h,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_iters, body, (acc, m, l))
+
+    if normalize:
+        l_safe = jnp.where(l == 0.0, 1.0, l)  # an empty sequence gives 0, not NaN
+        o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+    else:
+        m_ref, l_ref = stats_refs
+        o_ref[...] = acc
+        m_ref[...] = m
+        l_ref[...] = l
+
+
+def _paged_attention_pallas(
+    q: jax.Array,            # [num_seqs, num_heads, head_size]
+    kv_cache: jax.Array,     # [2, num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: jax.Array,  # i32[num_seqs, max_num_blocks_per_seq]
+    seq_lens: jax.Array,     # i32[num_seqs]
+    *,
+    scale: float,
+    pages_per_compute_block: int,
+    num_splits: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    debug: bool,
+) -> jax.Array:
+    num_seqs, num_heads, head_size = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    block_h = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
+
+    # Pad the block table so each partition holds a whole number of compute blocks.
+    max_pages = block_tables.shape[1]
+    pages_per_compute_block = min(pages_per_compute_block, pl.next_power_of_2(max_pages))
+    pages_per_partition = pl.cdiv(pl.cdiv(max_pages, num_splits), pages_per_compute_block)
+    pages_per_partition *= pages_per_compute_block
+    padded_pages = pages_per_partition * num_splits
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))
+    block_tables = block_tables.reshape(num_seqs, num_splits, pages_per_partition)
+
+    q = q.reshape(num_seqs, num_kv_heads, group, head_size)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+
+    normalize = num_splits == 1
+    kernel = functools.partial(_paged_attention_kernel, scale=scale,
+                               pages_per_compute_block=pages_per_compute_block, normalize=normalize)
+    cache_block = (None, num_blocks, None, block_size, head_size)
+    in_specs = [
+        pl.BlockSpec((1,), lambda s, h, p: (s,)),                                 # seq_lens
+        pl.BlockSpec((None, None, pages_per_partition), lambda s, h, p: (s, p, 0)),  # block_tables
+        pl.BlockSpec((None, None, block_h, head_size), lambda s, h, p: (s, h, 0, 0)),  # q
+        pl.BlockSpec(cache_block, lambda s, h, p: (0, 0, h, 0, 0)),               # key pages
+        pl.BlockSpec(cache_block, lambda s, h, p: (1, 0, h, 0, 0)),               # value pages
+    ]
+    if normalize:
+        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, block_h, head_size), q.dtype)
+        out_specs = pl.BlockSpec((None, None, block_h, head_size), lambda s, h, p: (s, h, 0, 0))
+    else:
+        part = (num_splits, num_seqs, num_kv_heads, block_h)
+        out_shape = [jax.ShapeDtypeStruct((*part, head_size), jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32),
+                     jax.ShapeDtypeStruct(part, jnp.float32)]
+        out_specs = [pl.BlockSpec((None, None, None, block_h, head_size), lambda s, h, p: (p, s, h, 0, 0)),
+                     pl.BlockSpec((None, None, None, block_h), lambda s, h, p: (p, s, h, 0)),
+                     pl.BlockSpec((None, None, None, block_h), lambda s, h, p: (p, s, h, 0))]
+
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_splits),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        debug=debug,
+        name=f"paged_attention_bh{block_h}_ppcb{pages_per_compute_block}_s{num_splits}",
+    )(seq_lens, block_tables, q, kv_cache, kv_cache)
+
+    if normalize:
+        o = out
+    else:  # merge the partitions (vLLM v2's reduce kernel), all in float32
+        acc, m, l = out
+        m_max = m.max(axis=0)
+        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_max[None]))
+        l_sum = (l * weight).sum(axis=0)
+        o = (acc * weight[..., None]).sum(axis=0)
+        o = o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    return o[:, :, :group, :].reshape(num_seqs, num_heads, head_size).astype(q.dtype)
+
+
+def _validate(q, kv_cache, block_tables, seq_lens):
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_size]")
+    num_seqs, num_heads, head_size = q.shape
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
+                         "[2, num_blocks, num_kv_heads, block_size, head_size]")
+    _, _, num_kv_heads, block_size, cache_head_size = kv_cache.shape
+    if cache_head_size != head_size:
+        raise ValueError(f"kv_cache head_size={cache_head_size} != q head_size={head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q.dtype={q.dtype} not supported; use one of {SUPPORTED_DTYPES}")
+    if kv_cache.dtype != q.dtype:
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype}")
+    if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
+        raise ValueError(f"block_tables.shape={block_tables.shape} must be [num_seqs={num_seqs}, "
+                         "max_num_blocks_per_seq]")
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens.shape={seq_lens.shape} must be (num_seqs={num_seqs},)")
+    for name, arr in (("block_tables", block_tables), ("seq_lens", seq_lens)):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret", "debug"))
+def paged_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    pages_per_compute_block: int = 8,
+    num_splits: int = 1,
+    num_warps: int = 4,
+    num_stages: int = 2,
+    interpret: bool = False,
+    debug: bool = False,
+) -> jax.Array:
+    """Paged decode attention, one new query token per sequence (Pallas, Triton lowering).
+
+    vLLM: ``PagedAttention.forward_decode`` → ``ops.paged_attention_v1`` (``num_splits == 1``) /
+    ``ops.paged_attention_v2`` (``num_splits > 1``, partial results merged in float32).
+
+    Args:
+        q: ``[num_seqs, num_heads, head_size]`` f32/bf16/f16, the query of each sequence's last token.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, same dtype as ``q``;
+            index 0 holds keys, 1 values.
+        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``; logical block ``i`` of sequence ``s``
+            lives in physical block ``block_tables[s, i]``. Entries past ``cdiv(seq_lens[s], block_size)``
+            are never read.
+        seq_lens: ``int32[num_seqs]``, tokens of each sequence in the cache (including the new one).
+            A length of 0 gives a zero output.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        pages_per_compute_block: blocks loaded per inner-loop step (static).
+        num_splits: context partitions per sequence (static); 1 is vLLM's v1.
+        num_warps, num_stages: Triton launch parameters (static).
+        interpret: run the kernel in the Pallas interpreter (CPU).
+        debug: print the kernel's jaxpr and Triton IR.
+
+    Returns:
+        ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: on inconsistent shapes, unsupported dtype or head size, non-int32 metadata.
+    """
+    _validate(q, kv_cache, block_tables, seq_lens)
+    if q.shape[-1] not in SUPPORTED_HEAD_SIZES:
+        raise ValueError(f"head_size={q.shape[-1]} not supported by the Pallas kernel; "
+                         f"supported: {SUPPORTED_HEAD_SIZES}")
+    block_size = kv_cache.shape[3]
+    if block_size < 1 or block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
+    for name, value in (("pages_per_compute_block", pages_per_compute_block), ("num_splits", num_splits)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    if pages_per_compute_block & (pages_per_compute_block - 1):
+        raise ValueError(f"pages_per_compute_block={pages_per_compute_block} must be a power of two")
+    return _paged_attention_pallas(
+        q, kv_cache, block_tables, seq_lens, scale=scale,
+        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
+
+
+@functools.partial(jax.jit, static_argnames=("scale",))
+def paged_attention_reference(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+) -> jax.Array:
+    """Plain-jnp paged decode attention, same contract as :func:`paged_attention`.
+
+    Gathers every sequence's blocks into a dense ``[num_seqs, num_kv_heads, max_len, head_size]``
+    copy and runs a masked float32 softmax. Used by tests, ``scripts/accuracy.py`` and as the CPU
+    implementation of ``jaxkv.attention``.
+    """
+    _validate(q, kv_cache, block_tables, seq_lens)
+    num_seqs, num_heads, head_size = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    max_len = block_tables.shape[1] * block_size
+
+    ids = jnp.clip(block_tables, 0, num_blocks - 1)
+    # [2, num_seqs, max_blocks, num_kv_heads, block_size, head_size] → [2, num_seqs, kvh, max_len, hs]
+    kv = kv_cache[:, ids].transpose(0, 1, 3, 2, 4, 5).reshape(2, num_seqs, num_kv_heads, max_len, head_size)
+    valid = jnp.arange(max_len)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
+    k = jnp.where(valid[:, None, :, None], kv[0], 0).astype(jnp.float32)
+    v = jnp.where(valid[:, None, :, None], kv[1], 0).astype(jnp.float32)
+
+    qg = q.reshape(num_seqs, num_kv_heads, group, head_size).astype(jnp.float32)
+    logits = jnp.einsum("skgd,sktd->skgt", qg, k, precision=lax.Precision.HIGHEST) * scale
+    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    m = logits.max(axis=-1, keepdims=True)
+    p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
+    denom = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("skgt,sktd->skgd", p, v, precision=lax.Precision.HIGHEST)
+    o = o / jnp.where(denom == 0.0, 1.0, denom)
+    return o.reshape(num_seqs, num_heads, head_size).astype(q.dtype)
+
+
+def default_scale(head_size: int) -> float:
+    """The usual softmax scale ``1 / sqrt(head_size)``."""
+    return 1.0 / math.sqrt(head_size)
