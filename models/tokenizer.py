@@ -95,7 +95,8 @@ class GGUFTokenizer:
             if key not in meta:
                 raise ValueError(f"GGUF metadata field {key!r} is missing")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
-        types: list[int] = list(meta.get("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens)))
+        types: list[int] = list(
+            meta.get("tokenizer.ggml.token_type", [_TOKEN_NORMAL] * len(tokens)))
         if len(types) != len(tokens):
             raise ValueError(f"tokenizer.ggml.token_type has len={len(types)}, "
                              f"tokenizer.ggml.tokens has len={len(tokens)}")

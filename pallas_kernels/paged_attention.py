@@ -272,6 +272,29 @@ def paged_attention(
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
 
 
+def dense_kv_from_pages(kv_cache: jax.Array, block_tables: jax.Array,
+                        seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """Gather each sequence's pages into dense float32 K and V (reference helper).
+
+    Args:
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``.
+        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``; ids are clipped into range.
+        seq_lens: ``int32[num_seqs]``; positions ``>= seq_lens`` are zeroed (pages may hold NaN).
+
+    Returns:
+        ``(k, v)``, each ``f32[num_seqs, num_kv_heads, max_num_blocks_per_seq * block_size, head_size]``.
+    """
+    _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
+    num_seqs, max_blocks = block_tables.shape
+    max_len = max_blocks * block_size
+    ids = jnp.clip(block_tables, 0, num_blocks - 1)
+    # [2, num_seqs, max_blocks, kvh, block_size, hs] → [2, num_seqs, kvh, max_len, hs]
+    kv = kv_cache[:, ids].transpose(0, 1, 3, 2, 4, 5).reshape(2, num_seqs, num_kv_heads, max_len, head_size)
+    valid = jnp.arange(max_len)[None, :] < seq_lens[:, None]
+    kv = jnp.where(valid[None, :, None, :, None], kv, 0).astype(jnp.float32)
+    return kv[0], kv[1]
+
+
 @functools.partial(jax.jit, static_argnames=("scale",))
 def paged_attention_reference(
     q: jax.Array,
@@ -289,16 +312,12 @@ def paged_attention_reference(
     """
     _validate(q, kv_cache, block_tables, seq_lens)
     num_seqs, num_heads, head_size = q.shape
-    _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
 
-    ids = jnp.clip(block_tables, 0, num_blocks - 1)
-    # [2, num_seqs, max_blocks, num_kv_heads, block_size, head_size] → [2, num_seqs, kvh, max_len, hs]
-    kv = kv_cache[:, ids].transpose(0, 1, 3, 2, 4, 5).reshape(2, num_seqs, num_kv_heads, max_len, head_size)
+    k, v = dense_kv_from_pages(kv_cache, block_tables, seq_lens)
     valid = jnp.arange(max_len)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
-    k = jnp.where(valid[:, None, :, None], kv[0], 0).astype(jnp.float32)
-    v = jnp.where(valid[:, None, :, None], kv[1], 0).astype(jnp.float32)
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_size).astype(jnp.float32)
     logits = jnp.einsum("skgd,sktd->skgt", qg, k, precision=lax.Precision.HIGHEST) * scale

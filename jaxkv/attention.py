@@ -1,0 +1,62 @@
+"""The attention op the model calls: picks an implementation and runs it on the paged cache.
+
+vLLM: ``PagedAttention.forward_decode`` / ``forward_prefix`` behind the backend's ``forward``.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jaxkv.metadata import AttentionMetadata
+from pallas_kernels import paged_attention as _decode
+from pallas_kernels import paged_prefill_attention as _prefill
+
+ATTENTION_IMPLS = ("pallas", "pallas_interpret", "reference")
+
+
+def default_attention_impl() -> str:
+    """``"pallas"`` when JAX's default backend is a GPU, else ``"reference"`` (XLA, runs anywhere)."""
+    return "pallas" if jax.default_backend() == "gpu" else "reference"
+
+
+def check_attention_impl(impl: str) -> str:
+    """Return ``impl`` or raise ``ValueError`` naming it when unknown."""
+    if impl not in ATTENTION_IMPLS:
+        raise ValueError(f"attention_impl={impl!r} not one of {ATTENTION_IMPLS}")
+    return impl
+
+
+def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetadata, *, scale: float,
+                    impl: str) -> jax.Array:
+    """Attention of the batch's new tokens over the paged cache (their own K/V already written).
+
+    Decode-only batches (``metadata.max_query_len == 1``) go to the decode kernel
+    (``impl="pallas"``: compiled Pallas-Triton; ``"pallas_interpret"``: same kernel in the Pallas
+    interpreter, for CPU tests; ``"reference"``: jnp). Other batches (prefill, chunked prefill, mixed)
+    use the jnp prefill reference on every platform until the Pallas prefill kernel lands.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_size]``.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``.
+        metadata: the batch (for decode, ``num_tokens == num_seqs``).
+        scale: softmax scale.
+        impl: one of :data:`ATTENTION_IMPLS`.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: unknown ``impl``, or a decode batch whose token and sequence counts differ.
+    """
+    check_attention_impl(impl)
+    if metadata.is_decode_only:
+        if q.shape[0] != metadata.seq_lens.shape[0]:
+            raise ValueError(f"decode batch: num_tokens={q.shape[0]} != num_seqs="
+                             f"{metadata.seq_lens.shape[0]}")
+        args = (q, kv_cache, metadata.block_tables, metadata.seq_lens)
+        if impl == "reference":
+            return _decode.paged_attention_reference(*args, scale=scale)
+        return _decode.paged_attention(*args, scale=scale, interpret=impl == "pallas_interpret")
+    return _prefill.paged_prefill_attention_reference(
+        q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
+        scale=scale, max_query_len=metadata.max_query_len)

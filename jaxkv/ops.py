@@ -1,0 +1,82 @@
+"""Cache writes: the functional ``reshape_and_cache``.
+
+vLLM: ``PagedAttention.write_to_paged_cache`` → ``ops.reshape_and_cache``.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+
+def _check_write_args(kv_cache, key, value, slot_mapping):
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
+                         "[2, num_blocks, num_kv_heads, block_size, head_size]")
+    _, _, num_kv_heads, _, head_size = kv_cache.shape
+    if key.shape != value.shape:
+        raise ValueError(f"key.shape={key.shape} != value.shape={value.shape}")
+    if key.ndim != 3 or key.shape[1:] != (num_kv_heads, head_size):
+        raise ValueError(f"key.shape={key.shape} must be [num_tokens, num_kv_heads={num_kv_heads}, "
+                         f"head_size={head_size}]")
+    if slot_mapping.shape != key.shape[:1]:
+        raise ValueError(f"slot_mapping.shape={slot_mapping.shape} must be (num_tokens={key.shape[0]},)")
+    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
+        raise ValueError(f"slot_mapping.dtype={slot_mapping.dtype} must be an integer dtype")
+
+
+def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
+                         slot_mapping: jax.Array) -> jax.Array:
+    """Scatter new tokens' K/V into their slots and return the updated cache.
+
+    vLLM: ``reshape_and_cache`` (``PagedAttention.write_to_paged_cache``). Tokens whose slot is
+    ``PAD_SLOT_ID`` (any negative slot) are dropped, never written; all other slots of the cache keep
+    their contents. Functional: the input is not mutated. Under ``jax.jit(..., donate_argnums=...)`` of
+    the cache, XLA performs the scatter in place on the donated buffer (no copy of the cache).
+
+    Args:
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (Pallas backend layout).
+        key: ``[num_tokens, num_kv_heads, head_size]``; cast to the cache dtype.
+        value: ``[num_tokens, num_kv_heads, head_size]``; cast to the cache dtype.
+        slot_mapping: ``int32/int64[num_tokens]`` slot of each token, ``PAD_SLOT_ID`` to skip.
+
+    Returns:
+        The new cache, same shape and dtype.
+
+    Raises:
+        ValueError: inconsistent shapes; when ``slot_mapping`` is concrete (not traced), a slot
+            ``>= num_blocks * block_size`` (names the slot). Nothing is written in that case.
+    """
+    _check_write_args(kv_cache, key, value, slot_mapping)
+    _, num_blocks, _, block_size, _ = kv_cache.shape
+    slots = _concrete(slot_mapping)
+    if slots is not None:
+        capacity = num_blocks * block_size
+        if slots.size and slots.max() >= capacity:
+            i = int(np.argmax(slots))
+            raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
+    return _scatter(kv_cache, key, value, slot_mapping)
+
+
+def _concrete(x) -> np.ndarray | None:
+    """``x`` as a NumPy array when it is concrete, ``None`` when it is traced under ``jit``."""
+    try:
+        return np.asarray(x)
+    except jax.errors.TracerArrayConversionError:
+        return None
+
+
+@jax.jit
+def _scatter(kv_cache, key, value, slot_mapping):
+    num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[3]
+    slot_mapping = slot_mapping.astype(jnp.int32)
+    # Negative slots (PAD_SLOT_ID = -1) are sent out of range and dropped by the scatter; a negative index
+    # would otherwise wrap around to the last block.
+    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
+    offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
+    update = jnp.stack([key, value], axis=1).astype(kv_cache.dtype)  # [num_tokens, 2, kvh, hs]
+    # Advanced indices separated by slices: the indexed dims come first → [num_tokens, 2, kvh, hs].
+    return kv_cache.at[:, block, :, offset, :].set(update, mode="drop")
+
