@@ -187,11 +187,10 @@ def from_weights(config: LlamaConfig, weights: dict, *, dtype=jnp.float32) -> Ll
     def put(param, name, cast=dtype):
         if name not in weights:
             raise ValueError(f"weight {name!r} missing")
-        value = weights[name]
-        if tuple(value.shape) != tuple(param.value.shape):
-            raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected "
-                             f"{tuple(param.value.shape)}")
-        param.value = jnp.asarray(value, cast)
+        value, expected = weights[name], tuple(param.get_value().shape)
+        if tuple(value.shape) != expected:
+            raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {expected}")
+        param.set_value(jnp.asarray(value, cast))
 
     put(model.embed_tokens.embedding, "embed_tokens")
     put(model.norm.scale, "norm", jnp.float32)

@@ -1,0 +1,71 @@
+"""Shared test helpers: paged-cache data generator and a float64 dense reconstruction."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+# Tolerances on |out - ref| / max|ref| keyed by dtype (kernels accumulate in f32; inputs are rounded).
+TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
+
+
+class PagedBatch:
+    """Random paged KV data: blocks owned by sequences in random physical order, the rest NaN."""
+
+    def __init__(self, rng: np.random.Generator, *, seq_lens, num_kv_heads: int, head_size: int,
+                 block_size: int, extra_blocks: int = 3, extra_table_cols: int = 1):
+        self.seq_lens = np.asarray(seq_lens, np.int32)
+        self.block_size = block_size
+        need = [-(-int(n) // block_size) for n in self.seq_lens]
+        num_blocks = sum(need) + extra_blocks
+        perm = rng.permutation(num_blocks)
+        width = max(need) + extra_table_cols
+        self.block_tables = np.zeros((len(need), width), np.int32)
+        owned, c = [], 0
+        for s, n in enumerate(need):
+            self.block_tables[s, :n] = perm[c:c + n]
+            # entries past a sequence's blocks point anywhere, NaN pages included
+            self.block_tables[s, n:] = rng.integers(0, num_blocks, width - n)
+            owned += list(perm[c:c + n])
+            c += n
+        self.kv_cache = rng.standard_normal((2, num_blocks, num_kv_heads, block_size, head_size))
+        unowned = np.setdiff1d(np.arange(num_blocks), owned)
+        self.kv_cache[:, unowned] = np.nan
+        # slots past seq_len inside an owned last block: NaN as well
+        for s, n in enumerate(self.seq_lens):
+            if n % block_size:
+                self.kv_cache[:, self.block_tables[s, n // block_size], :, n % block_size:] = np.nan
+        self.num_blocks = num_blocks
+
+    def dense_kv(self, s: int) -> tuple[np.ndarray, np.ndarray]:
+        """float64 ``[seq_len, num_kv_heads, head_size]`` K and V of sequence ``s``, token by token."""
+        n, bs = int(self.seq_lens[s]), self.block_size
+        k = np.stack([self.kv_cache[0, self.block_tables[s, t // bs], :, t % bs] for t in range(n)])
+        v = np.stack([self.kv_cache[1, self.block_tables[s, t // bs], :, t % bs] for t in range(n)])
+        return k.astype(np.float64), v.astype(np.float64)
+
+
+def decode_attention_loop(q: np.ndarray, batch: PagedBatch, scale: float) -> np.ndarray:
+    """float64 reference: each query head attends to its KV head's tokens ``[0, seq_len)``."""
+    num_seqs, num_heads, head_size = q.shape
+    group = num_heads // batch.kv_cache.shape[2]
+    out = np.zeros((num_seqs, num_heads, head_size))
+    for s in range(num_seqs):
+        if batch.seq_lens[s] == 0:
+            continue
+        k, v = batch.dense_kv(s)
+        for h in range(num_heads):
+            logits = k[:, h // group] @ q[s, h].astype(np.float64) * scale
+            p = np.exp(logits - logits.max())
+            out[s, h] = (p / p.sum()) @ v[:, h // group]
+    return out
+
+
+def rel_err(out, ref) -> float:
+    out = np.asarray(out, np.float64)
+    return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
+
+
+@pytest.fixture
+def rng(request):
+    return np.random.default_rng(abs(hash(request.node.name)) % 2**32)

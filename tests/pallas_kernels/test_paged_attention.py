@@ -1,0 +1,88 @@
+"""The Pallas decode kernel (interpret mode) and its jnp reference vs a float64 loop."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
+
+CASES = [
+    # (num_heads, num_kv_heads, head_size, block_size, dtype, num_splits, pages_per_compute_block)
+    (9, 3, 64, 16, "float32", 1, 8),     # SmolLM2: non-power-of-two group
+    (9, 3, 64, 16, "bfloat16", 1, 4),
+    (9, 3, 64, 8, "float16", 2, 2),
+    (8, 8, 64, 32, "float32", 1, 2),     # 1:1 (MHA)
+    (8, 1, 128, 16, "bfloat16", 3, 2),   # MQA, split-k
+    (32, 8, 128, 16, "bfloat16", 2, 8),  # Llama-3 style group of 4
+    (4, 2, 256, 16, "float32", 1, 1),
+    (12, 4, 32, 32, "float16", 1, 4),
+]
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_size,block_size,dtype,num_splits,ppcb", CASES)
+def test_kernel_matches_float64_loop(rng, num_heads, num_kv_heads, head_size, block_size, dtype,
+                                     num_splits, ppcb):
+    bs = block_size
+    seq_lens = [1, bs - 1, bs, bs + 1, 5 * bs + 3]
+    batch = PagedBatch(rng, seq_lens=seq_lens, num_kv_heads=num_kv_heads, head_size=head_size,
+                       block_size=bs)
+    q = rng.standard_normal((len(seq_lens), num_heads, head_size))
+    scale = head_size ** -0.5
+    args = (jnp.asarray(q, dtype), jnp.asarray(batch.kv_cache, dtype), jnp.asarray(batch.block_tables),
+            jnp.asarray(batch.seq_lens))
+    # the reference sees the same rounded inputs the kernel sees
+    rounded = PagedBatch.__new__(PagedBatch)
+    rounded.__dict__.update(batch.__dict__, kv_cache=np.asarray(args[1], np.float64))
+    expected = decode_attention_loop(np.asarray(args[0], np.float64), rounded, scale)
+
+    out = paged_attention(*args, scale=scale, interpret=True, num_splits=num_splits,
+                          pages_per_compute_block=ppcb)
+    assert out.shape == q.shape and out.dtype == jnp.dtype(dtype)
+    assert np.isfinite(np.asarray(out, np.float64)).all(), "NaN pages leaked into the output"
+    assert rel_err(out, expected) < TOLERANCE[dtype]
+    ref = paged_attention_reference(*args, scale=scale)
+    assert rel_err(ref, expected) < TOLERANCE[dtype]
+
+
+def test_unowned_pages_do_not_matter(rng):
+    """Changing every page no sequence owns (NaN ↔ random) leaves the output bit-identical."""
+    batch = PagedBatch(rng, seq_lens=[3, 17, 40], num_kv_heads=3, head_size=64, block_size=16,
+                       extra_blocks=5)
+    q = jnp.asarray(rng.standard_normal((3, 9, 64)), jnp.float32)
+    meta = (jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens))
+    with_nan = paged_attention(q, jnp.asarray(batch.kv_cache, jnp.float32), *meta, scale=0.125,
+                               interpret=True)
+    filled = np.where(np.isnan(batch.kv_cache), rng.standard_normal(batch.kv_cache.shape) * 100, batch.kv_cache)
+    with_noise = paged_attention(q, jnp.asarray(filled, jnp.float32), *meta, scale=0.125, interpret=True)
+    np.testing.assert_array_equal(np.asarray(with_nan), np.asarray(with_noise))
+
+
+def test_zero_length_sequence_gives_zeros(rng):
+    batch = PagedBatch(rng, seq_lens=[5, 1], num_kv_heads=1, head_size=64, block_size=16)
+    seq_lens = np.array([5, 0], np.int32)
+    q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
+    out = paged_attention(q, jnp.asarray(batch.kv_cache, jnp.float32), jnp.asarray(batch.block_tables),
+                          jnp.asarray(seq_lens), scale=0.125, interpret=True, num_splits=2)
+    np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
+    assert np.isfinite(np.asarray(out)).all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(q_shape=(2, 9, 80)), "head_size"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(seq_lens_dtype="float32"), "seq_lens.dtype"),
+    (dict(num_heads=8), "num_heads=8"),
+    (dict(block_tables_rows=3), "block_tables.shape"),
+])
+def test_bad_input_raises(change, match):
+    head = change.get("q_shape", (2, change.get("num_heads", 9), 64))
+    dtype = change.get("dtype", "float32")
+    q = jnp.ones(head, dtype)
+    kv = jnp.ones((2, 4, 3, 16, head[-1]), dtype)
+    tables = jnp.zeros((change.get("block_tables_rows", 2), 2), jnp.int32)
+    seq_lens = jnp.ones((2,), change.get("seq_lens_dtype", "int32"))
+    with pytest.raises(ValueError, match=match):
+        paged_attention(q, kv, tables, seq_lens, scale=1.0, interpret=True)
