@@ -30,11 +30,11 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_
         return jnp.argmax(logits, axis=-1).astype(jnp.int32)
     logits = logits.astype(jnp.float32) / temperature
     if top_p < 1:
-        sorted_logits = jnp.sort(logits, axis=-1)[:, ::-1]
-        probs = jax.nn.softmax(sorted_logits, axis=-1)
-        mass_before = jnp.cumsum(probs, axis=-1) - probs
-        # the threshold is the smallest logit kept: tokens whose preceding mass is still < top_p
-        kept = mass_before < top_p
-        threshold = jnp.min(jnp.where(kept, sorted_logits, jnp.inf), axis=-1, keepdims=True)
-        logits = jnp.where(logits < threshold, -jnp.inf, logits)
+        # Work on sorted positions, not values, so ties at the boundary do not widen the nucleus.
+        order = jnp.argsort(-logits, axis=-1, stable=True)
+        probs = jax.nn.softmax(jnp.take_along_axis(logits, order, axis=-1), axis=-1)
+        keep_sorted = jnp.cumsum(probs, axis=-1) - probs < top_p  # mass before this token < top_p
+        keep = jnp.put_along_axis(jnp.zeros_like(keep_sorted), order, keep_sorted, axis=-1,
+                                  inplace=False)
+        logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)

