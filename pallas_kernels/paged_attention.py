@@ -29,6 +29,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels import tuning
+
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_SIZES = (16, 32, 64, 128, 256)  # powers of two: Triton tiles are powers of two
 MIN_DOT_ROWS = 16  # a Triton dot needs at least 16 rows
@@ -220,8 +222,8 @@ def paged_attention(
     seq_lens: jax.Array,
     *,
     scale: float,
-    pages_per_compute_block: int = 8,
-    num_splits: int = 1,
+    pages_per_compute_block: int = tuning.DECODE_PAGES_PER_COMPUTE_BLOCK,
+    num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
     interpret: bool = False,
@@ -243,7 +245,8 @@ def paged_attention(
             A length of 0 gives a zero output.
         scale: softmax scale, usually ``head_size ** -0.5``.
         pages_per_compute_block: blocks loaded per inner-loop step (static).
-        num_splits: context partitions per sequence (static); 1 is vLLM's v1.
+        num_splits: context partitions per sequence (static); 1 is vLLM's v1; ``None`` picks
+            :func:`pallas_kernels.tuning.decode_num_splits` from the shapes.
         num_warps, num_stages: Triton launch parameters (static).
         interpret: run the kernel in the Pallas interpreter (CPU).
         debug: print the kernel's jaxpr and Triton IR.
@@ -261,6 +264,9 @@ def paged_attention(
     block_size = kv_cache.shape[3]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
+    if num_splits is None:
+        num_splits = tuning.decode_num_splits(q.shape[0], kv_cache.shape[2], block_tables.shape[1],
+                                              pages_per_compute_block)
     for name, value in (("pages_per_compute_block", pages_per_compute_block), ("num_splits", num_splits)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")

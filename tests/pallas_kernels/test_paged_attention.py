@@ -86,3 +86,22 @@ def test_bad_input_raises(change, match):
     seq_lens = jnp.ones((2,), change.get("seq_lens_dtype", "int32"))
     with pytest.raises(ValueError, match=match):
         paged_attention(q, kv, tables, seq_lens, scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("num_seqs,num_kv_heads,max_blocks,expected", [
+    (1, 8, 256, 16), (8, 8, 256, 4), (64, 8, 64, 1), (256, 8, 256, 1),  # the measured grid
+    (1, 8, 8, 1),      # one compute block of pages: nothing to split
+    (1, 3, 40, 4),     # capped by 40 // 8 = 5 compute blocks → 4
+])
+def test_decode_num_splits_heuristic(num_seqs, num_kv_heads, max_blocks, expected):
+    from pallas_kernels.tuning import decode_num_splits
+    assert decode_num_splits(num_seqs, num_kv_heads, max_blocks) == expected
+
+
+def test_auto_splits_matches_reference(rng):
+    batch = PagedBatch(rng, seq_lens=[1, 200, 333], num_kv_heads=2, head_size=64, block_size=16)
+    q = jnp.asarray(rng.standard_normal((3, 8, 64)), jnp.float32)
+    args = (q, jnp.asarray(batch.kv_cache, jnp.float32), jnp.asarray(batch.block_tables),
+            jnp.asarray(batch.seq_lens))
+    expected = decode_attention_loop(np.asarray(q, np.float64), batch, 0.125)
+    assert rel_err(paged_attention(*args, scale=0.125, interpret=True), expected) < TOLERANCE["float32"]
