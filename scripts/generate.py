@@ -10,6 +10,7 @@ and says so. Prints each completion, then one summary line.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
 import time
@@ -47,6 +48,13 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
     args = parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:  # bad input: one clear line, no traceback
+        raise SystemExit(f"error: {e}") from None
+
+
+def run(args: argparse.Namespace) -> int:
     on_gpu = jax.default_backend() == "gpu"
     impl = args.attention_impl or jaxkv.default_attention_impl()
     if args.attention_impl is None and not on_gpu:
@@ -54,6 +62,12 @@ def main(argv=None) -> int:
                  "Pallas kernel (--attention-impl pallas_interpret runs the kernel in the interpreter)",
                  jax.default_backend())
     dtype = jnp.dtype(args.dtype or ("bfloat16" if on_gpu else "float32"))
+    # check what can be checked before the weights load
+    sampling = jaxkv.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                                    top_p=args.top_p, seed=args.seed)
+    if args.block_size not in jaxkv.PallasAttentionBackend.supported_block_sizes:
+        raise ValueError(f"--block-size={args.block_size} not supported; choose one of "
+                         f"{jaxkv.PallasAttentionBackend.supported_block_sizes}")
 
     path = args.gguf or models.find_smollm2_gguf()
     config, weights = models.load_llama_gguf(path)
@@ -68,7 +82,7 @@ def main(argv=None) -> int:
     max_model_len = args.max_model_len or min(config.max_position_embeddings,
                                               longest + args.max_new_tokens)
     if max_model_len > config.max_position_embeddings:
-        raise SystemExit(f"--max-model-len={max_model_len} > the model's "
+        raise ValueError(f"--max-model-len={max_model_len} > the model's "
                          f"max_position_embeddings={config.max_position_embeddings}")
     blocks_per_seq = -(-max_model_len // args.block_size)
     num_blocks = args.num_blocks or blocks_per_seq * len(prompts)
@@ -76,13 +90,9 @@ def main(argv=None) -> int:
                                       num_blocks=num_blocks)
     params, fn = models.make_model_fn(model, attention_impl=impl)
     engine = jaxkv.Engine(fn, params, caches, block_size=args.block_size, max_model_len=max_model_len)
-    sampling = jaxkv.SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature,
-                                    top_p=args.top_p, stop_token_ids=tok.stop_token_ids, seed=args.seed)
+    sampling = dataclasses.replace(sampling, stop_token_ids=tok.stop_token_ids)
     t0 = time.perf_counter()
-    try:
-        done, stats = engine.generate(prompts, sampling)
-    except ValueError as e:
-        raise SystemExit(f"error: {e}") from None
+    done, stats = engine.generate(prompts, sampling)
     wall = time.perf_counter() - t0
 
     for prompt, c in zip(args.prompt, done):
