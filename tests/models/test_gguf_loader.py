@@ -5,7 +5,6 @@ import numpy as np
 import pytest
 
 from models.gguf_loader import (
-    find_smollm2_gguf,
     load_llama_gguf,
     permute_qk_for_interleaved_rope,
     read_gguf_metadata,
@@ -118,14 +117,6 @@ def test_load_rejects_bad_dtype_and_missing_file(tmp_path):
 
 # ----------------------------------------------------------------------------------------
 # The real SmolLM2-135M-Instruct Q4_1 GGUF.
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-
 
 @pytest.fixture(scope="module")
 def loaded(gguf_path):

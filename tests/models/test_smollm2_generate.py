@@ -10,11 +10,8 @@ import models
 
 
 @pytest.fixture(scope="module")
-def smollm2():
-    try:
-        path = models.find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def smollm2(gguf_path):
+    path = gguf_path
     config, weights = models.load_llama_gguf(path, progress=False)
     return config, models.from_weights(config, weights, dtype=jnp.float32), models.GGUFTokenizer.from_gguf(path)
 

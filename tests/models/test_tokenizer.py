@@ -6,16 +6,8 @@ import gguf
 import numpy as np
 import pytest
 
-from models.gguf_loader import find_smollm2_gguf, read_gguf_metadata
+from models.gguf_loader import read_gguf_metadata
 from models.tokenizer import GGUFTokenizer
-
-
-@pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
 
 
 @pytest.fixture(scope="module")

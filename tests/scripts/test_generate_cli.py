@@ -29,12 +29,7 @@ def test_bad_arguments_fail_fast_with_one_line(args, message):
     assert "Traceback" not in proc.stderr
 
 
-def test_end_to_end_cpu_run_and_errors_on_real_weights():
-    import models
-    try:
-        models.find_smollm2_gguf()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
+def test_end_to_end_cpu_run_and_errors_on_real_weights(gguf_path):
     proc = run("--prompt", "The capital of France is", "--max-new-tokens", "4")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "Paris" in proc.stdout
