@@ -27,7 +27,8 @@ def check_attention_impl(impl: str) -> str:
 
 
 def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetadata, *, scale: float,
-                    impl: str) -> jax.Array:
+                    impl: str, k_scale=None, v_scale=None, alibi_slopes=None,
+                    sliding_window: int | None = None, logits_soft_cap: float | None = None) -> jax.Array:
     """Attention of the batch's new tokens over the paged cache (their own K/V already written).
 
     Decode-only batches (``metadata.max_query_len == 1``) go to the decode kernel
@@ -41,6 +42,8 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         metadata: the batch (for decode, ``num_tokens == num_seqs``).
         scale: softmax scale.
         impl: one of :data:`ATTENTION_IMPLS`.
+        k_scale, v_scale, alibi_slopes, sliding_window, logits_soft_cap: see
+            :func:`pallas_kernels.paged_attention.paged_attention` (fp8 scales, ALiBi, window, soft cap).
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
@@ -49,14 +52,17 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         ValueError: unknown ``impl``, or a decode batch whose token and sequence counts differ.
     """
     check_attention_impl(impl)
+    extras = dict(k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                  sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     if metadata.is_decode_only:
         if q.shape[0] != metadata.seq_lens.shape[0]:
             raise ValueError(f"decode batch: num_tokens={q.shape[0]} != num_seqs="
                              f"{metadata.seq_lens.shape[0]}")
         args = (q, kv_cache, metadata.block_tables, metadata.seq_lens)
         if impl == "reference":
-            return _decode.paged_attention_reference(*args, scale=scale)
-        return _decode.paged_attention(*args, scale=scale, interpret=impl == "pallas_interpret")
+            return _decode.paged_attention_reference(*args, scale=scale, **extras)
+        return _decode.paged_attention(*args, scale=scale, interpret=impl == "pallas_interpret",
+                                       **extras)
     return _prefill.paged_prefill_attention_reference(
         q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale=scale, max_query_len=metadata.max_query_len)
+        scale=scale, max_query_len=metadata.max_query_len, **extras)

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.kv_cache_dtype import check_scale, is_fp8_dtype, quantize_to_cache
 
 
 def _check_write_args(kv_cache, key, value, slot_mapping):
@@ -28,7 +29,7 @@ def _check_write_args(kv_cache, key, value, slot_mapping):
 
 
 def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
-                         slot_mapping: jax.Array) -> jax.Array:
+                         slot_mapping: jax.Array, *, k_scale=None, v_scale=None) -> jax.Array:
     """Scatter new tokens' K/V into their slots and return the updated cache.
 
     vLLM: ``reshape_and_cache`` (``PagedAttention.write_to_paged_cache``). Tokens whose slot is
@@ -36,20 +37,34 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
     their contents. Functional: the input is not mutated. Under ``jax.jit(..., donate_argnums=...)`` of
     the cache, XLA performs the scatter in place on the donated buffer (no copy of the cache).
 
+    fp8 cache (``kv_cache.dtype`` is ``float8_e4m3fn`` or ``float8_e5m2``, i.e. vLLM's
+    ``kv_cache_dtype != "auto"``): keys are stored as ``quantize_to_cache(key, k_scale, dtype)`` and
+    values as ``quantize_to_cache(value, v_scale, dtype)`` (``x / scale``, saturated to the fp8 range;
+    see :mod:`jaxkv.kv_cache_dtype`). For any other cache dtype the scales are ignored, as vLLM ignores
+    them for ``"auto"``.
+
     Args:
         kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (Pallas backend layout).
-        key: ``[num_tokens, num_kv_heads, head_size]``; cast to the cache dtype.
-        value: ``[num_tokens, num_kv_heads, head_size]``; cast to the cache dtype.
+        key: ``[num_tokens, num_kv_heads, head_size]``; cast (or quantised) to the cache dtype.
+        value: ``[num_tokens, num_kv_heads, head_size]``; cast (or quantised) to the cache dtype.
         slot_mapping: ``int32/int64[num_tokens]`` slot of each token, ``PAD_SLOT_ID`` to skip.
+        k_scale: ``f32[]`` key scale (``real ≈ stored * k_scale``); required for an fp8 cache.
+        v_scale: ``f32[]`` value scale; required for an fp8 cache.
 
     Returns:
         The new cache, same shape and dtype.
 
     Raises:
         ValueError: inconsistent shapes; when ``slot_mapping`` is concrete (not traced), a slot
-            ``>= num_blocks * block_size`` (names the slot). Nothing is written in that case.
+            ``>= num_blocks * block_size`` (names the slot); fp8 cache with ``k_scale`` or
+            ``v_scale`` missing, not of one element, or (when concrete) not finite and positive.
+            Nothing is written in that case.
     """
     _check_write_args(kv_cache, key, value, slot_mapping)
+    if is_fp8_dtype(kv_cache.dtype):
+        k_scale, v_scale = check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
+    else:
+        k_scale = v_scale = None
     _, num_blocks, _, block_size, _ = kv_cache.shape
     slots = _concrete(slot_mapping)
     if slots is not None:
@@ -57,7 +72,7 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
         if slots.size and slots.max() >= capacity:
             i = int(np.argmax(slots))
             raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
-    return _scatter(kv_cache, key, value, slot_mapping)
+    return _scatter(kv_cache, key, value, slot_mapping, k_scale, v_scale)
 
 
 def _concrete(x) -> np.ndarray | None:
@@ -69,13 +84,16 @@ def _concrete(x) -> np.ndarray | None:
 
 
 @jax.jit
-def _scatter(kv_cache, key, value, slot_mapping):
+def _scatter(kv_cache, key, value, slot_mapping, k_scale, v_scale):
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[3]
     slot_mapping = slot_mapping.astype(jnp.int32)
     # Negative slots (PAD_SLOT_ID = -1) are sent out of range and dropped by the scatter; a negative index
     # would otherwise wrap around to the last block.
     block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
     offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
+    if k_scale is not None:  # fp8 cache: quantise each half with its own scale
+        key = quantize_to_cache(key, k_scale, kv_cache.dtype)
+        value = quantize_to_cache(value, v_scale, kv_cache.dtype)
     update = jnp.stack([key, value], axis=1).astype(kv_cache.dtype)  # [num_tokens, 2, kvh, hs]
     # Advanced indices separated by slices: the indexed dims come first → [num_tokens, 2, kvh, hs].
     return kv_cache.at[:, block, :, offset, :].set(update, mode="drop")

@@ -2,7 +2,15 @@
 
 ``slot = block_table[position // block_size] * block_size + position % block_size``; tokens whose K/V
 must not be written get ``PAD_SLOT_ID``. vLLM: ``vllm/attention/backends/utils.py``
-(``compute_slot_mapping``, ``compute_slot_mapping_start_idx``, ``PAD_SLOT_ID``).
+(``compute_slot_mapping``, ``compute_slot_mapping_start_idx``, ``is_block_tables_empty``, ``PAD_SLOT_ID``).
+
+Three host-side (NumPy) forms and one device-side form:
+
+* :func:`compute_slot_mapping` — one sequence, returns its piece;
+* :func:`compute_slot_mapping_into` — vLLM's exact signature (appends to a list, block tables keyed by
+  ``seq_id``), vectorised;
+* :func:`compute_slot_mapping_batch` — a whole batch in one pass;
+* :func:`slot_mapping_from_positions` — ``jnp``, inside ``jit``.
 """
 
 from __future__ import annotations
@@ -21,9 +29,14 @@ def compute_slot_mapping_start_idx(is_prompt: bool, query_len: int, context_len:
 
     With a sliding window, a prompt's first ``query_len - sliding_window`` tokens are never attended to
     again, so they are masked with ``PAD_SLOT_ID``. ``context_len`` is accepted for vLLM parity (unused,
-    as in vLLM).
+    as in vLLM: for a chunked-prefill chunk the window is counted from the chunk's ``query_len``, and
+    :func:`compute_slot_mapping` compares the result with absolute positions, exactly as vLLM does).
+
+    Raises:
+        ValueError: ``sliding_window < 1``.
     """
     del context_len
+    _check_sliding_window(sliding_window)
     if is_prompt and sliding_window is not None:
         return max(0, query_len - sliding_window)
     return 0
@@ -45,12 +58,10 @@ def compute_slot_mapping(is_profile_run: bool, seq_len: int, context_len: int, s
         ``int64[seq_len - context_len]`` (vLLM appends to a list; we return the piece).
 
     Raises:
-        ValueError: ``context_len > seq_len``, ``block_size < 1`` or a block table too short.
+        ValueError: ``context_len`` outside ``[0, seq_len]``, ``start_idx`` outside ``[0, seq_len]``,
+            ``block_size < 1`` or a block table too short.
     """
-    if block_size < 1:
-        raise ValueError(f"block_size={block_size} must be >= 1")
-    if not 0 <= context_len <= seq_len:
-        raise ValueError(f"context_len={context_len} must be in [0, seq_len={seq_len}]")
+    _check_one_sequence(seq_len, context_len, start_idx, block_size)
     if is_profile_run:
         return np.full(seq_len, PAD_SLOT_ID, np.int64)
     padding = max(0, start_idx - context_len)
@@ -64,8 +75,89 @@ def compute_slot_mapping(is_profile_run: bool, seq_len: int, context_len: int, s
     return np.concatenate([np.full(padding, PAD_SLOT_ID, np.int64), slots])
 
 
+def _check_sliding_window(sliding_window) -> None:
+    if sliding_window is not None and sliding_window < 1:
+        raise ValueError(f"sliding_window={sliding_window} must be >= 1 or None")
+
+
+def _check_one_sequence(seq_len: int, context_len: int, start_idx: int, block_size: int) -> None:
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    if not 0 <= context_len <= seq_len:
+        raise ValueError(f"context_len={context_len} must be in [0, seq_len={seq_len}]")
+    if not 0 <= start_idx <= seq_len:
+        raise ValueError(f"start_idx={start_idx} must be in [0, seq_len={seq_len}]")
+
+
+def _check_context_lens(context_lens: np.ndarray, seq_lens: np.ndarray) -> None:
+    bad = np.flatnonzero((context_lens > seq_lens) | (context_lens < 0))
+    if bad.size:
+        i = int(bad[0])
+        raise ValueError(f"context_lens[{i}]={context_lens[i]} must be in [0, seq_lens[{i}]={seq_lens[i]}]")
+
+
+def is_block_tables_empty(block_tables) -> bool:
+    """Whether block tables are not built yet (a profile run). vLLM: ``is_block_tables_empty``.
+
+    Args:
+        block_tables: ``None`` or ``dict[seq_id, list[int] | None]``.
+
+    Returns:
+        ``True`` for ``None`` or a dict whose values are all ``None`` (vLLM's embedding-model case; an
+        empty dict counts as empty too, as in vLLM).
+    """
+    if block_tables is None:
+        return True
+    return isinstance(block_tables, dict) and all(v is None for v in block_tables.values())
+
+
+def compute_slot_mapping_into(is_profile_run: bool, slot_mapping: list, seq_id: int, seq_len: int,
+                              context_len: int, start_idx: int, block_size: int,
+                              block_tables: dict[int, list[int]] | None) -> None:
+    """Append one sequence's slots to ``slot_mapping``: vLLM's exact signature and semantics, vectorised.
+
+    vLLM: ``compute_slot_mapping`` (``vllm/attention/backends/utils.py``). In a profile run ``seq_len``
+    ``PAD_SLOT_ID`` entries are appended (block tables may be ``None`` or ``{seq_id: None}``). Otherwise
+    ``max(0, start_idx - context_len)`` ``PAD_SLOT_ID`` entries (sliding-window-masked prompt tokens), then
+    ``block_table[i // block_size] * block_size + i % block_size`` for every position ``i`` in
+    ``[max(start_idx, context_len), seq_len)`` with ``block_table = block_tables[seq_id]``. vLLM switches
+    between a Python loop and NumPy at 256 tokens; this always uses one NumPy pass. Entries are Python
+    ``int``.
+
+    Args:
+        is_profile_run: block tables are not built yet (see :func:`is_block_tables_empty`).
+        slot_mapping: ``list[int]`` the batch's slot mapping so far; extended in place.
+        seq_id: key of this sequence in ``block_tables``.
+        seq_len: tokens of the sequence after this step.
+        context_len: tokens already in the cache (``> 0`` for decode and chunked-prefill chunks).
+        start_idx: from :func:`compute_slot_mapping_start_idx`.
+        block_size: tokens per block.
+        block_tables: ``dict[seq_id, list[int]]`` physical block of each logical block; ignored in a
+            profile run.
+
+    Raises:
+        ValueError: ``slot_mapping`` has no ``extend``; ``context_len`` or ``start_idx`` outside
+            ``[0, seq_len]``; ``block_size < 1``; (not profiling) ``seq_id`` missing from
+            ``block_tables`` or mapped to ``None``, or its table shorter than ``cdiv(seq_len,
+            block_size)`` blocks (vLLM raises ``KeyError`` / ``IndexError``). Nothing is appended then.
+    """
+    if not hasattr(slot_mapping, "extend"):
+        raise ValueError(f"slot_mapping={slot_mapping!r} must be a list (it is extended in place)")
+    _check_one_sequence(seq_len, context_len, start_idx, block_size)
+    table = None
+    if not is_profile_run:
+        if not isinstance(block_tables, dict) or block_tables.get(seq_id) is None:
+            keys = None if not isinstance(block_tables, dict) else sorted(block_tables)
+            raise ValueError(f"seq_id={seq_id} has no block table in block_tables (keys {keys}); "
+                             "pass is_profile_run=True if block tables are not built yet")
+        table = block_tables[seq_id]
+    piece = compute_slot_mapping(is_profile_run, seq_len, context_len, start_idx, block_size, table)
+    slot_mapping.extend(piece.tolist())
+
+
 def compute_slot_mapping_batch(block_tables: np.ndarray, context_lens, seq_lens, block_size: int, *,
-                               sliding_window: int | None = None, is_prompt=None) -> np.ndarray:
+                               sliding_window: int | None = None, is_prompt=None,
+                               is_profile_run: bool = False) -> np.ndarray:
     """Slot mapping of a whole batch in one vectorised pass (tokens of all sequences concatenated).
 
     Equivalent to calling :func:`compute_slot_mapping` with
@@ -78,20 +170,34 @@ def compute_slot_mapping_batch(block_tables: np.ndarray, context_lens, seq_lens,
         block_size: tokens per block.
         sliding_window: window in tokens, or ``None``.
         is_prompt: ``bool[num_seqs]``; defaults to ``context_lens == 0``.
+        is_profile_run: block tables are not built yet: every token gets ``PAD_SLOT_ID`` and
+            ``block_tables`` may be ``None``. (vLLM appends ``seq_len`` PADs per sequence; profile runs
+            only hold prompts, ``context_len == 0``, so that is the same count.)
 
     Returns:
         ``int64[sum(seq_lens - context_lens)]``.
 
     Raises:
-        ValueError: a context longer than its sequence or a block table too narrow.
+        ValueError: ``block_size < 1``, ``sliding_window < 1``, lengths of different sizes, a context
+            outside ``[0, seq_len]`` or a block table too narrow.
     """
+    if block_size < 1:
+        raise ValueError(f"block_size={block_size} must be >= 1")
+    _check_sliding_window(sliding_window)
+    context_lens = np.asarray(context_lens, np.int64).reshape(-1)
+    seq_lens = np.asarray(seq_lens, np.int64).reshape(-1)
+    if context_lens.shape != seq_lens.shape:
+        raise ValueError(f"context_lens.shape={context_lens.shape} != seq_lens.shape={seq_lens.shape}")
+    if is_prompt is not None and np.shape(is_prompt) != seq_lens.shape:
+        raise ValueError(f"is_prompt.shape={np.shape(is_prompt)} != seq_lens.shape={seq_lens.shape}")
+    if is_profile_run:
+        _check_context_lens(context_lens, seq_lens)
+        return np.full(int((seq_lens - context_lens).sum()), PAD_SLOT_ID, np.int64)
     tables = np.asarray(block_tables, np.int64)
-    context_lens = np.asarray(context_lens, np.int64)
-    seq_lens = np.asarray(seq_lens, np.int64)
-    if np.any(context_lens > seq_lens) or np.any(context_lens < 0):
-        bad = int(np.flatnonzero((context_lens > seq_lens) | (context_lens < 0))[0])
-        raise ValueError(f"context_lens[{bad}]={context_lens[bad]} must be in [0, seq_lens[{bad}]="
-                         f"{seq_lens[bad]}]")
+    if tables.ndim != 2 or tables.shape[0] != seq_lens.shape[0]:
+        raise ValueError(f"block_tables.shape={tables.shape} must be [num_seqs={seq_lens.shape[0]}, "
+                         "max_num_blocks_per_seq]")
+    _check_context_lens(context_lens, seq_lens)
     needed = -(-seq_lens // block_size)
     if needed.size and needed.max() > tables.shape[1]:
         raise ValueError(f"block_tables width {tables.shape[1]} < {needed.max()} blocks needed by "

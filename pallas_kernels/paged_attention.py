@@ -49,48 +49,65 @@ def _paged_attention_kernel(
     q_ref,             # [block_h, head_size]            the group's query heads, zero-padded rows
     k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
     v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
+    kv_scales_ref,     # f32[2]                          k_scale, v_scale (fp8 dequantisation)
+    alibi_ref,         # f32[block_h] | None             ALiBi slope of each query head
     o_ref,             # [block_h, head_size]            output (normalised) or f32 partial
     *stats_refs,       # ([block_h] f32 max, [block_h] f32 sum) when num_splits > 1
     scale: float,
     pages_per_compute_block: int,
     normalize: bool,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
 ):
     partition = pl.program_id(2)
     block_h, head_size = q_ref.shape
     num_blocks, block_size, _ = k_cache_ref.shape
     pages_per_partition = block_table_ref.shape[0]
-    block_k = pages_per_compute_block * block_size
+    ppcb = pages_per_compute_block
+    block_k = ppcb * block_size
 
     seq_len = seq_lens_ref[0]
     num_pages = pl.cdiv(seq_len, block_size)
-    first_page = partition * pages_per_partition
-    last_page = jnp.minimum(num_pages, first_page + pages_per_partition)
-    num_iters = pl.cdiv(jnp.maximum(last_page - first_page, 0), pages_per_compute_block)
+    partition_start = partition * pages_per_partition
+    last_page = jnp.minimum(num_pages, partition_start + pages_per_partition)
+    window_start = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    # First compute block holding a visible page (compute blocks stay aligned to the table slice).
+    first_local = jnp.maximum(window_start // block_size - partition_start, 0) // ppcb * ppcb
+    num_iters = pl.cdiv(jnp.maximum(last_page - partition_start - first_local, 0), ppcb)
 
     q = q_ref[...]
+    k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
+    offsets = (jnp.arange(block_size)[None, :, None], jnp.arange(head_size)[None, None, :])
 
     def body(i, carry):
         acc, m_prev, l_prev = carry
-        local_page = i * pages_per_compute_block
-        page = first_page + local_page + jnp.arange(pages_per_compute_block)
-        block_ids = block_table_ref[pl.ds(local_page, pages_per_compute_block)]
-        # Entries past the sequence's last block are not the sequence's: never dereference them.
-        block_ids = jnp.where(page < num_pages, block_ids, 0)
-        block_ids = jnp.clip(block_ids, 0, num_blocks - 1)
-        k = k_cache_ref[block_ids].reshape(block_k, head_size)  # [block_k, head_size]
-        v = v_cache_ref[block_ids].reshape(block_k, head_size)  # [block_k, head_size]
+        local_page = first_local + i * ppcb
+        block_ids = block_table_ref[pl.ds(local_page, ppcb)]
+        token = (partition_start + local_page) * block_size + jnp.arange(block_k)
+        valid = (token < seq_len) & (token >= window_start)  # [block_k]
+        # Masked gathers: slots that are not visible (past seq_len, outside the window, pages the
+        # sequence does not own) are never read from memory and load as 0 (no NaN can leak in).
+        block_ids = jnp.clip(jnp.where(valid.reshape(ppcb, block_size).any(axis=1), block_ids, 0),
+                             0, num_blocks - 1)
+        index = (block_ids[:, None, None], *offsets)
+        mask = jnp.broadcast_to(valid.reshape(ppcb, block_size, 1), (ppcb, block_size, head_size))
+        k = plgpu.load(k_cache_ref.at[index], mask=mask, other=0).reshape(block_k, head_size)
+        v = plgpu.load(v_cache_ref.at[index], mask=mask, other=0).reshape(block_k, head_size)
+        if k.dtype != q.dtype:  # fp8 cache: dequantise in registers; the scales apply below
+            k, v = k.astype(q.dtype), v.astype(q.dtype)
 
-        token = (first_page + local_page) * block_size + jnp.arange(block_k)
-        valid = token < seq_len  # [block_k]
-        logits = _dot(q, k, contract_b_dim=1) * scale  # f32[block_h, block_k]
+        logits = _dot(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[block_h, block_k]
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        if alibi_ref is not None:
+            logits += alibi_ref[...][:, None] * (token - (seq_len - 1)).astype(jnp.float32)[None, :]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
 
         m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-        correction = jnp.exp(m_prev - m_next)
-        p = jnp.exp(logits - m_next[:, None])
+        m_safe = jnp.where(jnp.isneginf(m_next), 0.0, m_next)  # a fully masked tile stays 0, not NaN
+        correction = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(logits - m_safe[:, None])
         l_next = l_prev * correction + p.sum(axis=-1)
-        # Slots past seq_len may hold anything (NaN included); p is 0 there but 0 * NaN is NaN.
-        v = jnp.where(valid[:, None], v, jnp.zeros_like(v))
         acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b_dim=0)
         return acc, m_next, l_next
 
@@ -98,6 +115,7 @@ def _paged_attention_kernel(
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_h,), jnp.float32)
     acc, m, l = lax.fori_loop(0, num_iters, body, (acc, m, l))
+    acc = acc * v_scale
 
     if normalize:
         l_safe = jnp.where(l == 0.0, 1.0, l)  # an empty sequence gives 0, not NaN
@@ -114,8 +132,12 @@ def _paged_attention_pallas(
     kv_cache: jax.Array,     # [2, num_blocks, num_kv_heads, block_size, head_size]
     block_tables: jax.Array,  # i32[num_seqs, max_num_blocks_per_seq]
     seq_lens: jax.Array,     # i32[num_seqs]
+    kv_scales: jax.Array,    # f32[2]  k_scale, v_scale
+    alibi_slopes: jax.Array | None,  # f32[num_heads]
     *,
     scale: float,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
     pages_per_compute_block: int,
     num_splits: int,
     num_warps: int,
@@ -139,10 +161,16 @@ def _paged_attention_pallas(
 
     q = q.reshape(num_seqs, num_kv_heads, group, head_size)
     q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+    alibi_spec = None
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        alibi_slopes = jnp.pad(alibi_slopes, ((0, 0), (0, block_h - group)))
+        alibi_spec = pl.BlockSpec((None, block_h), lambda s, h, p: (h, 0))
 
     normalize = num_splits == 1
     kernel = functools.partial(_paged_attention_kernel, scale=scale,
-                               pages_per_compute_block=pages_per_compute_block, normalize=normalize)
+                               pages_per_compute_block=pages_per_compute_block, normalize=normalize,
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     cache_block = (None, num_blocks, None, block_size, head_size)
     in_specs = [
         pl.BlockSpec((1,), lambda s, h, p: (s,)),                                 # seq_lens
@@ -150,6 +178,8 @@ def _paged_attention_pallas(
         pl.BlockSpec((None, None, block_h, head_size), lambda s, h, p: (s, h, 0, 0)),  # q
         pl.BlockSpec(cache_block, lambda s, h, p: (0, 0, h, 0, 0)),               # key pages
         pl.BlockSpec(cache_block, lambda s, h, p: (1, 0, h, 0, 0)),               # value pages
+        pl.BlockSpec((2,), lambda s, h, p: (0,)),                                 # kv_scales
+        alibi_spec,                                                               # alibi slopes
     ]
     if normalize:
         out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, block_h, head_size), q.dtype)
@@ -173,7 +203,7 @@ def _paged_attention_pallas(
         interpret=interpret,
         debug=debug,
         name=f"paged_attention_bh{block_h}_ppcb{pages_per_compute_block}_s{num_splits}",
-    )(seq_lens, block_tables, q, kv_cache, kv_cache)
+    )(seq_lens, block_tables, q, kv_cache, kv_cache, kv_scales, alibi_slopes)
 
     if normalize:
         o = out
@@ -187,7 +217,11 @@ def _paged_attention_pallas(
     return o[:, :, :group, :].reshape(num_seqs, num_heads, head_size).astype(q.dtype)
 
 
-def _validate(q, kv_cache, block_tables, seq_lens):
+FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
+
+
+def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
+              logits_soft_cap):
     if q.ndim != 3:
         raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_size]")
     num_seqs, num_heads, head_size = q.shape
@@ -201,8 +235,12 @@ def _validate(q, kv_cache, block_tables, seq_lens):
         raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
     if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
         raise ValueError(f"q.dtype={q.dtype} not supported; use one of {SUPPORTED_DTYPES}")
-    if kv_cache.dtype != q.dtype:
-        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype}")
+    fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    if kv_cache.dtype != q.dtype and not fp8:
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be fp8 "
+                         f"{[str(d) for d in FP8_DTYPES]}")
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} (fp8) needs k_scale and v_scale")
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables.shape={block_tables.shape} must be [num_seqs={num_seqs}, "
                          "max_num_blocks_per_seq]")
@@ -211,10 +249,25 @@ def _validate(q, kv_cache, block_tables, seq_lens):
     for name, arr in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if arr.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
+    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be > 0 or None")
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "scale", "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret", "debug"))
+def _kv_scales(k_scale, v_scale) -> jax.Array:
+    one = jnp.float32(1.0)
+    return jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32).reshape(()),
+                      jnp.asarray(one if v_scale is None else v_scale, jnp.float32).reshape(())])
+
+
+_STATIC = ("scale", "sliding_window", "logits_soft_cap")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + (
+    "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret", "debug"))
 def paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -222,6 +275,11 @@ def paged_attention(
     seq_lens: jax.Array,
     *,
     scale: float,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
     pages_per_compute_block: int = tuning.DECODE_PAGES_PER_COMPUTE_BLOCK,
     num_splits: int | None = None,
     num_warps: int = 4,
@@ -234,16 +292,26 @@ def paged_attention(
     vLLM: ``PagedAttention.forward_decode`` → ``ops.paged_attention_v1`` (``num_splits == 1``) /
     ``ops.paged_attention_v2`` (``num_splits > 1``, partial results merged in float32).
 
+    Logits of query head ``h`` against key token ``t`` of a sequence of ``seq_len`` tokens:
+    ``s = scale * k_scale * q·k``; ``s = cap * tanh(s / cap)`` with a soft cap; ``s += slope[h] * (t -
+    seq_len + 1)`` with ALiBi; keys with ``t < seq_len - sliding_window`` are invisible (and blocks made
+    only of them are not read). Output ``v_scale * softmax(s) @ v``.
+
     Args:
         q: ``[num_seqs, num_heads, head_size]`` f32/bf16/f16, the query of each sequence's last token.
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, same dtype as ``q``;
-            index 0 holds keys, 1 values.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, ``q.dtype`` or fp8
+            (``float8_e4m3fn`` / ``float8_e5m2``, dequantised in-kernel); index 0 keys, 1 values.
         block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``; logical block ``i`` of sequence ``s``
             lives in physical block ``block_tables[s, i]``. Entries past ``cdiv(seq_lens[s], block_size)``
             are never read.
         seq_lens: ``int32[num_seqs]``, tokens of each sequence in the cache (including the new one).
             A length of 0 gives a zero output.
-        scale: softmax scale, usually ``head_size ** -0.5``.
+        scale: softmax scale, usually ``head_size ** -0.5`` (static).
+        k_scale, v_scale: f32 scalars, the fp8 dequantisation scales (vLLM's ``k_scale``/``v_scale``);
+            required for an fp8 cache, default 1.
+        alibi_slopes: ``f32[num_heads]`` or ``None``.
+        sliding_window: window in tokens, the current token included (static), or ``None``.
+        logits_soft_cap: soft cap of the logits (static), or ``None``.
         pages_per_compute_block: blocks loaded per inner-loop step (static).
         num_splits: context partitions per sequence (static); 1 is vLLM's v1; ``None`` picks
             :func:`pallas_kernels.tuning.decode_num_splits` from the shapes.
@@ -255,9 +323,11 @@ def paged_attention(
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
 
     Raises:
-        ValueError: on inconsistent shapes, unsupported dtype or head size, non-int32 metadata.
+        ValueError: inconsistent shapes, unsupported dtype or head size, non-int32 metadata, an fp8
+            cache without scales, a bad window or cap.
     """
-    _validate(q, kv_cache, block_tables, seq_lens)
+    _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
+              logits_soft_cap)
     if q.shape[-1] not in SUPPORTED_HEAD_SIZES:
         raise ValueError(f"head_size={q.shape[-1]} not supported by the Pallas kernel; "
                          f"supported: {SUPPORTED_HEAD_SIZES}")
@@ -273,7 +343,8 @@ def paged_attention(
     if pages_per_compute_block & (pages_per_compute_block - 1):
         raise ValueError(f"pages_per_compute_block={pages_per_compute_block} must be a power of two")
     return _paged_attention_pallas(
-        q, kv_cache, block_tables, seq_lens, scale=scale,
+        q, kv_cache, block_tables, seq_lens, _kv_scales(k_scale, v_scale), alibi_slopes, scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
 
@@ -297,11 +368,11 @@ def dense_kv_from_pages(kv_cache: jax.Array, block_tables: jax.Array,
     # [2, num_seqs, max_blocks, kvh, block_size, hs] → [2, num_seqs, kvh, max_len, hs]
     kv = kv_cache[:, ids].transpose(0, 1, 3, 2, 4, 5).reshape(2, num_seqs, num_kv_heads, max_len, head_size)
     valid = jnp.arange(max_len)[None, :] < seq_lens[:, None]
-    kv = jnp.where(valid[None, :, None, :, None], kv, 0).astype(jnp.float32)
+    kv = jnp.where(valid[None, :, None, :, None], kv.astype(jnp.float32), 0)
     return kv[0], kv[1]
 
 
-@functools.partial(jax.jit, static_argnames=("scale",))
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_attention_reference(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -309,29 +380,44 @@ def paged_attention_reference(
     seq_lens: jax.Array,
     *,
     scale: float,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Plain-jnp paged decode attention, same contract as :func:`paged_attention`.
 
     Gathers every sequence's blocks into a dense ``[num_seqs, num_kv_heads, max_len, head_size]``
-    copy and runs a masked float32 softmax. Used by tests, ``scripts/accuracy.py`` and as the CPU
-    implementation of ``jaxkv.attention``.
+    float32 copy and runs a masked float32 softmax. Used by tests, ``scripts/accuracy.py`` and as the
+    CPU implementation of ``jaxkv.attention``.
     """
-    _validate(q, kv_cache, block_tables, seq_lens)
+    _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
+              logits_soft_cap)
     num_seqs, num_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     max_len = block_tables.shape[1] * block_size
+    scales = _kv_scales(k_scale, v_scale)
 
     k, v = dense_kv_from_pages(kv_cache, block_tables, seq_lens)
-    valid = jnp.arange(max_len)[None, :] < seq_lens[:, None]  # [num_seqs, max_len]
+    t = jnp.arange(max_len)[None, :]
+    visible = t < seq_lens[:, None]  # [num_seqs, max_len]
+    if sliding_window is not None:
+        visible &= t >= seq_lens[:, None] - sliding_window
 
     qg = q.reshape(num_seqs, num_kv_heads, group, head_size).astype(jnp.float32)
-    logits = jnp.einsum("skgd,sktd->skgt", qg, k, precision=lax.Precision.HIGHEST) * scale
-    logits = jnp.where(valid[:, None, None, :], logits, -jnp.inf)
+    logits = jnp.einsum("skgd,sktd->skgt", qg, k, precision=lax.Precision.HIGHEST) * (scale * scales[0])
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
+        logits += slopes * (t - (seq_lens[:, None] - 1)).astype(jnp.float32)[:, None, None, :]
+    logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
     denom = p.sum(axis=-1, keepdims=True)
-    o = jnp.einsum("skgt,sktd->skgd", p, v, precision=lax.Precision.HIGHEST)
+    o = jnp.einsum("skgt,sktd->skgd", p, v, precision=lax.Precision.HIGHEST) * scales[1]
     o = o / jnp.where(denom == 0.0, 1.0, denom)
     return o.reshape(num_seqs, num_heads, head_size).astype(q.dtype)
 

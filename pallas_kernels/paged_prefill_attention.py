@@ -16,10 +16,10 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels.paged_attention import dense_kv_from_pages
+from pallas_kernels.paged_attention import _kv_scales, dense_kv_from_pages
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "max_query_len"))
+@functools.partial(jax.jit, static_argnames=("scale", "max_query_len", "sliding_window", "logits_soft_cap"))
 def paged_prefill_attention_reference(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -29,6 +29,11 @@ def paged_prefill_attention_reference(
     *,
     scale: float,
     max_query_len: int,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
 ) -> jax.Array:
     """Causal varlen attention over the paged cache (plain jnp, float32 softmax).
 
@@ -43,6 +48,9 @@ def paged_prefill_attention_reference(
             are padding: their output is 0.
         scale: softmax scale.
         max_query_len: static bound on ``query_start_loc[s+1] - query_start_loc[s]``.
+        k_scale, v_scale, alibi_slopes, sliding_window, logits_soft_cap: as in
+            :func:`pallas_kernels.paged_attention.paged_attention`, with the query token's own position
+            ``p`` in place of ``seq_len - 1`` (ALiBi bias ``slope * (t - p)``, window ``t > p - window``).
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
@@ -65,15 +73,23 @@ def paged_prefill_attention_reference(
     q_pos = context_lens[:, None] + i[None, :]                           # [s, max_q]
     t = jnp.arange(max_len)
     allowed = (t[None, None, :] <= q_pos[:, :, None]) & (t[None, None, :] < seq_lens[:, None, None])
+    if sliding_window is not None:
+        allowed &= t[None, None, :] > q_pos[:, :, None] - sliding_window
+    scales = _kv_scales(k_scale, v_scale)
 
-    logits = jnp.einsum("sqkgd,sktd->skgqt", qs, k, precision=lax.Precision.HIGHEST) * scale
+    logits = jnp.einsum("sqkgd,sktd->skgqt", qs, k, precision=lax.Precision.HIGHEST) * (scale * scales[0])
+    if logits_soft_cap is not None:
+        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
+        logits += slopes * (t[None, None, :] - q_pos[:, :, None]).astype(jnp.float32)[:, None, None]
     logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
     m = logits.max(axis=-1, keepdims=True)
     p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
     denom = p.sum(axis=-1, keepdims=True)
     o = jnp.einsum("skgqt,sktd->sqkgd", p / jnp.where(denom == 0.0, 1.0, denom), v,
                    precision=lax.Precision.HIGHEST)
-    o = o.reshape(num_seqs, max_query_len, num_heads, head_size)
+    o = o.reshape(num_seqs, max_query_len, num_heads, head_size) * scales[1]
     out = jnp.zeros((num_tokens, num_heads, head_size), jnp.float32)
     out = out.at[q_idx].set(o, mode="drop")
     return out.astype(q.dtype)

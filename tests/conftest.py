@@ -47,19 +47,34 @@ class PagedBatch:
         return k.astype(np.float64), v.astype(np.float64)
 
 
-def decode_attention_loop(q: np.ndarray, batch: PagedBatch, scale: float) -> np.ndarray:
-    """float64 reference: each query head attends to its KV head's tokens ``[0, seq_len)``."""
+def decode_attention_loop(q: np.ndarray, batch: PagedBatch, scale: float, *, sliding_window=None,
+                          alibi_slopes=None, logits_soft_cap=None, k_scale=1.0, v_scale=1.0) -> np.ndarray:
+    """float64 reference: each query head attends to its KV head's visible tokens, one at a time.
+
+    Visible: ``t < seq_len`` and, with a window, ``t >= seq_len - sliding_window``. Logit of token ``t``:
+    ``scale * k_scale * q·k`` → soft cap → ``+ slope * (t - seq_len + 1)``; output ``v_scale * p @ v``.
+    """
     num_seqs, num_heads, head_size = q.shape
     group = num_heads // batch.kv_cache.shape[2]
     out = np.zeros((num_seqs, num_heads, head_size))
     for s in range(num_seqs):
-        if batch.seq_lens[s] == 0:
+        n = int(batch.seq_lens[s])
+        if n == 0:
             continue
         k, v = batch.dense_kv(s)
+        first = 0 if sliding_window is None else max(0, n - sliding_window)
         for h in range(num_heads):
-            logits = k[:, h // group] @ q[s, h].astype(np.float64) * scale
+            logits = []
+            for t in range(first, n):
+                x = float(k[t, h // group] @ q[s, h].astype(np.float64)) * scale * k_scale
+                if logits_soft_cap is not None:
+                    x = logits_soft_cap * np.tanh(x / logits_soft_cap)
+                if alibi_slopes is not None:
+                    x += float(alibi_slopes[h]) * (t - n + 1)
+                logits.append(x)
+            logits = np.array(logits)
             p = np.exp(logits - logits.max())
-            out[s, h] = (p / p.sum()) @ v[:, h // group]
+            out[s, h] = v_scale * (p / p.sum()) @ v[first:n, h // group]
     return out
 
 

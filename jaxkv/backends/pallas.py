@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+
 from pallas_kernels import paged_attention as _pa
 
 
@@ -40,3 +42,16 @@ class PallasAttentionBackend:
     def get_kv_cache_stride_order() -> tuple[int, ...]:
         """vLLM: ``AttentionBackend.get_kv_cache_stride_order``; identity (see the class docstring)."""
         return (0, 1, 2, 3, 4)
+
+    @staticmethod
+    def split_kv_cache(kv_cache: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``(kv_cache[0], kv_cache[1])``, each ``[num_blocks, num_kv_heads, block_size, head_size]``.
+
+        vLLM: ``kv_cache.unbind(0)`` of the FlashAttention backends (HND memory). The kernel takes the
+        whole array (slicing copies in JAX); this is for reading and tests. Raises ``ValueError`` unless
+        ``kv_cache`` is ``[2, ...]`` of rank 5.
+        """
+        if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+            raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
+                             "[2, num_blocks, num_kv_heads, block_size, head_size]")
+        return kv_cache[0], kv_cache[1]

@@ -105,3 +105,80 @@ def test_auto_splits_matches_reference(rng):
             jnp.asarray(batch.seq_lens))
     expected = decode_attention_loop(np.asarray(q, np.float64), batch, 0.125)
     assert rel_err(paged_attention(*args, scale=0.125, interpret=True), expected) < TOLERANCE["float32"]
+
+
+EXTRAS = [
+    dict(sliding_window=1),
+    dict(sliding_window=20),
+    dict(sliding_window=70),
+    dict(logits_soft_cap=5.0),
+    dict(alibi=True),
+    dict(sliding_window=33, logits_soft_cap=2.0, alibi=True),
+]
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("extra", EXTRAS, ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def test_decode_extras_match_loop(rng, extra, num_splits):
+    """Sliding window, soft cap and ALiBi, alone and together, vs the float64 loop."""
+    bs, nh, nkv, d = 16, 6, 2, 64
+    batch = PagedBatch(rng, seq_lens=[1, 15, 16, 17, 90], num_kv_heads=nkv, head_size=d, block_size=bs)
+    q = rng.standard_normal((5, nh, d))
+    kwargs = {k: v for k, v in extra.items() if k != "alibi"}
+    slopes = None
+    if extra.get("alibi"):
+        slopes = 2.0 ** -np.arange(1, nh + 1)  # the ALiBi paper's geometric slopes
+        kwargs["alibi_slopes"] = jnp.asarray(slopes, jnp.float32)
+    args = (jnp.asarray(q, jnp.float32), jnp.asarray(batch.kv_cache, jnp.float32),
+            jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens))
+    expected = decode_attention_loop(q, batch, d ** -0.5, alibi_slopes=slopes,
+                                     **{k: v for k, v in kwargs.items() if k != "alibi_slopes"})
+    out = paged_attention(*args, scale=d ** -0.5, interpret=True, num_splits=num_splits,
+                          pages_per_compute_block=2, **kwargs)
+    assert rel_err(out, expected) < TOLERANCE["float32"]
+    ref = paged_attention_reference(*args, scale=d ** -0.5, **kwargs)
+    assert rel_err(ref, expected) < TOLERANCE["float32"]
+
+
+def test_sliding_window_ignores_blocks_outside_the_window(rng):
+    """Blocks wholly before the window can be NaN (e.g. already freed): the output stays finite."""
+    bs = 16
+    batch = PagedBatch(rng, seq_lens=[100], num_kv_heads=1, head_size=64, block_size=bs)
+    window = 30  # visible tokens 70..99: logical blocks 4..6
+    poisoned = batch.kv_cache.copy()
+    poisoned[:, batch.block_tables[0, :4]] = np.nan
+    q = jnp.asarray(rng.standard_normal((1, 4, 64)), jnp.float32)
+    args = (jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens))
+    clean = paged_attention(q, jnp.asarray(batch.kv_cache, jnp.float32), *args, scale=0.125,
+                            sliding_window=window, interpret=True, pages_per_compute_block=1)
+    out = paged_attention(q, jnp.asarray(poisoned, jnp.float32), *args, scale=0.125,
+                          sliding_window=window, interpret=True, pages_per_compute_block=1)
+    np.testing.assert_array_equal(np.asarray(out), np.asarray(clean))
+
+
+@pytest.mark.parametrize("fp8", ["float8_e4m3fn", "float8_e5m2"])
+@pytest.mark.parametrize("q_dtype", ["bfloat16", "float32"])
+def test_fp8_cache_dequantised_in_kernel(rng, fp8, q_dtype):
+    """An fp8 cache with k/v scales equals attention over the dequantised values (exactly those)."""
+    batch = PagedBatch(rng, seq_lens=[1, 17, 40], num_kv_heads=3, head_size=64, block_size=16)
+    k_scale, v_scale = 0.5, 2.0
+    scales = np.array([k_scale, v_scale]).reshape(2, 1, 1, 1, 1)
+    quantized = jnp.asarray(batch.kv_cache / scales, fp8)
+    # the reference sees exactly what the kernel dequantises: fp8 values times the scales
+    deq = PagedBatch.__new__(PagedBatch)
+    deq.__dict__.update(batch.__dict__, kv_cache=np.asarray(quantized, np.float64) * scales)
+    q = rng.standard_normal((3, 9, 64))
+    expected = decode_attention_loop(np.asarray(jnp.asarray(q, q_dtype), np.float64), deq, 0.125)
+    out = paged_attention(jnp.asarray(q, q_dtype), quantized, jnp.asarray(batch.block_tables),
+                          jnp.asarray(batch.seq_lens), scale=0.125, k_scale=jnp.float32(k_scale),
+                          v_scale=jnp.float32(v_scale), interpret=True)
+    # K/V are cast to q's dtype for the dots: bf16 rounding of fp8 values is exact, p is rounded
+    assert rel_err(out, expected) < TOLERANCE[q_dtype if q_dtype != "float32" else "float32"] * 10
+
+
+def test_fp8_cache_without_scales_is_rejected():
+    q = jnp.ones((1, 4, 64), jnp.bfloat16)
+    kv = jnp.ones((2, 2, 1, 16, 64), jnp.float8_e4m3fn)
+    with pytest.raises(ValueError, match="needs k_scale and v_scale"):
+        paged_attention(q, kv, jnp.zeros((1, 1), jnp.int32), jnp.ones((1,), jnp.int32), scale=1.0,
+                        interpret=True)
