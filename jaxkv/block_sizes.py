@@ -12,7 +12,6 @@ and a manager block ``b`` starts at element ``b * PAGE_SIZE_EL`` with
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -20,22 +19,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.backends.base import MultipleOf  # vLLM ``MultipleOf``; re-exported here
 from jaxkv.kv_cache_config import KVCacheConfig
 from jaxkv.spec import AttentionSpec, _check_positive_int
 
-
-@dataclasses.dataclass(frozen=True)
-class MultipleOf:
-    """A supported kernel block size "any positive multiple of ``base``". vLLM: ``MultipleOf``.
-
-    Attributes:
-        base: the block size must be divisible by it.
-    """
-
-    base: int
-
-    def __post_init__(self):
-        object.__setattr__(self, "base", _check_positive_int("base", self.base))
+__all__ = ["MultipleOf", "block_size_is_supported", "blocks_per_kv_block", "prepare_kernel_block_sizes",
+           "select_common_block_size", "split_block_table", "split_slot_mapping",
+           "supported_kernel_block_sizes"]
 
 
 def supported_kernel_block_sizes(backend: Any) -> tuple[int | MultipleOf, ...]:

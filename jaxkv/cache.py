@@ -154,7 +154,9 @@ def allocate_kv_cache_raw(config: KVCacheConfig, *, runner_only_attn_layers: Ite
 
 
 def _spec_fields(spec) -> tuple[int, int, int, np.dtype, int]:
-    missing = [f for f in _SPEC_FIELDS if not hasattr(spec, f)]
+    # duck-typed (AttentionSpec and subclasses: sliding window, MLA); page_size_bytes last: it is a
+    # property that may raise on specs without the other fields
+    missing = [f for f in _SPEC_FIELDS[:-1] if not hasattr(spec, f)]
     if missing:
         raise ValueError(f"kv_cache_spec={spec!r} is not an attention spec (no {missing})")
     return (spec.block_size, spec.num_kv_heads, spec.head_size, np.dtype(spec.dtype),

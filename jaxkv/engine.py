@@ -1,25 +1,29 @@
-"""A minimal batch generation engine: block allocation, metadata, one jitted step with the cache donated.
+"""A minimal batch generation engine: block allocation, metadata, jitted steps with the cache donated.
 
 The engine is model-agnostic: it drives any ``model_fn(params, input_ids, positions, kv_caches, metadata,
 logits_indices) -> (logits, kv_caches)``. One call of :meth:`Engine.generate` prefills all prompts in one
-step, then decodes them together; finished sequences free their blocks and become padding rows, so the
-decode step keeps one padded shape and compiles once (vLLM's CUDA-graph padding: ``PAD_SLOT_ID`` slots,
-length-1 dummy sequences, fixed block-table width).
+step, then decodes them together in a device loop of ``steps_per_sync`` steps per host round trip
+(``lax.fori_loop``: slot mapping, sequence lengths, sampling and stop checks all stay on the device).
+Finished sequences become padding rows (``PAD_SLOT_ID`` slot, length-1 dummy sequence, as vLLM pads CUDA
+graphs), so the decode loop keeps one shape and compiles once.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 from jaxkv.block_allocator import BlockAllocator
 from jaxkv.metadata import AttentionMetadata, build_attn_metadata
 from jaxkv.sampling import sample_tokens
+from jaxkv.slot_mapping import slot_mapping_from_positions
 
 ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
 
@@ -64,8 +68,9 @@ class Completion:
 class GenerationStats:
     """Counts and wall-clock seconds of one :meth:`Engine.generate` call (device work synchronised).
 
-    ``decode_s`` and ``decode_tokens`` exclude the first decode step, which includes compilation when
-    the step shape is new.
+    ``decode_s`` / ``decode_steps`` / ``decode_tokens`` exclude the first decode chunk, which includes
+    compilation when its shape is new (``first_decode_s``). ``step_logits`` (with ``return_logits``) has
+    one ``f32[num_prompts, vocab]`` array per step, NaN rows for finished sequences.
     """
 
     prompt_tokens: int = 0
@@ -80,6 +85,34 @@ class GenerationStats:
     @property
     def decode_tokens_per_s(self) -> float:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["tokens", "positions", "remaining", "active", "stopped", "key"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+    """Per-row decode state carried on the device between steps (``B`` = padded batch).
+
+    Attributes:
+        tokens: ``int32[B]`` last token of each row (the next step's input).
+        positions: ``int32[B]`` position of that token (= tokens already in the cache).
+        remaining: ``int32[B]`` tokens each row may still generate.
+        active: ``bool[B]`` rows still generating (dummy and finished rows are padding).
+        stopped: ``bool[B]`` rows that ended on a stop token.
+        key: PRNG key for sampling.
+    """
+
+    tokens: jax.Array
+    positions: jax.Array
+    remaining: jax.Array
+    active: jax.Array
+    stopped: jax.Array
+    key: jax.Array
 
 
 def _next_pow2(n: int, minimum: int = 1) -> int:
@@ -97,13 +130,15 @@ class Engine:
             the engine owns them from now on (they are donated to each step).
         block_size: tokens per block.
         max_model_len: longest sequence (prompt + generated), in tokens; fixes the block-table width.
+        steps_per_sync: decode steps run on the device between two host round trips (a sequence may
+            run up to ``steps_per_sync - 1`` padding steps after it finished).
 
     Raises:
         ValueError: caches of different shapes, or non-positive sizes.
     """
 
     def __init__(self, model_fn: ModelFn, params, kv_caches: list[jax.Array], *, block_size: int,
-                 max_model_len: int):
+                 max_model_len: int, steps_per_sync: int = 1):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -112,24 +147,79 @@ class Engine:
             raise ValueError(f"block_size={block_size} != cache block size {shape[3]}")
         if max_model_len < 1:
             raise ValueError(f"max_model_len={max_model_len} must be >= 1")
+        if steps_per_sync < 1:
+            raise ValueError(f"steps_per_sync={steps_per_sync} must be >= 1")
+        self.model_fn = model_fn
         self.params = params
         self.kv_caches = list(kv_caches)
         self.block_size = block_size
         self.max_model_len = max_model_len
+        self.steps_per_sync = steps_per_sync
         self.max_num_blocks_per_seq = -(-max_model_len // block_size)
         self.allocator = BlockAllocator(shape[1])
         self.num_compiles = 0
+        self._prefill = jax.jit(self._prefill_step, donate_argnums=(1,),
+                                static_argnames=("temperature", "top_p", "return_logits"))
+        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,),
+                               static_argnames=("num_steps", "temperature", "top_p", "return_logits"))
 
-        def step(params, kv_caches, input_ids, positions, metadata, logits_indices, key, *,
-                 temperature, top_p, return_logits):
-            self.num_compiles += 1  # runs only while tracing
-            logits, kv_caches = model_fn(params, input_ids, positions, kv_caches, metadata,
-                                         logits_indices)
-            tokens = sample_tokens(logits, key, temperature=temperature, top_p=top_p)
-            return tokens, (logits if return_logits else None), kv_caches
+    # -- device functions --------------------------------------------------------------------------
+    def _prefill_step(self, params, kv_caches, input_ids, positions, metadata, logits_indices, key, *,
+                      temperature, top_p, return_logits):
+        self.num_compiles += 1  # runs only while tracing
+        logits, kv_caches = self.model_fn(params, input_ids, positions, kv_caches, metadata,
+                                          logits_indices)
+        tokens = sample_tokens(logits, key, temperature=temperature, top_p=top_p)
+        return tokens, (logits if return_logits else None), kv_caches
 
-        self._step = jax.jit(step, donate_argnums=(1,),
-                             static_argnames=("temperature", "top_p", "return_logits"))
+    def _decode_loop(self, params, kv_caches, state: DecodeState, block_tables, stop_token_ids, *,
+                     num_steps, temperature, top_p, return_logits):
+        """``num_steps`` decode steps on the device. Returns per-step tokens (-1 where a row emitted
+        nothing), per-step ``was_active``, optional logits, the new state and caches."""
+        self.num_compiles += 1
+        batch = state.tokens.shape[0]
+        rows = jnp.arange(batch, dtype=jnp.int32)
+
+        def step(i, carry):
+            s, caches, out_tokens, out_active, out_logits = carry
+            fed = jnp.where(s.active, s.positions, -1)  # -1 → PAD slot: padding rows write nothing
+            metadata = AttentionMetadata(
+                slot_mapping=slot_mapping_from_positions(block_tables, rows, fed, self.block_size),
+                seq_lens=jnp.where(s.active, s.positions + 1, 1).astype(jnp.int32),
+                block_tables=block_tables,
+                query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32),
+                max_query_len=1,
+                max_seq_len=block_tables.shape[1] * self.block_size)
+            logits, caches = self.model_fn(params, s.tokens, jnp.maximum(fed, 0), caches, metadata, rows)
+            new = sample_tokens(logits, jax.random.fold_in(s.key, i), temperature=temperature,
+                                top_p=top_p)
+            is_stop = jnp.isin(new, stop_token_ids)
+            emit = s.active & ~is_stop
+            positions = s.positions + emit
+            remaining = s.remaining - emit
+            s_next = DecodeState(
+                tokens=jnp.where(emit, new, s.tokens), positions=positions, remaining=remaining,
+                active=emit & (remaining > 0) & (positions + 1 < self.max_model_len),
+                stopped=s.stopped | (s.active & is_stop), key=s.key)
+            out_tokens = out_tokens.at[i].set(jnp.where(emit, new, -1))
+            out_active = out_active.at[i].set(s.active)
+            if return_logits:
+                out_logits = out_logits.at[i].set(logits)
+            return s_next, caches, out_tokens, out_active, out_logits
+
+        out_tokens = jnp.full((num_steps, batch), -1, jnp.int32)
+        out_active = jnp.zeros((num_steps, batch), bool)
+        out_logits = jnp.zeros((0,), jnp.float32)
+        if return_logits:
+            vocab = jax.eval_shape(lambda: self.model_fn(
+                params, state.tokens, state.positions, kv_caches,
+                _dummy_metadata(block_tables, self.block_size), rows)[0]).shape[-1]
+            out_logits = jnp.zeros((num_steps, batch, vocab), jnp.float32)
+        state, kv_caches, out_tokens, out_active, out_logits = lax.fori_loop(
+            0, num_steps, step, (state, kv_caches, out_tokens, out_active, out_logits))
+        key = jax.random.fold_in(state.key, num_steps)
+        state = dataclasses.replace(state, key=key)
+        return out_tokens, out_active, (out_logits if return_logits else None), state, kv_caches
 
     # -- admission -------------------------------------------------------------------------------
     def _check_prompts(self, prompts: list[list[int]], sampling: SamplingParams) -> list[int]:
@@ -142,52 +232,58 @@ class Engine:
             if len(p) >= self.max_model_len:
                 raise ValueError(f"prompts[{i}] has {len(p)} tokens; max_model_len={self.max_model_len} "
                                  "leaves no room to generate")
-            final_len = min(len(p) + sampling.max_new_tokens, self.max_model_len)
-            need.append(-(-final_len // self.block_size))
+            need.append(-(-self._final_len(len(p), sampling) // self.block_size))
         if sum(need) > self.allocator.num_free_blocks:
             raise ValueError(f"the batch needs {sum(need)} blocks (prompt + max_new_tokens), the cache has "
                              f"{self.allocator.num_free_blocks} free of {self.allocator.num_blocks}")
         return need
 
-    # -- one step --------------------------------------------------------------------------------
-    def _run(self, input_ids, positions, metadata: AttentionMetadata, logits_indices, key,
-             sampling: SamplingParams, return_logits: bool):
-        tokens, logits, self.kv_caches = self._step(
-            self.params, self.kv_caches, jnp.asarray(input_ids, jnp.int32),
-            jnp.asarray(positions, jnp.int32), metadata, jnp.asarray(logits_indices, jnp.int32), key,
-            temperature=float(sampling.temperature), top_p=float(sampling.top_p),
-            return_logits=return_logits)
-        return np.asarray(tokens), logits
+    def _final_len(self, prompt_len: int, sampling: SamplingParams) -> int:
+        return min(prompt_len + sampling.max_new_tokens, self.max_model_len)
 
+    def _table(self, rows: list[list[int]], batch: int) -> np.ndarray:
+        t = np.zeros((batch, self.max_num_blocks_per_seq), np.int32)
+        for r, b in enumerate(rows):
+            t[r, :len(b)] = b
+        return t
+
+    # -- generation ------------------------------------------------------------------------------
     def generate(self, prompts: list[list[int]], sampling: SamplingParams, *,
                  return_logits: bool = False) -> tuple[list[Completion], GenerationStats]:
         """Generate a completion for every prompt.
+
+        Every sequence's blocks for its whole generation (prompt + ``max_new_tokens``, capped at
+        ``max_model_len``) are reserved at admission, so a batch that is admitted cannot run out of
+        blocks; they are freed when the call returns.
 
         Raises:
             ValueError: empty prompt list or prompt, a prompt of ``>= max_model_len`` tokens, or a batch
                 the cache cannot hold to its end; raised before any work, nothing is allocated.
         """
-        self._check_prompts(prompts, sampling)
+        need = self._check_prompts(prompts, sampling)
         num_seqs = len(prompts)
         batch = _next_pow2(num_seqs)
-        width = self.max_num_blocks_per_seq
         bs = self.block_size
-        key = jax.random.key(sampling.seed)
         stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
-        done = [Completion(list(p), []) for p in prompts]
-        tokens = [list(p) for p in prompts]
-        blocks = [self.allocator.allocate(-(-len(p) // bs)) for p in prompts]
+        blocks = [self.allocator.allocate(n) for n in need]
+        try:
+            return self._generate(prompts, sampling, return_logits, batch, blocks, stats)
+        finally:
+            for b in blocks:
+                self.allocator.free(b)
 
-        def table(rows):
-            t = np.zeros((len(rows), width), np.int32)
-            for r, b in enumerate(rows):
-                t[r, :len(b)] = b
-            return t
+    def _generate(self, prompts, sampling, return_logits, batch, blocks, stats):
+        num_seqs = len(prompts)
+        done = [Completion(list(p), []) for p in prompts]
+        key = jax.random.key(sampling.seed)
+        flags = dict(temperature=float(sampling.temperature), top_p=float(sampling.top_p),
+                     return_logits=return_logits)
+        table = self._table(blocks, batch)
 
         # ---- prefill: every prompt in one step ----
         lens = np.array([len(p) for p in prompts])
         num_tokens = int(lens.sum())
-        md = build_attn_metadata(table(blocks), np.zeros(num_seqs), lens, bs,
+        md = build_attn_metadata(table[:num_seqs], np.zeros(num_seqs), lens, self.block_size,
                                  num_seqs_padded=batch, num_tokens_padded=_next_pow2(num_tokens, 16),
                                  max_query_len=_next_pow2(int(lens.max())))
         ids = np.zeros(md.slot_mapping.shape[0], np.int32)
@@ -198,56 +294,72 @@ class Engine:
         last[:num_seqs] = np.cumsum(lens) - 1
         key, sub = jax.random.split(key)
         t0 = time.perf_counter()
-        new, logits = self._run(ids, pos, md, last, sub, sampling, return_logits)
+        first, logits, self.kv_caches = self._prefill(
+            self.params, self.kv_caches, jnp.asarray(ids), jnp.asarray(pos), md, jnp.asarray(last), sub,
+            **flags)
+        first = np.asarray(first)
         stats.prefill_s = time.perf_counter() - t0
         if return_logits:
             stats.step_logits.append(np.asarray(logits)[:num_seqs])
 
-        active = list(range(num_seqs))
-
-        def accept(s, token):
-            if token in sampling.stop_token_ids:
+        # the first token is sampled by the prefill; the device loop takes it from there
+        stop = np.array(sorted(sampling.stop_token_ids) or [-1], np.int32)
+        first_stops = np.isin(first[:num_seqs], stop)
+        for s in range(num_seqs):
+            if first_stops[s]:
                 done[s].finish_reason = "stop"
             else:
-                tokens[s].append(int(token))
-                done[s].token_ids.append(int(token))
-                if len(done[s].token_ids) >= sampling.max_new_tokens or len(tokens[s]) >= self.max_model_len:
-                    done[s].finish_reason = "length"
-            if done[s].finish_reason is not None:
-                self.allocator.free(blocks[s])
-                blocks[s] = []
-                return False
-            return True
+                done[s].token_ids.append(int(first[s]))
+        remaining = np.zeros(batch, np.int32)
+        remaining[:num_seqs] = sampling.max_new_tokens - 1
+        positions = np.zeros(batch, np.int32)
+        positions[:num_seqs] = lens
+        active = np.zeros(batch, bool)
+        active[:num_seqs] = ~first_stops & (remaining[:num_seqs] > 0) & (lens + 1 < self.max_model_len)
+        state = DecodeState(tokens=jnp.asarray(np.where(np.arange(batch) < num_seqs,
+                                                        np.resize(first, batch), 0).astype(np.int32)),
+                            positions=jnp.asarray(positions), remaining=jnp.asarray(remaining),
+                            active=jnp.asarray(active), stopped=jnp.asarray(np.zeros(batch, bool)),
+                            key=key)
+        tables, stop = jnp.asarray(table), jnp.asarray(stop)
 
-        active = [s for s in active if accept(s, new[s])]
-
-        # ---- decode: one new token per active sequence per step ----
-        while active:
-            ctx = np.array([len(tokens[s]) - 1 for s in active])
-            for s in active:  # a block for the incoming token's position when the last one is full
-                if len(tokens[s]) > len(blocks[s]) * bs:
-                    blocks[s] += self.allocator.allocate(1)
-            md = build_attn_metadata(table([blocks[s] for s in active]), ctx, np.ones(len(active)), bs,
-                                     num_seqs_padded=batch, num_tokens_padded=batch, max_query_len=1)
-            ids = np.zeros(batch, np.int32)
-            ids[:len(active)] = [tokens[s][-1] for s in active]
-            pos = np.zeros(batch, np.int32)
-            pos[:len(active)] = ctx
-            key, sub = jax.random.split(key)
+        # ---- decode: steps_per_sync steps per host round trip ----
+        chunk = 0
+        while active.any():
             t0 = time.perf_counter()
-            new, logits = self._run(ids, pos, md, np.arange(batch), sub, sampling, return_logits)
+            out_tokens, was_active, logits, state, self.kv_caches = self._decode(
+                self.params, self.kv_caches, state, tables, stop, num_steps=self.steps_per_sync, **flags)
+            out_tokens, was_active = np.asarray(out_tokens), np.asarray(was_active)
+            active = np.asarray(state.active)
             dt = time.perf_counter() - t0
-            if stats.decode_steps == 0:
+            emitted = int((out_tokens[:, :num_seqs] >= 0).sum())
+            if chunk == 0:
                 stats.first_decode_s = dt
             else:
                 stats.decode_s += dt
-                stats.decode_tokens += len(active)
-            stats.decode_steps += 1
+                stats.decode_steps += self.steps_per_sync
+                stats.decode_tokens += emitted
+            chunk += 1
+            for s in range(num_seqs):
+                done[s].token_ids.extend(int(t) for t in out_tokens[:, s] if t >= 0)
             if return_logits:
-                full = np.full((num_seqs, logits.shape[-1]), np.nan, np.float32)
-                full[active] = np.asarray(logits)[:len(active)]
-                stats.step_logits.append(full)
-            active = [s for r, s in enumerate(active) if accept(s, new[r])]
+                logits = np.asarray(logits)
+                for i in range(self.steps_per_sync):
+                    if was_active[i, :num_seqs].any():
+                        stats.step_logits.append(
+                            np.where(was_active[i, :num_seqs, None], logits[i, :num_seqs], np.nan))
 
+        stopped = np.asarray(state.stopped)
+        for s in range(num_seqs):
+            if done[s].finish_reason is None:
+                done[s].finish_reason = "stop" if stopped[s] else "length"
         stats.generated_tokens = sum(len(c.token_ids) for c in done)
         return done, stats
+
+
+def _dummy_metadata(block_tables, block_size) -> AttentionMetadata:
+    batch = block_tables.shape[0]
+    return AttentionMetadata(
+        slot_mapping=jnp.full((batch,), -1, jnp.int32), seq_lens=jnp.ones((batch,), jnp.int32),
+        block_tables=block_tables, query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32),
+        max_query_len=1, max_seq_len=block_tables.shape[1] * block_size)

@@ -175,8 +175,8 @@ class DecodeGraphState:
         ValueError: a non-positive size, or ``max_seq_len_to_capture`` above the table's capacity.
     """
 
-    def __init__(self, *, block_size: int, max_num_blocks_per_seq: int, max_seq_len_to_capture: int | None = None,
-                 max_num_cross_blocks: int | None = None):
+    def __init__(self, *, block_size: int, max_num_blocks_per_seq: int,
+                 max_seq_len_to_capture: int | None = None, max_num_cross_blocks: int | None = None):
         for name, value in (("block_size", block_size), ("max_num_blocks_per_seq", max_num_blocks_per_seq)):
             if not isinstance(value, (int, np.integer)) or value < 1:
                 raise ValueError(f"{name}={value!r} must be a positive int")
@@ -240,7 +240,8 @@ class DecodeGraphState:
         del batch_size
         if not self._is_graph_capturing:
             raise RuntimeError("graph_clone is only valid inside graph_capture")
-        return DecodeGraphState(block_size=self.block_size, max_num_blocks_per_seq=self.max_num_blocks_per_seq,
+        return DecodeGraphState(block_size=self.block_size,
+                                max_num_blocks_per_seq=self.max_num_blocks_per_seq,
                                 max_seq_len_to_capture=self.max_seq_len_to_capture,
                                 max_num_cross_blocks=self.max_num_cross_blocks)
 

@@ -15,9 +15,13 @@ Conventions (shared by the write op, the reference attention and the Pallas kern
   (shape ``()``; ``(1,)`` is accepted), finite and ``> 0``. The meaning of a scale is
   ``real_value ≈ stored_value * scale``:
 
-  - write (quantise): ``stored = cast_fp8(clip(x.astype(f32) / scale, -fp8_max, +fp8_max))``,
-    rounding to nearest even; values beyond the fp8 range saturate to ``±fp8_max`` (never ``inf`` or
-    NaN); NaN inputs stay NaN.
+  - write (quantise): ``stored = cast_fp8(clip(x.astype(f32) * inv_scale, -fp8_max, +fp8_max))``
+    with ``inv_scale = f32(1) / scale`` (one float32 division), rounding to nearest even; values
+    beyond the fp8 range saturate to ``±fp8_max`` (never ``inf`` or NaN); NaN inputs stay NaN. The
+    division is written as a multiplication by the reciprocal on purpose: XLA rewrites
+    ``x / broadcast(scale)`` into exactly that in vectorised code, so spelling it out makes every
+    backend and every array size round identically (a true ``x / scale`` differs by at most one
+    float32 ulp, which only matters for values on an fp8 rounding tie).
   - read (dequantise): ``x = stored.astype(f32) * scale`` then cast to the compute dtype. A kernel may
     equivalently fold ``k_scale`` into the softmax scale (``q·k * sm_scale * k_scale``) and multiply
     the attention output by ``v_scale`` (``sum_j p_j * v_j * v_scale``).
@@ -149,9 +153,9 @@ def quantize_to_cache(x: jax.Array, scale, cache_dtype) -> jax.Array:
             ``x.dtype``).
 
     Returns:
-        ``cache_dtype[...]``, same shape as ``x``: for fp8, ``x.astype(f32) / scale`` clipped to
-        ``±fp8_max(cache_dtype)`` and rounded to nearest even (out-of-range values saturate; NaN stays
-        NaN); otherwise ``x.astype(cache_dtype)``.
+        ``cache_dtype[...]``, same shape as ``x``: for fp8, ``x.astype(f32) * (f32(1) / scale)``
+        clipped to ``±fp8_max(cache_dtype)`` and rounded to nearest even (out-of-range values
+        saturate; NaN stays NaN); otherwise ``x.astype(cache_dtype)``.
 
     Raises:
         ValueError: unknown ``cache_dtype`` string; fp8 with a missing or invalid ``scale``.
@@ -161,7 +165,8 @@ def quantize_to_cache(x: jax.Array, scale, cache_dtype) -> jax.Array:
         return jnp.asarray(x).astype(dtype)
     scale = check_scale(scale)
     limit = fp8_max(dtype)
-    scaled = jnp.asarray(x).astype(jnp.float32) / scale
+    inv_scale = jnp.float32(1) / scale  # see the module docstring: multiply, never x / scale
+    scaled = jnp.asarray(x).astype(jnp.float32) * inv_scale
     return jnp.clip(scaled, -limit, limit).astype(dtype)
 
 

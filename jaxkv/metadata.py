@@ -300,9 +300,14 @@ def build_attn_metadata(
             ``PAD_SLOT_ID`` (vLLM ``compute_slot_mapping_start_idx``); default ``None`` (no masking).
         is_prompt: ``bool[num_seqs]`` for the window rule; default ``context_lens == 0``.
 
+    Returns:
+        :class:`AttentionMetadata` with ``num_seqs_padded`` rows and ``num_tokens_padded`` slots,
+        ``max_seq_len = max_num_blocks_per_seq * block_size``.
+
     Raises:
-        ValueError: a query length < 1, a padded size smaller than the real one, or a block table
-            too narrow for a sequence.
+        ValueError: shapes that disagree, a query length < 1, a negative context length, a padded size
+            smaller than the real one, ``max_query_len`` below the longest query, ``sliding_window < 1``,
+            or a block table too narrow for a sequence.
     """
     block_tables = np.asarray(block_tables, np.int32)
     context_lens = np.asarray(context_lens, np.int64)
@@ -336,7 +341,8 @@ def _group_spec(group, i: int) -> tuple[tuple[str, ...], int, int | None]:
     if not names:
         raise ValueError(f"kv_cache_groups[{i}].layer_names=() names no layer")
     if not isinstance(block_size, (int, np.integer)) or block_size < 1:
-        raise ValueError(f"kv_cache_groups[{i}].kv_cache_spec.block_size={block_size!r} must be a positive int")
+        raise ValueError(f"kv_cache_groups[{i}].kv_cache_spec.block_size={block_size!r} must be a "
+                         "positive int")
     if window is not None and window < 1:
         raise ValueError(f"kv_cache_groups[{i}].kv_cache_spec.sliding_window={window!r} must be >= 1 or None")
     return names, int(block_size), window

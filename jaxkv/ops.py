@@ -39,7 +39,7 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
 
     fp8 cache (``kv_cache.dtype`` is ``float8_e4m3fn`` or ``float8_e5m2``, i.e. vLLM's
     ``kv_cache_dtype != "auto"``): keys are stored as ``quantize_to_cache(key, k_scale, dtype)`` and
-    values as ``quantize_to_cache(value, v_scale, dtype)`` (``x / scale``, saturated to the fp8 range;
+    values as ``quantize_to_cache(value, v_scale, dtype)`` (``x * (1 / scale)``, saturated to the fp8 range;
     see :mod:`jaxkv.kv_cache_dtype`). For any other cache dtype the scales are ignored, as vLLM ignores
     them for ``"auto"``.
 

@@ -26,10 +26,11 @@ def _tiny_model(seed=0):
     return model
 
 
-def _engine(model, impl, *, num_blocks=32, block_size=8, max_model_len=64):
+def _engine(model, impl, *, num_blocks=32, block_size=8, max_model_len=64, steps_per_sync=1):
     _, caches = models.init_kv_caches(TINY, block_size=block_size, dtype=jnp.float32, num_blocks=num_blocks)
     params, fn = models.make_model_fn(model, attention_impl=impl)
-    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=max_model_len)
+    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
+                        steps_per_sync=steps_per_sync)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
@@ -108,3 +109,39 @@ def test_donation_keeps_the_cache_in_place():
     ptr = eng.kv_caches[0].unsafe_buffer_pointer()
     eng.generate([[1, 2, 3]], jaxkv.SamplingParams(max_new_tokens=3))
     assert eng.kv_caches[0].unsafe_buffer_pointer() == ptr
+
+
+def test_multi_step_device_loop_equals_one_step_per_sync():
+    """steps_per_sync=5 (device loop) gives the same tokens, stops and logits as one step per sync."""
+    model = _tiny_model(5)
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (2, 7, 4)]
+    base, base_stats = _engine(model, "reference").generate(
+        prompts, jaxkv.SamplingParams(max_new_tokens=11), return_logits=True)
+    stop = base[1].token_ids[3]
+    sampling = jaxkv.SamplingParams(max_new_tokens=11, stop_token_ids=frozenset({stop}))
+    one, _ = _engine(model, "reference").generate(prompts, sampling)
+    eng = _engine(model, "reference", steps_per_sync=5)
+    many, stats = eng.generate(prompts, sampling, return_logits=True)
+    assert [c.token_ids for c in many] == [c.token_ids for c in one]
+    assert [c.finish_reason for c in many] == [c.finish_reason for c in one]
+    assert many[1].finish_reason == "stop" and len(many[1].token_ids) <= 3
+    # logits of the steps where a row was active match the single-step run's
+    for step, logits in enumerate(stats.step_logits[:4]):
+        for r in range(3):
+            if not np.isnan(logits[r]).any():
+                np.testing.assert_allclose(logits[r], base_stats.step_logits[step][r], rtol=1e-5, atol=1e-5)
+    assert eng.num_compiles == 2  # prefill + decode loop
+    eng.generate(prompts, jaxkv.SamplingParams(max_new_tokens=3), return_logits=True)
+    assert eng.num_compiles == 2 and eng.allocator.num_free_blocks == eng.allocator.num_blocks
+
+
+def test_sampling_with_temperature_is_reproducible_and_varies_with_seed():
+    model = _tiny_model(6)
+    eng = _engine(model, "reference", steps_per_sync=4)
+    prompts = [[1, 2, 3], [4, 5]]
+    a, _ = eng.generate(prompts, jaxkv.SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+    b, _ = eng.generate(prompts, jaxkv.SamplingParams(max_new_tokens=12, temperature=1.0, seed=1))
+    c, _ = eng.generate(prompts, jaxkv.SamplingParams(max_new_tokens=12, temperature=1.0, seed=2))
+    assert [x.token_ids for x in a] == [x.token_ids for x in b]
+    assert [x.token_ids for x in a] != [x.token_ids for x in c]
