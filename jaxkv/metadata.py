@@ -63,6 +63,9 @@ def _attn_type(attn_type) -> AttentionType:
 class AttentionMetadata:
     """A batch's attention metadata (pytree: arrays are leaves, maxima are static).
 
+    vLLM: a backend's ``AttentionMetadata`` (decoder fields; one static ``max_seq_len`` bound stands for
+    ``max_prefill_seq_len`` / ``max_decode_seq_len``).
+
     Attributes:
         slot_mapping: ``int32[num_tokens]`` cache slot of each new token, ``PAD_SLOT_ID`` for padding.
         seq_lens: ``int32[num_seqs]`` cached + new tokens of each sequence.

@@ -219,6 +219,8 @@ def slot_mapping_from_positions(block_tables: jax.Array, seq_ids: jax.Array, pos
                                 block_size: int) -> jax.Array:
     """Device-side slot mapping (jnp): the slot of token ``i`` of sequence ``seq_ids[i]``.
 
+    vLLM: v1 ``BlockTable.compute_slot_mapping`` (no counterpart in the v0 utils of seed 001).
+
     Args:
         block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``.
         seq_ids: ``int32[num_tokens]`` row of ``block_tables`` of each token.

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import statistics
 import sys
 import time
@@ -23,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.tuning import decode_num_splits
 
 GRID = [(1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 1024), (64, 4096), (256, 1024), (256, 4096)]
 NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, BLOCK_SIZE, DTYPE = 32, 8, 128, 16, jnp.bfloat16
@@ -52,7 +54,7 @@ def _timer():
             jax.block_until_ready(fn(*inputs[0]))
             with profile(activities=[ProfilerActivity.CUDA]) as prof:
                 outs = [fn(*inputs[i % len(inputs)]) for i in range(iters)]
-                jax.block_until_ready(outs)
+                jax.block_until_ready(outs[-1])  # one stream: the last call ends after the others
             total_us = sum(e.device_time_total for e in prof.key_averages() if e.device_time_total > 0)
             if total_us == 0:
                 raise RuntimeError("CUPTI recorded no kernel: rerun without torch for wall-clock timing")
@@ -81,9 +83,10 @@ def _to_jax_layout(q, kv, tables, lens):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mode", choices=("decode",), default="decode")
+    p.add_argument("--mode", choices=("decode", "write"), default="decode")
     p.add_argument("--quick", action="store_true", help="fewer variants")
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--json", default=None, help="also write the GB/s table here (for plots)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_attention needs a GPU", file=sys.stderr)
@@ -102,10 +105,14 @@ def main(argv=None) -> int:
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  timing: {how}")
     print(f"copy bandwidth (read+write): {copy_gbs:.0f} GB/s")
 
-    ours = {"ours auto": dict(), "ours s=1 p=8": dict(num_splits=1, pages_per_compute_block=8)}
+    if args.mode == "write":
+        return bench_write(time_calls, copy_gbs)
+
+    ours = {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick:
-        ours.update({f"ours s={s} p={pp}": dict(num_splits=s, pages_per_compute_block=pp)
-                     for s in (4, 16) for pp in (4, 8)})
+        ours.update({f"ours w{w} st{st} p{pp}": dict(num_warps=w, num_stages=st, pages_per_compute_block=pp)
+                     for w, st, pp in ((8, 2, 8), (4, 3, 8), (8, 3, 8), (4, 2, 16))})
+        ours["ours splits x2"] = dict(splits_factor=2)
     peers = {"jax default": dict()}
     if not args.quick:
         peers.update({f"jax k={k} p={pp}": dict(k_splits=k, pages_per_compute_block=pp)
@@ -119,7 +126,12 @@ def main(argv=None) -> int:
         ref = paged_attention_reference(*(a.astype(jnp.float32) if a.dtype == DTYPE else a
                                           for a in inputs[0]), scale=scale) if batch * ctx <= 2**18 else None
         results = {}
-        variants = [(n, functools.partial(paged_attention, scale=scale, **kw), inputs) for n, kw in ours.items()]
+        variants = []
+        for n, kw in ours.items():
+            kw = dict(kw)
+            if "splits_factor" in kw:
+                kw["num_splits"] = kw.pop("splits_factor") * decode_num_splits(batch, NUM_KV_HEADS, ctx // BLOCK_SIZE)
+            variants.append((n, functools.partial(paged_attention, scale=scale, **kw), inputs))
         jax_inputs = [_to_jax_layout(*s) for s in inputs]
         # JAX's kernel applies no softmax scale: the caller scales q (one tiny fused op, timed too)
         variants += [(n, jax.jit(lambda q, *rest, kw=kw: jax_pa.paged_attention(q * scale, *rest, **kw)),
@@ -137,18 +149,59 @@ def main(argv=None) -> int:
                     raise SystemExit(f"{name} {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
             t = statistics.median(time_calls(fn, ins, args.iters))
             results[name] = kv_bytes / t / 1e9
+        # fp8 (e4m3) cache, scales 1: bandwidth counted in fp8 bytes (half of bf16's)
+        fp8_inputs = [(q, kv.astype(jnp.float8_e4m3fn), t, l) for q, kv, t, l in inputs]
+        fp8_fn = functools.partial(paged_attention, scale=scale, k_scale=1.0, v_scale=1.0)
+        if ref is not None:
+            q, kv8, t, l = fp8_inputs[0]
+            ref8 = paged_attention_reference(q.astype(jnp.float32), kv8.astype(jnp.float32), t, l, scale=scale)
+            err = float(jnp.abs(fp8_fn(*fp8_inputs[0]).astype(jnp.float32) - ref8).max() / jnp.abs(ref8).max())
+            if not err < 2e-2:
+                raise SystemExit(f"ours fp8 {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
+        t8 = statistics.median(time_calls(fp8_fn, fp8_inputs, args.iters))
+        results["ours fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
         rows.append((batch, ctx, results))
-        best_ours = max((v for k, v in results.items() if k.startswith("ours") and v), default=0)
+        best_ours = max((v for k, v in results.items() if k.startswith("ours") and "fp8" not in k and v),
+                        default=0)
         best_jax = max((v for k, v in results.items() if k.startswith("jax") and v), default=0)
-        print(f"batch {batch:>3} ctx {ctx:>5}: ours auto {100 * results['ours auto'] / copy_gbs:5.1f}% "
+        print(f"batch {batch:>3} ctx {ctx:>5}: fp8 {100 * results['ours fp8 (fp8 bytes)'] / copy_gbs:5.1f}% | ours auto {100 * results['ours auto'] / copy_gbs:5.1f}% "
               f"best {100 * best_ours / copy_gbs:5.1f}% | jax default {100 * (results['jax default'] or 0) / copy_gbs:5.1f}% "
               f"best {100 * best_jax / copy_gbs:5.1f}%  (% of copy bandwidth)", flush=True)
 
-    names = list(ours) + list(peers)
-    print("\nGB/s per kernel variant")
-    print("batch   ctx " + " ".join(f"{n:>15}" for n in names))
-    for batch, ctx, res in rows:
-        print(f"{batch:>5} {ctx:>5} " + " ".join(f"{res[n]:>15.0f}" if res.get(n) else f"{'-':>15}" for n in names))
+    names = list(ours) + ["ours fp8 (fp8 bytes)"] + list(peers)
+    print("\nGB/s per kernel variant (rows: batch, ctx)")
+    for name in names:
+        print(f"{name:>22} " + " ".join(f"{res[name]:>6.0f}" if res.get(name) else f"{'-':>6}"
+                                       for _, _, res in rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"copy_gbs": copy_gbs, "device": jax.devices()[0].device_kind,
+                       "rows": [{"batch": b, "ctx": c, "gbs": r} for b, c, r in rows]}, f, indent=1)
+    return 0
+
+
+def bench_write(time_calls, copy_gbs) -> int:
+    """The write path (XLA scatter, cache donated): time per call must not grow with num_blocks."""
+    from jaxkv.ops import write_to_paged_cache
+    print("write_to_paged_cache (XLA scatter under donation), SmolLM2-like layer: 3 KV heads, D 64, bf16")
+    print(f"{'tokens':>6} {'num_blocks':>10} {'cache MB':>9} {'us/call':>8} {'written GB/s':>12}")
+    step = jax.jit(write_to_paged_cache, donate_argnums=0)
+    for num_tokens in (64, 4096):
+        for num_blocks in (4096, 16384, 65536):
+            kv = jnp.zeros((2, num_blocks, 3, BLOCK_SIZE, 64), jnp.bfloat16)
+            key = jax.random.normal(jax.random.key(1), (num_tokens, 3, 64), jnp.bfloat16)
+            slots = jnp.asarray(np.random.default_rng(0).permutation(num_blocks * BLOCK_SIZE)[:num_tokens]
+                                .astype(np.int32))
+            state = {"kv": kv}
+
+            def call(k, v, s):
+                state["kv"] = step(state["kv"], k, v, s)
+                return state["kv"]
+            t = statistics.median(time_calls(call, [(key, key, slots)], 20))
+            written = 2 * num_tokens * 3 * 64 * 2
+            print(f"{num_tokens:>6} {num_blocks:>10} {kv.nbytes / 1e6:>9.0f} {t * 1e6:>8.1f} "
+                  f"{written / t / 1e9:>12.1f}", flush=True)
+            del kv, state
     return 0
 
 

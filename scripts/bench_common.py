@@ -1,0 +1,14 @@
+"""Inputs shared by the decode benchmarks (ours and the transformers baseline), so both see the same tokens."""
+
+from __future__ import annotations
+
+_TEXT = ("The history of the city of Paris begins with a small settlement on an island in the Seine river, "
+         "where a Celtic tribe called the Parisii lived and traded. ") * 4
+
+
+def decode_prompts(tok, batch: int, length: int) -> list[list[int]]:
+    """``batch`` prompts of exactly ``length`` tokens (shifted windows of one English text)."""
+    base = tok.encode(_TEXT)
+    if length + 7 > len(base):
+        raise ValueError(f"length={length} exceeds the benchmark text ({len(base) - 7} tokens)")
+    return [base[i % 7: i % 7 + length] for i in range(batch)]

@@ -1,0 +1,107 @@
+"""SmolLM2 decode-step benchmark through jaxkv (GPU): ms/step and tokens/s by batch and steps per sync.
+
+    python scripts/bench_decode.py [--gguf PATH] [--batches 1,8,64] [--new-tokens 128]
+
+For each batch size and ``steps_per_sync`` (1 = a host round trip per step; 16 = a device loop of 16
+steps) it generates ``--new-tokens`` tokens per sequence with no stop token and reports the median over
+repeats of the decode wall time per step (first chunk, which compiles, excluded). It also re-runs one
+configuration with 4x the cache capacity (``num_blocks``) to check that step time does not depend on it
+(the cache is donated and updated in place), and, when torch is importable, reads the device time of one
+decode chunk with CUPTI and lists the kernels that take it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+
+import jax
+import jax.numpy as jnp
+
+import jaxkv
+import models
+from bench_common import decode_prompts
+
+
+def run_one(config, model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
+            impl, repeats=3):
+    max_model_len = prompt_len + new_tokens
+    blocks_per_seq = -(-max_model_len // 16)
+    _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.bfloat16,
+                                      num_blocks=blocks_per_seq * batch * capacity_factor)
+    params, fn = models.make_model_fn(model, attention_impl=impl)
+    engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=max_model_len,
+                          steps_per_sync=steps_per_sync)
+    prompts = decode_prompts(tok, batch, prompt_len)
+    sampling = jaxkv.SamplingParams(max_new_tokens=new_tokens)
+    times, outs = [], None
+    for _ in range(repeats):
+        outs, stats = engine.generate(prompts, sampling)
+        times.append(stats.decode_ms_per_step)
+    return statistics.median(times), engine, prompts, outs
+
+
+def cupti_breakdown(engine, prompts, new_tokens):
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    sampling = jaxkv.SamplingParams(max_new_tokens=new_tokens)
+    engine.generate(prompts, sampling)  # warm
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _, stats = engine.generate(prompts, sampling)
+    steps = new_tokens  # prefill + decode steps of the profiled call (padding steps included)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total_us = sum(e.device_time_total for e in events)
+    top = sorted(events, key=lambda e: -e.device_time_total)[:8]
+    return total_us / steps, [(e.key[:60], e.device_time_total / steps, e.count // max(steps, 1))
+                              for e in top]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gguf", default=None)
+    p.add_argument("--batches", default="1,8,64")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--steps-per-sync", default="1,16")
+    p.add_argument("--attention-impl", default=None)
+    args = p.parse_args(argv)
+    impl = args.attention_impl or jaxkv.default_attention_impl()
+    path = args.gguf or models.find_smollm2_gguf()
+    config, weights = models.load_llama_gguf(path, progress=False)
+    tok = models.GGUFTokenizer.from_gguf(path)
+    model = models.from_weights(config, weights, dtype=jnp.bfloat16)
+    print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  attention={impl}  bf16  "
+          f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, no stop token")
+    print(f"{'batch':>5} {'steps/sync':>10} {'ms/step':>8} {'tok/s':>9}")
+    rows = {}
+    for batch in map(int, args.batches.split(",")):
+        for sps in map(int, args.steps_per_sync.split(",")):
+            ms, engine, prompts, outs = run_one(config, model, tok, batch=batch, new_tokens=args.new_tokens,
+                                                steps_per_sync=sps, prompt_len=args.prompt_len, impl=impl)
+            rows[batch, sps] = (ms, engine, prompts, outs)
+            print(f"{batch:>5} {sps:>10} {ms:>8.3f} {batch * 1e3 / ms:>9.0f}", flush=True)
+    batch, sps = max(rows)[0], max(map(int, args.steps_per_sync.split(",")))
+    ms4, *_ = run_one(config, model, tok, batch=batch, new_tokens=args.new_tokens, steps_per_sync=sps,
+                      prompt_len=args.prompt_len, capacity_factor=4, impl=impl)
+    print(f"capacity x4 (batch {batch}, steps/sync {sps}): {ms4:.3f} ms/step vs {rows[batch, sps][0]:.3f} "
+          f"({100 * (ms4 / rows[batch, sps][0] - 1):+.1f} %)")
+    first = rows[min(rows)][3][0]
+    print("greedy tokens, batch 1, first 16:", first.token_ids[:16])
+    for batch in sorted({b for b, _ in rows}):
+        ms, engine, prompts, _ = rows[batch, sps]
+        got = cupti_breakdown(engine, prompts, args.new_tokens)
+        if got is None:
+            break
+        per_step, top = got
+        print(f"CUPTI batch {batch}, steps/sync {sps}: {per_step / 1e3:.3f} ms device time per step "
+              f"(wall {ms:.3f} ms); top kernels (µs/step, launches/step):")
+        for name, us, count in top:
+            print(f"    {us:8.1f}  {count:3d}  {name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
