@@ -407,9 +407,10 @@ def unique_kv_caches(caches: Sequence[jax.Array]) -> tuple[tuple[jax.Array, ...]
     """Distinct arrays of a cache list (by identity) and, per position, the index of its array.
 
     JAX refuses to donate one buffer twice in a call, so a list whose entries share an array (KV-sharing
-    layers, layers of one ``KVCacheTensor``) is donated as ``buffers`` and rebuilt inside the step as
-    ``[buffers[j] for j in index]``. vLLM: the de-duplication by ``data_ptr`` of
-    ``copy_kv_cache_blocks_inplace``.
+    layers, layers of one ``KVCacheTensor``) is donated as ``buffers``. Inside the step, layer ``i``
+    reads and writes ``buffers[index[i]]`` and puts its updated array back there, so layers that share
+    an array see each other's writes (hybrid groups write disjoint blocks of it; KV-sharing layers only
+    read). vLLM: the de-duplication by ``data_ptr`` of ``copy_kv_cache_blocks_inplace``.
 
     Returns:
         ``(buffers, index)`` with ``caches[i] is buffers[index[i]]``.

@@ -86,15 +86,17 @@ def _paged_attention_kernel(
         token = (partition_start + local_page) * block_size + jnp.arange(block_k)
         valid = (token < seq_len) & (token >= window_start)  # [block_k]
         # Masked gathers: slots that are not visible (past seq_len, outside the window, pages the
-        # sequence does not own) are never read from memory and load as 0 (no NaN can leak in).
-        block_ids = jnp.clip(jnp.where(valid.reshape(ppcb, block_size).any(axis=1), block_ids, 0),
-                             0, num_blocks - 1)
+        # sequence does not own) are never read from memory.
+        page = partition_start + local_page + jnp.arange(ppcb)
+        page_visible = (page < num_pages) & (page >= window_start // block_size)
+        block_ids = jnp.clip(jnp.where(page_visible, block_ids, 0), 0, num_blocks - 1)
         index = (block_ids[:, None, None], *offsets)
         mask = jnp.broadcast_to(valid.reshape(ppcb, block_size, 1), (ppcb, block_size, head_size))
-        k = plgpu.load(k_cache_ref.at[index], mask=mask, other=0).reshape(block_k, head_size)
-        v = plgpu.load(v_cache_ref.at[index], mask=mask, other=0).reshape(block_k, head_size)
-        if k.dtype != q.dtype:  # fp8 cache: dequantise in registers; the scales apply below
-            k, v = k.astype(q.dtype), v.astype(q.dtype)
+        k = plgpu.load(k_cache_ref.at[index], mask=mask).astype(q.dtype)  # fp8 → q.dtype in registers
+        v = plgpu.load(v_cache_ref.at[index], mask=mask).astype(q.dtype)  # (the scales apply below)
+        # masked lanes are undefined after a masked load: zero them (0 * NaN would poison p @ v)
+        k = jnp.where(mask, k, 0).reshape(block_k, head_size)
+        v = jnp.where(mask, v, 0).reshape(block_k, head_size)
 
         logits = _dot(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[block_h, block_k]
         if logits_soft_cap is not None:
@@ -280,7 +282,7 @@ def paged_attention(
     alibi_slopes: jax.Array | None = None,
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
-    pages_per_compute_block: int = tuning.DECODE_PAGES_PER_COMPUTE_BLOCK,
+    pages_per_compute_block: int | None = None,
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
@@ -312,7 +314,8 @@ def paged_attention(
         alibi_slopes: ``f32[num_heads]`` or ``None``.
         sliding_window: window in tokens, the current token included (static), or ``None``.
         logits_soft_cap: soft cap of the logits (static), or ``None``.
-        pages_per_compute_block: blocks loaded per inner-loop step (static).
+        pages_per_compute_block: blocks loaded per inner-loop step (static); ``None`` picks
+            :func:`pallas_kernels.tuning.decode_pages_per_compute_block`.
         num_splits: context partitions per sequence (static); 1 is vLLM's v1; ``None`` picks
             :func:`pallas_kernels.tuning.decode_num_splits` from the shapes.
         num_warps, num_stages: Triton launch parameters (static).
@@ -334,6 +337,9 @@ def paged_attention(
     block_size = kv_cache.shape[3]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
+    if pages_per_compute_block is None:
+        pages_per_compute_block = tuning.decode_pages_per_compute_block(
+            block_size, q.shape[-1], jnp.dtype(kv_cache.dtype).itemsize)
     if num_splits is None:
         num_splits = tuning.decode_num_splits(q.shape[0], kv_cache.shape[2], block_tables.shape[1],
                                               pages_per_compute_block)

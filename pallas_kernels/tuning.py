@@ -8,6 +8,19 @@ from __future__ import annotations
 DECODE_TARGET_PROGRAMS = 264  # 2 x 132 SMs
 DECODE_MAX_SPLITS = 16        # the largest split count measured
 DECODE_PAGES_PER_COMPUTE_BLOCK = 8
+# One K (or V) tile of a compute block at most this many bytes: with Triton's 2-stage pipelining of the
+# masked gathers, K + V tiles x stages must fit the 227 KiB of shared memory per SM. f32 with D 128 and
+# 8 pages (64 KiB tiles) asked for 264 KiB on the H200 and failed to launch.
+DECODE_MAX_TILE_BYTES = 32 * 1024
+
+
+def decode_pages_per_compute_block(block_size: int, head_size: int, itemsize: int) -> int:
+    """Blocks per inner step: ``DECODE_PAGES_PER_COMPUTE_BLOCK``, halved until one tile fits
+    ``DECODE_MAX_TILE_BYTES`` (bf16, block 16, D 128: 8 pages = 32 KiB)."""
+    pages = DECODE_PAGES_PER_COMPUTE_BLOCK
+    while pages > 1 and pages * block_size * head_size * itemsize > DECODE_MAX_TILE_BYTES:
+        pages //= 2
+    return pages
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: int,

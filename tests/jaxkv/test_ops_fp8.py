@@ -160,3 +160,46 @@ def test_fp8_slot_past_capacity_still_rejected(rng):
     with pytest.raises(ValueError, match=rf"slot_mapping\[3\]={slots[3]}"):
         write_to_paged_cache(jnp.asarray(cache), jnp.asarray(key), jnp.asarray(value), slots,
                              k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_written_fp8_cache_reads_back_through_decode_attention(rng, dtype):
+    """Write side (this module's convention) + read side (decode reference with the same scales):
+    attention equals a float64 loop over the dequantised K/V, and approximates the unquantised one."""
+    from pallas_kernels.paged_attention import paged_attention_reference
+    block_size, num_kv_heads, head_size, num_heads = 8, 2, 16, 4
+    seq_lens = np.array([13, 8], np.int32)
+    block_tables = np.array([[4, 1], [2, 0]], np.int32)
+    num_tokens = int(seq_lens.sum())
+    cache = (rng.standard_normal((2, 5, num_kv_heads, block_size, head_size)) * 10).astype(dtype)
+    slots = np.array([block_tables[s, t // block_size] * block_size + t % block_size
+                      for s in range(2) for t in range(seq_lens[s])], np.int32)
+    key = (rng.standard_normal((num_tokens, num_kv_heads, head_size)) * 40).astype(np.float32)
+    value = (rng.standard_normal((num_tokens, num_kv_heads, head_size)) * 0.1).astype(np.float32)
+    k_scale, v_scale = 8.0, 0.0625
+    cache = write_to_paged_cache(jnp.asarray(cache), jnp.asarray(key), jnp.asarray(value),
+                                 jnp.asarray(slots), k_scale=k_scale, v_scale=v_scale)
+    q = (rng.standard_normal((2, num_heads, head_size)) * 0.05).astype(np.float32)
+    out = np.asarray(paged_attention_reference(jnp.asarray(q), cache, jnp.asarray(block_tables),
+                                               jnp.asarray(seq_lens), scale=head_size ** -0.5,
+                                               k_scale=k_scale, v_scale=v_scale), np.float64)
+
+    def attention(k_all, v_all):
+        res = np.zeros((2, num_heads, head_size))
+        start = 0
+        for s, n in enumerate(seq_lens.tolist()):
+            for h in range(num_heads):
+                k, v = k_all[start:start + n, h // 2], v_all[start:start + n, h // 2]
+                logits = k @ q[s, h].astype(np.float64) * head_size ** -0.5
+                p = np.exp(logits - logits.max())
+                res[s, h] = (p / p.sum()) @ v
+            start += n
+        return res
+
+    k_deq = quant(key, k_scale, dtype).astype(np.float64) * k_scale
+    v_deq = quant(value, v_scale, dtype).astype(np.float64) * v_scale
+    exact = attention(k_deq, v_deq)
+    assert np.abs(out - exact).max() <= 1e-5 * np.abs(exact).max()
+    approx = attention(key.astype(np.float64), value.astype(np.float64))
+    bound = 2.0**-4 if dtype == E4M3 else 2.0**-3
+    assert np.abs(out - approx).max() <= 2 * bound * np.abs(approx).max()
