@@ -3,28 +3,47 @@
 Flow of a step: the host allocates blocks (:class:`BlockAllocator`), builds block tables and slot
 mappings (:func:`build_attn_metadata`); inside ``jax.jit`` each attention layer writes its new K/V with
 :func:`write_to_paged_cache` and reads with :func:`paged_attention`; the cache is donated, so it is
-updated in place.
+updated in place. ``docs/api.md`` maps every vLLM function of the seeds to its jaxkv counterpart.
 """
 
 from jaxkv.attention import ATTENTION_IMPLS, default_attention_impl, paged_attention
-from jaxkv.backends import AttentionBackend, PallasAttentionBackend
+from jaxkv.backends import (BACKEND_NAMES, AttentionBackend, FlashAttentionBackend,
+                            FlashAttentionHNDBackend, FlashInferBackend, FlashInferHNDBackend,
+                            MLAAttentionBackend, MultipleOf, PagedAttentionLegacyBackend,
+                            PallasAttentionBackend, get_backend, reshape_and_cache_legacy, to_logical,
+                            to_physical, write_to_paged_cache_legacy)
 from jaxkv.block_allocator import BlockAllocator, OutOfBlocksError
-from jaxkv.cache import allocate_kv_cache, bind_kv_cache, extract_layer_index
-from jaxkv.engine import Completion, Engine, GenerationStats, SamplingParams
-from jaxkv.kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, get_kv_cache_config
-from jaxkv.metadata import AttentionMetadata, build_attn_metadata
+from jaxkv.block_ops import copy_blocks, copy_blocks_donated, zero_blocks, zero_blocks_donated
+from jaxkv.block_sizes import (blocks_per_kv_block, prepare_kernel_block_sizes, select_common_block_size,
+                               split_block_table, split_slot_mapping)
+from jaxkv.cache import (add_kv_sharing_layers_to_kv_cache_groups, allocate_kv_cache, allocate_kv_cache_raw,
+                         bind_kv_cache, extract_layer_index, init_kv_cache, is_kv_sharing_layer,
+                         kv_sharing_source_indices, reshape_kv_cache, unique_kv_caches)
+from jaxkv.engine import Completion, DecodeState, Engine, GenerationStats, SamplingParams
+from jaxkv.graph_buckets import DecodeGraphState, capture_batch_sizes, graph_batch_size, pad_decode_metadata
+from jaxkv.kv_cache_config import (KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
+                                   check_enough_kv_cache_memory, get_kv_cache_config,
+                                   unify_hybrid_kv_cache_specs)
+from jaxkv.kv_cache_dtype import (FP8_DTYPES, KV_CACHE_DTYPES, dequantize_from_cache, quantize_to_cache,
+                                  resolve_kv_cache_dtype)
+from jaxkv.memory import (MemorySnapshot, available_kv_cache_memory_bytes, memory_snapshot,
+                          num_blocks_from_device_memory, request_memory)
+from jaxkv.metadata import (AttentionMetadata, AttentionType, CommonAttentionMetadata,
+                            EncoderDecoderMetadata, build_attn_metadata, build_attn_metadata_for_groups,
+                            build_encoder_decoder_metadata, get_num_prefill_decode_query_kv_tokens,
+                            get_seq_len_block_table_args, is_all_cross_attn_metadata_set,
+                            is_all_encoder_attn_metadata_set)
 from jaxkv.ops import write_to_paged_cache
 from jaxkv.sampling import sample_tokens
 from jaxkv.slot_mapping import (PAD_SLOT_ID, compute_slot_mapping, compute_slot_mapping_batch,
-                                compute_slot_mapping_start_idx, slot_mapping_from_positions)
-from jaxkv.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec
+                                compute_slot_mapping_into, compute_slot_mapping_start_idx,
+                                is_block_tables_empty, slot_mapping_from_positions)
+from jaxkv.spec import (AttentionLayerDescription, AttentionSpec, FullAttentionSpec, KVCacheSpec,
+                        MLAAttentionSpec, SlidingWindowSpec, get_kv_cache_spec, get_shared_kv_cache_layers)
+from jaxkv.swap import (allocate_host_kv_cache, host_memory_kind, swap_blocks, swap_blocks_donated,
+                        to_host)
 
-__all__ = [
-    "ATTENTION_IMPLS", "AttentionBackend", "AttentionMetadata", "AttentionSpec", "BlockAllocator",
-    "Completion", "Engine", "FullAttentionSpec", "GenerationStats", "KVCacheConfig", "KVCacheGroupSpec",
-    "KVCacheSpec", "KVCacheTensor", "OutOfBlocksError", "PAD_SLOT_ID", "PallasAttentionBackend",
-    "SamplingParams", "allocate_kv_cache", "bind_kv_cache", "build_attn_metadata",
-    "compute_slot_mapping", "compute_slot_mapping_batch", "compute_slot_mapping_start_idx",
-    "default_attention_impl", "extract_layer_index", "get_kv_cache_config", "paged_attention",
-    "sample_tokens", "slot_mapping_from_positions", "write_to_paged_cache",
-]
+__all__ = [name for name in dir() if not name.startswith("_") and name not in {
+    "attention", "backends", "block_allocator", "block_ops", "block_sizes", "cache", "engine",
+    "graph_buckets", "kv_cache_config", "kv_cache_dtype", "memory", "metadata", "ops", "sampling",
+    "slot_mapping", "spec", "swap"}]

@@ -58,6 +58,7 @@ def _paged_attention_kernel(
     normalize: bool,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    masked_loads: bool,
 ):
     partition = pl.program_id(2)
     block_h, head_size = q_ref.shape
@@ -90,11 +91,15 @@ def _paged_attention_kernel(
         page = partition_start + local_page + jnp.arange(ppcb)
         page_visible = (page < num_pages) & (page >= window_start // block_size)
         block_ids = jnp.clip(jnp.where(page_visible, block_ids, 0), 0, num_blocks - 1)
-        index = (block_ids[:, None, None], *offsets)
         mask = jnp.broadcast_to(valid.reshape(ppcb, block_size, 1), (ppcb, block_size, head_size))
-        k = plgpu.load(k_cache_ref.at[index], mask=mask).astype(q.dtype)  # fp8 → q.dtype in registers
-        v = plgpu.load(v_cache_ref.at[index], mask=mask).astype(q.dtype)  # (the scales apply below)
-        # masked lanes are undefined after a masked load: zero them (0 * NaN would poison p @ v)
+        if masked_loads:
+            index = (block_ids[:, None, None], *offsets)
+            k = plgpu.load(k_cache_ref.at[index], mask=mask)
+            v = plgpu.load(v_cache_ref.at[index], mask=mask)
+        else:  # plain gathers: invisible pages read block 0 / stale slots instead of nothing
+            k, v = k_cache_ref[block_ids], v_cache_ref[block_ids]
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 → q.dtype in registers (scales below)
+        # invisible lanes are undefined (masked load) or stale: zero them (0 * NaN would poison p @ v)
         k = jnp.where(mask, k, 0).reshape(block_k, head_size)
         v = jnp.where(mask, v, 0).reshape(block_k, head_size)
 
@@ -140,6 +145,7 @@ def _paged_attention_pallas(
     scale: float,
     sliding_window: int | None,
     logits_soft_cap: float | None,
+    masked_loads: bool,
     pages_per_compute_block: int,
     num_splits: int,
     num_warps: int,
@@ -172,7 +178,8 @@ def _paged_attention_pallas(
     normalize = num_splits == 1
     kernel = functools.partial(_paged_attention_kernel, scale=scale,
                                pages_per_compute_block=pages_per_compute_block, normalize=normalize,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+                               masked_loads=masked_loads)
     cache_block = (None, num_blocks, None, block_size, head_size)
     in_specs = [
         pl.BlockSpec((1,), lambda s, h, p: (s,)),                                 # seq_lens
@@ -269,7 +276,8 @@ _STATIC = ("scale", "sliding_window", "logits_soft_cap")
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC + (
-    "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "interpret", "debug"))
+    "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "masked_loads", "interpret",
+    "debug"))
 def paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -286,6 +294,7 @@ def paged_attention(
     num_splits: int | None = None,
     num_warps: int = 4,
     num_stages: int = 2,
+    masked_loads: bool = True,
     interpret: bool = False,
     debug: bool = False,
 ) -> jax.Array:
@@ -319,6 +328,8 @@ def paged_attention(
         num_splits: context partitions per sequence (static); 1 is vLLM's v1; ``None`` picks
             :func:`pallas_kernels.tuning.decode_num_splits` from the shapes.
         num_warps, num_stages: Triton launch parameters (static).
+        masked_loads: gather K/V with masked loads, so invisible slots are never read (static); with
+            ``False`` they are read (from block 0 for pages the sequence does not own) and discarded.
         interpret: run the kernel in the Pallas interpreter (CPU).
         debug: print the kernel's jaxpr and Triton IR.
 
@@ -350,7 +361,7 @@ def paged_attention(
         raise ValueError(f"pages_per_compute_block={pages_per_compute_block} must be a power of two")
     return _paged_attention_pallas(
         q, kv_cache, block_tables, seq_lens, _kv_scales(k_scale, v_scale), alibi_slopes, scale=scale,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, masked_loads=masked_loads,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
 

@@ -110,9 +110,10 @@ def main(argv=None) -> int:
 
     ours = {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick:
-        ours.update({f"ours w{w} st{st} p{pp}": dict(num_warps=w, num_stages=st, pages_per_compute_block=pp)
-                     for w, st, pp in ((8, 2, 8), (4, 3, 8), (8, 3, 8), (4, 2, 16))})
-        ours["ours splits x2"] = dict(splits_factor=2)
+        ours.update({f"ours w{w} st{st}": dict(num_warps=w, num_stages=st) for w, st in ((8, 2), (4, 3))})
+        ours.update({"ours unmasked": dict(masked_loads=False),
+                     "ours unmasked st3": dict(masked_loads=False, num_stages=3),
+                     "ours splits x2": dict(splits_factor=2)})
     peers = {"jax default": dict()}
     if not args.quick:
         peers.update({f"jax k={k} p={pp}": dict(k_splits=k, pages_per_compute_block=pp)

@@ -47,6 +47,16 @@ def test_kernel_matches_float64_loop(rng, num_heads, num_kv_heads, head_size, bl
     assert rel_err(ref, expected) < TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("masked_loads", [True, False])
+def test_plain_gather_variant_matches_loop(rng, masked_loads):
+    batch = PagedBatch(rng, seq_lens=[1, 15, 16, 17, 83], num_kv_heads=3, head_size=64, block_size=16)
+    q = rng.standard_normal((5, 9, 64))
+    out = paged_attention(jnp.asarray(q, jnp.float32), jnp.asarray(batch.kv_cache, jnp.float32),
+                          jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens), scale=0.125,
+                          interpret=True, masked_loads=masked_loads, num_splits=2)
+    assert rel_err(out, decode_attention_loop(q, batch, 0.125)) < TOLERANCE["float32"]
+
+
 def test_unowned_pages_do_not_matter(rng):
     """Changing every page no sequence owns (NaN ↔ random) leaves the output bit-identical."""
     batch = PagedBatch(rng, seq_lens=[3, 17, 40], num_kv_heads=3, head_size=64, block_size=16,
