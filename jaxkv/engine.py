@@ -263,7 +263,6 @@ class Engine:
         need = self._check_prompts(prompts, sampling)
         num_seqs = len(prompts)
         batch = _next_pow2(num_seqs)
-        bs = self.block_size
         stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
         blocks = [self.allocator.allocate(n) for n in need]
         try:

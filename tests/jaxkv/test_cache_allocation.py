@@ -18,9 +18,10 @@ from jaxkv.backends import (FlashAttentionBackend, FlashAttentionHNDBackend, Fla
                             FlashInferHNDBackend, MLAAttentionBackend, PagedAttentionLegacyBackend,
                             PallasAttentionBackend)
 from jaxkv.cache import (allocate_kv_cache, allocate_kv_cache_raw, bind_kv_cache, extract_layer_index,
-                         init_kv_cache, reshape_kv_cache, unique_kv_caches)
+                         init_kv_cache, reshape_kv_cache)
 from jaxkv.kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
 from jaxkv.kv_cache_config import get_kv_cache_config
+from jaxkv.kv_sharing import unique_kv_caches
 from jaxkv.spec import FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 
 BF16, F16, F32 = np.dtype(jnp.bfloat16), np.dtype(jnp.float16), np.dtype(np.float32)

@@ -16,8 +16,9 @@ import numpy as np
 import pytest
 
 from jaxkv.attention import paged_attention
+from jaxkv.enc_dec_metadata import EncoderDecoderMetadata, build_encoder_decoder_metadata
 from jaxkv.graph_buckets import DecodeGraphState, capture_batch_sizes, graph_batch_size, pad_decode_metadata
-from jaxkv.metadata import EncoderDecoderMetadata, build_attn_metadata, build_encoder_decoder_metadata
+from jaxkv.metadata import build_attn_metadata
 from jaxkv.ops import write_to_paged_cache
 
 PAD = -1

@@ -16,12 +16,13 @@ import numpy as np
 import pytest
 
 from jaxkv.backends import FlashAttentionHNDBackend, PallasAttentionBackend
-from jaxkv.cache import (add_kv_sharing_layers_to_kv_cache_groups, bind_kv_cache, init_kv_cache,
-                         is_kv_sharing_layer, kv_sharing_source_indices, unique_kv_caches)
+from jaxkv.cache import bind_kv_cache, init_kv_cache
 from jaxkv.kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor, get_kv_cache_config
+from jaxkv.kv_sharing import (add_kv_sharing_layers_to_kv_cache_groups, is_kv_sharing_layer,
+                              kv_sharing_source_indices, unique_kv_caches)
+from jaxkv.layer_specs import AttentionLayerDescription, get_kv_cache_spec, get_shared_kv_cache_layers
 from jaxkv.ops import write_to_paged_cache
-from jaxkv.spec import (AttentionLayerDescription, FullAttentionSpec, get_kv_cache_spec,
-                        get_shared_kv_cache_layers)
+from jaxkv.spec import FullAttentionSpec
 
 L = [f"model.layers.{i}.self_attn.attn" for i in range(6)]
 SPEC = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=jnp.float32)

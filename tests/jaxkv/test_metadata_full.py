@@ -15,12 +15,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxkv.enc_dec_metadata import (AttentionType, EncoderDecoderMetadata, build_encoder_decoder_metadata,
+                                    get_num_prefill_decode_query_kv_tokens, get_seq_len_block_table_args,
+                                    is_all_cross_attn_metadata_set, is_all_encoder_attn_metadata_set)
 from jaxkv.kv_cache_config import KVCacheConfig, KVCacheGroupSpec, KVCacheTensor
-from jaxkv.metadata import (AttentionMetadata, AttentionType, CommonAttentionMetadata, EncoderDecoderMetadata,
-                            build_attn_metadata, build_attn_metadata_for_groups,
-                            build_encoder_decoder_metadata, get_num_prefill_decode_query_kv_tokens,
-                            get_seq_len_block_table_args, is_all_cross_attn_metadata_set,
-                            is_all_encoder_attn_metadata_set)
+from jaxkv.metadata import (AttentionMetadata, CommonAttentionMetadata, build_attn_metadata,
+                            build_attn_metadata_for_groups)
 import jaxkv.spec
 from jaxkv.spec import FullAttentionSpec
 

@@ -10,8 +10,8 @@ import ml_dtypes
 import numpy as np
 import pytest
 
-from jaxkv.spec import (AttentionLayerDescription, AttentionSpec, FullAttentionSpec, KVCacheSpec,
-                        MLAAttentionSpec, SlidingWindowSpec, get_kv_cache_spec, get_shared_kv_cache_layers)
+from jaxkv.layer_specs import AttentionLayerDescription, get_kv_cache_spec, get_shared_kv_cache_layers
+from jaxkv.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
 
 # bytes per element, written out
 ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1, "int8": 1}
