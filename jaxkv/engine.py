@@ -132,13 +132,16 @@ class Engine:
         max_model_len: longest sequence (prompt + generated), in tokens; fixes the block-table width.
         steps_per_sync: decode steps run on the device between two host round trips (a sequence may
             run up to ``steps_per_sync - 1`` padding steps after it finished).
+        prefill_chunk_size: chunked prefill: at most this many prompt tokens per sequence per step, each
+            chunk attending to the chunks already in the cache (vLLM's chunked prefill); ``None`` = the
+            whole prompt in one step.
 
     Raises:
         ValueError: caches of different shapes, or non-positive sizes.
     """
 
     def __init__(self, model_fn: ModelFn, params, kv_caches: list[jax.Array], *, block_size: int,
-                 max_model_len: int, steps_per_sync: int = 1):
+                 max_model_len: int, steps_per_sync: int = 1, prefill_chunk_size: int | None = None):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -149,6 +152,9 @@ class Engine:
             raise ValueError(f"max_model_len={max_model_len} must be >= 1")
         if steps_per_sync < 1:
             raise ValueError(f"steps_per_sync={steps_per_sync} must be >= 1")
+        if prefill_chunk_size is not None and prefill_chunk_size < 1:
+            raise ValueError(f"prefill_chunk_size={prefill_chunk_size} must be >= 1 or None")
+        self.prefill_chunk_size = prefill_chunk_size
         self.model_fn = model_fn
         self.params = params
         self.kv_caches = list(kv_caches)
@@ -279,27 +285,44 @@ class Engine:
                      return_logits=return_logits)
         table = self._table(blocks, batch)
 
-        # ---- prefill: every prompt in one step ----
+        # ---- prefill: every prompt, in chunks of at most prefill_chunk_size tokens per step ----
         lens = np.array([len(p) for p in prompts])
-        num_tokens = int(lens.sum())
-        md = build_attn_metadata(table[:num_seqs], np.zeros(num_seqs), lens, self.block_size,
-                                 num_seqs_padded=batch, num_tokens_padded=_next_pow2(num_tokens, 16),
-                                 max_query_len=_next_pow2(int(lens.max())))
-        ids = np.zeros(md.slot_mapping.shape[0], np.int32)
-        ids[:num_tokens] = np.concatenate(prompts)
-        pos = np.zeros_like(ids)
-        pos[:num_tokens] = np.concatenate([np.arange(n) for n in lens])
-        last = np.zeros(batch, np.int32)
-        last[:num_seqs] = np.cumsum(lens) - 1
-        key, sub = jax.random.split(key)
+        chunk = self.prefill_chunk_size or int(lens.max())
+        computed = np.zeros(num_seqs, np.int64)  # num_computed_tokens: prompt tokens already cached
+        first = np.zeros(batch, np.int32)
+        first_logits = [None] * num_seqs
         t0 = time.perf_counter()
-        first, logits, self.kv_caches = self._prefill(
-            self.params, self.kv_caches, jnp.asarray(ids), jnp.asarray(pos), md, jnp.asarray(last), sub,
-            **flags)
-        first = np.asarray(first)
+        while (computed < lens).any():
+            rows = np.flatnonzero(computed < lens)
+            q_lens = np.minimum(lens[rows] - computed[rows], chunk)
+            num_tokens = int(q_lens.sum())
+            max_q = _next_pow2(min(chunk, int(lens.max())))
+            # a chunk of one token per sequence is a decode-shaped batch: one token per (padded) row
+            md = build_attn_metadata(table[rows], computed[rows], q_lens, self.block_size,
+                                     num_seqs_padded=batch, max_query_len=max_q,
+                                     num_tokens_padded=batch if max_q == 1 else _next_pow2(num_tokens, 16))
+            ids = np.zeros(md.slot_mapping.shape[0], np.int32)
+            ids[:num_tokens] = np.concatenate([prompts[s][computed[s]:computed[s] + n]
+                                               for s, n in zip(rows, q_lens)])
+            pos = np.zeros_like(ids)
+            pos[:num_tokens] = np.concatenate([np.arange(computed[s], computed[s] + n)
+                                               for s, n in zip(rows, q_lens)])
+            last = np.zeros(batch, np.int32)
+            last[:len(rows)] = np.cumsum(q_lens) - 1
+            key, sub = jax.random.split(key)
+            tokens, logits, self.kv_caches = self._prefill(
+                self.params, self.kv_caches, jnp.asarray(ids), jnp.asarray(pos), md, jnp.asarray(last),
+                sub, **flags)
+            tokens = np.asarray(tokens)
+            computed[rows] += q_lens
+            for r, s in enumerate(rows):
+                if computed[s] == lens[s]:  # this chunk ended the prompt: its last logits give token 1
+                    first[s] = tokens[r]
+                    if return_logits:
+                        first_logits[s] = np.asarray(logits[r])
         stats.prefill_s = time.perf_counter() - t0
         if return_logits:
-            stats.step_logits.append(np.asarray(logits)[:num_seqs])
+            stats.step_logits.append(np.stack(first_logits))
 
         # the first token is sampled by the prefill; the device loop takes it from there
         stop = np.array(sorted(sampling.stop_token_ids) or [-1], np.int32)

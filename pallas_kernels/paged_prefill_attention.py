@@ -2,10 +2,25 @@
 
 vLLM: ``PagedAttention.forward_prefix`` (``context_attention_fwd``). Each new token attends causally to
 the sequence's cached prefix and to the new tokens up to itself, all read from the paged cache after the
-new tokens' K/V were written (one code path for prefill, chunked prefill and prefix reuse).
+new tokens' K/V were written (one code path for prefill, chunked prefill, prefix reuse and mixed
+prefill + decode batches, as vLLM's unified attention).
 
-Only the reference exists so far; it is what the model's prefill uses on every platform. The Pallas
-kernel is a separate piece of work (issue 5) and will live beside it with the same signature.
+Layout read by the kernel (jaxkv's Pallas backend)::
+
+    q:        [num_tokens, num_heads, head_size]                    # all sequences' new tokens
+    kv_cache: [2, num_blocks, num_kv_heads, block_size, head_size]   # 0 = key, 1 = value
+
+One program handles one (sequence, KV head, tile of ``block_q`` query tokens). It gathers the tile's
+tokens (at ``query_start_loc[s] + row``) for every query head of the KV head's group, flattened to
+``block_q * next_power_of_2(group)`` rows (>= 16, what a Triton dot needs), and streams the sequence's
+pages ``pages_per_compute_block`` at a time from the window start of its first token to the causal end of
+its last token (pages outside that range are never read), with an online softmax in float32. Head sizes
+that are not powers of two are padded to the next one in registers (extra channels masked on load and
+never stored).
+
+File shape (design.md §5): ``_paged_prefill_attention_kernel`` (refs) → ``_paged_prefill_attention_pallas``
+(grid, BlockSpecs) → ``paged_prefill_attention`` (public, validated, jitted) and
+``paged_prefill_attention_reference`` (plain jnp, same signature).
 """
 
 from __future__ import annotations
@@ -14,12 +29,407 @@ import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attention import _kv_scales, dense_kv_from_pages
+from pallas_kernels import tuning
+from pallas_kernels.paged_attention import (FP8_DTYPES, MIN_DOT_ROWS, SUPPORTED_DTYPES, _dot, _kv_scales,
+                                            dense_kv_from_pages)
+
+MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to the next one in registers
+MIN_DOT_K = 16       # a Triton dot contracts at least 16 channels: smaller head sizes are padded to 16
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "max_query_len", "sliding_window", "logits_soft_cap"))
+def _paged_prefill_attention_kernel(
+    q_start_ref,       # i32[1]                           query_start_loc[s]: this sequence's first token
+    q_len_ref,         # i32[1]                           new tokens of this sequence
+    seq_lens_ref,      # i32[1]                           cached + new tokens of this sequence
+    block_table_ref,   # i32[max_num_blocks_per_seq + ppcb]   this sequence's blocks (zero-padded)
+    q_ref,             # [num_tokens, group, head_size]   this KV head's query heads, every token
+    k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
+    v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
+    kv_scales_ref,     # f32[2]                           k_scale, v_scale (fp8 dequantisation)
+    alibi_ref,         # f32[group_p] | None              ALiBi slope of each query head, zero-padded
+    o_ref,             # [num_tokens, group, head_size]   output, only this tile's rows are written
+    *,
+    scale: float,
+    block_q: int,
+    group_p: int,
+    head_p: int,
+    max_pages: int,
+    pages_per_compute_block: int,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+):
+    q_tile = pl.program_id(2)
+    num_tokens, group, head_size = q_ref.shape
+    num_blocks, block_size, _ = k_cache_ref.shape
+    ppcb = pages_per_compute_block
+    block_k = ppcb * block_size
+    rows = block_q * group_p  # dot rows: token-major, row = token_in_tile * group_p + head_in_group
+
+    q_start, q_len, seq_len = q_start_ref[0], q_len_ref[0], seq_lens_ref[0]
+    context_len = seq_len - q_len
+    row0 = q_tile * block_q
+    qi = row0 + jnp.arange(block_q)                    # query index inside the sequence [block_q]
+    token = q_start + qi                               # row of q / o                   [block_q]
+    row_valid = (qi < q_len) & (token < num_tokens)    # [block_q]
+
+    # Index arrays over the padded head group / channels; extra lanes are masked, clipped in range.
+    g = jnp.arange(group_p)
+    d = jnp.arange(head_p)
+    g_valid, d_valid = g < group, d < head_size
+    q_mask = jnp.broadcast_to(row_valid[:, None, None] & g_valid[None, :, None] & d_valid[None, None, :],
+                              (block_q, group_p, head_p))
+    q_index = (jnp.minimum(token, num_tokens - 1)[:, None, None],
+               jnp.minimum(g, group - 1)[None, :, None], jnp.minimum(d, head_size - 1)[None, None, :])
+    q = plgpu.load(q_ref.at[q_index], mask=q_mask)
+    q = jnp.where(q_mask, q, 0).reshape(rows, head_p)
+
+    # Position of each row's token in its sequence; -1 for rows past the sequence (they see nothing).
+    pos = jnp.where(row_valid, context_len + qi, -1)
+    pos_rows = jnp.broadcast_to(pos[:, None], (block_q, group_p)).reshape(rows)
+    if alibi_ref is not None:
+        slope_rows = jnp.broadcast_to(alibi_ref[...][None, :], (block_q, group_p)).reshape(rows)
+
+    # Key range of the tile: window start of its first token .. causal end of its last token.
+    rows_here = jnp.clip(q_len - row0, 0, block_q)
+    kv_end = jnp.where(rows_here > 0, context_len + row0 + rows_here, 0)  # exclusive
+    kv_start = 0 if sliding_window is None else jnp.maximum(context_len + row0 - sliding_window + 1, 0)
+    first_page = kv_start // block_size
+    end_page = jnp.minimum(pl.cdiv(kv_end, block_size), max_pages)
+    num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
+
+    k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
+    d_index = jnp.minimum(d, head_size - 1)[None, None, :]
+    slot = jnp.arange(block_size)[None, :, None]
+
+    def body(i, carry):
+        acc, m_prev, l_prev = carry
+        page0 = first_page + i * ppcb
+        block_ids = block_table_ref[pl.ds(page0, ppcb)]
+        page = page0 + jnp.arange(ppcb)
+        block_ids = jnp.clip(jnp.where(page < end_page, block_ids, 0), 0, num_blocks - 1)
+        t = page0 * block_size + jnp.arange(block_k)    # key positions of the tile [block_k]
+        t_valid = (t >= kv_start) & (t < kv_end)
+        kv_mask = t_valid.reshape(ppcb, block_size, 1) & d_valid[None, None, :]
+        kv_mask = jnp.broadcast_to(kv_mask, (ppcb, block_size, head_p))
+        # Masked gathers: slots outside [kv_start, kv_end) and padded channels are never read. No
+        # `other=` (fp8 refs cannot take it): masked lanes are undefined, zeroed after the cast.
+        index = (block_ids[:, None, None], slot, d_index)
+        k = plgpu.load(k_cache_ref.at[index], mask=kv_mask).astype(q.dtype)  # fp8 → q.dtype here
+        v = plgpu.load(v_cache_ref.at[index], mask=kv_mask).astype(q.dtype)
+        k = jnp.where(kv_mask, k, 0).reshape(block_k, head_p)
+        v = jnp.where(kv_mask, v, 0).reshape(block_k, head_p)
+
+        logits = _dot(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[rows, block_k]
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        rel = t[None, :] - pos_rows[:, None]                        # key position - query position
+        if alibi_ref is not None:
+            logits += slope_rows[:, None] * rel.astype(jnp.float32)
+        allowed = rel <= 0                                          # causal (also hides rows past q_len)
+        if sliding_window is not None:
+            allowed &= rel > -sliding_window
+        logits = jnp.where(allowed, logits, -jnp.inf)
+
+        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_next), 0.0, m_next)  # a fully masked row stays 0, not NaN
+        correction = jnp.exp(m_prev - m_safe)
+        p = jnp.exp(logits - m_safe[:, None])
+        l_next = l_prev * correction + p.sum(axis=-1)
+        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b_dim=0)
+        return acc, m_next, l_next
+
+    acc = jnp.zeros((rows, head_p), jnp.float32)
+    m = jnp.full((rows,), -jnp.inf, jnp.float32)
+    l = jnp.zeros((rows,), jnp.float32)
+    acc, m, l = lax.fori_loop(0, num_iters, body, (acc, m, l))
+    l_safe = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing gives 0, not NaN
+    out = (acc * v_scale / l_safe[:, None]).reshape(block_q, group_p, head_p).astype(o_ref.dtype)
+    # Unclipped indices: masked lanes (rows of other sequences, padded heads/channels) are not written.
+    o_index = (token[:, None, None], g[None, :, None], d[None, None, :])
+    plgpu.store(o_ref.at[o_index], out, mask=q_mask)
+
+
+def _paged_prefill_attention_pallas(
+    q: jax.Array,                # [num_tokens, num_heads, head_size]
+    kv_cache: jax.Array,         # [2, num_blocks, num_kv_heads, block_size, head_size]
+    block_tables: jax.Array,     # i32[num_seqs, max_num_blocks_per_seq]
+    seq_lens: jax.Array,         # i32[num_seqs]
+    query_start_loc: jax.Array,  # i32[num_seqs + 1]
+    kv_scales: jax.Array,        # f32[2]  k_scale, v_scale
+    alibi_slopes: jax.Array | None,  # f32[num_heads]
+    *,
+    scale: float,
+    max_query_len: int,
+    sliding_window: int | None,
+    logits_soft_cap: float | None,
+    block_q: int,
+    pages_per_compute_block: int,
+    num_warps: int,
+    num_stages: int,
+    interpret: bool,
+    debug: bool,
+) -> jax.Array:
+    num_tokens, num_heads, head_size = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    num_seqs, max_pages = block_tables.shape
+    group = num_heads // num_kv_heads
+    group_p = pl.next_power_of_2(group)
+    head_p = max(MIN_DOT_K, pl.next_power_of_2(head_size))
+    block_q = max(block_q, pl.cdiv(MIN_DOT_ROWS, group_p))  # both powers of two: rows >= 16
+    num_q_tiles = pl.cdiv(max_query_len, block_q)
+    ppcb = pages_per_compute_block
+
+    # A compute block starting at the last page reads up to ppcb - 1 entries past the table.
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, ppcb)))
+    q_starts = query_start_loc[:-1]
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    q4 = q.reshape(num_tokens, num_kv_heads, group, head_size)
+    alibi_spec = None
+    if alibi_slopes is not None:
+        alibi_slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
+        alibi_slopes = jnp.pad(alibi_slopes, ((0, 0), (0, group_p - group)))
+        alibi_spec = pl.BlockSpec((None, group_p), lambda s, h, t: (h, 0))
+
+    kernel = functools.partial(
+        _paged_prefill_attention_kernel, scale=scale, block_q=block_q, group_p=group_p, head_p=head_p,
+        max_pages=max_pages, pages_per_compute_block=ppcb, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap)
+    per_seq = pl.BlockSpec((1,), lambda s, h, t: (s,))
+    tokens_block = pl.BlockSpec((num_tokens, None, group, head_size), lambda s, h, t: (0, h, 0, 0))
+    cache_block = (None, num_blocks, None, block_size, head_size)
+    in_specs = [
+        per_seq,                                                            # q_starts
+        per_seq,                                                            # q_lens
+        per_seq,                                                            # seq_lens
+        pl.BlockSpec((None, max_pages + ppcb), lambda s, h, t: (s, 0)),     # block_tables
+        tokens_block,                                                       # q
+        pl.BlockSpec(cache_block, lambda s, h, t: (0, 0, h, 0, 0)),         # key pages
+        pl.BlockSpec(cache_block, lambda s, h, t: (1, 0, h, 0, 0)),         # value pages
+        pl.BlockSpec((2,), lambda s, h, t: (0,)),                           # kv_scales
+        alibi_spec,                                                         # alibi slopes
+    ]
+    out = pl.pallas_call(
+        kernel,
+        grid=(num_seqs, num_kv_heads, num_q_tiles),
+        in_specs=in_specs,
+        out_specs=tokens_block,
+        out_shape=jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_size), q.dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        debug=debug,
+        name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_ppcb{ppcb}",
+    )(q_starts, q_lens, seq_lens, block_tables, q4, kv_cache, kv_cache, kv_scales, alibi_slopes)
+    out = out.reshape(num_tokens, num_heads, head_size)
+    # Tokens past query_start_loc[-1] belong to no sequence and are never written: give them 0.
+    owned = jnp.arange(num_tokens) < query_start_loc[-1]
+    return jnp.where(owned[:, None, None], out, jnp.zeros((), q.dtype))
+
+
+def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
+              alibi_slopes, sliding_window, logits_soft_cap):
+    """Shape, dtype and static-argument checks (work on tracers)."""
+    if q.ndim != 3:
+        raise ValueError(f"q.shape={q.shape} must be [num_tokens, num_heads, head_size]")
+    num_tokens, num_heads, head_size = q.shape
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
+                         "[2, num_blocks, num_kv_heads, block_size, head_size]")
+    _, _, num_kv_heads, _, cache_head_size = kv_cache.shape
+    if cache_head_size != head_size:
+        raise ValueError(f"kv_cache head_size={cache_head_size} != q head_size={head_size}")
+    if num_heads % num_kv_heads:
+        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
+    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
+        raise ValueError(f"q.dtype={q.dtype} not supported; use one of {SUPPORTED_DTYPES}")
+    fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    if kv_cache.dtype != q.dtype and not fp8:
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be fp8 "
+                         f"{[str(d) for d in FP8_DTYPES]}")
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} (fp8) needs k_scale and v_scale")
+    if block_tables.ndim != 2:
+        raise ValueError(f"block_tables.shape={block_tables.shape} must be "
+                         "[num_seqs, max_num_blocks_per_seq]")
+    num_seqs = block_tables.shape[0]
+    if seq_lens.shape != (num_seqs,):
+        raise ValueError(f"seq_lens.shape={seq_lens.shape} must be (num_seqs={num_seqs},)")
+    if query_start_loc.shape != (num_seqs + 1,):
+        raise ValueError(f"query_start_loc.shape={query_start_loc.shape} must be "
+                         f"(num_seqs + 1={num_seqs + 1},)")
+    for name, arr in (("block_tables", block_tables), ("seq_lens", seq_lens),
+                      ("query_start_loc", query_start_loc)):
+        if arr.dtype != jnp.int32:
+            raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
+    if not isinstance(max_query_len, int) or max_query_len < 1:
+        raise ValueError(f"max_query_len={max_query_len!r} must be a positive int (static)")
+    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
+    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be > 0 or None")
+
+
+def _is_concrete(*arrays) -> bool:
+    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
+
+
+def _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len):
+    """Checks of the batch description's values (host side; only called with concrete arrays).
+
+    Everything the kernel relies on to stay in bounds: a non-decreasing ``query_start_loc`` from 0 to at
+    most ``num_tokens``, query lengths within ``max_query_len`` and ``seq_lens``, block tables wide
+    enough, block ids of used pages inside the cache.
+    """
+    num_tokens = q.shape[0]
+    _, num_blocks, _, block_size, _ = kv_cache.shape
+    qsl = np.asarray(query_start_loc, np.int64)
+    lens = np.asarray(seq_lens, np.int64)
+    tables = np.asarray(block_tables, np.int64)
+    if qsl[0] != 0:
+        raise ValueError(f"query_start_loc[0]={qsl[0]} must be 0")
+    steps = np.diff(qsl)
+    if (steps < 0).any():
+        s = int(np.argmax(steps < 0))
+        raise ValueError(f"query_start_loc[{s + 1}]={qsl[s + 1]} < query_start_loc[{s}]={qsl[s]}: "
+                         "query_start_loc must be non-decreasing")
+    if qsl[-1] > num_tokens:
+        raise ValueError(f"query_start_loc[-1]={qsl[-1]} exceeds num_tokens={num_tokens}")
+    if (lens < 0).any():
+        s = int(np.argmax(lens < 0))
+        raise ValueError(f"seq_lens[{s}]={lens[s]} must be >= 0")
+    if (steps > max_query_len).any():
+        s = int(np.argmax(steps > max_query_len))
+        raise ValueError(f"query_len={steps[s]} of sequence {s} exceeds max_query_len={max_query_len}")
+    if (steps > lens).any():
+        s = int(np.argmax(steps > lens))
+        raise ValueError(f"query_len={steps[s]} of sequence {s} exceeds its seq_len={lens[s]}")
+    pages = -(-lens // block_size)
+    if (pages > tables.shape[1]).any():
+        s = int(np.argmax(pages > tables.shape[1]))
+        raise ValueError(f"seq_lens[{s}]={lens[s]} needs {pages[s]} blocks but block_tables has "
+                         f"max_num_blocks_per_seq={tables.shape[1]}")
+    used = np.arange(tables.shape[1])[None, :] < pages[:, None]
+    bad = used & ((tables < 0) | (tables >= num_blocks))
+    if bad.any():
+        s, i = map(int, np.argwhere(bad)[0])
+        raise ValueError(f"block_tables[{s}, {i}]={tables[s, i]} is not a block id in "
+                         f"[0, num_blocks={num_blocks})")
+
+
+_STATIC = ("scale", "max_query_len", "sliding_window", "logits_soft_cap")
+
+_paged_prefill_attention_jit = jax.jit(
+    _paged_prefill_attention_pallas,
+    static_argnames=_STATIC + ("block_q", "pages_per_compute_block", "num_warps", "num_stages",
+                               "interpret", "debug"))
+
+
+def paged_prefill_attention(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    query_start_loc: jax.Array,
+    *,
+    scale: float,
+    max_query_len: int,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    block_q: int | None = None,
+    pages_per_compute_block: int | None = None,
+    num_warps: int | None = None,
+    num_stages: int = tuning.PREFILL_NUM_STAGES,
+    interpret: bool = False,
+    debug: bool = False,
+) -> jax.Array:
+    """Causal varlen attention of new tokens over the paged cache (Pallas, Triton lowering).
+
+    vLLM: ``PagedAttention.forward_prefix`` → ``context_attention_fwd``; also serves mixed prefill +
+    decode batches (vLLM's unified attention): sequences with ``query_len == 1`` are ordinary rows.
+
+    New token ``i`` of sequence ``s`` sits at position ``p = seq_len - query_len + i`` and sees the keys
+    ``t <= p`` (and ``t > p - sliding_window``). Logits ``scale * k_scale * q·k`` → soft cap → ``+ slope[h]
+    * (t - p)`` with ALiBi; output ``v_scale * softmax @ v``. The new tokens' K/V must already be in the
+    cache (write first, then attend).
+
+    Jitted internally; the tuning knobs, ``scale``, ``max_query_len``, ``sliding_window``,
+    ``logits_soft_cap``, ``interpret`` and ``debug`` are static. With concrete (non-traced) metadata the
+    values are checked on the host before launch, which syncs on them; under ``jax.jit`` only shapes are.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_size]`` f32/bf16/f16, the new tokens of all sequences,
+            concatenated. Tokens past ``query_start_loc[-1]`` are padding: their output is 0.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` in ``q.dtype`` or fp8
+            (``float8_e4m3fn`` / ``float8_e5m2``, dequantised in registers), holding every token of every
+            sequence up to its ``seq_len`` (the new ones included); index 0 keys, 1 values.
+        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``; entries past
+            ``cdiv(seq_lens[s], block_size)`` are never read.
+        seq_lens: ``int32[num_seqs]`` cached + new tokens per sequence.
+        query_start_loc: ``int32[num_seqs + 1]``; sequence ``s`` owns tokens
+            ``[query_start_loc[s], query_start_loc[s+1])`` of ``q``. A sequence with no new token (a
+            padding dummy) costs nothing and writes nothing.
+        scale: softmax scale, usually ``head_size ** -0.5``.
+        max_query_len: bound on every ``query_len`` (static; sets the grid's query-tile count).
+        k_scale, v_scale: f32 scalars, fp8 dequantisation scales; required for an fp8 cache, default 1.
+        alibi_slopes: ``f32[num_heads]`` or ``None``.
+        sliding_window: window in tokens, the query token included, or ``None``.
+        logits_soft_cap: soft cap of the logits, or ``None``.
+        block_q: query tokens per program, a power of two (raised so that ``block_q *
+            next_power_of_2(group) >= 16``); ``None``: :func:`pallas_kernels.tuning.prefill_block_q`.
+        pages_per_compute_block: blocks per inner-loop step, a power of two; ``None``:
+            :func:`pallas_kernels.tuning.prefill_pages_per_compute_block`.
+        num_warps: ``None``: :func:`pallas_kernels.tuning.prefill_num_warps`. num_stages: Triton
+            pipelining stages.
+        interpret: run the kernel in the Pallas interpreter (CPU).
+        debug: print the kernel's jaxpr and Triton IR.
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: inconsistent shapes, unsupported dtype, head size > 256, non-int32 metadata, an fp8
+            cache without scales, a bad window / cap / tuning knob, a block size that is not a power of
+            two; with concrete metadata also a ``query_start_loc`` that does not start at 0, decreases or
+            runs past ``num_tokens``, a ``query_len`` above ``max_query_len`` or its ``seq_len``, a block
+            table too narrow for a ``seq_len`` or holding a block id outside the cache.
+    """
+    _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
+              alibi_slopes, sliding_window, logits_soft_cap)
+    head_size, block_size = q.shape[-1], kv_cache.shape[3]
+    if head_size > MAX_HEAD_SIZE:
+        raise ValueError(f"head_size={head_size} not supported by the Pallas kernel (max {MAX_HEAD_SIZE})")
+    if block_size & (block_size - 1):
+        raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
+    if _is_concrete(block_tables, seq_lens, query_start_loc):
+        _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len)
+    group = q.shape[1] // kv_cache.shape[2]
+    if block_q is None:
+        block_q = tuning.prefill_block_q(group, head_size, max_query_len)
+    if pages_per_compute_block is None:
+        pages_per_compute_block = tuning.prefill_pages_per_compute_block(
+            block_size, head_size, jnp.dtype(kv_cache.dtype).itemsize)
+    if num_warps is None:
+        num_warps = tuning.prefill_num_warps(block_q * pl.next_power_of_2(group), head_size)
+    for name, value in (("block_q", block_q), ("pages_per_compute_block", pages_per_compute_block)):
+        if not isinstance(value, int) or value < 1 or value & (value - 1):
+            raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+    return _paged_prefill_attention_jit(
+        q, kv_cache, block_tables, seq_lens, query_start_loc, _kv_scales(k_scale, v_scale), alibi_slopes,
+        scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
 def paged_prefill_attention_reference(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -55,6 +465,8 @@ def paged_prefill_attention_reference(
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
     """
+    _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
+              alibi_slopes, sliding_window, logits_soft_cap)
     num_tokens, num_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     num_seqs, max_blocks = block_tables.shape

