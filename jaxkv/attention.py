@@ -32,9 +32,12 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     """Attention of the batch's new tokens over the paged cache (their own K/V already written).
 
     Decode-only batches (``metadata.max_query_len == 1``) go to the decode kernel
-    (``impl="pallas"``: compiled Pallas-Triton; ``"pallas_interpret"``: same kernel in the Pallas
-    interpreter, for CPU tests; ``"reference"``: jnp). Other batches (prefill, chunked prefill, mixed)
-    use the jnp prefill reference on every platform until the Pallas prefill kernel lands.
+    (:func:`pallas_kernels.paged_attention.paged_attention`); every other batch (prefill, chunked
+    prefill, prefix reuse, and mixed batches where some sequences decode, some prefill and some are
+    zero-length padding dummies) goes to the prefill kernel
+    (:func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`), vLLM's ``forward_prefix``.
+    ``impl="pallas"``: the compiled Pallas-Triton kernels; ``"pallas_interpret"``: the same kernels in
+    the Pallas interpreter (CPU tests); ``"reference"``: the jnp references.
 
     Args:
         q: ``[num_tokens, num_heads, head_size]``.
@@ -49,7 +52,8 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
 
     Raises:
-        ValueError: unknown ``impl``, or a decode batch whose token and sequence counts differ.
+        ValueError: unknown ``impl``, a decode batch whose token and sequence counts differ, or what the
+            kernels raise (with concrete metadata, the prefill kernel also checks its values).
     """
     check_attention_impl(impl)
     extras = dict(k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
@@ -63,6 +67,9 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
             return _decode.paged_attention_reference(*args, scale=scale, **extras)
         return _decode.paged_attention(*args, scale=scale, interpret=impl == "pallas_interpret",
                                        **extras)
-    return _prefill.paged_prefill_attention_reference(
-        q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc,
-        scale=scale, max_query_len=metadata.max_query_len, **extras)
+    args = (q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
+    if impl == "reference":
+        return _prefill.paged_prefill_attention_reference(
+            *args, scale=scale, max_query_len=metadata.max_query_len, **extras)
+    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,
+                                            interpret=impl == "pallas_interpret", **extras)

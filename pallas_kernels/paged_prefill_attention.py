@@ -42,6 +42,26 @@ MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to
 MIN_DOT_K = 16       # a Triton dot contracts at least 16 channels: smaller head sizes are padded to 16
 
 
+def _tile_kv_range(context_len, q_len, row0, *, block_q: int, block_size: int,
+                   sliding_window: int | None, max_pages: int):
+    """Keys a tile of query rows ``[row0, row0 + block_q)`` of one sequence can see.
+
+    From the window start of its first token to the causal end of its last token; pages outside are
+    never visited (so a sliding window skips whole pages, not just masks them).
+
+    Returns:
+        ``(kv_start, kv_end, first_page, end_page)``: key tokens ``[kv_start, kv_end)`` and logical pages
+        ``[first_page, end_page)`` (``end_page`` clipped to ``max_pages``); empty for a tile past the
+        sequence's queries.
+    """
+    rows_here = jnp.clip(q_len - row0, 0, block_q)
+    kv_end = jnp.where(rows_here > 0, context_len + row0 + rows_here, 0)  # exclusive
+    kv_start = 0 if sliding_window is None else jnp.maximum(context_len + row0 - sliding_window + 1, 0)
+    first_page = kv_start // block_size
+    end_page = jnp.minimum(pl.cdiv(kv_end, block_size), max_pages)
+    return kv_start, kv_end, first_page, end_page
+
+
 def _paged_prefill_attention_kernel(
     q_start_ref,       # i32[1]                           query_start_loc[s]: this sequence's first token
     q_len_ref,         # i32[1]                           new tokens of this sequence
@@ -94,12 +114,9 @@ def _paged_prefill_attention_kernel(
     if alibi_ref is not None:
         slope_rows = jnp.broadcast_to(alibi_ref[...][None, :], (block_q, group_p)).reshape(rows)
 
-    # Key range of the tile: window start of its first token .. causal end of its last token.
-    rows_here = jnp.clip(q_len - row0, 0, block_q)
-    kv_end = jnp.where(rows_here > 0, context_len + row0 + rows_here, 0)  # exclusive
-    kv_start = 0 if sliding_window is None else jnp.maximum(context_len + row0 - sliding_window + 1, 0)
-    first_page = kv_start // block_size
-    end_page = jnp.minimum(pl.cdiv(kv_end, block_size), max_pages)
+    kv_start, kv_end, first_page, end_page = _tile_kv_range(
+        context_len, q_len, row0, block_q=block_q, block_size=block_size, sliding_window=sliding_window,
+        max_pages=max_pages)
     num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
 
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
@@ -180,7 +197,7 @@ def _paged_prefill_attention_pallas(
     group = num_heads // num_kv_heads
     group_p = pl.next_power_of_2(group)
     head_p = max(MIN_DOT_K, pl.next_power_of_2(head_size))
-    block_q = max(block_q, pl.cdiv(MIN_DOT_ROWS, group_p))  # both powers of two: rows >= 16
+    assert block_q * group_p >= MIN_DOT_ROWS, (block_q, group_p)
     num_q_tiles = pl.cdiv(max_query_len, block_q)
     ppcb = pages_per_compute_block
 
@@ -265,14 +282,18 @@ def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_le
                       ("query_start_loc", query_start_loc)):
         if arr.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
-    if not isinstance(max_query_len, int) or max_query_len < 1:
+    if not _is_int(max_query_len) or max_query_len < 1:
         raise ValueError(f"max_query_len={max_query_len!r} must be a positive int (static)")
     if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
         raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
+    if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
         raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
     if logits_soft_cap is not None and not logits_soft_cap > 0:
         raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be > 0 or None")
+
+
+def _is_int(x) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
 def _is_concrete(*arrays) -> bool:
@@ -409,19 +430,23 @@ def paged_prefill_attention(
         raise ValueError(f"head_size={head_size} not supported by the Pallas kernel (max {MAX_HEAD_SIZE})")
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
+    max_query_len = int(max_query_len)
+    sliding_window = None if sliding_window is None else int(sliding_window)
     if _is_concrete(block_tables, seq_lens, query_start_loc):
         _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     group = q.shape[1] // kv_cache.shape[2]
     if block_q is None:
-        block_q = tuning.prefill_block_q(group, head_size, max_query_len)
+        block_q = tuning.prefill_block_q(group, head_size, max_query_len, jnp.dtype(q.dtype).itemsize)
     if pages_per_compute_block is None:
         pages_per_compute_block = tuning.prefill_pages_per_compute_block(
             block_size, head_size, jnp.dtype(kv_cache.dtype).itemsize)
-    if num_warps is None:
-        num_warps = tuning.prefill_num_warps(block_q * pl.next_power_of_2(group), head_size)
     for name, value in (("block_q", block_q), ("pages_per_compute_block", pages_per_compute_block)):
-        if not isinstance(value, int) or value < 1 or value & (value - 1):
+        if not _is_int(value) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+    group_p = pl.next_power_of_2(group)
+    block_q = max(int(block_q), pl.cdiv(MIN_DOT_ROWS, group_p))  # powers of two: rows >= 16
+    if num_warps is None:
+        num_warps = tuning.prefill_num_warps(block_q * group_p, head_size)
     return _paged_prefill_attention_jit(
         q, kv_cache, block_tables, seq_lens, query_start_loc, _kv_scales(k_scale, v_scale), alibi_slopes,
         scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
@@ -445,7 +470,12 @@ def paged_prefill_attention_reference(
     sliding_window: int | None = None,
     logits_soft_cap: float | None = None,
 ) -> jax.Array:
-    """Causal varlen attention over the paged cache (plain jnp, float32 softmax).
+    """Causal varlen attention over the paged cache (plain jnp, float32 softmax), same contract as
+    :func:`paged_prefill_attention`.
+
+    Gathers every sequence's blocks into dense float32 K/V and its queries into
+    ``[num_seqs, max_query_len, ...]``. Used by tests, ``scripts/accuracy.py`` and as the CPU
+    implementation of ``jaxkv.attention`` (``impl="reference"``).
 
     Args:
         q: ``[num_tokens, num_heads, head_size]``, the new tokens of all sequences, concatenated.
@@ -464,6 +494,10 @@ def paged_prefill_attention_reference(
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: the shape / dtype / static-argument checks of :func:`paged_prefill_attention`
+            (values are not checked: it is jitted).
     """
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap)

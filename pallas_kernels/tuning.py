@@ -40,10 +40,11 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: 
 
 # Prefill (paged_prefill_attention). Initial choices from the usual Triton flash-attention tiles on
 # Hopper (128 x 64 tiles, 4-8 warps), NOT yet measured on this kernel (issue 5, item 5): re-tune.
-# Dot rows per program (block_q tokens x the padded head group): 128, 64 from head size 256 on, so
-# the float32 accumulator (rows x head size) stays within the registers of the program's warps.
+# Dot rows per program (block_q tokens x the padded head group): 128, fewer where the query tile
+# (rows x padded head size) would exceed PREFILL_MAX_Q_TILE_BYTES (f32 or head size 256), so Q + the
+# pipelined K/V tiles fit shared memory and the f32 accumulator the registers.
 PREFILL_BLOCK_ROWS = 128
-PREFILL_BLOCK_ROWS_LARGE_HEAD = 64
+PREFILL_MAX_Q_TILE_BYTES = 32 * 1024
 PREFILL_KV_TOKENS = 64            # key/value tokens per inner step (pages_per_compute_block * block_size)
 PREFILL_MAX_TILE_BYTES = DECODE_MAX_TILE_BYTES  # one K (or V) tile, as for decode (shared memory)
 PREFILL_NUM_STAGES = 2
@@ -53,13 +54,19 @@ def _pow2_at_least(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
-def prefill_block_q(group: int, head_size: int, max_query_len: int) -> int:
-    """Query tokens per program: fill ``PREFILL_BLOCK_ROWS`` dot rows with ``block_q x
-    next_power_of_2(group)``, but no more tokens than the longest query (short chunks and mixed batches
-    waste fewer rows); at least enough tokens for the 16 rows a Triton dot needs."""
+def prefill_block_q(group: int, head_size: int, max_query_len: int, itemsize: int = 2) -> int:
+    """Query tokens per program (a power of two).
+
+    ``block_q x next_power_of_2(group)`` dot rows: ``PREFILL_BLOCK_ROWS``, halved while the query tile
+    (``itemsize`` bytes per element of q) exceeds ``PREFILL_MAX_Q_TILE_BYTES``; no more tokens than the
+    longest query (short chunks and mixed batches waste fewer rows); at least enough tokens for the 16
+    rows a Triton dot needs.
+    """
     group_p = _pow2_at_least(group)
-    head_p = _pow2_at_least(head_size)
-    rows = PREFILL_BLOCK_ROWS if head_p < 256 else PREFILL_BLOCK_ROWS_LARGE_HEAD
+    head_p = max(16, _pow2_at_least(head_size))
+    rows = PREFILL_BLOCK_ROWS
+    while rows > 16 and rows * head_p * itemsize > PREFILL_MAX_Q_TILE_BYTES:
+        rows //= 2
     block_q = max(1, rows // group_p)
     block_q = min(block_q, _pow2_at_least(max(1, max_query_len)))
     return max(block_q, _pow2_at_least(-(-16 // group_p)))
