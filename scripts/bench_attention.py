@@ -108,7 +108,7 @@ def main(argv=None) -> int:
     if args.mode == "write":
         return bench_write(time_calls, copy_gbs)
     if args.mode == "prefill":
-        return bench_prefill(time_calls, args.iters)
+        return bench_prefill(time_calls, args.iters, sweep=not args.quick)
 
     ours = {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick:
@@ -209,7 +209,11 @@ def bench_write(time_calls, copy_gbs) -> int:
 
 
 
-def bench_prefill(time_calls, iters) -> int:
+PREFILL_SWEEP = [dict(block_q=bq, pages_per_compute_block=pp, num_warps=w, num_stages=st)
+                 for bq in (32, 64) for pp in (4, 8) for w in (4, 8) for st in (2, 3)]
+
+
+def bench_prefill(time_calls, iters, sweep=False) -> int:
     """Paged prefill kernel vs cuDNN dense causal attention on the same Q/K/V (TFLOP/s, causal FLOPs)."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
     print("paged prefill (context 0, whole prompts) vs jax.nn.dot_product_attention(implementation='cudnn'),")
@@ -248,6 +252,17 @@ def bench_prefill(time_calls, iters) -> int:
             t_cudnn = statistics.median(time_calls(cudnn, [(q, k, v)], iters))
             print(f"{batch:>5} {length:>5} {flops / t_ours / 1e12:>10.1f} {flops / t_cudnn / 1e12:>11.1f} "
                   f"{t_cudnn / t_ours:>6.2f}", flush=True)
+            if sweep and (batch, length) in ((1, 2048), (1, 8192), (8, 2048)):
+                args = [(qs, kv, jnp.asarray(tables), lens, qsl)]
+                for kw in PREFILL_SWEEP:
+                    fn = jax.jit(functools.partial(paged_prefill_attention, scale=scale, max_query_len=length,
+                                                   **kw))
+                    try:
+                        t = statistics.median(time_calls(fn, args, iters))
+                    except Exception as e:  # e.g. a tile set over the shared-memory limit
+                        print(f"      sweep {kw}: skipped ({type(e).__name__})")
+                        continue
+                    print(f"      sweep {kw}: {flops / t / 1e12:6.1f} TF/s", flush=True)
     return 0
 
 
