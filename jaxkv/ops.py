@@ -12,11 +12,14 @@ import numpy as np
 from jaxkv.kv_cache_dtype import check_scale, is_fp8_dtype, quantize_to_cache
 
 
-def _check_write_args(kv_cache, key, value, slot_mapping):
-    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
-                         "[2, num_blocks, num_kv_heads, block_size, head_size]")
-    _, _, num_kv_heads, _, head_size = kv_cache.shape
+def check_new_tokens(key, value, slot_mapping, *, num_kv_heads: int, head_size: int,
+                     capacity: int) -> None:
+    """Checks shared by every cache write: K/V ``[num_tokens, num_kv_heads, head_size]``, one integer
+    slot per token and, when ``slot_mapping`` is concrete, every slot ``< capacity`` (in tokens).
+
+    Raises:
+        ValueError: naming the field and value.
+    """
     if key.shape != value.shape:
         raise ValueError(f"key.shape={key.shape} != value.shape={value.shape}")
     if key.ndim != 3 or key.shape[1:] != (num_kv_heads, head_size):
@@ -26,6 +29,10 @@ def _check_write_args(kv_cache, key, value, slot_mapping):
         raise ValueError(f"slot_mapping.shape={slot_mapping.shape} must be (num_tokens={key.shape[0]},)")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise ValueError(f"slot_mapping.dtype={slot_mapping.dtype} must be an integer dtype")
+    slots = _concrete(slot_mapping)
+    if slots is not None and slots.size and slots.max() >= capacity:
+        i = int(np.argmax(slots))
+        raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
 
 
 def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
@@ -60,18 +67,16 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
             ``v_scale`` missing, not of one element, or (when concrete) not finite and positive.
             Nothing is written in that case.
     """
-    _check_write_args(kv_cache, key, value, slot_mapping)
+    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
+        raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
+                         "[2, num_blocks, num_kv_heads, block_size, head_size]")
+    _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
+    check_new_tokens(key, value, slot_mapping, num_kv_heads=num_kv_heads, head_size=head_size,
+                     capacity=num_blocks * block_size)
     if is_fp8_dtype(kv_cache.dtype):
         k_scale, v_scale = check_scale(k_scale, "k_scale"), check_scale(v_scale, "v_scale")
     else:
         k_scale = v_scale = None
-    _, num_blocks, _, block_size, _ = kv_cache.shape
-    slots = _concrete(slot_mapping)
-    if slots is not None:
-        capacity = num_blocks * block_size
-        if slots.size and slots.max() >= capacity:
-            i = int(np.argmax(slots))
-            raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
     return _scatter(kv_cache, key, value, slot_mapping, k_scale, v_scale)
 
 

@@ -25,6 +25,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -229,15 +230,15 @@ def _paged_attention_pallas(
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
 
 
-def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
-              logits_soft_cap):
+def _check_q_and_cache(q, kv_cache, k_scale, v_scale, *, q_layout: str) -> None:
+    """Checks shared by the decode and prefill ops: q ``[rows, num_heads, head_size]`` vs the cache."""
     if q.ndim != 3:
-        raise ValueError(f"q.shape={q.shape} must be [num_seqs, num_heads, head_size]")
-    num_seqs, num_heads, head_size = q.shape
+        raise ValueError(f"q.shape={q.shape} must be {q_layout}")
+    _, num_heads, head_size = q.shape
     if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
                          "[2, num_blocks, num_kv_heads, block_size, head_size]")
-    _, _, num_kv_heads, block_size, cache_head_size = kv_cache.shape
+    _, _, num_kv_heads, _, cache_head_size = kv_cache.shape
     if cache_head_size != head_size:
         raise ValueError(f"kv_cache head_size={cache_head_size} != q head_size={head_size}")
     if num_heads % num_kv_heads:
@@ -250,6 +251,24 @@ def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slope
                          f"{[str(d) for d in FP8_DTYPES]}")
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError(f"kv_cache.dtype={kv_cache.dtype} (fp8) needs k_scale and v_scale")
+
+
+def _check_extras(num_heads: int, alibi_slopes, sliding_window, logits_soft_cap) -> None:
+    """Checks of the optional ALiBi slopes, sliding window and soft cap (decode and prefill)."""
+    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
+        raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
+    if sliding_window is not None and (isinstance(sliding_window, bool)
+                                       or not isinstance(sliding_window, (int, np.integer))
+                                       or sliding_window < 1):
+        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
+    if logits_soft_cap is not None and not logits_soft_cap > 0:
+        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be > 0 or None")
+
+
+def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
+              logits_soft_cap):
+    _check_q_and_cache(q, kv_cache, k_scale, v_scale, q_layout="[num_seqs, num_heads, head_size]")
+    num_seqs, num_heads, _ = q.shape
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
         raise ValueError(f"block_tables.shape={block_tables.shape} must be [num_seqs={num_seqs}, "
                          "max_num_blocks_per_seq]")
@@ -258,12 +277,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slope
     for name, arr in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if arr.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
-    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
-    if sliding_window is not None and (not isinstance(sliding_window, int) or sliding_window < 1):
-        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be > 0 or None")
+    _check_extras(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
 
 
 def _kv_scales(k_scale, v_scale) -> jax.Array:

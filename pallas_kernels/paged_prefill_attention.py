@@ -35,8 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels.paged_attention import (FP8_DTYPES, MIN_DOT_ROWS, SUPPORTED_DTYPES, _dot, _kv_scales,
-                                            dense_kv_from_pages)
+from pallas_kernels.paged_attention import (MIN_DOT_ROWS, _check_extras, _check_q_and_cache, _dot,
+                                            _kv_scales, dense_kv_from_pages)
 
 MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to the next one in registers
 MIN_DOT_K = 16       # a Triton dot contracts at least 16 channels: smaller head sizes are padded to 16
@@ -250,25 +250,8 @@ def _paged_prefill_attention_pallas(
 def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap):
     """Shape, dtype and static-argument checks (work on tracers)."""
-    if q.ndim != 3:
-        raise ValueError(f"q.shape={q.shape} must be [num_tokens, num_heads, head_size]")
-    num_tokens, num_heads, head_size = q.shape
-    if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
-        raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "
-                         "[2, num_blocks, num_kv_heads, block_size, head_size]")
-    _, _, num_kv_heads, _, cache_head_size = kv_cache.shape
-    if cache_head_size != head_size:
-        raise ValueError(f"kv_cache head_size={cache_head_size} != q head_size={head_size}")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads={num_kv_heads}")
-    if jnp.dtype(q.dtype) not in SUPPORTED_DTYPES:
-        raise ValueError(f"q.dtype={q.dtype} not supported; use one of {SUPPORTED_DTYPES}")
-    fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
-    if kv_cache.dtype != q.dtype and not fp8:
-        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} must equal q.dtype={q.dtype} or be fp8 "
-                         f"{[str(d) for d in FP8_DTYPES]}")
-    if fp8 and (k_scale is None or v_scale is None):
-        raise ValueError(f"kv_cache.dtype={kv_cache.dtype} (fp8) needs k_scale and v_scale")
+    _check_q_and_cache(q, kv_cache, k_scale, v_scale, q_layout="[num_tokens, num_heads, head_size]")
+    num_heads = q.shape[1]
     if block_tables.ndim != 2:
         raise ValueError(f"block_tables.shape={block_tables.shape} must be "
                          "[num_seqs, max_num_blocks_per_seq]")
@@ -284,12 +267,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_le
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
     if not _is_int(max_query_len) or max_query_len < 1:
         raise ValueError(f"max_query_len={max_query_len!r} must be a positive int (static)")
-    if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
-        raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
-    if sliding_window is not None and (not _is_int(sliding_window) or sliding_window < 1):
-        raise ValueError(f"sliding_window={sliding_window!r} must be a positive int or None")
-    if logits_soft_cap is not None and not logits_soft_cap > 0:
-        raise ValueError(f"logits_soft_cap={logits_soft_cap!r} must be > 0 or None")
+    _check_extras(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
 
 
 def _is_int(x) -> bool:

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxkv.backends.base import FLOAT_DTYPES, FP8_DTYPES, check_positive_dims
+from jaxkv.ops import check_new_tokens
 
 
 class PagedAttentionLegacyBackend:
@@ -110,30 +111,6 @@ def _legacy_dims(kv_cache, num_kv_heads: int, head_size: int) -> tuple[int, int]
     return per_block // (num_kv_heads * head_size), x
 
 
-def _concrete(a) -> np.ndarray | None:
-    """``a`` as NumPy when concrete, ``None`` when traced under ``jit``."""
-    try:
-        return np.asarray(a)
-    except jax.errors.TracerArrayConversionError:
-        return None
-
-
-def _check_tokens(key, value, slot_mapping, num_kv_heads: int, head_size: int, capacity: int):
-    if key.shape != value.shape:
-        raise ValueError(f"key.shape={key.shape} != value.shape={value.shape}")
-    if key.ndim != 3 or key.shape[1:] != (num_kv_heads, head_size):
-        raise ValueError(f"key.shape={key.shape} must be [num_tokens, num_kv_heads={num_kv_heads}, "
-                         f"head_size={head_size}]")
-    if slot_mapping.shape != key.shape[:1]:
-        raise ValueError(f"slot_mapping.shape={slot_mapping.shape} must be (num_tokens={key.shape[0]},)")
-    if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
-        raise ValueError(f"slot_mapping.dtype={slot_mapping.dtype} must be an integer dtype")
-    slots = _concrete(slot_mapping)
-    if slots is not None and slots.size and slots.max() >= capacity:
-        i = int(np.argmax(slots))
-        raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
-
-
 def _block_offset(slot_mapping, num_blocks: int, block_size: int):
     # PAD_SLOT_ID (any negative slot) goes to block num_blocks: out of range, dropped by the scatter.
     slots = slot_mapping.astype(jnp.int32)
@@ -188,7 +165,8 @@ def write_to_paged_cache_legacy(kv_cache: jax.Array, key: jax.Array, value: jax.
         raise ValueError(f"key.shape={key.shape} must be [num_tokens, num_kv_heads, head_size]")
     _, num_kv_heads, head_size = key.shape
     block_size, _ = _legacy_dims(kv_cache, num_kv_heads, head_size)
-    _check_tokens(key, value, slot_mapping, num_kv_heads, head_size, kv_cache.shape[1] * block_size)
+    check_new_tokens(key, value, slot_mapping, num_kv_heads=num_kv_heads, head_size=head_size,
+                     capacity=kv_cache.shape[1] * block_size)
     return _scatter_flat(kv_cache, key, value, slot_mapping)
 
 
@@ -240,5 +218,6 @@ def reshape_and_cache_legacy(key: jax.Array, value: jax.Array, key_cache: jax.Ar
     if value_cache.shape != expected_v or value_cache.dtype != key_cache.dtype:
         raise ValueError(f"value_cache {value_cache.dtype}{list(value_cache.shape)} must be "
                          f"{key_cache.dtype}{list(expected_v)} to match key_cache")
-    _check_tokens(key, value, slot_mapping, num_kv_heads, head_size, num_blocks * block_size)
+    check_new_tokens(key, value, slot_mapping, num_kv_heads=num_kv_heads, head_size=head_size,
+                     capacity=num_blocks * block_size)
     return _scatter_split(key, value, key_cache, value_cache, slot_mapping)
