@@ -31,17 +31,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
+from pallas_kernels._online_softmax import dot_f32, online_softmax_step
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_SIZES = (16, 32, 64, 128, 256)  # powers of two: Triton tiles are powers of two
 MIN_DOT_ROWS = 16  # a Triton dot needs at least 16 rows
-
-
-def _dot(a, b, *, contract_b_dim: int):
-    """a[m, k] · b → f32[m, n]; b is [n, k] (contract_b_dim=1) or [k, n] (contract_b_dim=0)."""
-    precision = lax.Precision.HIGHEST if a.dtype == jnp.float32 else None
-    return lax.dot_general(a, b, (((1,), (contract_b_dim,)), ((), ())),
-                           precision=precision, preferred_element_type=jnp.float32)
 
 
 def _paged_attention_kernel(
@@ -104,20 +98,14 @@ def _paged_attention_kernel(
         k = jnp.where(mask, k, 0).reshape(block_k, head_size)
         v = jnp.where(mask, v, 0).reshape(block_k, head_size)
 
-        logits = _dot(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[block_h, block_k]
+        logits = dot_f32(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[block_h, block_k]
         if logits_soft_cap is not None:
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
         if alibi_ref is not None:
             logits += alibi_ref[...][:, None] * (token - (seq_len - 1)).astype(jnp.float32)[None, :]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
 
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-        m_safe = jnp.where(jnp.isneginf(m_next), 0.0, m_next)  # a fully masked tile stays 0, not NaN
-        correction = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(logits - m_safe[:, None])
-        l_next = l_prev * correction + p.sum(axis=-1)
-        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b_dim=0)
-        return acc, m_next, l_next
+        return online_softmax_step(acc, m_prev, l_prev, logits, v)
 
     acc = jnp.zeros((block_h, head_size), jnp.float32)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)

@@ -35,7 +35,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels.paged_attention import (MIN_DOT_ROWS, _check_extras, _check_q_and_cache, _dot,
+from pallas_kernels._online_softmax import dot_f32, online_softmax_step
+from pallas_kernels.paged_attention import (MIN_DOT_ROWS, _check_extras, _check_q_and_cache,
                                             _kv_scales, dense_kv_from_pages)
 
 MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to the next one in registers
@@ -141,7 +142,7 @@ def _paged_prefill_attention_kernel(
         k = jnp.where(kv_mask, k, 0).reshape(block_k, head_p)
         v = jnp.where(kv_mask, v, 0).reshape(block_k, head_p)
 
-        logits = _dot(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[rows, block_k]
+        logits = dot_f32(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[rows, block_k]
         if logits_soft_cap is not None:
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
         rel = t[None, :] - pos_rows[:, None]                        # key position - query position
@@ -152,13 +153,7 @@ def _paged_prefill_attention_kernel(
             allowed &= rel > -sliding_window
         logits = jnp.where(allowed, logits, -jnp.inf)
 
-        m_next = jnp.maximum(m_prev, logits.max(axis=-1))
-        m_safe = jnp.where(jnp.isneginf(m_next), 0.0, m_next)  # a fully masked row stays 0, not NaN
-        correction = jnp.exp(m_prev - m_safe)
-        p = jnp.exp(logits - m_safe[:, None])
-        l_next = l_prev * correction + p.sum(axis=-1)
-        acc = acc * correction[:, None] + _dot(p.astype(v.dtype), v, contract_b_dim=0)
-        return acc, m_next, l_next
+        return online_softmax_step(acc, m_prev, l_prev, logits, v)
 
     acc = jnp.zeros((rows, head_p), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
