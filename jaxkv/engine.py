@@ -22,6 +22,7 @@ from jax import lax
 
 from jaxkv.block_allocator import BlockAllocator
 from jaxkv.metadata import AttentionMetadata, build_attn_metadata
+from jaxkv.prefix_cache import PrefixCache, block_hashes
 from jaxkv.sampling import sample_tokens
 from jaxkv.slot_mapping import slot_mapping_from_positions
 
@@ -74,6 +75,7 @@ class GenerationStats:
     """
 
     prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     generated_tokens: int = 0
     prefill_s: float = 0.0
     first_decode_s: float = 0.0
@@ -135,13 +137,17 @@ class Engine:
         prefill_chunk_size: chunked prefill: at most this many prompt tokens per sequence per step, each
             chunk attending to the chunks already in the cache (vLLM's chunked prefill); ``None`` = the
             whole prompt in one step.
+        enable_prefix_caching: keep the full prompt blocks of finished sequences in the cache and reuse
+            them for later prompts with the same prefix (only the remaining tokens are computed);
+            :class:`jaxkv.prefix_cache.PrefixCache`.
 
     Raises:
         ValueError: caches of different shapes, or non-positive sizes.
     """
 
     def __init__(self, model_fn: ModelFn, params, kv_caches: list[jax.Array], *, block_size: int,
-                 max_model_len: int, steps_per_sync: int = 1, prefill_chunk_size: int | None = None):
+                 max_model_len: int, steps_per_sync: int = 1, prefill_chunk_size: int | None = None,
+                 enable_prefix_caching: bool = False):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -163,6 +169,7 @@ class Engine:
         self.steps_per_sync = steps_per_sync
         self.max_num_blocks_per_seq = -(-max_model_len // block_size)
         self.allocator = BlockAllocator(shape[1])
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
         self.num_compiles = 0
         self._prefill = jax.jit(self._prefill_step, donate_argnums=(1,),
                                 static_argnames=("temperature", "top_p", "return_logits"))
@@ -228,7 +235,9 @@ class Engine:
         return out_tokens, out_active, (out_logits if return_logits else None), state, kv_caches
 
     # -- admission -------------------------------------------------------------------------------
-    def _check_prompts(self, prompts: list[list[int]], sampling: SamplingParams) -> list[int]:
+    def _check_prompts(self, prompts: list[list[int]], sampling: SamplingParams,
+                       reused: list[list[int]]) -> list[int]:
+        """Validate the batch; return the new blocks each prompt needs (beyond its reused prefix)."""
         if not prompts:
             raise ValueError("prompts=[] holds no prompt")
         need = []
@@ -238,10 +247,14 @@ class Engine:
             if len(p) >= self.max_model_len:
                 raise ValueError(f"prompts[{i}] has {len(p)} tokens; max_model_len={self.max_model_len} "
                                  "leaves no room to generate")
-            need.append(-(-self._final_len(len(p), sampling) // self.block_size))
-        if sum(need) > self.allocator.num_free_blocks:
+            need.append(-(-self._final_len(len(p), sampling) // self.block_size) - len(reused[i]))
+        available = self.allocator.num_free_blocks
+        if self.prefix_cache is not None:
+            reused_idle = {b for r in reused for b in r} & set(self.prefix_cache._evictable)
+            available += self.prefix_cache.num_evictable_blocks - len(reused_idle)
+        if sum(need) > available:
             raise ValueError(f"the batch needs {sum(need)} blocks (prompt + max_new_tokens), the cache has "
-                             f"{self.allocator.num_free_blocks} free of {self.allocator.num_blocks}")
+                             f"{available} free of {self.allocator.num_blocks}")
         return need
 
     def _final_len(self, prompt_len: int, sampling: SamplingParams) -> int:
@@ -266,18 +279,48 @@ class Engine:
             ValueError: empty prompt list or prompt, a prompt of ``>= max_model_len`` tokens, or a batch
                 the cache cannot hold to its end; raised before any work, nothing is allocated.
         """
-        need = self._check_prompts(prompts, sampling)
+        hashes = [self._prompt_hashes(p) for p in prompts]
+        reused = [self.prefix_cache.match(h) if self.prefix_cache else [] for h in hashes]
+        need = self._check_prompts(prompts, sampling, reused)
         num_seqs = len(prompts)
         batch = _next_pow2(num_seqs)
-        stats = GenerationStats(prompt_tokens=sum(map(len, prompts)))
-        blocks = [self.allocator.allocate(n) for n in need]
+        stats = GenerationStats(prompt_tokens=sum(map(len, prompts)),
+                                cached_prompt_tokens=self.block_size * sum(map(len, reused)))
+        if self.prefix_cache is None:
+            blocks = [self.allocator.allocate(n) for n in need]
+        else:
+            for r in reused:
+                self.prefix_cache.acquire(r)
+            blocks = [r + self.prefix_cache.allocate(n) for r, n in zip(reused, need)]
         try:
-            return self._generate(prompts, sampling, return_logits, batch, blocks, stats)
-        finally:
-            for b in blocks:
-                self.allocator.free(b)
+            result = self._generate(prompts, sampling, return_logits, batch, blocks, stats,
+                                    [len(r) * self.block_size for r in reused])
+        except BaseException:
+            self._release(blocks, hashes, reused, computed=False)
+            raise
+        self._release(blocks, hashes, reused, computed=True)
+        return result
 
-    def _generate(self, prompts, sampling, return_logits, batch, blocks, stats):
+    def _prompt_hashes(self, prompt: list[int]) -> list[int]:
+        # full blocks of the prompt minus its last token: the last token is always computed, so the
+        # prefill step has a logit to sample the first new token from (as vLLM recomputes it)
+        return block_hashes(prompt[:-1], self.block_size) if self.prefix_cache else []
+
+    def _release(self, blocks, hashes, reused, *, computed: bool) -> None:
+        """Give every block back; with prefix caching, keep the prompt's full blocks cached (only when
+        the call completed, so that no block is cached before its K/V was written)."""
+        for b, h, r in zip(blocks, hashes, reused):
+            if self.prefix_cache is None:
+                self.allocator.free(b)
+                continue
+            self.prefix_cache.release(r)
+            fresh_full = b[len(r):len(h)] if computed else []  # this prompt's full blocks, computed now
+            rejected = self.prefix_cache.register(h[len(r):], fresh_full)
+            kept = [x for x in fresh_full if x not in rejected]
+            self.prefix_cache.release(kept)
+            self.allocator.free(rejected + b[len(r) + len(fresh_full):])
+
+    def _generate(self, prompts, sampling, return_logits, batch, blocks, stats, cached_lens):
         num_seqs = len(prompts)
         done = [Completion(list(p), []) for p in prompts]
         key = jax.random.key(sampling.seed)
@@ -288,7 +331,7 @@ class Engine:
         # ---- prefill: every prompt, in chunks of at most prefill_chunk_size tokens per step ----
         lens = np.array([len(p) for p in prompts])
         chunk = self.prefill_chunk_size or int(lens.max())
-        computed = np.zeros(num_seqs, np.int64)  # num_computed_tokens: prompt tokens already cached
+        computed = np.array(cached_lens, np.int64)  # num_computed_tokens: prompt tokens already cached
         first = np.zeros(batch, np.int32)
         first_logits = [None] * num_seqs
         t0 = time.perf_counter()

@@ -1,7 +1,8 @@
 """Accuracy checks: (a) the Pallas decode kernel vs the reference over a grid of shapes; (b) SmolLM2's
-logits through the paged cache vs a cache-free dense forward over many decode steps.
+logits through the paged cache vs a cache-free dense forward over many decode steps; (c) the Pallas
+prefill kernel vs the reference (cached prefixes, windows); (d) chunked vs one-shot prefill logits.
 
-    python scripts/accuracy.py [--part kernel|model|all] [--interpret]
+    python scripts/accuracy.py [--part kernel|prefill|model|chunked|all] [--interpret]
 
 On CPU the kernel runs in the Pallas interpreter (automatically). Exits 1 when any case is over its
 dtype's tolerance. Tolerances apply to max|out - ref| / max|ref|.
@@ -73,6 +74,65 @@ def kernel_accuracy(interpret: bool, seed: int) -> bool:
     return ok_all
 
 
+def prefill_accuracy(interpret: bool, seed: int) -> bool:
+    """(c) The Pallas prefill kernel vs the reference: varlen batches with cached prefixes and windows."""
+    from pallas_kernels.paged_prefill_attention import (paged_prefill_attention,
+                                                        paged_prefill_attention_reference)
+    rng = np.random.default_rng(seed + 1)
+    bs = 16
+    print(f"(c) Pallas prefill kernel vs reference ({'interpret' if interpret else 'compiled'}); "
+          "prefix = cached tokens before the new ones")
+    print(f"{'heads':>7} {'kv':>3} {'D':>4} {'dtype':>9} {'window':>6} {'prefixes':>22} {'rel':>10}  ok")
+    ok_all = True
+    cases = [((9, 3), 64, "bfloat16", None), ((9, 3), 64, "float32", None), ((32, 8), 128, "bfloat16", None),
+             ((8, 1), 80, "bfloat16", None), ((9, 3), 64, "bfloat16", 24), ((9, 3), 64, "float32", 500)]
+    for (nh, nkv), d, dtype, window in cases:
+        prefixes = [0, bs - 1, bs, 5 * bs]
+        q_lens = [int(x) for x in rng.integers(1, 60, len(prefixes))]
+        seq_lens = [p + n for p, n in zip(prefixes, q_lens)]
+        q, kv, tables, lens = _paged_case(rng, seq_lens=seq_lens, num_heads=nh, num_kv_heads=nkv,
+                                          head_size=d, block_size=bs, dtype=dtype)
+        q = jnp.asarray(rng.standard_normal((sum(q_lens), nh, d)), dtype)
+        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        kw = dict(scale=d ** -0.5, max_query_len=64, sliding_window=window)
+        out = paged_prefill_attention(q, kv, tables, lens, qsl, interpret=interpret, **kw)
+        ref = paged_prefill_attention_reference(q.astype(jnp.float32), kv.astype(jnp.float32), tables,
+                                                lens, qsl, **kw)
+        out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+        rel = float(np.abs(out - ref).max() / np.abs(ref).max()) if np.isfinite(out).all() else float("inf")
+        ok = rel <= KERNEL_TOLERANCE[dtype]
+        ok_all &= ok
+        print(f"{nh:>7} {nkv:>3} {d:>4} {dtype:>9} {str(window):>6} {str(prefixes):>22} {rel:>10.2e}  "
+              f"{'ok' if ok else 'FAIL'}")
+    return ok_all
+
+
+def chunked_prefill_accuracy(impl: str, gguf_path: str | None) -> bool:
+    """(d) SmolLM2 first-token logits with chunked prefill vs one-shot prefill."""
+    path = gguf_path or models.find_smollm2_gguf()
+    config, weights = models.load_llama_gguf(path, progress=False)
+    tok = models.GGUFTokenizer.from_gguf(path)
+    prompts = [tok.encode("The history of Paris begins with a Celtic tribe called the Parisii, who "
+                          "settled on an island in the Seine around the third century BC."),
+               tok.encode("def fibonacci(n):")]
+    model = models.from_weights(config, weights, dtype=jnp.float32)
+    print(f"(d) SmolLM2 f32 first-token logits, chunked vs one-shot prefill ({impl})")
+    logits = {}
+    for chunk in (None, 7, 16):
+        _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.float32, num_blocks=16)
+        params, fn = models.make_model_fn(model, attention_impl=impl)
+        engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=96, prefill_chunk_size=chunk)
+        _, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=1), return_logits=True)
+        logits[chunk] = stats.step_logits[0].astype(np.float64)
+    ok_all = True
+    for chunk in (7, 16):
+        rel = float(np.abs(logits[chunk] - logits[None]).max() / np.abs(logits[None]).max())
+        ok = rel <= MODEL_TOLERANCE["float32"]
+        ok_all &= ok
+        print(f"  chunk {chunk:>3}: max rel logit diff vs one-shot {rel:.2e}  {'ok' if ok else 'FAIL'}")
+    return ok_all
+
+
 def model_accuracy(impl: str, dtypes: list[str], steps: int, gguf_path: str | None) -> bool:
     path = gguf_path or models.find_smollm2_gguf()
     config, weights = models.load_llama_gguf(path, progress=False)
@@ -125,7 +185,7 @@ def _model_accuracy_one(config, weights, prompts, impl, dtype, steps) -> bool:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("kernel", "model", "all"), default="all")
+    p.add_argument("--part", choices=("kernel", "prefill", "model", "chunked", "all"), default="all")
     p.add_argument("--interpret", action="store_true", help="run the kernel in the Pallas interpreter "
                    "(automatic without a GPU)")
     p.add_argument("--model-dtypes", default=None, help="comma list (default: float32 on CPU, "
@@ -142,8 +202,12 @@ def main(argv=None) -> int:
     ok = True
     if args.part in ("kernel", "all"):
         ok &= kernel_accuracy(interpret, args.seed)
+    if args.part in ("prefill", "all"):
+        ok &= prefill_accuracy(interpret, args.seed)
     if args.part in ("model", "all"):
         ok &= model_accuracy(impl, dtypes, args.steps, args.gguf)
+    if args.part in ("chunked", "all"):
+        ok &= chunked_prefill_accuracy(impl, args.gguf)
     print("accuracy: PASS" if ok else "accuracy: FAIL")
     return 0 if ok else 1
 

@@ -183,3 +183,48 @@ def test_chunked_prefill_equals_one_shot(chunk):
     got, got_stats = eng.generate(prompts, sampling, return_logits=True)
     assert [c.token_ids for c in got] == [c.token_ids for c in one]
     np.testing.assert_allclose(got_stats.step_logits[0], one_stats.step_logits[0], rtol=1e-4, atol=1e-4)
+
+
+def _caching_engine(model, *, num_blocks=32, block_size=8):
+    _, caches = models.init_kv_caches(TINY, block_size=block_size, dtype=jnp.float32, num_blocks=num_blocks)
+    params, fn = models.make_model_fn(model, attention_impl="reference")
+    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=64,
+                        enable_prefix_caching=True)
+
+
+def test_prefix_caching_computes_only_the_new_tokens_and_matches_no_caching():
+    model = _tiny_model(9)
+    rng = np.random.default_rng(5)
+    shared = rng.integers(0, TINY.vocab_size, 27).tolist()  # 3 full blocks of 8 + 3 tokens
+    first = shared + [1, 2]
+    second = shared + [3, 4, 5, 6, 7]
+    sampling = jaxkv.SamplingParams(max_new_tokens=6)
+    eng = _caching_engine(model)
+    done1, stats1 = eng.generate([first], sampling, return_logits=True)
+    assert stats1.cached_prompt_tokens == 0
+    done2, stats2 = eng.generate([second], sampling, return_logits=True)
+    # the 3 full blocks of the shared prefix were reused: only the remaining 8 prompt tokens ran
+    assert stats2.cached_prompt_tokens == 24
+    plain = _engine(model, "reference")
+    ref2, ref_stats2 = plain.generate([second], sampling, return_logits=True)
+    assert done2[0].token_ids == ref2[0].token_ids
+    np.testing.assert_allclose(stats2.step_logits[0], ref_stats2.step_logits[0], rtol=1e-5, atol=1e-5)
+    # an identical prompt reuses every full block of prompt[:-1] (the last token is always computed)
+    done3, stats3 = eng.generate([first], sampling)
+    assert stats3.cached_prompt_tokens == 24 and done3[0].token_ids == done1[0].token_ids
+
+
+def test_prefix_cache_evicts_idle_blocks_when_the_cache_is_full():
+    model = _tiny_model(10)
+    rng = np.random.default_rng(6)
+    eng = _caching_engine(model, num_blocks=8)
+    plain = _engine(model, "reference", num_blocks=8)
+    sampling = jaxkv.SamplingParams(max_new_tokens=4)
+    for _ in range(5):  # 5 distinct 20-token prompts: each needs 3 blocks, each leaves 2 cached
+        prompt = rng.integers(0, TINY.vocab_size, 20).tolist()
+        got, _ = eng.generate([prompt], sampling)
+        want, _ = plain.generate([prompt], sampling)
+        assert got[0].token_ids == want[0].token_ids
+    cache = eng.prefix_cache
+    assert cache.num_cached_blocks == cache.num_evictable_blocks <= 8
+    assert eng.allocator.num_free_blocks + cache.num_cached_blocks == 8  # every block accounted for
