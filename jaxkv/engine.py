@@ -193,8 +193,8 @@ class Engine:
         batch = state.tokens.shape[0]
         rows = jnp.arange(batch, dtype=jnp.int32)
 
-        def step(i, carry):
-            s, caches, out_tokens, out_active, out_logits = carry
+        def step(carry, i):
+            s, caches = carry
             fed = jnp.where(s.active, s.positions, -1)  # -1 → PAD slot: padding rows write nothing
             metadata = AttentionMetadata(
                 slot_mapping=slot_mapping_from_positions(block_tables, rows, fed, self.block_size),
@@ -214,25 +214,13 @@ class Engine:
                 tokens=jnp.where(emit, new, s.tokens), positions=positions, remaining=remaining,
                 active=emit & (remaining > 0) & (positions + 1 < self.max_model_len),
                 stopped=s.stopped | (s.active & is_stop), key=s.key)
-            out_tokens = out_tokens.at[i].set(jnp.where(emit, new, -1))
-            out_active = out_active.at[i].set(s.active)
-            if return_logits:
-                out_logits = out_logits.at[i].set(logits)
-            return s_next, caches, out_tokens, out_active, out_logits
+            outputs = (jnp.where(emit, new, -1), s.active, logits if return_logits else None)
+            return (s_next, caches), outputs
 
-        out_tokens = jnp.full((num_steps, batch), -1, jnp.int32)
-        out_active = jnp.zeros((num_steps, batch), bool)
-        out_logits = jnp.zeros((0,), jnp.float32)
-        if return_logits:
-            vocab = jax.eval_shape(lambda: self.model_fn(
-                params, state.tokens, state.positions, kv_caches,
-                _dummy_metadata(block_tables, self.block_size), rows)[0]).shape[-1]
-            out_logits = jnp.zeros((num_steps, batch, vocab), jnp.float32)
-        state, kv_caches, out_tokens, out_active, out_logits = lax.fori_loop(
-            0, num_steps, step, (state, kv_caches, out_tokens, out_active, out_logits))
-        key = jax.random.fold_in(state.key, num_steps)
-        state = dataclasses.replace(state, key=key)
-        return out_tokens, out_active, (out_logits if return_logits else None), state, kv_caches
+        (state, kv_caches), (out_tokens, out_active, out_logits) = lax.scan(
+            step, (state, kv_caches), jnp.arange(num_steps))
+        state = dataclasses.replace(state, key=jax.random.fold_in(state.key, num_steps))
+        return out_tokens, out_active, out_logits, state, kv_caches
 
     # -- admission -------------------------------------------------------------------------------
     def _check_prompts(self, prompts: list[list[int]], sampling: SamplingParams,
@@ -250,8 +238,7 @@ class Engine:
             need.append(-(-self._final_len(len(p), sampling) // self.block_size) - len(reused[i]))
         available = self.allocator.num_free_blocks
         if self.prefix_cache is not None:
-            reused_idle = {b for r in reused for b in r} & set(self.prefix_cache._evictable)
-            available += self.prefix_cache.num_evictable_blocks - len(reused_idle)
+            available += self.prefix_cache.num_evictable_blocks_without({b for r in reused for b in r})
         if sum(need) > available:
             raise ValueError(f"the batch needs {sum(need)} blocks (prompt + max_new_tokens), the cache has "
                              f"{available} free of {self.allocator.num_blocks}")
@@ -334,12 +321,12 @@ class Engine:
         computed = np.array(cached_lens, np.int64)  # num_computed_tokens: prompt tokens already cached
         first = np.zeros(batch, np.int32)
         first_logits = [None] * num_seqs
+        max_q = _next_pow2(min(chunk, int(lens.max())))  # static across chunks: one compile
         t0 = time.perf_counter()
         while (computed < lens).any():
             rows = np.flatnonzero(computed < lens)
             q_lens = np.minimum(lens[rows] - computed[rows], chunk)
             num_tokens = int(q_lens.sum())
-            max_q = _next_pow2(min(chunk, int(lens.max())))
             # a chunk of one token per sequence is a decode-shaped batch: one token per (padded) row
             md = build_attn_metadata(table[rows], computed[rows], q_lens, self.block_size,
                                      num_seqs_padded=batch, max_query_len=max_q,
@@ -381,15 +368,13 @@ class Engine:
         positions[:num_seqs] = lens
         active = np.zeros(batch, bool)
         active[:num_seqs] = ~first_stops & (remaining[:num_seqs] > 0) & (lens + 1 < self.max_model_len)
-        state = DecodeState(tokens=jnp.asarray(np.where(np.arange(batch) < num_seqs,
-                                                        np.resize(first, batch), 0).astype(np.int32)),
-                            positions=jnp.asarray(positions), remaining=jnp.asarray(remaining),
+        state = DecodeState(tokens=jnp.asarray(first), positions=jnp.asarray(positions), remaining=jnp.asarray(remaining),
                             active=jnp.asarray(active), stopped=jnp.asarray(np.zeros(batch, bool)),
                             key=key)
         tables, stop = jnp.asarray(table), jnp.asarray(stop)
 
         # ---- decode: steps_per_sync steps per host round trip ----
-        chunk = 0
+        num_chunks = 0
         while active.any():
             t0 = time.perf_counter()
             out_tokens, was_active, logits, state, self.kv_caches = self._decode(
@@ -398,13 +383,13 @@ class Engine:
             active = np.asarray(state.active)
             dt = time.perf_counter() - t0
             emitted = int((out_tokens[:, :num_seqs] >= 0).sum())
-            if chunk == 0:
+            if num_chunks == 0:
                 stats.first_decode_s = dt
             else:
                 stats.decode_s += dt
                 stats.decode_steps += self.steps_per_sync
                 stats.decode_tokens += emitted
-            chunk += 1
+            num_chunks += 1
             for s in range(num_seqs):
                 done[s].token_ids.extend(int(t) for t in out_tokens[:, s] if t >= 0)
             if return_logits:
@@ -421,10 +406,3 @@ class Engine:
         stats.generated_tokens = sum(len(c.token_ids) for c in done)
         return done, stats
 
-
-def _dummy_metadata(block_tables, block_size) -> AttentionMetadata:
-    batch = block_tables.shape[0]
-    return AttentionMetadata(
-        slot_mapping=jnp.full((batch,), -1, jnp.int32), seq_lens=jnp.ones((batch,), jnp.int32),
-        block_tables=block_tables, query_start_loc=jnp.arange(batch + 1, dtype=jnp.int32),
-        max_query_len=1, max_seq_len=block_tables.shape[1] * block_size)

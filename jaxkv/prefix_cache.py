@@ -49,6 +49,10 @@ class PrefixCache:
     def num_evictable_blocks(self) -> int:
         return len(self._evictable)
 
+    def num_evictable_blocks_without(self, blocks) -> int:
+        """Evictable blocks left once ``blocks`` (about to be reused) are acquired."""
+        return len(self._evictable.keys() - set(blocks))
+
     def match(self, hashes: list[int]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (no reference taken)."""
         blocks = []
