@@ -27,6 +27,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._host import concrete
+
 KVCaches = Any
 """A pytree of per-layer cache arrays (``list``/``tuple``/``dict`` or a single array)."""
 
@@ -37,14 +39,6 @@ DEFAULT_BLOCK_AXIS = 1
 # ------------------------------------------------------------------------------------------------
 # Validation
 # ------------------------------------------------------------------------------------------------
-
-def _concrete(x) -> np.ndarray | None:
-    """``x`` as a NumPy array when it is concrete, ``None`` when it is traced under ``jit``."""
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
-
 
 def _as_index_array(x, name: str):
     """Lists become NumPy arrays (an empty list is ``int32``); arrays and tracers pass through."""
@@ -96,7 +90,7 @@ def _check_pairs(src_to_dst, num_src_blocks: int, num_dst_blocks: int):
     src_to_dst = _as_index_array(src_to_dst, "src_to_dst")
     if src_to_dst.ndim != 2 or src_to_dst.shape[1] != 2:
         raise ValueError(f"src_to_dst.shape={src_to_dst.shape} must be [num_pairs, 2]")
-    pairs = _concrete(src_to_dst)
+    pairs = concrete(src_to_dst)
     if pairs is None:
         return src_to_dst
     pairs = pairs.astype(np.int64)
@@ -231,7 +225,7 @@ def _zero(kv_caches, block_ids, block_axis, fn):
     block_ids = _as_index_array(block_ids, "block_ids")
     if block_ids.ndim != 1:
         raise ValueError(f"block_ids.shape={block_ids.shape} must be [num_ids]")
-    ids = _concrete(block_ids)
+    ids = concrete(block_ids)
     if ids is not None:
         _check_range(ids, "block_ids", num_blocks)
     return fn(kv_caches, block_ids, block_axis=block_axis)

@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._host import concrete
 from jaxkv.enc_dec_metadata import EncoderDecoderMetadata
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.slot_mapping import PAD_SLOT_ID
@@ -68,13 +69,6 @@ def graph_batch_size(batch_size: int, capture_sizes: tuple[int, ...]) -> int:
         if size >= batch_size:
             return size
     raise ValueError(f"batch_size={batch_size} > largest capture size {max(capture_sizes, default=0)}")
-
-
-def _host(x) -> np.ndarray | None:
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
 
 
 def _check_decode(md: AttentionMetadata, name: str = "attn_metadata") -> int:
@@ -133,7 +127,7 @@ def pad_decode_metadata(attn_metadata, bucket: int, *, max_num_blocks_per_seq: i
     if new_width < width:
         raise ValueError(f"max_num_blocks_per_seq={new_width} < block_tables width {width}")
     bound = md.max_seq_len if max_seq_len is None else max_seq_len
-    seq_lens = _host(md.seq_lens)
+    seq_lens = concrete(md.seq_lens)
     if seq_lens is not None and seq_lens.size and seq_lens.max() > bound:
         raise ValueError(f"max_seq_len={bound} < longest sequence {int(seq_lens.max())}")
     pad = bucket - num_seqs

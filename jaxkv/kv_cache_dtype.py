@@ -35,11 +35,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attention import FP8_DTYPES as _kernel_fp8_dtypes
+
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
 """The accepted ``kv_cache_dtype`` strings (vLLM's ``--kv-cache-dtype`` choices on CUDA)."""
 
-FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
-"""The cache dtypes that are quantised with a scale."""
+FP8_DTYPES = _kernel_fp8_dtypes
+"""The cache dtypes that are quantised with a scale (the ones the Pallas kernels dequantise)."""
 
 _STR_TO_DTYPE = {
     "fp8": FP8_DTYPES[0],

@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._host import concrete
 from jaxkv.kv_cache_dtype import check_scale, is_fp8_dtype, quantize_to_cache
 
 
@@ -29,7 +30,7 @@ def check_new_tokens(key, value, slot_mapping, *, num_kv_heads: int, head_size: 
         raise ValueError(f"slot_mapping.shape={slot_mapping.shape} must be (num_tokens={key.shape[0]},)")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise ValueError(f"slot_mapping.dtype={slot_mapping.dtype} must be an integer dtype")
-    slots = _concrete(slot_mapping)
+    slots = concrete(slot_mapping)
     if slots is not None and slots.size and slots.max() >= capacity:
         i = int(np.argmax(slots))
         raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
@@ -78,14 +79,6 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
     else:
         k_scale = v_scale = None
     return _scatter(kv_cache, key, value, slot_mapping, k_scale, v_scale)
-
-
-def _concrete(x) -> np.ndarray | None:
-    """``x`` as a NumPy array when it is concrete, ``None`` when it is traced under ``jit``."""
-    try:
-        return np.asarray(x)
-    except jax.errors.TracerArrayConversionError:
-        return None
 
 
 @jax.jit

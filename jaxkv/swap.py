@@ -19,8 +19,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv._host import concrete
 from jaxkv.block_ops import (DEFAULT_BLOCK_AXIS, KVCaches, _at_blocks, _check_layers, _check_pairs,
-                             _concrete, _pair_ids)
+                             _pair_ids)
 
 # ------------------------------------------------------------------------------------------------
 # Memory-kinds path (both sides jax.Array)
@@ -189,7 +190,7 @@ def _swap(src, dst, src_to_dst, block_axis, donate):
                          f"block_axis={block_axis}")
     src_to_dst = _check_pairs(src_to_dst, num_src_blocks, num_dst_blocks)
     if any(isinstance(x, np.ndarray) for x in src_leaves + dst_leaves):
-        if _concrete(src_to_dst) is None:
+        if concrete(src_to_dst) is None:
             raise ValueError("src_to_dst is traced: the NumPy host path needs concrete block ids")
         out = _swap_numpy(src_leaves, dst_leaves, src_to_dst, block_axis, donate)
         return jax.tree_util.tree_unflatten(dst_def, out)

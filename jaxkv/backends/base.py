@@ -24,6 +24,7 @@ import jax.numpy as jnp
 import numpy as np
 
 
+
 @dataclasses.dataclass(frozen=True)
 class MultipleOf:
     """A supported size given as "any positive multiple of ``base``". vLLM: ``MultipleOf``.
@@ -177,7 +178,5 @@ def to_physical(logical, stride_order):
 
 
 FLOAT_DTYPES = (np.dtype("float32"), np.dtype(jnp.float16), np.dtype(jnp.bfloat16))
-"""Cache dtypes of 2- and 4-byte floats every jaxkv layout backend stores."""
-
-FP8_DTYPES = (np.dtype(jnp.float8_e4m3fn), np.dtype(jnp.float8_e5m2))
-"""1-byte fp8 cache dtypes (``kv_cache_dtype`` "fp8"/"fp8_e4m3" and "fp8_e5m2"): storage only here."""
+"""Cache dtypes of 2- and 4-byte floats every jaxkv layout backend stores (plus
+:data:`jaxkv.kv_cache_dtype.FP8_DTYPES`, storage only for the non-Pallas layouts)."""

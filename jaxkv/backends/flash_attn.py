@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import jax
 
-from jaxkv.backends.base import FLOAT_DTYPES, FP8_DTYPES, MultipleOf, check_positive_dims
+from jaxkv.backends.base import FLOAT_DTYPES, MultipleOf, check_positive_dims
+from jaxkv.kv_cache_dtype import FP8_DTYPES
 
 
 class FlashAttentionBackend:

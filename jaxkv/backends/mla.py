@@ -8,7 +8,8 @@ by every head, so there is no K/V split and no head dim: ``head_size`` is the la
 
 from __future__ import annotations
 
-from jaxkv.backends.base import FLOAT_DTYPES, FP8_DTYPES, MultipleOf, check_positive_dims
+from jaxkv.backends.base import FLOAT_DTYPES, MultipleOf, check_positive_dims
+from jaxkv.kv_cache_dtype import FP8_DTYPES
 
 
 class MLAAttentionBackend:

@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv.backends.base import FLOAT_DTYPES, FP8_DTYPES, check_positive_dims
+from jaxkv.backends.base import FLOAT_DTYPES, check_positive_dims
+from jaxkv.kv_cache_dtype import FP8_DTYPES
 from jaxkv.ops import check_new_tokens
 
 
