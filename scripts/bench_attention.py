@@ -208,7 +208,6 @@ def bench_write(time_calls, copy_gbs) -> int:
     return 0
 
 
-
 PREFILL_SWEEP = [dict(block_q=bq, pages_per_compute_block=pp, num_warps=w, num_stages=st)
                  for bq in (32, 64) for pp in (4, 8) for w in (4, 8) for st in (2, 3)]
 

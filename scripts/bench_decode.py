@@ -24,15 +24,13 @@ import models
 from bench_common import decode_prompts
 
 
-def run_one(config, model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
+def run_one(model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
             impl, repeats=3):
     max_model_len = prompt_len + new_tokens
     blocks_per_seq = -(-max_model_len // 16)
-    _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.bfloat16,
-                                      num_blocks=blocks_per_seq * batch * capacity_factor)
-    params, fn = models.make_model_fn(model, attention_impl=impl)
-    engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=max_model_len,
-                          steps_per_sync=steps_per_sync)
+    engine = models.make_engine(model, attention_impl=impl, block_size=16,
+                                num_blocks=blocks_per_seq * batch * capacity_factor,
+                                max_model_len=max_model_len, steps_per_sync=steps_per_sync)
     prompts = decode_prompts(tok, batch, prompt_len)
     sampling = jaxkv.SamplingParams(max_new_tokens=new_tokens)
     times, outs = [], None
@@ -69,9 +67,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-impl", default=None)
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
-    path = args.gguf or models.find_smollm2_gguf()
-    config, weights = models.load_llama_gguf(path, progress=False)
-    tok = models.GGUFTokenizer.from_gguf(path)
+    config, weights, tok = models.load_gguf_checkpoint(args.gguf, progress=False)
     model = models.from_weights(config, weights, dtype=jnp.bfloat16)
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  attention={impl}  bf16  "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, no stop token")
@@ -79,12 +75,12 @@ def main(argv=None) -> int:
     rows = {}
     for batch in map(int, args.batches.split(",")):
         for sps in map(int, args.steps_per_sync.split(",")):
-            ms, engine, prompts, outs = run_one(config, model, tok, batch=batch, new_tokens=args.new_tokens,
+            ms, engine, prompts, outs = run_one(model, tok, batch=batch, new_tokens=args.new_tokens,
                                                 steps_per_sync=sps, prompt_len=args.prompt_len, impl=impl)
             rows[batch, sps] = (ms, engine, prompts, outs)
             print(f"{batch:>5} {sps:>10} {ms:>8.3f} {batch * 1e3 / ms:>9.0f}", flush=True)
     batch, sps = max(rows)[0], max(map(int, args.steps_per_sync.split(",")))
-    ms4, *_ = run_one(config, model, tok, batch=batch, new_tokens=args.new_tokens, steps_per_sync=sps,
+    ms4, *_ = run_one(model, tok, batch=batch, new_tokens=args.new_tokens, steps_per_sync=sps,
                       prompt_len=args.prompt_len, capacity_factor=4, impl=impl)
     print(f"capacity x4 (batch {batch}, steps/sync {sps}): {ms4:.3f} ms/step vs {rows[batch, sps][0]:.3f} "
           f"({100 * (ms4 / rows[batch, sps][0] - 1):+.1f} %)")

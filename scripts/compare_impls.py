@@ -29,9 +29,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-new-tokens", type=int, default=4)
     p.add_argument("--gguf", default=None)
     args = p.parse_args(argv)
-    path = args.gguf or models.find_smollm2_gguf()
-    config, weights = models.load_llama_gguf(path, progress=False)
-    tok = models.GGUFTokenizer.from_gguf(path)
+    config, weights, tok = models.load_gguf_checkpoint(args.gguf, progress=False)
     text = tok.apply_chat_template([{"role": "user", "content": args.prompt}]) if args.chat else args.prompt
     prompt = tok.encode(text)
     dtype = jnp.dtype(args.dtype)
@@ -39,9 +37,8 @@ def main(argv=None) -> int:
     first = None
     for impl in args.impls.split(","):
         max_len = len(prompt) + args.max_new_tokens
-        _, caches = models.init_kv_caches(config, block_size=16, dtype=dtype, num_blocks=-(-max_len // 16))
-        params, fn = models.make_model_fn(model, attention_impl=impl)
-        engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=max_len, steps_per_sync=4)
+        engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=-(-max_len // 16),
+                                    max_model_len=max_len, steps_per_sync=4)
         done, stats = engine.generate([prompt], jaxkv.SamplingParams(max_new_tokens=args.max_new_tokens),
                                       return_logits=True)
         logits = stats.step_logits[0][0].astype(np.float64)

@@ -79,9 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--block-size={args.block_size} not supported; choose one of "
                          f"{jaxkv.PallasAttentionBackend.supported_block_sizes}")
 
-    path = args.gguf or models.find_smollm2_gguf()
-    config, weights = models.load_llama_gguf(path)
-    tok = models.GGUFTokenizer.from_gguf(path)
+    config, weights, tok = models.load_gguf_checkpoint(args.gguf)
     model = models.from_weights(config, weights, dtype=dtype)
     del weights
 
@@ -97,12 +95,11 @@ def run(args: argparse.Namespace) -> int:
     blocks_per_seq = -(-max_model_len // args.block_size)
     num_blocks = args.num_blocks or blocks_per_seq * len(prompts) * (2 if args.enable_prefix_caching else 1)
     cache_dtype = jaxkv.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
-    _, caches = models.init_kv_caches(config, block_size=args.block_size, dtype=cache_dtype,
-                                      num_blocks=num_blocks)
-    params, fn = models.make_model_fn(model, attention_impl=impl)
-    engine = jaxkv.Engine(fn, params, caches, block_size=args.block_size, max_model_len=max_model_len,
-                          steps_per_sync=args.steps_per_sync, prefill_chunk_size=args.prefill_chunk_size,
-                          enable_prefix_caching=args.enable_prefix_caching)
+    engine = models.make_engine(model, attention_impl=impl, block_size=args.block_size,
+                                num_blocks=num_blocks, max_model_len=max_model_len, cache_dtype=cache_dtype,
+                                steps_per_sync=args.steps_per_sync,
+                                prefill_chunk_size=args.prefill_chunk_size,
+                                enable_prefix_caching=args.enable_prefix_caching)
     sampling = dataclasses.replace(sampling, stop_token_ids=tok.stop_token_ids)
     for _ in range(args.repeat - 1):  # earlier rounds: compile, fill the prefix cache
         engine.generate(prompts, sampling)

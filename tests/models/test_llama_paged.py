@@ -27,10 +27,8 @@ def _tiny_model(seed=0):
 
 
 def _engine(model, impl, *, num_blocks=32, block_size=8, max_model_len=64, steps_per_sync=1):
-    _, caches = models.init_kv_caches(TINY, block_size=block_size, dtype=jnp.float32, num_blocks=num_blocks)
-    params, fn = models.make_model_fn(model, attention_impl=impl)
-    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
-                        steps_per_sync=steps_per_sync)
+    return models.make_engine(model, attention_impl=impl, block_size=block_size, num_blocks=num_blocks,
+                              max_model_len=max_model_len, steps_per_sync=steps_per_sync)
 
 
 @pytest.mark.parametrize("impl", ["reference", "pallas_interpret"])
@@ -153,9 +151,8 @@ def test_fp8_kv_cache_follows_the_dense_forward_within_fp8_error():
     that moved the logits by ~12 % of their largest value). Exactness of fp8 write + read is tested
     against float64 loops in tests/jaxkv/test_ops_fp8.py and the kernel tests."""
     model = _tiny_model(7)
-    _, caches = models.init_kv_caches(TINY, block_size=8, dtype=jnp.float8_e4m3fn, num_blocks=32)
-    params, fn = models.make_model_fn(model, attention_impl="reference")
-    eng = jaxkv.Engine(fn, params, caches, block_size=8, max_model_len=64, steps_per_sync=4)
+    eng = models.make_engine(model, attention_impl="reference", block_size=8, num_blocks=32, max_model_len=64,
+                             cache_dtype=jnp.float8_e4m3fn, steps_per_sync=4)
     prompts = [[5, 6, 7, 8, 9], [10, 11]]
     done, stats = eng.generate(prompts, jaxkv.SamplingParams(max_new_tokens=6), return_logits=True)
     assert eng.kv_caches[0].dtype == jnp.float8_e4m3fn
@@ -177,19 +174,16 @@ def test_chunked_prefill_equals_one_shot(chunk):
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (11, 3, 17)]
     sampling = jaxkv.SamplingParams(max_new_tokens=5)
     one, one_stats = _engine(model, "reference").generate(prompts, sampling, return_logits=True)
-    _, caches = models.init_kv_caches(TINY, block_size=8, dtype=jnp.float32, num_blocks=32)
-    params, fn = models.make_model_fn(model, attention_impl="reference")
-    eng = jaxkv.Engine(fn, params, caches, block_size=8, max_model_len=64, prefill_chunk_size=chunk)
+    eng = models.make_engine(model, attention_impl="reference", block_size=8, num_blocks=32, max_model_len=64,
+                             prefill_chunk_size=chunk)
     got, got_stats = eng.generate(prompts, sampling, return_logits=True)
     assert [c.token_ids for c in got] == [c.token_ids for c in one]
     np.testing.assert_allclose(got_stats.step_logits[0], one_stats.step_logits[0], rtol=1e-4, atol=1e-4)
 
 
 def _caching_engine(model, *, num_blocks=32, block_size=8):
-    _, caches = models.init_kv_caches(TINY, block_size=block_size, dtype=jnp.float32, num_blocks=num_blocks)
-    params, fn = models.make_model_fn(model, attention_impl="reference")
-    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=64,
-                        enable_prefix_caching=True)
+    return models.make_engine(model, attention_impl="reference", block_size=block_size, num_blocks=num_blocks,
+                              max_model_len=64, enable_prefix_caching=True)
 
 
 def test_prefix_caching_computes_only_the_new_tokens_and_matches_no_caching():

@@ -11,16 +11,14 @@ import models
 
 @pytest.fixture(scope="module")
 def smollm2(gguf_path):
-    path = gguf_path
-    config, weights = models.load_llama_gguf(path, progress=False)
-    return config, models.from_weights(config, weights, dtype=jnp.float32), models.GGUFTokenizer.from_gguf(path)
+    config, weights, tok = models.load_gguf_checkpoint(gguf_path, progress=False)
+    return config, models.from_weights(config, weights, dtype=jnp.float32), tok
 
 
 def test_greedy_capital_of_france_is_paris(smollm2):
     config, model, tok = smollm2
-    _, caches = models.init_kv_caches(config, block_size=16, dtype=jnp.float32, num_blocks=16)
-    params, fn = models.make_model_fn(model, attention_impl="reference")
-    engine = jaxkv.Engine(fn, params, caches, block_size=16, max_model_len=64)
+    engine = models.make_engine(model, attention_impl="reference", block_size=16, num_blocks=16,
+                                max_model_len=64)
     prompts = [tok.encode("The capital of France is"), tok.encode("Water is made of hydrogen and")]
     done, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=8,
                                                                 stop_token_ids=tok.stop_token_ids))
