@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step
+from pallas_kernels._reference import kv_scales, paged_attention_dense
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 SUPPORTED_HEAD_SIZES = (16, 32, 64, 128, 256)  # powers of two: Triton tiles are powers of two
@@ -268,12 +269,6 @@ def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slope
     _check_extras(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
 
 
-def _kv_scales(k_scale, v_scale) -> jax.Array:
-    one = jnp.float32(1.0)
-    return jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32).reshape(()),
-                      jnp.asarray(one if v_scale is None else v_scale, jnp.float32).reshape(())])
-
-
 _STATIC = ("scale", "sliding_window", "logits_soft_cap")
 
 
@@ -366,33 +361,10 @@ def paged_attention(
     if pages_per_compute_block & (pages_per_compute_block - 1):
         raise ValueError(f"pages_per_compute_block={pages_per_compute_block} must be a power of two")
     return _paged_attention_pallas(
-        q, kv_cache, block_tables, seq_lens, _kv_scales(k_scale, v_scale), alibi_slopes, scale=scale,
+        q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), alibi_slopes, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, masked_loads=masked_loads,
         pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
-
-
-def dense_kv_from_pages(kv_cache: jax.Array, block_tables: jax.Array,
-                        seq_lens: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """Gather each sequence's pages into dense float32 K and V (reference helper).
-
-    Args:
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``.
-        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``; ids are clipped into range.
-        seq_lens: ``int32[num_seqs]``; positions ``>= seq_lens`` are zeroed (pages may hold NaN).
-
-    Returns:
-        ``(k, v)``, each ``f32[num_seqs, num_kv_heads, max_num_blocks_per_seq * block_size, head_size]``.
-    """
-    _, num_blocks, num_kv_heads, block_size, head_size = kv_cache.shape
-    num_seqs, max_blocks = block_tables.shape
-    max_len = max_blocks * block_size
-    ids = jnp.clip(block_tables, 0, num_blocks - 1)
-    # [2, num_seqs, max_blocks, kvh, block_size, hs] → [2, num_seqs, kvh, max_len, hs]
-    kv = kv_cache[:, ids].transpose(0, 1, 3, 2, 4, 5).reshape(2, num_seqs, num_kv_heads, max_len, head_size)
-    valid = jnp.arange(max_len)[None, :] < seq_lens[:, None]
-    kv = jnp.where(valid[None, :, None, :, None], kv.astype(jnp.float32), 0)
-    return kv[0], kv[1]
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
@@ -417,32 +389,11 @@ def paged_attention_reference(
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
               logits_soft_cap)
-    num_seqs, num_heads, head_size = q.shape
-    _, _, num_kv_heads, block_size, _ = kv_cache.shape
-    group = num_heads // num_kv_heads
-    max_len = block_tables.shape[1] * block_size
-    scales = _kv_scales(k_scale, v_scale)
-
-    k, v = dense_kv_from_pages(kv_cache, block_tables, seq_lens)
-    t = jnp.arange(max_len)[None, :]
-    visible = t < seq_lens[:, None]  # [num_seqs, max_len]
-    if sliding_window is not None:
-        visible &= t >= seq_lens[:, None] - sliding_window
-
-    qg = q.reshape(num_seqs, num_kv_heads, group, head_size).astype(jnp.float32)
-    logits = jnp.einsum("skgd,sktd->skgt", qg, k, precision=lax.Precision.HIGHEST) * (scale * scales[0])
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1)
-        logits += slopes * (t - (seq_lens[:, None] - 1)).astype(jnp.float32)[:, None, None, :]
-    logits = jnp.where(visible[:, None, None, :], logits, -jnp.inf)
-    m = logits.max(axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
-    denom = p.sum(axis=-1, keepdims=True)
-    o = jnp.einsum("skgt,sktd->skgd", p, v, precision=lax.Precision.HIGHEST) * scales[1]
-    o = o / jnp.where(denom == 0.0, 1.0, denom)
-    return o.reshape(num_seqs, num_heads, head_size).astype(q.dtype)
+    # decode = one query per sequence, at position seq_len - 1
+    out = paged_attention_dense(q[:, None], (seq_lens - 1)[:, None], kv_cache, block_tables, seq_lens,
+                                scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return out[:, 0].astype(q.dtype)
 
 
 def default_scale(head_size: int) -> float:

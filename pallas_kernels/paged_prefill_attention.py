@@ -36,8 +36,8 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step
-from pallas_kernels.paged_attention import (MIN_DOT_ROWS, _check_extras, _check_q_and_cache,
-                                            _kv_scales, dense_kv_from_pages)
+from pallas_kernels._reference import kv_scales, paged_attention_dense
+from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_q_and_cache
 
 MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to the next one in registers
 MIN_DOT_K = 16       # a Triton dot contracts at least 16 channels: smaller head sizes are padded to 16
@@ -421,7 +421,7 @@ def paged_prefill_attention(
     if num_warps is None:
         num_warps = tuning.prefill_num_warps(block_q * group_p, head_size)
     return _paged_prefill_attention_jit(
-        q, kv_cache, block_tables, seq_lens, query_start_loc, _kv_scales(k_scale, v_scale), alibi_slopes,
+        q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), alibi_slopes,
         scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
         num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
@@ -475,40 +475,16 @@ def paged_prefill_attention_reference(
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap)
     num_tokens, num_heads, head_size = q.shape
-    _, _, num_kv_heads, block_size, _ = kv_cache.shape
-    num_seqs, max_blocks = block_tables.shape
-    group = num_heads // num_kv_heads
-    max_len = max_blocks * block_size
 
     query_lens = query_start_loc[1:] - query_start_loc[:-1]
     context_lens = seq_lens - query_lens
     i = jnp.arange(max_query_len)
     q_valid = i[None, :] < query_lens[:, None]                         # [num_seqs, max_q]
     q_idx = jnp.where(q_valid, query_start_loc[:-1, None] + i[None, :], num_tokens)
-    qs = q.at[q_idx].get(mode="fill", fill_value=0).astype(jnp.float32)  # [s, max_q, H, D]
-    qs = qs.reshape(num_seqs, max_query_len, num_kv_heads, group, head_size)
-
-    k, v = dense_kv_from_pages(kv_cache, block_tables, seq_lens)         # [s, kvh, max_len, D]
-    q_pos = context_lens[:, None] + i[None, :]                           # [s, max_q]
-    t = jnp.arange(max_len)
-    allowed = (t[None, None, :] <= q_pos[:, :, None]) & (t[None, None, :] < seq_lens[:, None, None])
-    if sliding_window is not None:
-        allowed &= t[None, None, :] > q_pos[:, :, None] - sliding_window
-    scales = _kv_scales(k_scale, v_scale)
-
-    logits = jnp.einsum("sqkgd,sktd->skgqt", qs, k, precision=lax.Precision.HIGHEST) * (scale * scales[0])
-    if logits_soft_cap is not None:
-        logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
-    if alibi_slopes is not None:
-        slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
-        logits += slopes * (t[None, None, :] - q_pos[:, :, None]).astype(jnp.float32)[:, None, None]
-    logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
-    m = logits.max(axis=-1, keepdims=True)
-    p = jnp.exp(logits - jnp.where(jnp.isneginf(m), 0.0, m))
-    denom = p.sum(axis=-1, keepdims=True)
-    o = jnp.einsum("skgqt,sktd->sqkgd", p / jnp.where(denom == 0.0, 1.0, denom), v,
-                   precision=lax.Precision.HIGHEST)
-    o = o.reshape(num_seqs, max_query_len, num_heads, head_size) * scales[1]
+    qs = q.at[q_idx].get(mode="fill", fill_value=0)                    # [s, max_q, H, D]
+    o = paged_attention_dense(qs, context_lens[:, None] + i[None, :], kv_cache, block_tables, seq_lens,
+                              scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                              sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     out = jnp.zeros((num_tokens, num_heads, head_size), jnp.float32)
     out = out.at[q_idx].set(o, mode="drop")
     return out.astype(q.dtype)
