@@ -3,7 +3,7 @@
 The engine is model-agnostic: it drives any ``model_fn(params, input_ids, positions, kv_caches, metadata,
 logits_indices) -> (logits, kv_caches)``. One call of :meth:`Engine.generate` prefills all prompts in one
 step, then decodes them together in a device loop of ``steps_per_sync`` steps per host round trip
-(``lax.fori_loop``: slot mapping, sequence lengths, sampling and stop checks all stay on the device).
+(``lax.scan``: slot mapping, sequence lengths, sampling and stop checks all stay on the device).
 Finished sequences become padding rows (``PAD_SLOT_ID`` slot, length-1 dummy sequence, as vLLM pads CUDA
 graphs), so the decode loop keeps one shape and compiles once.
 """
