@@ -105,7 +105,8 @@ def _paged_prefill_attention_kernel(
     q_mask = jnp.broadcast_to(row_valid[:, None, None] & g_valid[None, :, None] & d_valid[None, None, :],
                               (block_q, group_p, head_p))
     q_index = (jnp.minimum(token, num_tokens - 1)[:, None, None],
-               jnp.minimum(g, group - 1)[None, :, None], jnp.minimum(d, head_size - 1)[None, None, :])
+               jnp.minimum(g, group - 1)[None, :, None],
+               (d if head_p == head_size else jnp.minimum(d, head_size - 1))[None, None, :])
     q = plgpu.load(q_ref.at[q_index], mask=q_mask)
     q = jnp.where(q_mask, q, 0).reshape(rows, head_p)
 
@@ -121,7 +122,9 @@ def _paged_prefill_attention_kernel(
     num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
 
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
-    d_index = jnp.minimum(d, head_size - 1)[None, None, :]
+    # Unclipped when no channel is padded: a clip hides the channels' contiguity from Triton's axis
+    # analysis, which then emits one 2-byte load per element instead of 16-byte vector loads.
+    d_index = (d if head_p == head_size else jnp.minimum(d, head_size - 1))[None, None, :]
     slot = jnp.arange(block_size)[None, :, None]
 
     def body(i, carry):
