@@ -84,7 +84,9 @@ def _paged_prefill_attention_kernel(
     sliding_window: int | None,
     logits_soft_cap: float | None,
 ):
-    q_tile = pl.program_id(2)
+    # Heaviest tiles first: the last query tiles see the most keys (causal); launching them first
+    # shortens the tail of the grid.
+    q_tile = pl.num_programs(2) - 1 - pl.program_id(2)
     num_tokens, group, head_size = q_ref.shape
     num_blocks, block_size, _ = k_cache_ref.shape
     ppcb = pages_per_compute_block
@@ -98,15 +100,17 @@ def _paged_prefill_attention_kernel(
     token = q_start + qi                               # row of q / o                   [block_q]
     row_valid = (qi < q_len) & (token < num_tokens)    # [block_q]
 
-    # Index arrays over the padded head group / channels; extra lanes are masked, clipped in range.
+    # Index arrays over the padded head group / channels; extra lanes are masked. The channel index is
+    # never clipped (masked lanes are not accessed): a clip would hide its contiguity from Triton's
+    # axis analysis, which then emits one 2-byte load per element instead of 16-byte vector loads.
     g = jnp.arange(group_p)
     d = jnp.arange(head_p)
     g_valid, d_valid = g < group, d < head_size
+    pad_d = head_p != head_size
     q_mask = jnp.broadcast_to(row_valid[:, None, None] & g_valid[None, :, None] & d_valid[None, None, :],
                               (block_q, group_p, head_p))
-    q_index = (jnp.minimum(token, num_tokens - 1)[:, None, None],
-               jnp.minimum(g, group - 1)[None, :, None],
-               (d if head_p == head_size else jnp.minimum(d, head_size - 1))[None, None, :])
+    q_index = (jnp.minimum(token, num_tokens - 1)[:, None, None], jnp.minimum(g, group - 1)[None, :, None],
+               d[None, None, :])
     q = plgpu.load(q_ref.at[q_index], mask=q_mask)
     q = jnp.where(q_mask, q, 0).reshape(rows, head_p)
 
@@ -119,49 +123,73 @@ def _paged_prefill_attention_kernel(
     kv_start, kv_end, first_page, end_page = _tile_kv_range(
         context_len, q_len, row0, block_q=block_q, block_size=block_size, sliding_window=sliding_window,
         max_pages=max_pages)
-    num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
-
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
-    # Unclipped when no channel is padded: a clip hides the channels' contiguity from Triton's axis
-    # analysis, which then emits one 2-byte load per element instead of 16-byte vector loads.
-    d_index = (d if head_p == head_size else jnp.minimum(d, head_size - 1))[None, None, :]
     slot = jnp.arange(block_size)[None, :, None]
 
-    def body(i, carry):
-        acc, m_prev, l_prev = carry
-        page0 = first_page + i * ppcb
-        block_ids = block_table_ref[pl.ds(page0, ppcb)]
-        page = page0 + jnp.arange(ppcb)
-        block_ids = jnp.clip(jnp.where(page < end_page, block_ids, 0), 0, num_blocks - 1)
-        t = page0 * block_size + jnp.arange(block_k)    # key positions of the tile [block_k]
-        t_valid = (t >= kv_start) & (t < kv_end)
-        kv_mask = t_valid.reshape(ppcb, block_size, 1) & d_valid[None, None, :]
-        kv_mask = jnp.broadcast_to(kv_mask, (ppcb, block_size, head_p))
-        # Masked gathers: slots outside [kv_start, kv_end) and padded channels are never read. No
-        # `other=` (fp8 refs cannot take it): masked lanes are undefined, zeroed after the cast.
-        index = (block_ids[:, None, None], slot, d_index)
-        k = plgpu.load(k_cache_ref.at[index], mask=kv_mask).astype(q.dtype)  # fp8 → q.dtype here
-        v = plgpu.load(v_cache_ref.at[index], mask=kv_mask).astype(q.dtype)
-        k = jnp.where(kv_mask, k, 0).reshape(block_k, head_p)
-        v = jnp.where(kv_mask, v, 0).reshape(block_k, head_p)
+    def load_kv(block_ids, t_valid):
+        """K and V of ``ppcb`` pages → ``[block_k, head_p]`` each, in q.dtype; invisible lanes are 0.
 
+        ``t_valid`` (bool[block_k]) marks visible key slots; ``None``: every slot is visible, so plain
+        gathers (masked only on padded channels)."""
+        mask = None
+        if t_valid is not None:
+            mask = t_valid.reshape(ppcb, block_size, 1) & d_valid[None, None, :]
+        elif pad_d:
+            mask = jnp.broadcast_to(d_valid[None, None, :], (1, block_size, head_p))
+        if mask is None:
+            k, v = k_cache_ref[block_ids], v_cache_ref[block_ids]
+        else:
+            # No `other=` (fp8 refs cannot take it): masked lanes are undefined, zeroed after the cast.
+            mask = jnp.broadcast_to(mask, (ppcb, block_size, head_p))
+            index = (block_ids[:, None, None], slot, d[None, None, :])
+            k = plgpu.load(k_cache_ref.at[index], mask=mask)
+            v = plgpu.load(v_cache_ref.at[index], mask=mask)
+        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 → q.dtype in registers (scales below)
+        if mask is not None:
+            k, v = jnp.where(mask, k, 0), jnp.where(mask, v, 0)
+        return k.reshape(block_k, head_p), v.reshape(block_k, head_p)
+
+    def step(page0, carry, *, causal):
+        """Fold the compute block of pages ``[page0, page0 + ppcb)`` into the running softmax.
+
+        ``causal=False``: every key of the block is visible to every row (strictly below the tile's
+        first query, no window), so no mask is computed at all."""
+        page = page0 + jnp.arange(ppcb)
+        block_ids = block_table_ref[pl.ds(page0, ppcb)]
+        t = page0 * block_size + jnp.arange(block_k)    # key positions of the tile [block_k]
+        if causal:
+            block_ids = jnp.clip(jnp.where(page < end_page, block_ids, 0), 0, num_blocks - 1)
+            k, v = load_kv(block_ids, (t >= kv_start) & (t < kv_end))
+        else:
+            k, v = load_kv(jnp.clip(block_ids, 0, num_blocks - 1), None)
         logits = dot_f32(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[rows, block_k]
         if logits_soft_cap is not None:
             logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
         rel = t[None, :] - pos_rows[:, None]                        # key position - query position
         if alibi_ref is not None:
             logits += slope_rows[:, None] * rel.astype(jnp.float32)
-        allowed = rel <= 0                                          # causal (also hides rows past q_len)
-        if sliding_window is not None:
-            allowed &= rel > -sliding_window
-        logits = jnp.where(allowed, logits, -jnp.inf)
+        if causal:
+            allowed = rel <= 0                                      # causal (also hides rows past q_len)
+            if sliding_window is not None:
+                allowed &= rel > -sliding_window
+            logits = jnp.where(allowed, logits, -jnp.inf)
+        return online_softmax_step(*carry, logits, v)
 
-        return online_softmax_step(acc, m_prev, l_prev, logits, v)
+    if sliding_window is None:
+        # Compute blocks wholly below the tile's first query: no mask; the rest (the diagonal): masked.
+        num_full = jnp.where(kv_end > 0, context_len + row0, 0) // block_k
+        num_iters = pl.cdiv(end_page, ppcb)
+        page_of = lambda i: i * ppcb  # noqa: E731
+    else:
+        num_full = 0
+        num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
+        page_of = lambda i: first_page + i * ppcb  # noqa: E731
 
     acc = jnp.zeros((rows, head_p), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, num_iters, body, (acc, m, l))
+    carry = lax.fori_loop(0, num_full, lambda i, c: step(page_of(i), c, causal=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(num_full, num_iters, lambda i, c: step(page_of(i), c, causal=True), carry)
     l_safe = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing gives 0, not NaN
     out = (acc * v_scale / l_safe[:, None]).reshape(block_q, group_p, head_p).astype(o_ref.dtype)
     # Unclipped indices: masked lanes (rows of other sequences, padded heads/channels) are not written.
