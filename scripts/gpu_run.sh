@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# GPU evidence runs for the device tool, in stages that each fit one call (<= 600 s). Logs go to $OUT.
+#   stage kernels : (first call, carries .whl and .gguf1) installs the carried wheels into /tmp/site,
+#                   keeps the GGUF's first half in /tmp, runs the prefill benchmark + sweep.
+#   stage decode  : (carries .gguf2) rebuilds the GGUF in /tmp/smollm2.gguf, runs the decode kernel
+#                   benchmark (JSON for the chart) and scripts/accuracy.py (all parts).
+#   stage model   : generate.py, bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
+#                   flags, bench_hf_generate.py.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
+G=/tmp/smollm2.gguf
+stage=$1
+quiet() { grep -v -e "loading weights" -e "DeprecationWarning" -e "warnings.warn" -e "deprecations.warn"; }
+case $stage in
+kernels)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  cp .gguf1/gguf.part.aa /tmp/
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
+  echo '$ python scripts/bench_attention.py --mode prefill' | tee $OUT/bench-prefill.txt
+  timeout 480 python scripts/bench_attention.py --mode prefill 2>&1 | quiet | tee -a $OUT/bench-prefill.txt
+  ;;
+decode)
+  cat /tmp/gguf.part.aa .gguf2/gguf.part.ab > $G
+  sha256sum $G | tee $OUT/sha256.txt
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
+  echo '$ python scripts/bench_attention.py --mode decode --json bench-decode.json' | tee $OUT/bench-decode.txt
+  timeout 330 python scripts/bench_attention.py --mode decode --json $OUT/bench-decode.json 2>&1 | quiet | tee -a $OUT/bench-decode.txt
+  echo '$ python scripts/accuracy.py --gguf $G' | tee $OUT/accuracy.txt
+  timeout 200 python scripts/accuracy.py --gguf $G 2>&1 | quiet | tee -a $OUT/accuracy.txt
+  ;;
+model)
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
+  {
+    echo '$ python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-new-tokens 32'
+    timeout 60 python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-new-tokens 32
+    echo '$ python scripts/generate.py --gguf $G --chat --prompt "What is the capital of France?" --prompt "Write a haiku about the sea." --max-new-tokens 48 --prefill-chunk-size 16'
+    timeout 60 python scripts/generate.py --gguf $G --chat --prompt "What is the capital of France?" --prompt "Write a haiku about the sea." --max-new-tokens 48 --prefill-chunk-size 16
+  } 2>&1 | quiet | tee $OUT/generate.txt
+  echo '$ python scripts/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16,64' | tee $OUT/bench-decode-step.txt
+  timeout 200 python scripts/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16,64 2>&1 | quiet | tee -a $OUT/bench-decode-step.txt
+  for flags in "--xla_gpu_enable_command_buffer=" '--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton'; do
+    echo "\$ XLA_FLAGS='$flags' python scripts/bench_decode.py --gguf \$G --batches 1 --steps-per-sync 1,16" | tee -a $OUT/bench-decode-cmdbuf.txt
+    XLA_FLAGS="$flags" timeout 90 python scripts/bench_decode.py --gguf $G --batches 1 --steps-per-sync 1,16 2>&1 | quiet | head -14 | tee -a $OUT/bench-decode-cmdbuf.txt
+  done
+  echo '$ python scripts/bench_hf_generate.py --gguf $G --batches 1,64' | tee $OUT/bench-hf.txt
+  timeout 150 python scripts/bench_hf_generate.py --gguf $G --batches 1,64 2>&1 | quiet | tee -a $OUT/bench-hf.txt
+  ;;
+esac
