@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._online_softmax import dot_f32, online_softmax_step
+from pallas_kernels._online_softmax import base2_logits, dot_f32, online_softmax_step
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -99,14 +99,14 @@ def _paged_attention_kernel(
         k = jnp.where(mask, k, 0).reshape(block_k, head_size)
         v = jnp.where(mask, v, 0).reshape(block_k, head_size)
 
-        logits = dot_f32(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[block_h, block_k]
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        alibi_bias = None
         if alibi_ref is not None:
-            logits += alibi_ref[...][:, None] * (token - (seq_len - 1)).astype(jnp.float32)[None, :]
+            alibi_bias = alibi_ref[...][:, None] * (token - (seq_len - 1)).astype(jnp.float32)[None, :]
+        logits, logit_scale = base2_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
+                                           logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[block_h, block_k]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
 
-        return online_softmax_step(acc, m_prev, l_prev, logits, v)
+        return online_softmax_step(acc, m_prev, l_prev, logits, v, logit_scale)
 
     acc = jnp.zeros((block_h, head_size), jnp.float32)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
@@ -209,7 +209,7 @@ def _paged_attention_pallas(
     else:  # merge the partitions (vLLM v2's reduce kernel), all in float32
         acc, m, l = out
         m_max = m.max(axis=0)
-        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_max[None]))
+        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp2(m - m_max[None]))  # m is in base 2
         l_sum = (l * weight).sum(axis=0)
         o = (acc * weight[..., None]).sum(axis=0)
         o = o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
@@ -242,8 +242,11 @@ def _check_q_and_cache(q, kv_cache, k_scale, v_scale, *, q_layout: str) -> None:
         raise ValueError(f"kv_cache.dtype={kv_cache.dtype} (fp8) needs k_scale and v_scale")
 
 
-def _check_extras(num_heads: int, alibi_slopes, sliding_window, logits_soft_cap) -> None:
-    """Checks of the optional ALiBi slopes, sliding window and soft cap (decode and prefill)."""
+def _check_extras(num_heads: int, scale, alibi_slopes, sliding_window, logits_soft_cap) -> None:
+    """Checks of the softmax scale and the optional ALiBi slopes, sliding window and soft cap (decode and
+    prefill). The kernels take the row max before scaling, so ``scale`` must be positive."""
+    if not (isinstance(scale, (int, float, np.integer, np.floating)) and scale > 0):
+        raise ValueError(f"scale={scale!r} must be a positive number (static)")
     if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):
         raise ValueError(f"alibi_slopes.shape={alibi_slopes.shape} must be (num_heads={num_heads},)")
     if sliding_window is not None and (isinstance(sliding_window, bool)
@@ -255,7 +258,7 @@ def _check_extras(num_heads: int, alibi_slopes, sliding_window, logits_soft_cap)
 
 
 def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
-              logits_soft_cap):
+              logits_soft_cap, scale):
     _check_q_and_cache(q, kv_cache, k_scale, v_scale, q_layout="[num_seqs, num_heads, head_size]")
     num_seqs, num_heads, _ = q.shape
     if block_tables.ndim != 2 or block_tables.shape[0] != num_seqs:
@@ -266,7 +269,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slope
     for name, arr in (("block_tables", block_tables), ("seq_lens", seq_lens)):
         if arr.dtype != jnp.int32:
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
-    _check_extras(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
+    _check_extras(num_heads, scale, alibi_slopes, sliding_window, logits_soft_cap)
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap")
@@ -340,7 +343,7 @@ def paged_attention(
             cache without scales, a bad window or cap.
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
-              logits_soft_cap)
+              logits_soft_cap, scale)
     if q.shape[-1] not in SUPPORTED_HEAD_SIZES:
         raise ValueError(f"head_size={q.shape[-1]} not supported by the Pallas kernel; "
                          f"supported: {SUPPORTED_HEAD_SIZES}")
@@ -388,7 +391,7 @@ def paged_attention_reference(
     CPU implementation of ``jaxkv.attention``.
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
-              logits_soft_cap)
+              logits_soft_cap, scale)
     # decode = one query per sequence, at position seq_len - 1
     out = paged_attention_dense(q[:, None], (seq_lens - 1)[:, None], kv_cache, block_tables, seq_lens,
                                 scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,

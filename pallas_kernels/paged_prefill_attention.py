@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._online_softmax import dot_f32, online_softmax_step
+from pallas_kernels._online_softmax import base2_logits, dot_f32, online_softmax_step
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_q_and_cache
 
@@ -162,18 +162,16 @@ def _paged_prefill_attention_kernel(
             k, v = load_kv(block_ids, (t >= kv_start) & (t < kv_end))
         else:
             k, v = load_kv(jnp.clip(block_ids, 0, num_blocks - 1), None)
-        logits = dot_f32(q, k, contract_b_dim=1) * (scale * k_scale)  # f32[rows, block_k]
-        if logits_soft_cap is not None:
-            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
         rel = t[None, :] - pos_rows[:, None]                        # key position - query position
-        if alibi_ref is not None:
-            logits += slope_rows[:, None] * rel.astype(jnp.float32)
+        alibi_bias = None if alibi_ref is None else slope_rows[:, None] * rel.astype(jnp.float32)
+        logits, logit_scale = base2_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
+                                           logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[rows, block_k]
         if causal:
             allowed = rel <= 0                                      # causal (also hides rows past q_len)
             if sliding_window is not None:
                 allowed &= rel > -sliding_window
             logits = jnp.where(allowed, logits, -jnp.inf)
-        return online_softmax_step(*carry, logits, v)
+        return online_softmax_step(*carry, logits, v, logit_scale)
 
     if sliding_window is None:
         # Compute blocks wholly below the tile's first query: no mask; the rest (the diagonal): masked.
@@ -274,7 +272,7 @@ def _paged_prefill_attention_pallas(
 
 
 def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
-              alibi_slopes, sliding_window, logits_soft_cap):
+              alibi_slopes, sliding_window, logits_soft_cap, scale):
     """Shape, dtype and static-argument checks (work on tracers)."""
     _check_q_and_cache(q, kv_cache, k_scale, v_scale, q_layout="[num_tokens, num_heads, head_size]")
     num_heads = q.shape[1]
@@ -293,7 +291,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_le
             raise ValueError(f"{name}.dtype={arr.dtype} must be int32")
     if not _is_int(max_query_len) or max_query_len < 1:
         raise ValueError(f"max_query_len={max_query_len!r} must be a positive int (static)")
-    _check_extras(num_heads, alibi_slopes, sliding_window, logits_soft_cap)
+    _check_extras(num_heads, scale, alibi_slopes, sliding_window, logits_soft_cap)
 
 
 def _is_int(x) -> bool:
@@ -428,7 +426,7 @@ def paged_prefill_attention(
             table too narrow for a ``seq_len`` or holding a block id outside the cache.
     """
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
-              alibi_slopes, sliding_window, logits_soft_cap)
+              alibi_slopes, sliding_window, logits_soft_cap, scale)
     head_size, block_size = q.shape[-1], kv_cache.shape[3]
     if head_size > MAX_HEAD_SIZE:
         raise ValueError(f"head_size={head_size} not supported by the Pallas kernel (max {MAX_HEAD_SIZE})")
@@ -504,7 +502,7 @@ def paged_prefill_attention_reference(
             (values are not checked: it is jitted).
     """
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
-              alibi_slopes, sliding_window, logits_soft_cap)
+              alibi_slopes, sliding_window, logits_soft_cap, scale)
     num_tokens, num_heads, head_size = q.shape
 
     query_lens = query_start_loc[1:] - query_start_loc[:-1]

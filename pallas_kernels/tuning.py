@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
-# Decode: a split-K partition count that gives the GPU at least about two programs per SM.
-# Measured (bench_attention, 32q/8kv heads, D 128, bf16, block 16): batch 1 → 16 splits, batch 8 → 4,
-# batch ≥ 64 → 1 were each the fastest of {1, 4, 16}.
-DECODE_TARGET_PROGRAMS = 264  # 2 x 132 SMs
-DECODE_MAX_SPLITS = 16        # the largest split count measured
-DECODE_PAGES_PER_COMPUTE_BLOCK = 8
+# Decode. Sweep on the H200 (docs/logs/bench-decode-sweep-h200.txt; 32q/8kv heads, D 128, bf16, block 16):
+# 4 pages per step (16 KiB K and V tiles) beat 8 on 7 of 8 shapes, by up to 40 % (batch 256 / ctx 1024:
+# 3592 vs 2570 GB/s): with 8 pages Triton's 2-stage pipeline needs ~132 KiB of shared memory, so one
+# program fits per SM; with 4, three. Split counts: the best of {x1, x2, x4} the old rule was, per shape,
+# about ~1024 programs in all but never partitions shorter than ~32 pages (batch 1 / ctx 32768: 32
+# splits; batch 8 / ctx 32768: 16; batch 64: 2; batch 256: 1-2).
+DECODE_PAGES_PER_COMPUTE_BLOCK = 4
+DECODE_TARGET_PROGRAMS = 1024           # sequences x KV heads x splits, about 8 per SM of 132
+DECODE_MIN_PAGES_PER_PARTITION = 32     # shorter partitions cost more in prologue and merge than they gain
+DECODE_MAX_SPLITS = 32                  # the largest split count that won a measured shape
 # One K (or V) tile of a compute block at most this many bytes: with Triton's 2-stage pipelining of the
 # masked gathers, K + V tiles x stages must fit the 227 KiB of shared memory per SM. f32 with D 128 and
 # 8 pages (64 KiB tiles) asked for 264 KiB on the H200 and failed to launch.
@@ -16,11 +20,15 @@ DECODE_MAX_TILE_BYTES = 32 * 1024
 
 def decode_pages_per_compute_block(block_size: int, head_size: int, itemsize: int) -> int:
     """Blocks per inner step: ``DECODE_PAGES_PER_COMPUTE_BLOCK``, halved until one tile fits
-    ``DECODE_MAX_TILE_BYTES`` (bf16, block 16, D 128: 8 pages = 32 KiB)."""
+    ``DECODE_MAX_TILE_BYTES`` (bf16, block 16, D 128: 4 pages = 16 KiB)."""
     pages = DECODE_PAGES_PER_COMPUTE_BLOCK
     while pages > 1 and pages * block_size * head_size * itemsize > DECODE_MAX_TILE_BYTES:
         pages //= 2
     return pages
+
+
+def _pow2_floor(n: int) -> int:
+    return 1 << (max(1, n).bit_length() - 1)
 
 
 def decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: int,
@@ -28,26 +36,28 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: 
     """Context partitions per sequence for the decode kernel (vLLM's v1/v2 choice, measured).
 
     The largest power of two ``<= DECODE_TARGET_PROGRAMS // (num_seqs * num_kv_heads)``, at most
-    ``DECODE_MAX_SPLITS`` and at most one partition per compute block of the longest sequence; 1 (v1)
-    when the batch alone fills the GPU.
+    ``DECODE_MAX_SPLITS``, and at most one partition per ``max(DECODE_MIN_PAGES_PER_PARTITION,
+    pages_per_compute_block)`` pages of the longest sequence; 1 (v1) when the batch alone fills the GPU.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    want = max(1, DECODE_TARGET_PROGRAMS // programs)
-    splits = 1 << (want.bit_length() - 1)
-    max_useful = max(1, max_num_blocks_per_seq // pages_per_compute_block)
-    return max(1, min(splits, DECODE_MAX_SPLITS, 1 << (max_useful.bit_length() - 1)))
+    by_programs = _pow2_floor(max(1, DECODE_TARGET_PROGRAMS // programs))
+    min_pages = max(DECODE_MIN_PAGES_PER_PARTITION, pages_per_compute_block)
+    by_length = _pow2_floor(max(1, max_num_blocks_per_seq // min_pages))
+    return max(1, min(by_programs, DECODE_MAX_SPLITS, by_length))
 
 
-# Prefill (paged_prefill_attention). Initial choices from the usual Triton flash-attention tiles on
-# Hopper (128 x 64 tiles, 4-8 warps), NOT yet measured on this kernel (issue 5, item 5): re-tune.
+# Prefill (paged_prefill_attention). Sweep on the H200 after the vectorised-load fix
+# (docs/logs/bench-prefill-v1-h200.txt; 32q/8kv heads, D 128, bf16, block 16): 128 dot rows (32 tokens x
+# 4 heads), 128 keys per step, 8 warps, 3 stages was the fastest at batch 1 / 8192 tokens (304 TF/s vs
+# 246 with 64 keys and 2 stages); 256 rows was no faster; 4 warps with 128 keys collapsed (120 TF/s).
 # Dot rows per program (block_q tokens x the padded head group): 128, fewer where the query tile
 # (rows x padded head size) would exceed PREFILL_MAX_Q_TILE_BYTES (f32 or head size 256), so Q + the
 # pipelined K/V tiles fit shared memory and the f32 accumulator the registers.
 PREFILL_BLOCK_ROWS = 128
 PREFILL_MAX_Q_TILE_BYTES = 32 * 1024
-PREFILL_KV_TOKENS = 64            # key/value tokens per inner step (pages_per_compute_block * block_size)
+PREFILL_KV_TOKENS = 128           # key/value tokens per inner step (pages_per_compute_block * block_size)
 PREFILL_MAX_TILE_BYTES = DECODE_MAX_TILE_BYTES  # one K (or V) tile, as for decode (shared memory)
-PREFILL_NUM_STAGES = 2
+PREFILL_NUM_STAGES = 3
 
 
 def _pow2_at_least(n: int) -> int:

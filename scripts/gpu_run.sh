@@ -4,7 +4,7 @@
 #                   keeps the GGUF's first half in /tmp, runs the prefill benchmark + sweep.
 #   stage decode  : (carries .gguf2) rebuilds the GGUF in /tmp/smollm2.gguf, runs the decode kernel
 #                   benchmark (JSON for the chart) and scripts/accuracy.py (all parts).
-#   stage model   : generate.py, bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
+#   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
 #                   flags, bench_hf_generate.py.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
@@ -24,9 +24,11 @@ decode)
   sha256sum $G | tee $OUT/sha256.txt
   nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
   echo '$ python scripts/bench_attention.py --mode decode --json bench-decode.json' | tee $OUT/bench-decode.txt
-  timeout 330 python scripts/bench_attention.py --mode decode --json $OUT/bench-decode.json 2>&1 | quiet | tee -a $OUT/bench-decode.txt
-  echo '$ python scripts/accuracy.py --gguf $G' | tee $OUT/accuracy.txt
-  timeout 200 python scripts/accuracy.py --gguf $G 2>&1 | quiet | tee -a $OUT/accuracy.txt
+  timeout 290 python scripts/bench_attention.py --mode decode --json $OUT/bench-decode.json 2>&1 | quiet | tee -a $OUT/bench-decode.txt
+  echo '$ python scripts/accuracy.py --part kernel' | tee $OUT/accuracy.txt
+  timeout 100 python scripts/accuracy.py --part kernel 2>&1 | quiet | tee -a $OUT/accuracy.txt
+  echo '$ python scripts/accuracy.py --part prefill' | tee -a $OUT/accuracy.txt
+  timeout 100 python scripts/accuracy.py --part prefill 2>&1 | quiet | tee -a $OUT/accuracy.txt
   ;;
 model)
   nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt

@@ -266,6 +266,6 @@ def test_prefill_block_q_heuristic(group, head_size, max_query_len, itemsize, ex
 
 
 def test_prefill_tiles_fit_shared_memory():
-    assert tuning.prefill_pages_per_compute_block(16, 128, 2) == 4   # 64 tokens, 16 KiB
+    assert tuning.prefill_pages_per_compute_block(16, 128, 2) == 8   # 128 tokens, 32 KiB
     assert tuning.prefill_pages_per_compute_block(16, 256, 4) == 2   # 32 KiB f32 tile
     assert tuning.prefill_pages_per_compute_block(128, 80, 4) == 1   # 128 x 128 f32 = 64 KiB: one page
