@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._online_softmax import base2_logits, dot_f32, online_softmax_step
+from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
@@ -102,11 +102,11 @@ def _paged_attention_kernel(
         alibi_bias = None
         if alibi_ref is not None:
             alibi_bias = alibi_ref[...][:, None] * (token - (seq_len - 1)).astype(jnp.float32)[None, :]
-        logits, logit_scale = base2_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
-                                           logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[block_h, block_k]
+        logits = scaled_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
+                               logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[block_h, block_k]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
 
-        return online_softmax_step(acc, m_prev, l_prev, logits, v, logit_scale)
+        return online_softmax_step(acc, m_prev, l_prev, logits, v)
 
     acc = jnp.zeros((block_h, head_size), jnp.float32)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
@@ -209,7 +209,7 @@ def _paged_attention_pallas(
     else:  # merge the partitions (vLLM v2's reduce kernel), all in float32
         acc, m, l = out
         m_max = m.max(axis=0)
-        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp2(m - m_max[None]))  # m is in base 2
+        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_max[None]))
         l_sum = (l * weight).sum(axis=0)
         o = (acc * weight[..., None]).sum(axis=0)
         o = o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
@@ -243,8 +243,8 @@ def _check_q_and_cache(q, kv_cache, k_scale, v_scale, *, q_layout: str) -> None:
 
 
 def _check_extras(num_heads: int, scale, alibi_slopes, sliding_window, logits_soft_cap) -> None:
-    """Checks of the softmax scale and the optional ALiBi slopes, sliding window and soft cap (decode and
-    prefill). The kernels take the row max before scaling, so ``scale`` must be positive."""
+    """Checks of the softmax scale (a positive number) and the optional ALiBi slopes, sliding window and
+    soft cap (decode and prefill)."""
     if not (isinstance(scale, (int, float, np.integer, np.floating)) and scale > 0):
         raise ValueError(f"scale={scale!r} must be a positive number (static)")
     if alibi_slopes is not None and alibi_slopes.shape != (num_heads,):

@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._online_softmax import base2_logits, dot_f32, online_softmax_step
+from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_q_and_cache
 
@@ -164,14 +164,14 @@ def _paged_prefill_attention_kernel(
             k, v = load_kv(jnp.clip(block_ids, 0, num_blocks - 1), None)
         rel = t[None, :] - pos_rows[:, None]                        # key position - query position
         alibi_bias = None if alibi_ref is None else slope_rows[:, None] * rel.astype(jnp.float32)
-        logits, logit_scale = base2_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
-                                           logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[rows, block_k]
+        logits = scaled_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
+                               logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[rows, block_k]
         if causal:
             allowed = rel <= 0                                      # causal (also hides rows past q_len)
             if sliding_window is not None:
                 allowed &= rel > -sliding_window
             logits = jnp.where(allowed, logits, -jnp.inf)
-        return online_softmax_step(*carry, logits, v, logit_scale)
+        return online_softmax_step(*carry, logits, v)
 
     if sliding_window is None:
         # Compute blocks wholly below the tile's first query: no mask; the rest (the diagonal): masked.

@@ -6,11 +6,12 @@ from __future__ import annotations
 # 4 pages per step (16 KiB K and V tiles) beat 8 on 7 of 8 shapes, by up to 40 % (batch 256 / ctx 1024:
 # 3592 vs 2570 GB/s): with 8 pages Triton's 2-stage pipeline needs ~132 KiB of shared memory, so one
 # program fits per SM; with 4, three. Split counts: the best of {x1, x2, x4} the old rule was, per shape,
-# about ~1024 programs in all but never partitions shorter than ~32 pages (batch 1 / ctx 32768: 32
-# splits; batch 8 / ctx 32768: 16; batch 64: 2; batch 256: 1-2).
+# about ~1024 programs in all but no partition shorter than 16 pages (batch 1 / ctx 32768: 32 splits;
+# batch 8 / ctx 32768: 16; batch 64: 2; batch 256: 1-2). A 32-page minimum cost batch 1 / ctx 4096 23 %
+# (8 splits: 720 vs 932 GB/s with 16; docs/logs/bench-decode-h200.txt).
 DECODE_PAGES_PER_COMPUTE_BLOCK = 4
 DECODE_TARGET_PROGRAMS = 1024           # sequences x KV heads x splits, about 8 per SM of 132
-DECODE_MIN_PAGES_PER_PARTITION = 32     # shorter partitions cost more in prologue and merge than they gain
+DECODE_MIN_PAGES_PER_PARTITION = 16     # shorter partitions cost more in prologue and merge than they gain
 DECODE_MAX_SPLITS = 32                  # the largest split count that won a measured shape
 # One K (or V) tile of a compute block at most this many bytes: with Triton's 2-stage pipelining of the
 # masked gathers, K + V tiles x stages must fit the 227 KiB of shared memory per SM. f32 with D 128 and
