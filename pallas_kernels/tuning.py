@@ -8,7 +8,7 @@ from __future__ import annotations
 # program fits per SM; with 4, three. Split counts: the best of {x1, x2, x4} the old rule was, per shape,
 # about ~1024 programs in all but no partition shorter than 16 pages (batch 1 / ctx 32768: 32 splits;
 # batch 8 / ctx 32768: 16; batch 64: 2; batch 256: 1-2). A 32-page minimum cost batch 1 / ctx 4096 23 %
-# (8 splits: 720 vs 932 GB/s with 16; docs/logs/bench-decode-h200.txt).
+# (8 splits: 720 vs 932 GB/s with 16; docs/logs/bench-decode-rule32-h200.txt vs bench-decode-h200.txt).
 DECODE_PAGES_PER_COMPUTE_BLOCK = 4
 DECODE_TARGET_PROGRAMS = 1024           # sequences x KV heads x splits, about 8 per SM of 132
 DECODE_MIN_PAGES_PER_PARTITION = 16     # shorter partitions cost more in prologue and merge than they gain
@@ -29,6 +29,7 @@ def decode_pages_per_compute_block(block_size: int, head_size: int, itemsize: in
 
 
 def _pow2_floor(n: int) -> int:
+    """The largest power of two <= n, and 1 for n < 2."""
     return 1 << (max(1, n).bit_length() - 1)
 
 
@@ -41,10 +42,10 @@ def decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: 
     pages_per_compute_block)`` pages of the longest sequence; 1 (v1) when the batch alone fills the GPU.
     """
     programs = max(1, num_seqs * num_kv_heads)
-    by_programs = _pow2_floor(max(1, DECODE_TARGET_PROGRAMS // programs))
+    by_programs = _pow2_floor(DECODE_TARGET_PROGRAMS // programs)
     min_pages = max(DECODE_MIN_PAGES_PER_PARTITION, pages_per_compute_block)
-    by_length = _pow2_floor(max(1, max_num_blocks_per_seq // min_pages))
-    return max(1, min(by_programs, DECODE_MAX_SPLITS, by_length))
+    by_length = _pow2_floor(max_num_blocks_per_seq // min_pages)
+    return min(by_programs, DECODE_MAX_SPLITS, by_length)
 
 
 # Prefill (paged_prefill_attention). Sweep on the H200 after the vectorised-load fix

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import argparse
+
 _TEXT = ("The history of the city of Paris begins with a small settlement on an island in the Seine river, "
          "where a Celtic tribe called the Parisii lived and traded. ") * 4
 
@@ -12,3 +14,11 @@ def decode_prompts(tok, batch: int, length: int) -> list[list[int]]:
     if length + 7 > len(base):
         raise ValueError(f"length={length} exceeds the benchmark text ({len(base) - 7} tokens)")
     return [base[i % 7: i % 7 + length] for i in range(batch)]
+
+
+def add_workload_args(p: argparse.ArgumentParser, *, batches: str) -> None:
+    """``--batches``, ``--new-tokens``, ``--prompt-len``: the workload both decode benchmarks must share
+    (same defaults, so an unflagged run of each measures the same thing)."""
+    p.add_argument("--batches", default=batches, help="comma-separated batch sizes")
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--prompt-len", type=int, default=32)

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 import jaxkv
 import models
-from bench_common import decode_prompts
+from bench_common import add_workload_args, decode_prompts
 
 
 def run_one(model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
@@ -60,9 +60,7 @@ def cupti_breakdown(engine, prompts, new_tokens):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", default=None)
-    p.add_argument("--batches", default="1,8,64")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=32)
+    add_workload_args(p, batches="1,8,64")
     p.add_argument("--steps-per-sync", default="1,16")
     p.add_argument("--attention-impl", default=None)
     args = p.parse_args(argv)

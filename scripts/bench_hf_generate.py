@@ -18,7 +18,7 @@ import sys
 import time
 
 import models
-from bench_common import decode_prompts
+from bench_common import add_workload_args, decode_prompts
 
 
 def main(argv=None) -> int:
@@ -28,9 +28,7 @@ def main(argv=None) -> int:
 
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gguf", required=True)
-    p.add_argument("--batches", default="1,64")
-    p.add_argument("--new-tokens", type=int, default=128)
-    p.add_argument("--prompt-len", type=int, default=32)
+    add_workload_args(p, batches="1,64")
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
     tok = models.GGUFTokenizer.from_gguf(args.gguf)

@@ -40,12 +40,15 @@ def lower_to_ttir(kind: str, args) -> list[str]:
         return result
     registration.lowering.lower_jaxpr_to_triton_module = capture
 
+    from bench_attention import BLOCK_SIZE as block, HEAD_SIZE as head_size  # the benchmarks' shapes
+    from bench_attention import NUM_HEADS as heads, NUM_KV_HEADS as kv_heads
+
     S = jax.ShapeDtypeStruct
-    heads, kv_heads, head_size, block = 32, 8, 128, 16
     if kind == "prefill":
         from pallas_kernels.paged_prefill_attention import paged_prefill_attention
         n, pages = args.tokens, args.tokens // block
-        shapes = (S((n, heads, head_size), jnp.bfloat16), S((2, pages, kv_heads, block, head_size), jnp.bfloat16),
+        shapes = (S((n, heads, head_size), jnp.bfloat16),
+                  S((2, pages, kv_heads, block, head_size), jnp.bfloat16),
                   S((1, pages), jnp.int32), S((1,), jnp.int32), S((2,), jnp.int32))
         fn = lambda q, kv, bt, sl, qsl: paged_prefill_attention(  # noqa: E731
             q, kv, bt, sl, qsl, scale=head_size ** -0.5, max_query_len=n, block_q=args.block_q,
@@ -57,8 +60,8 @@ def lower_to_ttir(kind: str, args) -> list[str]:
                   S((2, args.batch * pages, kv_heads, block, head_size), jnp.bfloat16),
                   S((args.batch, pages), jnp.int32), S((args.batch,), jnp.int32))
         fn = lambda q, kv, bt, sl: paged_attention(  # noqa: E731
-            q, kv, bt, sl, scale=head_size ** -0.5, num_splits=args.splits, pages_per_compute_block=args.pages,
-            num_warps=args.warps, num_stages=args.stages)
+            q, kv, bt, sl, scale=head_size ** -0.5, num_splits=args.splits,
+            pages_per_compute_block=args.pages, num_warps=args.warps, num_stages=args.stages)
     try:  # exporting stops at the custom call's compatibility check, after the kernel was lowered
         export.export(jax.jit(fn), platforms=("cuda",))(*shapes)
     except ValueError as e:
