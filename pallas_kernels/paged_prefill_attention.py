@@ -37,10 +37,9 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._reference import kv_scales, paged_attention_dense
-from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_q_and_cache
+from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
+from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_head_size, _check_q_and_cache
 
-MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to the next one in registers
-MIN_DOT_K = 16       # a Triton dot contracts at least 16 channels: smaller head sizes are padded to 16
 
 
 def _tile_kv_range(context_len, q_len, row0, *, block_q: int, block_size: int,
@@ -80,7 +79,7 @@ def _paged_prefill_attention_kernel(
     group_p: int,
     head_p: int,
     max_pages: int,
-    pages_per_compute_block: int,
+    step: KVStep,
     sliding_window: int | None,
     logits_soft_cap: float | None,
 ):
@@ -89,8 +88,7 @@ def _paged_prefill_attention_kernel(
     q_tile = pl.num_programs(2) - 1 - pl.program_id(2)
     num_tokens, group, head_size = q_ref.shape
     num_blocks, block_size, _ = k_cache_ref.shape
-    ppcb = pages_per_compute_block
-    block_k = ppcb * block_size
+    block_k = step.block_k
     rows = block_q * group_p  # dot rows: token-major, row = token_in_tile * group_p + head_in_group
 
     q_start, q_len, seq_len = q_start_ref[0], q_len_ref[0], seq_lens_ref[0]
@@ -106,7 +104,6 @@ def _paged_prefill_attention_kernel(
     g = jnp.arange(group_p)
     d = jnp.arange(head_p)
     g_valid, d_valid = g < group, d < head_size
-    pad_d = head_p != head_size
     q_mask = jnp.broadcast_to(row_valid[:, None, None] & g_valid[None, :, None] & d_valid[None, None, :],
                               (block_q, group_p, head_p))
     q_index = (jnp.minimum(token, num_tokens - 1)[:, None, None], jnp.minimum(g, group - 1)[None, :, None],
@@ -124,44 +121,25 @@ def _paged_prefill_attention_kernel(
         context_len, q_len, row0, block_q=block_q, block_size=block_size, sliding_window=sliding_window,
         max_pages=max_pages)
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
-    slot = jnp.arange(block_size)[None, :, None]
 
-    def load_kv(block_ids, t_valid):
-        """K and V of ``ppcb`` pages → ``[block_k, head_p]`` each, in q.dtype; invisible lanes are 0.
+    def fold(j, carry, *, causal):
+        """Fold step ``j`` (key positions ``[j * block_k, (j + 1) * block_k)``) into the running softmax.
 
-        ``t_valid`` (bool[block_k]) marks visible key slots; ``None``: every slot is visible, so plain
-        gathers (masked only on padded channels)."""
-        mask = None
-        if t_valid is not None:
-            mask = t_valid.reshape(ppcb, block_size, 1) & d_valid[None, None, :]
-        elif pad_d:
-            mask = jnp.broadcast_to(d_valid[None, None, :], (1, block_size, head_p))
-        if mask is None:
-            k, v = k_cache_ref[block_ids], v_cache_ref[block_ids]
-        else:
-            # No `other=` (fp8 refs cannot take it): masked lanes are undefined, zeroed after the cast.
-            mask = jnp.broadcast_to(mask, (ppcb, block_size, head_p))
-            index = (block_ids[:, None, None], slot, d[None, None, :])
-            k = plgpu.load(k_cache_ref.at[index], mask=mask)
-            v = plgpu.load(v_cache_ref.at[index], mask=mask)
-        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 → q.dtype in registers (scales below)
-        if mask is not None:
-            k, v = jnp.where(mask, k, 0), jnp.where(mask, v, 0)
-        return k.reshape(block_k, head_p), v.reshape(block_k, head_p)
-
-    def step(page0, carry, *, causal):
-        """Fold the compute block of pages ``[page0, page0 + ppcb)`` into the running softmax.
-
-        ``causal=False``: every key of the block is visible to every row (strictly below the tile's
-        first query, no window), so no mask is computed at all."""
-        page = page0 + jnp.arange(ppcb)
-        block_ids = block_table_ref[pl.ds(page0, ppcb)]
-        t = page0 * block_size + jnp.arange(block_k)    # key positions of the tile [block_k]
+        ``causal=False``: every key of the step is visible to every row (strictly below the tile's
+        first query, no window), so no mask is computed and the gathers are plain."""
+        t0 = j * block_k
+        page0 = t0 // block_size
+        slot0 = t0 % block_size if step.tokens < block_size else 0
+        page = page0 + jnp.arange(step.pages)
+        block_ids = block_table_ref[pl.ds(page0, step.pages)]
+        t = t0 + jnp.arange(block_k)                    # key positions of the step [block_k]
         if causal:
             block_ids = jnp.clip(jnp.where(page < end_page, block_ids, 0), 0, num_blocks - 1)
-            k, v = load_kv(block_ids, (t >= kv_start) & (t < kv_end))
+            visible = ((t >= kv_start) & (t < kv_end)).reshape(step.pages, step.tokens)
         else:
-            k, v = load_kv(jnp.clip(block_ids, 0, num_blocks - 1), None)
+            block_ids, visible = jnp.clip(block_ids, 0, num_blocks - 1), None
+        k, v = load_kv_step(k_cache_ref, v_cache_ref, block_ids, slot0, step=step, head_size=head_size,
+                            visible=visible, masked_loads=True, dtype=q.dtype)
         rel = t[None, :] - pos_rows[:, None]                        # key position - query position
         alibi_bias = None if alibi_ref is None else slope_rows[:, None] * rel.astype(jnp.float32)
         logits = scaled_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
@@ -173,21 +151,17 @@ def _paged_prefill_attention_kernel(
             logits = jnp.where(allowed, logits, -jnp.inf)
         return online_softmax_step(*carry, logits, v)
 
-    if sliding_window is None:
-        # Compute blocks wholly below the tile's first query: no mask; the rest (the diagonal): masked.
-        num_full = jnp.where(kv_end > 0, context_len + row0, 0) // block_k
-        num_iters = pl.cdiv(end_page, ppcb)
-        page_of = lambda i: i * ppcb  # noqa: E731
-    else:
-        num_full = 0
-        num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
-        page_of = lambda i: first_page + i * ppcb  # noqa: E731
+    # Steps wholly below the tile's first query: no mask; the rest (the diagonal, the window): masked.
+    num_steps = pl.cdiv(jnp.minimum(kv_end, max_pages * block_size), block_k)
+    first_step = jnp.minimum(kv_start // block_k, num_steps)
+    num_full = 0 if sliding_window is not None else jnp.where(kv_end > 0, context_len + row0, 0) // block_k
 
     acc = jnp.zeros((rows, head_p), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    carry = lax.fori_loop(0, num_full, lambda i, c: step(page_of(i), c, causal=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(num_full, num_iters, lambda i, c: step(page_of(i), c, causal=True), carry)
+    carry = lax.fori_loop(0, num_full, functools.partial(fold, causal=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(jnp.maximum(first_step, num_full), num_steps,
+                              functools.partial(fold, causal=True), carry)
     l_safe = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing gives 0, not NaN
     out = (acc * v_scale / l_safe[:, None]).reshape(block_q, group_p, head_p).astype(o_ref.dtype)
     # Unclipped indices: masked lanes (rows of other sequences, padded heads/channels) are not written.
@@ -209,7 +183,7 @@ def _paged_prefill_attention_pallas(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     block_q: int,
-    pages_per_compute_block: int,
+    step: KVStep,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -220,12 +194,12 @@ def _paged_prefill_attention_pallas(
     num_seqs, max_pages = block_tables.shape
     group = num_heads // num_kv_heads
     group_p = pl.next_power_of_2(group)
-    head_p = max(MIN_DOT_K, pl.next_power_of_2(head_size))
+    head_p = padded_head_size(head_size)
     assert block_q * group_p >= MIN_DOT_ROWS, (block_q, group_p)
     num_q_tiles = pl.cdiv(max_query_len, block_q)
-    ppcb = pages_per_compute_block
+    ppcb = step.pages
 
-    # A compute block starting at the last page reads up to ppcb - 1 entries past the table.
+    # A step starting at the last page reads up to ppcb - 1 entries past the table.
     block_tables = jnp.pad(block_tables, ((0, 0), (0, ppcb)))
     q_starts = query_start_loc[:-1]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -238,7 +212,7 @@ def _paged_prefill_attention_pallas(
 
     kernel = functools.partial(
         _paged_prefill_attention_kernel, scale=scale, block_q=block_q, group_p=group_p, head_p=head_p,
-        max_pages=max_pages, pages_per_compute_block=ppcb, sliding_window=sliding_window,
+        max_pages=max_pages, step=step, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)
     per_seq = pl.BlockSpec((1,), lambda s, h, t: (s,))
     tokens_block = pl.BlockSpec((num_tokens, None, group, head_size), lambda s, h, t: (0, h, 0, 0))
@@ -263,7 +237,7 @@ def _paged_prefill_attention_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         debug=debug,
-        name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_ppcb{ppcb}",
+        name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_p{step.pages}x{step.tokens}",
     )(q_starts, q_lens, seq_lens, block_tables, q4, kv_cache, kv_cache, kv_scales, alibi_slopes)
     out = out.reshape(num_tokens, num_heads, head_size)
     # Tokens past query_start_loc[-1] belong to no sequence and are never written: give them 0.
@@ -349,7 +323,7 @@ _STATIC = ("scale", "max_query_len", "sliding_window", "logits_soft_cap")
 
 _paged_prefill_attention_jit = jax.jit(
     _paged_prefill_attention_pallas,
-    static_argnames=_STATIC + ("block_q", "pages_per_compute_block", "num_warps", "num_stages",
+    static_argnames=_STATIC + ("block_q", "step", "num_warps", "num_stages",
                                "interpret", "debug"))
 
 
@@ -428,8 +402,7 @@ def paged_prefill_attention(
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap, scale)
     head_size, block_size = q.shape[-1], kv_cache.shape[3]
-    if head_size > MAX_HEAD_SIZE:
-        raise ValueError(f"head_size={head_size} not supported by the Pallas kernel (max {MAX_HEAD_SIZE})")
+    _check_head_size(head_size)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
     max_query_len = int(max_query_len)
@@ -445,6 +418,8 @@ def paged_prefill_attention(
     for name, value in (("block_q", block_q), ("pages_per_compute_block", pages_per_compute_block)):
         if not _is_int(value) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+    step = kv_step(block_size=block_size, head_size=head_size, itemsize=jnp.dtype(kv_cache.dtype).itemsize,
+                   pages=int(pages_per_compute_block), max_tile_bytes=tuning.PREFILL_MAX_TILE_BYTES)
     group_p = pl.next_power_of_2(group)
     block_q = max(int(block_q), pl.cdiv(MIN_DOT_ROWS, group_p))  # powers of two: rows >= 16
     if num_warps is None:
@@ -452,8 +427,7 @@ def paged_prefill_attention(
     return _paged_prefill_attention_jit(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), alibi_slopes,
         scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
+        logits_soft_cap=logits_soft_cap, block_q=block_q, step=step, num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)
