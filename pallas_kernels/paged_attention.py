@@ -84,7 +84,7 @@ def _paged_attention_kernel(
     def body(i, carry):
         local = (first_step + i) * block_k                  # partition-local first token of the step
         local_page = local // block_size
-        slot0 = local % block_size if step.tokens < block_size else 0
+        slot0 = local & (block_size - 1) if step.tokens < block_size else 0  # block_size: a power of two
         token = origin + local + jnp.arange(block_k)        # [block_k]
         valid = (token < seq_len) & (token >= window_start)
         page = origin // block_size + local_page + jnp.arange(step.pages)

@@ -129,7 +129,7 @@ def _paged_prefill_attention_kernel(
         first query, no window), so no mask is computed and the gathers are plain."""
         t0 = j * block_k
         page0 = t0 // block_size
-        slot0 = t0 % block_size if step.tokens < block_size else 0
+        slot0 = t0 & (block_size - 1) if step.tokens < block_size else 0  # powers of two; `%` fails to lower
         page = page0 + jnp.arange(step.pages)
         block_ids = block_table_ref[pl.ds(page0, step.pages)]
         t = t0 + jnp.arange(block_k)                    # key positions of the step [block_k]
