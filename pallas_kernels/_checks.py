@@ -130,16 +130,20 @@ def below(x, bound: int):
     return jnp.ones(x.shape, bool)
 
 
-def check_block_ids(mode: str, ids, used, name: str, num_blocks: int | None, *, index_names,
-                    **values) -> None:
+def check_block_ids(mode: str, ids, used, where: str, num_blocks: int | None, *,
+                    index_names: tuple[str, ...], suffix: str = "", **values) -> None:
     """Every used entry of ``ids`` is a block id in ``[0, num_blocks)`` (``>= 0`` when ``num_blocks`` is
-    ``None``); the message is ``{name}[{indices}]={value} is not a block id in [0, num_blocks=N)``."""
+    ``None``).
+
+    The message is ``{where}={value} is not a block id in [0, num_blocks=N){suffix}``: ``where`` and
+    ``suffix`` are :func:`require` templates over ``index_names`` (one per axis of ``ids``) and the
+    further named arrays ``values``, e.g. ``where="block_tables[{s}, {i}]"``.
+    """
     ok = ids >= 0
-    bound = "0 <= block id" if num_blocks is None else f"[0, num_blocks={num_blocks})"
+    bound = "(block ids are >= 0)" if num_blocks is None else f"in [0, num_blocks={num_blocks})"
     if num_blocks is not None:
         ok = ok & below(ids, num_blocks)
-    where = ", ".join("{" + n + "}" for n in index_names)
-    require(mode, ok | ~used, f"{name}[{where}]={{value}} is not a block id in {bound}",
+    require(mode, ok | ~used, f"{where}={{value}} is not a block id {bound}{suffix}",
             index_names=index_names, value=ids, **values)
 
 
@@ -206,7 +210,7 @@ def check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc=None,
             pages=(lens + block_size - 1) // block_size)
     # logical block i of sequence s is read iff i * block_size < seq_lens[s]
     used = np_.arange(width)[None, :] * block_size < lens[:, None]
-    check_block_ids(mode, tables, used, "block_tables", num_blocks, index_names=("s", "i"))
+    check_block_ids(mode, tables, used, "block_tables[{s}, {i}]", num_blocks, index_names=("s", "i"))
 
 
 def host_checked(check: Callable[..., None]):
