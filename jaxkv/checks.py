@@ -67,9 +67,12 @@ def raise_if_error(err: checkify.Error) -> None:
     """Raise ``ValueError`` with the failed check's message when ``err`` holds one (host side, syncs).
 
     Raises:
-        ValueError: the message of the first failed check (the host checks' wording followed by
-            checkify's " (`check` failed)").
+        ValueError: the message of the first failed check, worded as the host check's (checkify's
+            " (`check` failed)" suffix removed).
     """
     message = err.get()
     if message is not None:
-        raise ValueError(message)
+        raise ValueError(message.removesuffix(_CHECKIFY_SUFFIX))
+
+
+_CHECKIFY_SUFFIX = " (`check` failed)"

@@ -257,6 +257,10 @@ def slot_mapping_from_positions(block_tables: jax.Array, seq_ids: jax.Array, pos
             unless the check mode stages them (:mod:`jaxkv.checks`).
     """
     _check_positions(block_tables, seq_ids, positions, block_size, num_blocks)
+    return _slots_from_positions(block_tables, seq_ids, positions, block_size)
+
+
+def _slots_from_positions(block_tables, seq_ids, positions, block_size: int) -> jax.Array:
     safe = jnp.maximum(positions, 0)
     blocks = block_tables[seq_ids, safe // block_size]
     slots = blocks * block_size + safe % block_size
