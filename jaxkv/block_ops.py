@@ -217,6 +217,8 @@ def copy_blocks(kv_caches: KVCaches, src_to_dst, *, block_axis: int = DEFAULT_BL
             ``src_to_dst`` not an integer ``[num_pairs, 2]``; when concrete, a block id outside
             ``[0, num_blocks)`` or a duplicate destination (each names the value). Nothing is
             written.
+            Under ``jax.jit`` the ids are traced and not checked, unless the check mode of
+            :mod:`jaxkv.checks` stages the same checks (reported through checkify).
     """
     return _copy(kv_caches, src_to_dst, block_axis, _copy_jit)
 
@@ -267,6 +269,8 @@ def zero_blocks(kv_caches: KVCaches, block_ids, *, block_axis: int = DEFAULT_BLO
         ValueError: mismatched layers (see :func:`copy_blocks`); ``block_ids`` not integer or not
             1-D; when concrete, an id outside ``[0, num_blocks)`` (names the value). Nothing is
             written.
+            Under ``jax.jit`` the ids are traced and not checked, unless the check mode of
+            :mod:`jaxkv.checks` stages the same checks (reported through checkify).
     """
     return _zero(kv_caches, block_ids, block_axis, _zero_jit)
 

@@ -235,6 +235,8 @@ def swap_blocks(src: KVCaches, dst: KVCaches, src_to_dst, *,
             integer ``[num_pairs, 2]``; when concrete, a source id outside ``[0, num_src_blocks)``, a
             destination id outside ``[0, num_dst_blocks)`` or a duplicate destination (each names the
             value); NumPy path with traced ids. Nothing is written.
+            Under ``jax.jit`` the ids are traced and not checked, unless the check mode of
+            :mod:`jaxkv.checks` stages the same checks (reported through checkify).
     """
     return _swap(src, dst, src_to_dst, block_axis, donate=False)
 
