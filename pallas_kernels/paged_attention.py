@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tuning
+from pallas_kernels import _checks, tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
 from pallas_kernels._reference import kv_scales, paged_attention_dense
@@ -279,6 +279,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slope
 _STATIC = ("scale", "sliding_window", "logits_soft_cap")
 
 
+@_checks.host_checked(_checks.check_decode_args)
 @functools.partial(jax.jit, static_argnames=_STATIC + (
     "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "masked_loads", "interpret",
     "debug"))
@@ -346,7 +347,12 @@ def paged_attention(
 
     Raises:
         ValueError: inconsistent shapes, unsupported dtype, a head size above 256, non-int32
-            metadata, an fp8 cache without scales, a bad window or cap.
+            metadata, an fp8 cache without scales, a bad window or cap; with concrete (non-traced)
+            metadata also, before launch (a host sync), a ``seq_lens`` entry outside ``[0,
+            max_num_blocks_per_seq * block_size]`` or a block id outside ``[0, num_blocks)`` among the
+            blocks a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`). Under
+            ``jax.jit`` these value checks are skipped, unless staged by the check mode
+            (``jaxkv.checks``).
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
               logits_soft_cap, scale)

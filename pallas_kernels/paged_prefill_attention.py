@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tuning
+from pallas_kernels import _checks, tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
@@ -272,53 +272,6 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _is_concrete(*arrays) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
-
-
-def _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len):
-    """Checks of the batch description's values (host side; only called with concrete arrays).
-
-    Everything the kernel relies on to stay in bounds: a non-decreasing ``query_start_loc`` from 0 to at
-    most ``num_tokens``, query lengths within ``max_query_len`` and ``seq_lens``, block tables wide
-    enough, block ids of used pages inside the cache.
-    """
-    num_tokens = q.shape[0]
-    _, num_blocks, _, block_size, _ = kv_cache.shape
-    qsl = np.asarray(query_start_loc, np.int64)
-    lens = np.asarray(seq_lens, np.int64)
-    tables = np.asarray(block_tables, np.int64)
-    if qsl[0] != 0:
-        raise ValueError(f"query_start_loc[0]={qsl[0]} must be 0")
-    steps = np.diff(qsl)
-    if (steps < 0).any():
-        s = int(np.argmax(steps < 0))
-        raise ValueError(f"query_start_loc[{s + 1}]={qsl[s + 1]} < query_start_loc[{s}]={qsl[s]}: "
-                         "query_start_loc must be non-decreasing")
-    if qsl[-1] > num_tokens:
-        raise ValueError(f"query_start_loc[-1]={qsl[-1]} exceeds num_tokens={num_tokens}")
-    if (lens < 0).any():
-        s = int(np.argmax(lens < 0))
-        raise ValueError(f"seq_lens[{s}]={lens[s]} must be >= 0")
-    if (steps > max_query_len).any():
-        s = int(np.argmax(steps > max_query_len))
-        raise ValueError(f"query_len={steps[s]} of sequence {s} exceeds max_query_len={max_query_len}")
-    if (steps > lens).any():
-        s = int(np.argmax(steps > lens))
-        raise ValueError(f"query_len={steps[s]} of sequence {s} exceeds its seq_len={lens[s]}")
-    pages = -(-lens // block_size)
-    if (pages > tables.shape[1]).any():
-        s = int(np.argmax(pages > tables.shape[1]))
-        raise ValueError(f"seq_lens[{s}]={lens[s]} needs {pages[s]} blocks but block_tables has "
-                         f"max_num_blocks_per_seq={tables.shape[1]}")
-    used = np.arange(tables.shape[1])[None, :] < pages[:, None]
-    bad = used & ((tables < 0) | (tables >= num_blocks))
-    if bad.any():
-        s, i = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"block_tables[{s}, {i}]={tables[s, i]} is not a block id in "
-                         f"[0, num_blocks={num_blocks})")
-
-
 _STATIC = ("scale", "max_query_len", "sliding_window", "logits_soft_cap")
 
 _paged_prefill_attention_jit = jax.jit(
@@ -360,7 +313,8 @@ def paged_prefill_attention(
 
     Jitted internally; the tuning knobs, ``scale``, ``max_query_len``, ``sliding_window``,
     ``logits_soft_cap``, ``interpret`` and ``debug`` are static. With concrete (non-traced) metadata the
-    values are checked on the host before launch, which syncs on them; under ``jax.jit`` only shapes are.
+    values are checked on the host before launch, which syncs on them; under ``jax.jit`` only shapes are,
+    unless the check mode stages the value checks (``jaxkv.checks``).
 
     Args:
         q: ``[num_tokens, num_heads, head_size]`` f32/bf16/f16, the new tokens of all sequences,
@@ -397,18 +351,19 @@ def paged_prefill_attention(
             cache without scales, a bad window / cap / tuning knob, a block size that is not a power of
             two; with concrete metadata also a ``query_start_loc`` that does not start at 0, decreases or
             runs past ``num_tokens``, a ``query_len`` above ``max_query_len`` or its ``seq_len``, a block
-            table too narrow for a ``seq_len`` or holding a block id outside the cache.
+            table too narrow for a ``seq_len`` or holding a block id outside the cache among the blocks
+            a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`, shared with decode).
     """
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap, scale)
+    _checks.check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc, num_tokens=q.shape[0],
+                                 max_query_len=max_query_len)
     head_size, block_size = q.shape[-1], kv_cache.shape[3]
     _check_head_size(head_size)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
     max_query_len = int(max_query_len)
     sliding_window = None if sliding_window is None else int(sliding_window)
-    if _is_concrete(block_tables, seq_lens, query_start_loc):
-        _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     group = q.shape[1] // kv_cache.shape[2]
     if block_q is None:
         block_q = tuning.prefill_block_q(group, head_size, max_query_len, jnp.dtype(q.dtype).itemsize)

@@ -98,6 +98,25 @@ def test_bad_input_raises(change, match):
         paged_attention(q, kv, tables, seq_lens, scale=1.0, interpret=True)
 
 
+@pytest.mark.parametrize("tables,seq_lens,match", [
+    ([[0, 1], [2, 4]], [20, 17], r"block_tables\[1, 1\]=4 is not a block id in \[0, num_blocks=4\)"),
+    ([[0, 1], [-1, 3]], [20, 17], r"block_tables\[1, 0\]=-1 is not a block id"),
+    ([[0, 1], [2, 3]], [20, 33], r"seq_lens\[1\]=33 needs 3 blocks .* block_size=32\]"),
+    ([[0, 1], [2, 3]], [-1, 17], r"seq_lens\[0\]=-1 must be >= 0"),
+])
+def test_bad_metadata_values_raise_before_launch(tables, seq_lens, match):
+    """Issue 9: block ids outside the cache, seq_lens past the block table and negative seq_lens used to
+    return finite garbage; with concrete metadata they raise (the value checks of jaxkv.checks)."""
+    q, kv = jnp.ones((2, 9, 64)), jnp.ones((2, 4, 3, 16, 64))
+    args = (q, kv, jnp.asarray(tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        paged_attention(*args, scale=1.0, interpret=True)
+    garbage_past_the_end = jnp.asarray([[0, 99], [2, 3]], jnp.int32)  # seq 0 (5 tokens) reads block 0 only
+    out = paged_attention(q, kv, garbage_past_the_end, jnp.asarray([5, 17], jnp.int32), scale=1.0,
+                          interpret=True)
+    assert np.isfinite(np.asarray(out)).all()
+
+
 @pytest.mark.parametrize("num_seqs,num_kv_heads,max_blocks,expected", [
     # the measured grid (ctx / 16 pages): the fastest measured split count within 3 %, except batch 8 /
     # ctx 4096 (4 splits measured 9 % faster than the rule's 16)
