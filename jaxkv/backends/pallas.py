@@ -23,7 +23,7 @@ class PallasAttentionBackend:
     """
 
     name = "PALLAS"
-    supported_block_sizes = (8, 16, 32, 64, 128)  # any power of two works; these are vLLM's
+    supported_block_sizes = (8, 16, 32)
     supported_head_sizes = _pa.SUPPORTED_HEAD_SIZES
     supported_dtypes = _pa.SUPPORTED_DTYPES + _pa.FP8_DTYPES  # fp8: dequantised in-kernel
 
