@@ -159,6 +159,26 @@ class LLMEngine:
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
                            num_buckets=self.num_buckets, **self._counters)
 
+    def warmup(self) -> None:
+        """Compile every bucket before serving (so no request pays for a compile); afterwards
+        ``num_compiles == num_buckets``."""
+        self.runner.warmup()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).
+
+        Raises:
+            ValueError: requests are still running or waiting.
+        """
+        if self.has_unfinished_requests():
+            raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
+        kv = self.kv_cache_manager
+        self.kv_cache_manager = KVCacheManager(kv.num_blocks, self.block_size,
+                                               enable_prefix_caching=kv.prefix_cache is not None)
+        num_preemptions = self.scheduler.num_preemptions
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        self.scheduler.num_preemptions = num_preemptions
+
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
                     ) -> None:

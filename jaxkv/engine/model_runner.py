@@ -208,6 +208,33 @@ class ModelRunner:
             self._sampling_arrays(reqs, num_rows), max_query_len=num_tokens_padded)
         return StepResult(tokens, logits)
 
+    def warmup(self) -> None:
+        """Compile every bucket now (vLLM captures its CUDA graphs at start-up) with dummy batches whose
+        tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the outputs are discarded)."""
+        num_rows = self.request_buckets[-1]
+        width = self.max_num_blocks_per_seq
+        sampling = self._sampling_arrays([], num_rows)
+        for num_tokens in self.token_buckets:
+            qsl = np.full(num_rows + 1, num_tokens, np.int32)
+            qsl[0] = 0
+            seq_lens = np.zeros(num_rows, np.int32)
+            seq_lens[0] = min(num_tokens, width * self.block_size)
+            md = AttentionMetadata(slot_mapping=jnp.full(num_tokens, -1, jnp.int32),
+                                   seq_lens=jnp.asarray(seq_lens), block_tables=jnp.zeros((num_rows, width), jnp.int32),
+                                   query_start_loc=jnp.asarray(qsl), max_query_len=num_tokens,
+                                   max_seq_len=width * self.block_size)
+            zeros = jnp.zeros(num_tokens, jnp.int32)
+            tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, zeros, zeros, md,
+                                                    jnp.zeros(num_rows, jnp.int32), sampling,
+                                                    max_query_len=num_tokens)
+            tokens.block_until_ready()
+        for rows in self.request_buckets:
+            zeros = jnp.zeros(rows, jnp.int32)
+            out, _, self.kv_caches = self._decode(
+                self.params, self.kv_caches, zeros, zeros, zeros, jnp.zeros((rows, width), jnp.int32),
+                self._sampling_arrays([], rows), jnp.int32(1))
+            out.block_until_ready()
+
     def execute_decode(self, scheduled: list[tuple[Request, int]], num_steps: int) -> StepResult:
         """``num_steps`` decode steps; request ``r`` runs ``scheduled[r][1]`` of them (its blocks for
         them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped running)."""

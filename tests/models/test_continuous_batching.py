@@ -161,3 +161,20 @@ def test_stop_tokens_eos_min_tokens_ignore_eos():
     assert c.token_ids[:first] == free[:first]
     eng.eos_token_ids = frozenset()
     assert _all_free(eng)
+
+
+def test_warmup_compiles_every_bucket_once_and_changes_nothing():
+    eng = models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
+                             max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                             num_scheduler_steps=2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    before = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].token_ids
+    caches = [np.asarray(c) for c in eng.kv_caches]
+    eng.warmup()
+    assert eng.num_compiles == eng.num_buckets == 3  # request buckets 1, 2; token bucket 16
+    for a, b in zip(caches, eng.kv_caches):  # dummy tokens write nothing
+        np.testing.assert_array_equal(a, np.asarray(b))
+    eng.reset_prefix_cache()
+    after = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0))
+    assert after[0].outputs[0].token_ids == before and after[0].num_cached_tokens == 0
+    assert eng.num_compiles == eng.num_buckets
