@@ -13,7 +13,9 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_fro
 3. a step in which every running request decodes and no waiting request could be admitted runs up to
    ``num_scheduler_steps`` decode steps on the device (vLLM v0's multi-step scheduling), never more than
    the fewest tokens a running request has left while requests wait, so admission is not delayed by a
-   length-capped request finishing inside the loop.
+   length-capped request finishing inside the loop (a request ending on a stop token frees its seat
+   only when the loop returns). ``max_admission_delay_steps > 0`` also lets an admissible waiting
+   request wait that many decode steps in total for such a loop.
 """
 
 from __future__ import annotations
@@ -36,6 +38,9 @@ class SchedulerConfig:
         long_prefill_token_threshold: a request gets at most this many prompt tokens per step (0 = only
             the budget limits it).
         num_scheduler_steps: most decode steps per host round trip (1 = one step per round trip).
+        max_admission_delay_steps: decode steps a waiting request that could be admitted may wait so
+            that running requests decode in a device loop first (0 = admit at the next step, as vLLM;
+            > 0 trades that much admission latency for fewer host round trips).
     """
 
     max_num_seqs: int = 256
@@ -43,11 +48,14 @@ class SchedulerConfig:
     max_model_len: int = 2048
     long_prefill_token_threshold: int = 0
     num_scheduler_steps: int = 8
+    max_admission_delay_steps: int = 0
 
     def __post_init__(self):
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_admission_delay_steps < 0:
+            raise ValueError(f"max_admission_delay_steps={self.max_admission_delay_steps} must be >= 0")
         if self.long_prefill_token_threshold < 0:
             raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -89,6 +97,7 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self._admission_delayed = 0  # decode steps run while an admissible request waited
 
     # -- queues ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -138,6 +147,7 @@ class Scheduler:
             break  # req preempted itself: every later request is gone too
 
         if not preempted:
+            self._admission_delayed = 0
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
                 hits, num_hit_tokens = kv.get_computed_blocks(req)
@@ -172,14 +182,20 @@ class Scheduler:
         self.waiting.appendleft(req)
 
     def _try_schedule_decode_loop(self) -> SchedulerOutput | None:
-        """A pure-decode device loop when every running request decodes and none can be admitted."""
+        """A pure-decode device loop when every running request decodes and no waiting request can be
+        admitted (or may still be held back by ``max_admission_delay_steps``)."""
         cfg = self.config
         if not self.running or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
             return None
-        if self.waiting and len(self.running) < cfg.max_num_seqs and self._can_admit_head():
-            return None  # admit now: a mixed step
         remaining = [r.remaining_tokens for r in self.running]
         k = min(cfg.num_scheduler_steps, min(remaining) if self.waiting else max(remaining))
+        if self.waiting and len(self.running) < cfg.max_num_seqs and self._can_admit_head():
+            k = min(k, cfg.max_admission_delay_steps - self._admission_delayed)
+            if k < 1:
+                return None  # admit now: a mixed step
+            delayed = k
+        else:
+            delayed = 0
         steps = [min(k, rem) for rem in remaining]
         kv = self.kv_cache_manager
         for req, s in zip(self.running, steps):
@@ -187,6 +203,7 @@ class Scheduler:
                 # short of blocks for the loop (blocks already taken stay with their requests and are
                 # used by the next steps): fall back to single steps, which preempt as needed
                 return None
+        self._admission_delayed += delayed
         return SchedulerOutput(list(zip(self.running, steps)), k, [])
 
     def _can_admit_head(self) -> bool:

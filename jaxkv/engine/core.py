@@ -96,6 +96,8 @@ class LLMEngine:
         eos_token_id: an id or a set of ids that end a request unless ``ignore_eos``; ``None``: none.
         long_prefill_token_threshold: most prompt tokens a request gets per step (0 = budget only).
         num_scheduler_steps: most decode steps run on the device per host round trip.
+        max_admission_delay_steps: decode steps an admissible waiting request may be held back so that
+            running requests decode in a device loop (0 = admit at the next step, vLLM's behaviour).
         seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
         max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
         return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
@@ -108,12 +110,14 @@ class LLMEngine:
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
-                 long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8, seed: int = 0,
+                 long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
+                 max_admission_delay_steps: int = 0, seed: int = 0,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
-                                      num_scheduler_steps=num_scheduler_steps)
+                                      num_scheduler_steps=num_scheduler_steps,
+                                      max_admission_delay_steps=max_admission_delay_steps)
         self.runner = ModelRunner(model_fn, params, kv_caches, block_size=block_size,
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,

@@ -178,3 +178,25 @@ def test_warmup_compiles_every_bucket_once_and_changes_nothing():
     after = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0))
     assert after[0].outputs[0].token_ids == before and after[0].num_cached_tokens == 0
     assert eng.num_compiles == eng.num_buckets
+
+
+def test_admission_delay_runs_decode_loops_and_keeps_tokens(engine):
+    """max_admission_delay_steps=3: admissible requests may wait up to 3 decode steps (fewer round
+    trips); the tokens are still each request's solo tokens."""
+    eng = models.make_engine(_tiny_model(), attention_impl="reference", block_size=BLOCK,
+                             num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, max_num_seqs=8,
+                             max_num_batched_tokens=32, num_scheduler_steps=4, max_admission_delay_steps=3)
+    prompts, params = _workload(12, seed=7)
+    got = eng.generate(prompts[:4], params[:4])  # then staggered: the rest arrive while these run
+    for i, (p, sp) in enumerate(zip(prompts[4:], params[4:])):
+        eng.add_request(f"late{i}", p, sp)
+    late = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                late[out.request_id] = out
+    assert eng.stats.model_steps > eng.stats.steps
+    outs = got + [late[f"late{i}"] for i in range(8)]
+    for p, sp, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == engine.generate([p], sp)[0].outputs[0].token_ids
+    assert _all_free(eng)
