@@ -27,11 +27,11 @@ class RequestStatus(enum.IntEnum):
     @staticmethod
     def get_finished_reason(status: "RequestStatus") -> str | None:
         """``"stop"`` / ``"length"`` / ``"abort"`` (vLLM's ``FinishReason`` strings), ``None`` if live."""
-        return _FINISH_REASONS.get(status)
+        return _FINISH_REASONS.get(int(status))
 
 
-_FINISH_REASONS = {RequestStatus.FINISHED_STOPPED: "stop", RequestStatus.FINISHED_LENGTH_CAPPED: "length",
-                   RequestStatus.FINISHED_ABORTED: "abort"}
+_FINISH_REASONS = {int(RequestStatus.FINISHED_STOPPED): "stop", int(RequestStatus.FINISHED_LENGTH_CAPPED): "length",
+                   int(RequestStatus.FINISHED_ABORTED): "abort"}
 
 
 class Request:

@@ -188,14 +188,18 @@ class Scheduler:
         if not self.running or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
             return None
         remaining = [r.remaining_tokens for r in self.running]
-        k = min(cfg.num_scheduler_steps, min(remaining) if self.waiting else max(remaining))
-        if self.waiting and len(self.running) < cfg.max_num_seqs and self._can_admit_head():
-            k = min(k, cfg.max_admission_delay_steps - self._admission_delayed)
+        if not self.waiting:
+            k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
+        else:
+            # steps that delay no admission: none when the head could be admitted now, else until the
+            # first running request reaches its length cap (its seat frees then)
+            admissible = len(self.running) < cfg.max_num_seqs and self._can_admit_head()
+            free_steps = 0 if admissible else min(remaining)
+            allowed = cfg.max_admission_delay_steps - self._admission_delayed
+            k = min(cfg.num_scheduler_steps, max(remaining), max(free_steps, allowed))
             if k < 1:
                 return None  # admit now: a mixed step
-            delayed = k
-        else:
-            delayed = 0
+            delayed = max(0, k - free_steps)
         steps = [min(k, rem) for rem in remaining]
         kv = self.kv_cache_manager
         for req, s in zip(self.running, steps):

@@ -240,8 +240,12 @@ class LLMEngine:
         return self.scheduler.get_num_unfinished_requests()
 
     # -- the loop ---------------------------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model once (one mixed step or a decode loop), apply the tokens.
+
+        Args:
+            final_only: return only finished requests (vLLM ``RequestOutputKind.FINAL_ONLY``, what the
+                offline ``LLM`` uses; saves building an output per running request per step).
 
         Returns:
             A :class:`RequestOutput` for every request that got tokens or finished (aborts included).
@@ -280,7 +284,7 @@ class LLMEngine:
         if not sched.num_decode_steps:
             c["num_prompt_tokens_computed"] += sum(
                 n for req, n in sched.scheduled if n > 1 or req.num_output_tokens == 0)
-        outputs = [self._output(r) for r in aborted + touched]
+        outputs = [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
         for req in touched:
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
@@ -337,9 +341,10 @@ class LLMEngine:
             self._aborted = []
             raise
         final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
         while len(final) < len(ids):
-            for out in self.step():
-                if out.finished and out.request_id in set(ids):
+            for out in self.step(final_only=True):
+                if out.request_id in wanted:
                     final[out.request_id] = out
                     if progress is not None:
                         progress(out)

@@ -27,7 +27,7 @@ import numpy as np
 from jax import lax
 
 from jaxkv.core.request import Request
-from jaxkv.metadata import AttentionMetadata, build_attn_metadata
+from jaxkv.metadata import AttentionMetadata
 from jaxkv.sampling import SamplingArrays, sample_tokens_per_row
 from jaxkv.slot_mapping import slot_mapping_from_positions
 
@@ -108,11 +108,21 @@ class ModelRunner:
         return len(self.request_buckets) + len(self.token_buckets)
 
     # -- device functions (traced once per bucket) --------------------------------------------------
-    def _mixed_step(self, params, kv_caches, input_ids, positions, metadata, logits_indices,
-                    sampling: SamplingArrays, *, max_query_len):
-        del max_query_len  # static: part of the compile key (metadata carries it too)
+    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, *, max_query_len):
+        """``inputs``: ``input_ids``/``positions``/``seq_ids`` ``int32[T]`` (position -1 = padding token),
+        ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
+        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``."""
         self.num_compiles += 1
-        logits, kv_caches = self.model_fn(params, input_ids, positions, kv_caches, metadata, logits_indices)
+        positions = inputs["positions"]
+        block_tables = inputs["block_tables"]
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping_from_positions(block_tables, inputs["seq_ids"], positions,
+                                                     self.block_size),
+            seq_lens=inputs["seq_lens"], block_tables=block_tables,
+            query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
+            max_seq_len=block_tables.shape[1] * self.block_size)
+        logits, kv_caches = self.model_fn(params, inputs["input_ids"], jnp.maximum(positions, 0), kv_caches,
+                                          metadata, inputs["logits_indices"])
         tokens = sample_tokens_per_row(logits, sampling)
         return tokens, (logits if self.return_logits else None), kv_caches
 
@@ -161,7 +171,7 @@ class ModelRunner:
         return table
 
     def _sampling_arrays(self, reqs: list[Request], num_rows: int) -> SamplingArrays:
-        n = len(reqs)
+        """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer."""
         temperature = np.zeros(num_rows, np.float32)
         top_p = np.ones(num_rows, np.float32)
         top_k = np.full(num_rows, -1, np.int32)
@@ -169,43 +179,52 @@ class ModelRunner:
         gen_idx = np.zeros(num_rows, np.int32)
         min_tokens = np.zeros(num_rows, np.int32)
         stop_ids = np.full((num_rows, self.max_num_stop_token_ids), -1, np.int32)
-        for r, req in enumerate(reqs):
-            sp = req.sampling_params
-            temperature[r], top_p[r], top_k[r] = sp.temperature, sp.top_p, sp.top_k
-            seeds[r] = req.seed & 0xFFFFFFFF
-            gen_idx[r] = req.num_output_tokens
-            if sp.min_tokens > req.num_output_tokens:
-                min_tokens[r] = sp.min_tokens
-                ids = sorted(req.stop_ids_for_min_tokens)
-                stop_ids[r, :len(ids)] = ids
-        del n
-        return SamplingArrays(*map(jnp.asarray, (temperature, top_p, top_k, seeds, gen_idx, min_tokens,
-                                                  stop_ids)))
+        n = len(reqs)
+        if n:
+            sps = [r.sampling_params for r in reqs]
+            temperature[:n] = [sp.temperature for sp in sps]
+            top_p[:n] = [sp.top_p for sp in sps]
+            top_k[:n] = [sp.top_k for sp in sps]
+            seeds[:n] = [r.seed & 0xFFFFFFFF for r in reqs]
+            gen_idx[:n] = [len(r.output_token_ids) for r in reqs]
+            for r, req in enumerate(reqs):
+                if req.sampling_params.min_tokens > req.num_output_tokens:
+                    min_tokens[r] = req.sampling_params.min_tokens
+                    ids = sorted(req.stop_ids_for_min_tokens)
+                    stop_ids[r, :len(ids)] = ids
+        return SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
 
     def execute_mixed(self, scheduled: list[tuple[Request, int]]) -> StepResult:
         """One step of prefill chunks and decodes: ``tokens[r]`` is request ``r``'s next token (only
         meaningful when its chunk ends its known tokens)."""
         reqs = [r for r, _ in scheduled]
-        q_lens = np.array([n for _, n in scheduled], np.int64)
-        context = np.array([r.num_computed_tokens for r in reqs], np.int64)
+        n = len(reqs)
+        q_lens = np.array([k for _, k in scheduled], np.int32)
+        context = np.array([r.num_computed_tokens for r in reqs], np.int32)
         num_tokens = int(q_lens.sum())
         num_rows = self.request_buckets[-1]
-        num_tokens_padded = _bucket(num_tokens, self.token_buckets)
-        table = self._block_table(reqs, len(reqs))
-        md = build_attn_metadata(table, context, q_lens, self.block_size, num_seqs_padded=num_rows,
-                                 num_tokens_padded=num_tokens_padded, max_query_len=num_tokens_padded)
-        ids = np.zeros(num_tokens_padded, np.int32)
-        pos = np.zeros(num_tokens_padded, np.int32)
+        t = _bucket(num_tokens, self.token_buckets)
+        ids = np.zeros(t, np.int32)
+        pos = np.full(t, -1, np.int32)
+        seq_ids = np.zeros(t, np.int32)
         c = 0
-        for req, start, n in zip(reqs, context, q_lens):
-            ids[c:c + n] = req.all_token_ids[start:start + n]
-            pos[c:c + n] = np.arange(start, start + n)
-            c += n
+        for r, (req, start, k) in enumerate(zip(reqs, context, q_lens)):
+            ids[c:c + k] = req.all_token_ids[start:start + k]
+            c += k
+        pos[:num_tokens] = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens - context, q_lens)
+        seq_ids[:num_tokens] = np.repeat(np.arange(n, dtype=np.int32), q_lens)
+        seq_lens = np.zeros(num_rows, np.int32)
+        seq_lens[:n] = context + q_lens
+        qsl = np.full(num_rows + 1, num_tokens, np.int32)
+        qsl[0] = 0
+        qsl[1:n + 1] = np.cumsum(q_lens)
         last = np.zeros(num_rows, np.int32)
-        last[:len(reqs)] = np.cumsum(q_lens) - 1
-        tokens, logits, self.kv_caches = self._mixed(
-            self.params, self.kv_caches, jnp.asarray(ids), jnp.asarray(pos), md, jnp.asarray(last),
-            self._sampling_arrays(reqs, num_rows), max_query_len=num_tokens_padded)
+        last[:n] = qsl[1:n + 1] - 1
+        inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, seq_lens=seq_lens, query_start_loc=qsl,
+                      block_tables=self._block_table(reqs, num_rows), logits_indices=last)
+        inputs, sampling = jax.device_put((inputs, self._sampling_arrays(reqs, num_rows)))
+        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
+                                                     max_query_len=t)
         return StepResult(tokens, logits)
 
     def warmup(self) -> None:
@@ -213,26 +232,23 @@ class ModelRunner:
         tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the outputs are discarded)."""
         num_rows = self.request_buckets[-1]
         width = self.max_num_blocks_per_seq
-        sampling = self._sampling_arrays([], num_rows)
-        for num_tokens in self.token_buckets:
-            qsl = np.full(num_rows + 1, num_tokens, np.int32)
+        for t in self.token_buckets:
+            qsl = np.full(num_rows + 1, t, np.int32)
             qsl[0] = 0
             seq_lens = np.zeros(num_rows, np.int32)
-            seq_lens[0] = min(num_tokens, width * self.block_size)
-            md = AttentionMetadata(slot_mapping=jnp.full(num_tokens, -1, jnp.int32),
-                                   seq_lens=jnp.asarray(seq_lens), block_tables=jnp.zeros((num_rows, width), jnp.int32),
-                                   query_start_loc=jnp.asarray(qsl), max_query_len=num_tokens,
-                                   max_seq_len=width * self.block_size)
-            zeros = jnp.zeros(num_tokens, jnp.int32)
-            tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, zeros, zeros, md,
-                                                    jnp.zeros(num_rows, jnp.int32), sampling,
-                                                    max_query_len=num_tokens)
+            seq_lens[0] = min(t, width * self.block_size)
+            inputs = dict(input_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32),
+                          seq_ids=np.zeros(t, np.int32), seq_lens=seq_lens, query_start_loc=qsl,
+                          block_tables=np.zeros((num_rows, width), np.int32),
+                          logits_indices=np.zeros(num_rows, np.int32))
+            tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs,
+                                                    self._sampling_arrays([], num_rows), max_query_len=t)
             tokens.block_until_ready()
         for rows in self.request_buckets:
-            zeros = jnp.zeros(rows, jnp.int32)
+            zeros = np.zeros(rows, np.int32)
             out, _, self.kv_caches = self._decode(
-                self.params, self.kv_caches, zeros, zeros, zeros, jnp.zeros((rows, width), jnp.int32),
-                self._sampling_arrays([], rows), jnp.int32(1))
+                self.params, self.kv_caches, zeros, zeros, zeros, np.zeros((rows, width), np.int32),
+                self._sampling_arrays([], rows), np.int32(1))
             out.block_until_ready()
 
     def execute_decode(self, scheduled: list[tuple[Request, int]], num_steps: int) -> StepResult:
@@ -243,12 +259,11 @@ class ModelRunner:
         tokens = np.zeros(num_rows, np.int32)
         positions = np.zeros(num_rows, np.int32)
         steps = np.zeros(num_rows, np.int32)
-        for r, (req, s) in enumerate(scheduled):
-            tokens[r] = req.all_token_ids[-1]
-            positions[r] = req.num_computed_tokens
-            steps[r] = s
-        out, logits, self.kv_caches = self._decode(
-            self.params, self.kv_caches, jnp.asarray(tokens), jnp.asarray(positions), jnp.asarray(steps),
-            jnp.asarray(self._block_table(reqs, num_rows)), self._sampling_arrays(reqs, num_rows),
-            jnp.int32(num_steps))
+        n = len(reqs)
+        tokens[:n] = [r.all_token_ids[-1] for r in reqs]
+        positions[:n] = [r.num_computed_tokens for r in reqs]
+        steps[:n] = [s for _, s in scheduled]
+        host = (tokens, positions, steps, self._block_table(reqs, num_rows), self._sampling_arrays(reqs, num_rows),
+                np.int32(num_steps))
+        out, logits, self.kv_caches = self._decode(self.params, self.kv_caches, *jax.device_put(host))
         return StepResult(out, logits)
