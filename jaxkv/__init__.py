@@ -24,7 +24,8 @@ from jaxkv.cache import (allocate_kv_cache, allocate_kv_cache_raw, bind_kv_cache
 from jaxkv.enc_dec_metadata import (AttentionType, EncoderDecoderMetadata, build_encoder_decoder_metadata,
                                     get_num_prefill_decode_query_kv_tokens, get_seq_len_block_table_args,
                                     is_all_cross_attn_metadata_set, is_all_encoder_attn_metadata_set)
-from jaxkv.engine import Completion, DecodeState, Engine, GenerationStats, SamplingParams
+from jaxkv.core import KVCacheManager, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxkv.engine import CompletionOutput, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from jaxkv.graph_buckets import DecodeGraphState, capture_batch_sizes, graph_batch_size, pad_decode_metadata
 from jaxkv.kv_cache_config import (KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
                                    check_enough_kv_cache_memory, get_kv_cache_config,
@@ -39,7 +40,7 @@ from jaxkv.memory import (MemorySnapshot, available_kv_cache_memory_bytes, memor
 from jaxkv.metadata import (AttentionMetadata, CommonAttentionMetadata, build_attn_metadata,
                             build_attn_metadata_for_groups)
 from jaxkv.ops import write_to_paged_cache
-from jaxkv.sampling import sample_tokens
+from jaxkv.sampling import SamplingArrays, sample_tokens, sample_tokens_per_row
 from jaxkv.slot_mapping import (PAD_SLOT_ID, compute_slot_mapping, compute_slot_mapping_batch,
                                 compute_slot_mapping_into, compute_slot_mapping_start_idx,
                                 is_block_tables_empty, slot_mapping_from_positions)

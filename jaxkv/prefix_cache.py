@@ -51,7 +51,7 @@ class PrefixCache:
 
     def num_evictable_blocks_without(self, blocks) -> int:
         """Evictable blocks left once ``blocks`` (about to be reused) are acquired."""
-        return len(self._evictable.keys() - set(blocks))
+        return len(self._evictable) - sum(1 for b in set(blocks) if b in self._evictable)
 
     def match(self, hashes: list[int]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (no reference taken)."""

@@ -1,6 +1,9 @@
-"""Next-token sampling on device: greedy, temperature and nucleus (top-p)."""
+"""Next-token sampling on device: greedy, temperature, top-k and nucleus (top-p); batch-wide or per row."""
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -38,3 +41,73 @@ def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_
                                   inplace=False)
         logits = jnp.where(keep, logits, -jnp.inf)
     return jax.random.categorical(key, logits, axis=-1).astype(jnp.int32)
+
+
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["temperature", "top_p", "top_k", "seeds", "gen_idx", "min_tokens",
+                                "stop_ids"],
+                   meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class SamplingArrays:
+    """Per-row sampling parameters of a batched step (pytree; ``R`` = padded request count).
+
+    Attributes:
+        temperature: ``f32[R]``, 0 = greedy.
+        top_p: ``f32[R]``, 1 = off.
+        top_k: ``int32[R]``, ``<= 0`` = off.
+        seeds: ``uint32[R]`` each request's seed.
+        gen_idx: ``int32[R]`` index of the token being sampled among the request's outputs; with the
+            seed it makes the row's PRNG key, so a request's samples do not depend on its batch.
+        min_tokens: ``int32[R]``: while ``gen_idx < min_tokens`` the row's ``stop_ids`` are masked.
+        stop_ids: ``int32[R, S]`` tokens that would stop the row (EOS and stop tokens), ``-1`` padded.
+    """
+
+    temperature: jax.Array
+    top_p: jax.Array
+    top_k: jax.Array
+    seeds: jax.Array
+    gen_idx: jax.Array
+    min_tokens: jax.Array
+    stop_ids: jax.Array
+
+
+def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
+    """Mask (to ``-inf``) what top-k then top-p (over the renormalised top-k) drop, per row."""
+    vocab = logits.shape[-1]
+    vals = -jnp.sort(-logits, axis=-1)                                   # descending
+    k = jnp.where(top_k > 0, jnp.minimum(top_k, vocab), vocab)
+    rank = jnp.arange(vocab)[None, :]
+    vals = jnp.where(rank < k[:, None], vals, -jnp.inf)
+    probs = jax.nn.softmax(vals, axis=-1)
+    keep = (jnp.cumsum(probs, axis=-1) - probs < top_p[:, None]) & (rank < k[:, None])
+    cutoff = jnp.min(jnp.where(keep, vals, jnp.inf), axis=-1)           # smallest kept logit
+    return jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
+
+
+def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+    """One token per row, each row with its own temperature, top-p, top-k and PRNG key.
+
+    vLLM: the V1 ``Sampler`` (min-tokens logits processor, top-k/top-p, greedy rows by argmax). A row's
+    key is ``fold_in(key(seed), gen_idx)``, so the same request samples the same tokens in any batch.
+
+    Args:
+        logits: ``f32[R, vocab]``.
+        params: :class:`SamplingArrays` with ``R`` rows.
+
+    Returns:
+        ``int32[R]``.
+    """
+    logits = logits.astype(jnp.float32)
+    rows = jnp.arange(logits.shape[0])[:, None]
+    masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
+    logits = logits.at[rows, jnp.where(masked, params.stop_ids, logits.shape[-1])].set(
+        -jnp.inf, mode="drop")
+    greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
+    scaled = logits / temperature[:, None]
+    needs_filter = jnp.any((params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0)))
+    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k,
+                          params.top_p)
+    keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.gen_idx)
+    sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
+    return jnp.where(params.temperature > 0, sampled, greedy)

@@ -47,7 +47,7 @@ def init_kv_caches(config: LlamaConfig, *, block_size: int, dtype, num_blocks: i
 
 
 def make_model_fn(model: LlamaForCausalLM, *, attention_impl: str):
-    """Split ``model`` into ``(params, fn)`` where ``fn`` is the pure step :class:`jaxkv.Engine` drives."""
+    """Split ``model`` into ``(params, fn)`` where ``fn`` is the pure step :class:`jaxkv.LLMEngine` drives."""
     jaxkv.attention.check_attention_impl(attention_impl)
     graphdef, state = nnx.split(model)
 
@@ -71,8 +71,8 @@ def load_gguf_checkpoint(path=None, *, progress: bool = True
 
 
 def make_engine(model: LlamaForCausalLM, *, attention_impl: str, block_size: int, num_blocks: int,
-                max_model_len: int, cache_dtype=None, **engine_options) -> jaxkv.Engine:
-    """The model with freshly allocated paged caches behind a :class:`jaxkv.Engine`.
+                max_model_len: int, cache_dtype=None, **engine_options) -> jaxkv.LLMEngine:
+    """The model with freshly allocated paged caches behind a :class:`jaxkv.LLMEngine`.
 
     Args:
         model: the decoder.
@@ -80,13 +80,15 @@ def make_engine(model: LlamaForCausalLM, *, attention_impl: str, block_size: int
         block_size, num_blocks: the cache's block size and capacity in blocks.
         max_model_len: longest sequence in tokens.
         cache_dtype: KV-cache dtype (default: the model's; fp8 dtypes quantise).
-        **engine_options: ``steps_per_sync``, ``prefill_chunk_size``, ``enable_prefix_caching``.
+        **engine_options: the other :class:`jaxkv.LLMEngine` options (``max_num_seqs``,
+            ``max_num_batched_tokens``, ``enable_prefix_caching``, ``eos_token_id``,
+            ``long_prefill_token_threshold``, ``num_scheduler_steps``, ``return_logits``, ...).
     """
     _, caches = init_kv_caches(model.config, block_size=block_size, num_blocks=num_blocks,
                                dtype=model.dtype if cache_dtype is None else cache_dtype)
     params, fn = make_model_fn(model, attention_impl=attention_impl)
-    return jaxkv.Engine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
-                        **engine_options)
+    return jaxkv.LLMEngine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
+                           **engine_options)
 
 
 @functools.partial(jax.jit, static_argnums=(0,))

@@ -116,14 +116,15 @@ def chunked_prefill_accuracy(impl: str, gguf_path: str | None) -> bool:
     model = models.from_weights(config, weights, dtype=jnp.float32)
     print(f"(d) SmolLM2 f32 first-token logits, chunked vs one-shot prefill ({impl})")
     logits = {}
-    for chunk in (None, 7, 16):
+    for chunk in (0, 7, 16):
         engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=16,
-                                    max_model_len=96, prefill_chunk_size=chunk)
-        _, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=1), return_logits=True)
-        logits[chunk] = stats.step_logits[0].astype(np.float64)
+                                    max_model_len=96, max_num_seqs=2, max_num_batched_tokens=128,
+                                    long_prefill_token_threshold=chunk, return_logits=True)
+        done = engine.generate(prompts, jaxkv.SamplingParams(max_tokens=1, temperature=0))
+        logits[chunk] = np.stack([o.outputs[0].logits[0] for o in done]).astype(np.float64)
     ok_all = True
     for chunk in (7, 16):
-        rel = float(np.abs(logits[chunk] - logits[None]).max() / np.abs(logits[None]).max())
+        rel = float(np.abs(logits[chunk] - logits[0]).max() / np.abs(logits[0]).max())
         ok = rel <= MODEL_TOLERANCE["float32"]
         ok_all &= ok
         print(f"  chunk {chunk:>3}: max rel logit diff vs one-shot {rel:.2e}  {'ok' if ok else 'FAIL'}")
@@ -148,10 +149,10 @@ def model_accuracy(impl: str, dtypes: list[str], steps: int, gguf_path: str | No
 
 def _model_accuracy_one(config, weights, prompts, impl, dtype, steps) -> bool:
     model = models.from_weights(config, weights, dtype=jnp.dtype(dtype))
-    engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=24, max_model_len=128)
-    done, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=steps + 1),
-                                  return_logits=True)
-    seqs = [c.prompt_token_ids + c.token_ids for c in done]
+    engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=24, max_model_len=128,
+                                max_num_seqs=4, max_num_batched_tokens=128, return_logits=True)
+    done = engine.generate(prompts, jaxkv.SamplingParams(max_tokens=steps + 1, temperature=0))
+    seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in done]
     length = max(map(len, seqs))
     ids = np.zeros((len(seqs), length), np.int32)
     valid = np.zeros((len(seqs), length), bool)
@@ -159,20 +160,20 @@ def _model_accuracy_one(config, weights, prompts, impl, dtype, steps) -> bool:
         ids[s, :len(seq)], valid[s, :len(seq)] = seq, True
     dense = np.asarray(models.dense_logits(model, ids, valid), np.float64)
     worst = 0.0
-    for step, paged in enumerate(stats.step_logits):
+    for step in range(steps + 1):
         rows = [(s, len(done[s].prompt_token_ids) - 1 + step) for s in range(len(seqs))]
-        got = np.stack([paged[s] for s, _ in rows]).astype(np.float64)
+        got = np.stack([done[s].outputs[0].logits[step] for s, _ in rows]).astype(np.float64)
         want = np.stack([dense[s, p] for s, p in rows])
         abs_err = float(np.abs(got - want).max())
         rel = abs_err / float(np.abs(want).max())
         agree = float((got.argmax(-1) == want.argmax(-1)).mean())
         worst = max(worst, rel)
-        if step in (0, 1, len(stats.step_logits) - 1) or rel > MODEL_TOLERANCE[dtype]:
+        if step in (0, 1, steps) or rel > MODEL_TOLERANCE[dtype]:
             print(f"{dtype:>9} {step:>5} {abs_err:>10.2e} {rel:>10.2e} {agree:>13.2f}  "
                   f"{'ok' if rel <= MODEL_TOLERANCE[dtype] else 'FAIL'}")
     ok = worst <= MODEL_TOLERANCE[dtype]
     print(f"{dtype:>9}   all {'':>10} {worst:>10.2e} {'':>13}  {'ok' if ok else 'FAIL'}  "
-          f"({len(stats.step_logits)} steps)")
+          f"({steps + 1} steps)")
     return ok
 
 

@@ -2,9 +2,9 @@
 
     python scripts/bench_decode.py [--gguf PATH] [--batches 1,8,64] [--new-tokens 128]
 
-For each batch size and ``steps_per_sync`` (1 = a host round trip per step; 16 = a device loop of 16
-steps) it generates ``--new-tokens`` tokens per sequence with no stop token and reports the median over
-repeats of the decode wall time per step (first chunk, which compiles, excluded). It also re-runs one
+For each batch size and ``steps_per_sync`` (the engine's ``num_scheduler_steps``: 1 = a host round trip
+per step; 16 = a device loop of 16 steps) it generates ``--new-tokens`` tokens per sequence with no stop token and reports the median over
+repeats of the decode wall time per step (decode loops that compiled excluded). It also re-runs one
 configuration with 4x the cache capacity (``num_blocks``) to check that step time does not depend on it
 (the cache is donated and updated in place), and, when torch is importable, reads the device time of one
 decode chunk with CUPTI and lists the kernels that take it.
@@ -24,19 +24,28 @@ import models
 from bench_common import add_workload_args, decode_prompts
 
 
+def _sampling(new_tokens: int) -> jaxkv.SamplingParams:
+    return jaxkv.SamplingParams(max_tokens=new_tokens, temperature=0.0, ignore_eos=True)
+
+
 def run_one(model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
             impl, repeats=3):
     max_model_len = prompt_len + new_tokens
     blocks_per_seq = -(-max_model_len // 16)
     engine = models.make_engine(model, attention_impl=impl, block_size=16,
                                 num_blocks=blocks_per_seq * batch * capacity_factor,
-                                max_model_len=max_model_len, steps_per_sync=steps_per_sync)
+                                max_model_len=max_model_len, max_num_seqs=batch,
+                                max_num_batched_tokens=max(batch * prompt_len, 16),
+                                num_scheduler_steps=steps_per_sync, enable_prefix_caching=False)
     prompts = decode_prompts(tok, batch, prompt_len)
-    sampling = jaxkv.SamplingParams(max_new_tokens=new_tokens)
     times, outs = [], None
     for _ in range(repeats):
-        outs, stats = engine.generate(prompts, sampling)
-        times.append(stats.decode_ms_per_step)
+        before = engine.stats
+        outs = engine.generate(prompts, _sampling(new_tokens))
+        after = engine.stats
+        steps = after.decode_steps - before.decode_steps
+        if steps:  # decode loops that compiled are excluded from decode_s / decode_steps
+            times.append(1e3 * (after.decode_s - before.decode_s) / steps)
     return statistics.median(times), engine, prompts, outs
 
 
@@ -45,10 +54,10 @@ def cupti_breakdown(engine, prompts, new_tokens):
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
         return None
-    sampling = jaxkv.SamplingParams(max_new_tokens=new_tokens)
+    sampling = _sampling(new_tokens)
     engine.generate(prompts, sampling)  # warm
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        _, stats = engine.generate(prompts, sampling)
+        engine.generate(prompts, sampling)
     steps = new_tokens  # prefill + decode steps of the profiled call (padding steps included)
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     total_us = sum(e.device_time_total for e in events)
@@ -83,7 +92,7 @@ def main(argv=None) -> int:
     print(f"capacity x4 (batch {batch}, steps/sync {sps}): {ms4:.3f} ms/step vs {rows[batch, sps][0]:.3f} "
           f"({100 * (ms4 / rows[batch, sps][0] - 1):+.1f} %)")
     first = rows[min(rows)][3][0]
-    print("greedy tokens, batch 1, first 16:", first.token_ids[:16])
+    print("greedy tokens, batch 1, first 16:", first.outputs[0].token_ids[:16])
     for batch in sorted({b for b, _ in rows}):
         ms, engine, prompts, _ = rows[batch, sps]
         got = cupti_breakdown(engine, prompts, args.new_tokens)

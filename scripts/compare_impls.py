@@ -38,12 +38,13 @@ def main(argv=None) -> int:
     for impl in args.impls.split(","):
         max_len = len(prompt) + args.max_new_tokens
         engine = models.make_engine(model, attention_impl=impl, block_size=16, num_blocks=-(-max_len // 16),
-                                    max_model_len=max_len, steps_per_sync=4)
-        done, stats = engine.generate([prompt], jaxkv.SamplingParams(max_new_tokens=args.max_new_tokens),
-                                      return_logits=True)
-        logits = stats.step_logits[0][0].astype(np.float64)
+                                    max_model_len=max_len, max_num_seqs=1, max_num_batched_tokens=256,
+                                    num_scheduler_steps=4, return_logits=True)
+        out = engine.generate([prompt], jaxkv.SamplingParams(max_tokens=args.max_new_tokens,
+                                                             temperature=0))[0].outputs[0]
+        logits = out.logits[0].astype(np.float64)
         top2 = np.sort(logits)[-2:]
-        line = (f"{impl:>17} {args.dtype}: tokens {done[0].token_ids} {tok.decode(done[0].token_ids)!r}; "
+        line = (f"{impl:>17} {args.dtype}: tokens {out.token_ids} {tok.decode(out.token_ids)!r}; "
                 f"top-2 first-token logits {top2[1]:.4f} / {top2[0]:.4f} (gap {top2[1] - top2[0]:.4f})")
         if first is None:
             first = logits

@@ -189,3 +189,54 @@ def test_negative_temperature_raises(temperature):
 def test_top_p_out_of_range_raises(top_p):
     with pytest.raises(ValueError, match="top_p"):
         sample_tokens(jnp.zeros((1, 4)), jax.random.key(0), temperature=1.0, top_p=top_p)
+
+
+def _rows(logits, **kw):
+    import jax.numpy as jnp
+    from jaxkv.sampling import SamplingArrays
+    r = logits.shape[0]
+    d = dict(temperature=np.ones(r, np.float32), top_p=np.ones(r, np.float32), top_k=np.full(r, -1, np.int32),
+             seeds=np.arange(r, dtype=np.uint32), gen_idx=np.zeros(r, np.int32),
+             min_tokens=np.zeros(r, np.int32), stop_ids=np.full((r, 2), -1, np.int32)) | kw
+    return SamplingArrays(**{k: jnp.asarray(v) for k, v in d.items()})
+
+
+def test_per_row_sampling_honours_each_rows_parameters():
+    import jax
+    from jaxkv.sampling import sample_tokens_per_row
+    rng = np.random.default_rng(0)
+    logits = np.asarray(rng.standard_normal((4, 64)), np.float32)
+    order = np.argsort(-logits, axis=-1)
+    fn = jax.jit(sample_tokens_per_row)
+    for seed in range(20):
+        got = np.asarray(fn(logits, _rows(logits, temperature=np.array([0, 1, 1, 1], np.float32),
+                                          top_k=np.array([-1, 3, -1, 1], np.int32),
+                                          top_p=np.array([1, 1, 1e-6, 1], np.float32),
+                                          seeds=np.full(4, seed, np.uint32))))
+        assert got[0] == order[0, 0]             # greedy
+        assert got[1] in order[1, :3]            # top-k 3
+        assert got[2] == order[2, 0]             # top-p tiny: only the most likely token
+        assert got[3] == order[3, 0]             # top-k 1
+
+
+def test_per_row_keys_come_from_seed_and_index_only():
+    import jax
+    from jaxkv.sampling import sample_tokens_per_row
+    rng = np.random.default_rng(1)
+    logits = np.asarray(rng.standard_normal((3, 50)), np.float32)
+    fn = jax.jit(sample_tokens_per_row)
+    a = np.asarray(fn(logits, _rows(logits, seeds=np.array([7, 8, 9], np.uint32))))
+    swapped = logits[[2, 1, 0]]  # the same row elsewhere in the batch, same seed -> same token
+    b = np.asarray(fn(swapped, _rows(swapped, seeds=np.array([9, 8, 7], np.uint32))))
+    assert a[0] == b[2] and a[2] == b[0]
+
+
+def test_min_tokens_masks_stop_ids_until_reached():
+    import jax
+    from jaxkv.sampling import sample_tokens_per_row
+    logits = np.zeros((2, 10), np.float32)
+    logits[:, 4] = 10.0
+    kw = dict(temperature=np.zeros(2, np.float32), min_tokens=np.array([3, 3], np.int32),
+              gen_idx=np.array([2, 3], np.int32), stop_ids=np.array([[4, -1], [4, -1]], np.int32))
+    got = np.asarray(jax.jit(sample_tokens_per_row)(logits, _rows(logits, **kw)))
+    assert got[0] != 4 and got[1] == 4

@@ -2,30 +2,43 @@
 
 from __future__ import annotations
 
-import jax.numpy as jnp
 import pytest
 
-import jaxkv
 import models
+from jaxkv import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def smollm2(gguf_path):
-    config, weights, tok = models.load_gguf_checkpoint(gguf_path, progress=False)
-    return config, models.from_weights(config, weights, dtype=jnp.float32), tok
+def llm(gguf_path):
+    return models.LLM(gguf_path, dtype="float32", attention_impl="reference", max_model_len=64,
+                      num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
 
 
-def test_greedy_capital_of_france_is_paris(smollm2):
-    config, model, tok = smollm2
-    engine = models.make_engine(model, attention_impl="reference", block_size=16, num_blocks=16,
-                                max_model_len=64)
-    prompts = [tok.encode("The capital of France is"), tok.encode("Water is made of hydrogen and")]
-    done, stats = engine.generate(prompts, jaxkv.SamplingParams(max_new_tokens=8,
-                                                                stop_token_ids=tok.stop_token_ids))
-    text = tok.decode(done[0].token_ids)
-    assert "Paris" in text, text
-    # batching does not change a sequence's greedy continuation
-    alone, _ = engine.generate(prompts[:1], jaxkv.SamplingParams(max_new_tokens=8,
-                                                                  stop_token_ids=tok.stop_token_ids))
-    assert alone[0].token_ids == done[0].token_ids
-    assert stats.generated_tokens == sum(len(c.token_ids) for c in done) > 0
+def test_greedy_capital_of_france_is_paris(llm):
+    prompts = ["The capital of France is", "Water is made of hydrogen and"]
+    greedy = SamplingParams(max_tokens=8, temperature=0)
+    done = llm.generate(prompts, greedy, use_tqdm=False)
+    assert "Paris" in done[0].outputs[0].text, done[0].outputs[0].text
+    assert done[0].prompt == prompts[0]
+    # batching does not change a request's greedy continuation
+    alone = llm.generate(prompts[0], greedy, use_tqdm=False)
+    assert alone[0].outputs[0].token_ids == done[0].outputs[0].token_ids
+    assert llm.last_summary["output_tokens"] == len(alone[0].outputs[0].token_ids) > 0
+    # token ids work as prompts too, in input order
+    ids = llm.get_tokenizer().encode(prompts[1])
+    mixed = llm.generate([ids, prompts[0]], greedy, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mixed] == [done[1].outputs[0].token_ids,
+                                                      done[0].outputs[0].token_ids]
+
+
+def test_chat_ends_on_the_end_of_turn_token(llm):
+    out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
+                   SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)[0].outputs[0]
+    assert "Paris" in out.text
+    if out.finish_reason == "stop":  # the end-of-turn token is not part of the output
+        assert not set(out.token_ids) & llm.tokenizer.stop_token_ids
+
+
+def test_resolve_model_errors():
+    with pytest.raises(ValueError, match="neither"):
+        models.resolve_model("no-such-model")

@@ -1,0 +1,10 @@
+"""The serving core: requests, the KV-cache manager (blocks on demand, prefix caching) and the scheduler.
+
+vLLM: ``vllm/v1/core/``. Host-side only (NumPy / Python); the device step lives in :mod:`jaxkv.engine`.
+"""
+
+from jaxkv.core.kv_cache_manager import KVCacheManager
+from jaxkv.core.request import Request, RequestStatus
+from jaxkv.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
+
+__all__ = ["KVCacheManager", "Request", "RequestStatus", "Scheduler", "SchedulerConfig", "SchedulerOutput"]

@@ -1,0 +1,134 @@
+"""A request's host-side state through the scheduler. vLLM: ``vllm/v1/request.py``."""
+
+from __future__ import annotations
+
+import enum
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from jaxkv.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.IntEnum):
+    """Lifecycle: WAITING → RUNNING → (PREEMPTED → RUNNING …) → FINISHED_*. vLLM: ``RequestStatus``."""
+
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    PREEMPTED = enum.auto()
+    # everything after PREEMPTED is finished (vLLM orders the enum the same way)
+    FINISHED_STOPPED = enum.auto()
+    FINISHED_LENGTH_CAPPED = enum.auto()
+    FINISHED_ABORTED = enum.auto()
+
+    @staticmethod
+    def is_finished(status: "RequestStatus") -> bool:
+        return status > RequestStatus.PREEMPTED
+
+    @staticmethod
+    def get_finished_reason(status: "RequestStatus") -> str | None:
+        """``"stop"`` / ``"length"`` / ``"abort"`` (vLLM's ``FinishReason`` strings), ``None`` if live."""
+        return _FINISH_REASONS.get(int(status))
+
+
+_FINISH_REASONS = {int(RequestStatus.FINISHED_STOPPED): "stop", int(RequestStatus.FINISHED_LENGTH_CAPPED): "length",
+                   int(RequestStatus.FINISHED_ABORTED): "abort"}
+
+
+class Request:
+    """One generation request: its tokens, how many of them are in the cache, and its blocks.
+
+    vLLM V1's single-counter model: ``num_computed_tokens`` counts tokens whose K/V are in the cache;
+    every step schedules ``num_tokens - num_computed_tokens`` (or a chunk of it): the whole prompt on
+    admission, one token while decoding, prompt + generated tokens again after a preemption.
+
+    Attributes:
+        request_id: the caller's id.
+        prompt_token_ids: the prompt.
+        sampling_params: how to sample and stop.
+        output_token_ids: generated tokens (a stop token is not included).
+        all_token_ids: prompt + output.
+        num_computed_tokens: tokens whose K/V are in the cache.
+        block_ids: the request's physical blocks, logical order.
+        block_hashes: chained hashes of the full blocks of ``all_token_ids`` (filled lazily).
+        num_cached_blocks: leading blocks already offered to the prefix cache.
+        cached_block_ids: blocks the request holds through the prefix cache (released, not freed).
+        arrival_index: order of ``add_request`` calls.
+        seed: the PRNG seed its tokens are sampled with (the params' seed or one drawn by the engine).
+        max_tokens: the tokens it may generate (``sampling_params.max_tokens`` capped by the model length).
+        stop_reason: the stop token that ended it, if any.
+        num_cached_prompt_tokens: prompt tokens served from the prefix cache at its first admission.
+    """
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams", *,
+                 arrival_index: int, seed: int, max_model_len: int, eos_token_ids: frozenset[int]):
+        self.request_id = request_id
+        self.prompt_token_ids = list(prompt_token_ids)
+        self.sampling_params = sampling_params
+        self.output_token_ids: list[int] = []
+        self.all_token_ids: list[int] = list(self.prompt_token_ids)
+        self.num_computed_tokens = 0
+        self.status = RequestStatus.WAITING
+        self.block_ids: list[int] = []
+        self.block_hashes: list[int] = []
+        self.num_cached_blocks = 0
+        self.cached_block_ids: set[int] = set()
+        self.arrival_index = arrival_index
+        self.seed = seed
+        room = max_model_len - len(self.prompt_token_ids)
+        wanted = sampling_params.max_tokens
+        self.max_tokens = room if wanted is None else min(wanted, room)
+        self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
+        self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.stop_reason: int | None = None
+        self.num_preemptions = 0
+        self.num_cached_prompt_tokens: int | None = None
+        self.new_token_ids: list[int] = []  # tokens of the last step
+        self.logits: list = []  # per generated token, only when the engine returns logits
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.all_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return RequestStatus.is_finished(self.status)
+
+    @property
+    def remaining_tokens(self) -> int:
+        """Tokens it may still generate (by ``max_tokens`` and the model length)."""
+        return self.max_tokens - self.num_output_tokens
+
+    @property
+    def stop_ids_for_min_tokens(self) -> frozenset[int]:
+        """Tokens that would end it (EOS unless ``ignore_eos``, and ``stop_token_ids``): masked while
+        fewer than ``min_tokens`` were generated."""
+        return self.eos_token_ids | self.stop_token_ids
+
+    def hashes_of_full_blocks(self, num_tokens: int, block_size: int) -> list[int]:
+        """Chained hashes of the full blocks of ``all_token_ids[:num_tokens]``, extended incrementally;
+        equal to :func:`jaxkv.prefix_cache.block_hashes` of those tokens."""
+        full = num_tokens // block_size
+        if len(self.block_hashes) < full:
+            prev = self.block_hashes[-1] if self.block_hashes else None
+            for b in range(len(self.block_hashes), full):
+                prev = hash((prev, tuple(self.all_token_ids[b * block_size:(b + 1) * block_size])))
+                self.block_hashes.append(prev)
+        return self.block_hashes[:full]
+
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self.all_token_ids.append(token)
+
+    def __repr__(self) -> str:
+        return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "
+                f"out={self.num_output_tokens}, computed={self.num_computed_tokens}, "
+                f"blocks={len(self.block_ids)})")
+

@@ -1,0 +1,265 @@
+"""Continuous-batching scheduler: which requests run this step, with how many tokens each.
+
+vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_from_output``) and
+``vllm/v1/core/sched/utils.py`` (``check_stop``). One loop per step, on the host:
+
+1. running requests first, in admission order: each gets ``num_tokens - num_computed_tokens`` tokens (1
+   while decoding; a prefill chunk otherwise), capped by ``long_prefill_token_threshold`` and the step's
+   token budget ``max_num_batched_tokens``; blocks are allocated on demand; when none is free the most
+   recently admitted running request is preempted (recompute: blocks freed, back to the front of the
+   waiting queue, its generated tokens kept);
+2. then, if nothing was preempted, waiting requests in arrival order while the budget, ``max_num_seqs``
+   and the free blocks allow (prefix-cache hits skip their cached tokens);
+3. a step in which every running request decodes and no waiting request could be admitted runs up to
+   ``num_scheduler_steps`` decode steps on the device (vLLM v0's multi-step scheduling), never more than
+   the fewest tokens a running request has left while requests wait, so admission is not delayed by a
+   length-capped request finishing inside the loop (a request ending on a stop token frees its seat
+   only when the loop returns). ``max_admission_delay_steps > 0`` also lets an admissible waiting
+   request wait that many decode steps in total for such a loop.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+
+from jaxkv.core.kv_cache_manager import KVCacheManager
+from jaxkv.core.request import Request, RequestStatus
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SchedulerConfig:
+    """Scheduler limits (vLLM ``SchedulerConfig`` names).
+
+    Attributes:
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: most new tokens in one step (the token budget).
+        max_model_len: longest sequence, prompt + output, in tokens.
+        long_prefill_token_threshold: a request gets at most this many prompt tokens per step (0 = only
+            the budget limits it).
+        num_scheduler_steps: most decode steps per host round trip (1 = one step per round trip).
+        max_admission_delay_steps: decode steps a waiting request that could be admitted may wait so
+            that running requests decode in a device loop first (0 = admit at the next step, as vLLM;
+            > 0 trades that much admission latency for fewer host round trips).
+    """
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 2048
+    max_model_len: int = 2048
+    long_prefill_token_threshold: int = 0
+    num_scheduler_steps: int = 8
+    max_admission_delay_steps: int = 0
+
+    def __post_init__(self):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.max_admission_delay_steps < 0:
+            raise ValueError(f"max_admission_delay_steps={self.max_admission_delay_steps} must be >= 0")
+        if self.long_prefill_token_threshold < 0:
+            raise ValueError(f"long_prefill_token_threshold={self.long_prefill_token_threshold} must be >= 0")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+                             f"{self.max_num_seqs}: a step could not give every running request a token")
+
+
+@dataclasses.dataclass
+class SchedulerOutput:
+    """One step's plan. vLLM: ``SchedulerOutput``.
+
+    Attributes:
+        scheduled: ``(request, num_new_tokens)`` in batch order; in a multi-step decode, the number of
+            decode steps that request runs (``<= num_decode_steps``).
+        num_decode_steps: 0 = one mixed step (prefill chunks and decodes); ``k >= 1`` = a pure-decode
+            device loop of ``k`` steps.
+        preempted: requests preempted while scheduling.
+    """
+
+    scheduled: list[tuple[Request, int]]
+    num_decode_steps: int = 0
+    preempted: list[Request] = dataclasses.field(default_factory=list)
+
+    @property
+    def total_num_scheduled_tokens(self) -> int:
+        return sum(n for _, n in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    """Waiting queue, running list, the step loop's decisions; owns no device state."""
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+        self.config = config
+        self.kv_cache_manager = kv_cache_manager
+        self.waiting: collections.deque[Request] = collections.deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+        self._admission_delayed = 0  # decode steps run while an admissible request waited
+
+    # -- queues ------------------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def finish_request(self, request: Request, status: RequestStatus) -> None:
+        """End ``request`` (stop, length or abort): out of the queues, blocks back at once."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.status = status
+        self.kv_cache_manager.free(request)
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    # -- one step -----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        multi = self._try_schedule_decode_loop()
+        if multi is not None:
+            return multi
+        cfg, kv = self.config, self.kv_cache_manager
+        budget = cfg.max_num_batched_tokens
+        scheduled: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            while not kv.allocate_slots(req, n):
+                victim = self.running.pop()  # the most recently admitted
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is req:
+                    break
+            else:
+                scheduled.append((req, n))
+                budget -= n
+                i += 1
+                continue
+            break  # req preempted itself: every later request is gone too
+
+        if not preempted:
+            self._admission_delayed = 0
+            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+                req = self.waiting[0]
+                hits, num_hit_tokens = kv.get_computed_blocks(req)
+                n = self._num_new_tokens(req, num_hit_tokens, budget)
+                if not kv.allocate_slots(req, n, hits):
+                    break
+                self.waiting.popleft()
+                req.num_computed_tokens = num_hit_tokens
+                if req.num_cached_prompt_tokens is None:  # first admission: prefix-cache statistics
+                    req.num_cached_prompt_tokens = num_hit_tokens
+                    kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+                req.status = RequestStatus.RUNNING
+                self.running.append(req)
+                scheduled.append((req, n))
+                budget -= n
+        return SchedulerOutput(scheduled, 0, preempted)
+
+    def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
+        n = req.num_tokens - num_computed
+        threshold = self.config.long_prefill_token_threshold
+        if 0 < threshold < n:
+            n = threshold
+        return min(n, budget)
+
+    def _preempt(self, req: Request) -> None:
+        """vLLM recompute preemption: blocks freed, front of the waiting queue, outputs kept."""
+        self.kv_cache_manager.free(req)
+        req.status = RequestStatus.PREEMPTED
+        req.num_computed_tokens = 0
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+
+    def _try_schedule_decode_loop(self) -> SchedulerOutput | None:
+        """A pure-decode device loop when every running request decodes and no waiting request can be
+        admitted (or may still be held back by ``max_admission_delay_steps``)."""
+        cfg = self.config
+        if not self.running or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
+            return None
+        remaining = [r.remaining_tokens for r in self.running]
+        if not self.waiting:
+            k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
+        else:
+            # steps that delay no admission: none when the head could be admitted now, else until the
+            # first running request reaches its length cap (its seat frees then)
+            admissible = len(self.running) < cfg.max_num_seqs and self._can_admit_head()
+            free_steps = 0 if admissible else min(remaining)
+            allowed = cfg.max_admission_delay_steps - self._admission_delayed
+            k = min(cfg.num_scheduler_steps, max(remaining), max(free_steps, allowed))
+            if k < 1:
+                return None  # admit now: a mixed step
+            delayed = max(0, k - free_steps)
+        steps = [min(k, rem) for rem in remaining]
+        kv = self.kv_cache_manager
+        for req, s in zip(self.running, steps):
+            if not kv.allocate_slots(req, s):
+                # short of blocks for the loop (blocks already taken stay with their requests and are
+                # used by the next steps): fall back to single steps, which preempt as needed
+                return None
+        self._admission_delayed += delayed
+        return SchedulerOutput(list(zip(self.running, steps)), k, [])
+
+    def _can_admit_head(self) -> bool:
+        req = self.waiting[0]
+        hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
+        n = self._num_new_tokens(req, num_hit_tokens, self.config.max_num_batched_tokens - len(self.running))
+        return n > 0 and self.kv_cache_manager.can_allocate(req, n, hits)
+
+    # -- after the step ------------------------------------------------------------------------------
+    def update_from_output(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
+        """Apply the step's sampled tokens; return the requests that got a token or finished.
+
+        Args:
+            output: the plan the step ran.
+            sampled: per scheduled request, its sampled tokens: one per decode step in a device loop,
+                else one (ignored when the request's prompt is not complete yet).
+        """
+        touched = []
+        for (req, n), tokens in zip(output.scheduled, sampled):
+            if req.status != RequestStatus.RUNNING:
+                continue
+            new: list[int] = []
+            if output.num_decode_steps:
+                for t in tokens[:n]:
+                    req.num_computed_tokens += 1
+                    if self._append(req, int(t), new):
+                        break
+            else:
+                req.num_computed_tokens += n
+                if req.num_computed_tokens >= req.num_tokens:
+                    self._append(req, int(tokens[0]), new)
+            req.new_token_ids = new
+            self.kv_cache_manager.cache_blocks(req)
+            if req.is_finished:
+                self.running.remove(req)
+                self.kv_cache_manager.free(req)
+            if new or req.is_finished:
+                touched.append(req)
+        return touched
+
+    def _append(self, req: Request, token: int, new: list[int]) -> bool:
+        """vLLM ``check_stop``: stop tokens (not kept, per jaxkv's contract), then the length cap."""
+        if req.num_output_tokens >= req.sampling_params.min_tokens:
+            if token in req.stop_token_ids:
+                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
+                return True
+            if token in req.eos_token_ids:
+                req.status = RequestStatus.FINISHED_STOPPED
+                return True
+        req.append_output_token(token)
+        new.append(token)
+        if req.num_output_tokens >= req.max_tokens:
+            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            return True
+        return False

@@ -1,0 +1,351 @@
+"""The request-level engine: add requests, abort them, step, read outputs. Model-agnostic.
+
+vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``: schedule → execute → update) and the offline
+``LLMEngine`` (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``). One step:
+
+1. :meth:`Scheduler.schedule` picks requests and token counts, allocating blocks on demand;
+2. :class:`ModelRunner` pads the flat batch to a bucket and dispatches the jitted step (cache donated);
+3. the host blocks only on the sampled tokens (``int32`` per request, or per request and decode step);
+4. :meth:`Scheduler.update_from_output` appends them, checks stops, frees finished requests' blocks.
+
+Timing: ``stats.device_wait_s`` sums the host's blocking waits for results; the rest of the time in
+:meth:`LLMEngine.step` is host work, during which the device has nothing queued (the loop dispatches one
+step at a time), so ``1 - device_wait_s / step_s`` bounds the device's idle share from above.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Iterable
+
+import numpy as np
+
+from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxkv.core.request import Request, RequestStatus
+from jaxkv.core.scheduler import Scheduler, SchedulerConfig
+from jaxkv.engine.model_runner import ModelFn, ModelRunner
+from jaxkv.engine.outputs import CompletionOutput, RequestOutput
+from jaxkv.engine.sampling_params import SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (``LLMEngine.stats``).
+
+    Attributes:
+        num_running, num_waiting: requests in each queue now.
+        kv_cache_usage: share of blocks held by live requests (0..1).
+        num_preemptions: recompute preemptions so far.
+        prefix_cache_hit_rate: prompt tokens found cached / prompt tokens looked up (first admissions).
+        num_compiles: jitted-step compilations so far; ``num_buckets`` bounds it.
+        steps: host round trips (``step()`` calls that ran the model); ``model_steps`` counts decode-loop
+            iterations individually.
+        num_generated_tokens: tokens appended to outputs; ``num_prompt_tokens_computed``: prompt (and
+            re-prefill) tokens run through the model.
+        step_s: wall seconds inside ``step()``; ``device_wait_s``: of which blocked on device results.
+        decode_s, decode_steps, decode_tokens: the same for pure-decode loops only, excluding calls that
+            compiled.
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_compiles: int
+    num_buckets: int
+    steps: int
+    model_steps: int
+    num_generated_tokens: int
+    num_prompt_tokens_computed: int
+    step_s: float
+    device_wait_s: float
+    decode_s: float
+    decode_steps: int
+    decode_tokens: int
+
+    @property
+    def gpu_idle_share(self) -> float:
+        """Upper bound of the device's idle share of ``step()`` time: host work / total."""
+        return 1.0 - self.device_wait_s / self.step_s if self.step_s > 0 else float("nan")
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, driving any ``model_fn``.
+
+    Args:
+        model_fn: ``(params, input_ids, positions, kv_caches, metadata, logits_indices) ->
+            (f32[num_logits, vocab] logits, kv_caches)``, traceable by ``jax.jit``.
+        params: pytree passed to ``model_fn`` (not donated).
+        kv_caches: one ``[2, num_blocks, num_kv_heads, block_size, head_size]`` cache per layer; the
+            engine owns them from now on (donated to every step).
+        block_size: tokens per block.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: the step's token budget (prefill chunks + decodes).
+        enable_prefix_caching: reuse computed full blocks across requests and re-prefills (vLLM V1 default).
+        eos_token_id: an id or a set of ids that end a request unless ``ignore_eos``; ``None``: none.
+        long_prefill_token_threshold: most prompt tokens a request gets per step (0 = budget only).
+        num_scheduler_steps: most decode steps run on the device per host round trip.
+        max_admission_delay_steps: decode steps an admissible waiting request may be held back so that
+            running requests decode in a device loop (0 = admit at the next step, vLLM's behaviour).
+        seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
+        max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
+        return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
+
+    Raises:
+        ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
+            max_num_batched_tokens``.
+    """
+
+    def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
+                 long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
+                 max_admission_delay_steps: int = 0, seed: int = 0,
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False):
+        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      num_scheduler_steps=num_scheduler_steps,
+                                      max_admission_delay_steps=max_admission_delay_steps)
+        self.runner = ModelRunner(model_fn, params, kv_caches, block_size=block_size,
+                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  num_scheduler_steps=num_scheduler_steps,
+                                  max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size,
+                                               enable_prefix_caching=enable_prefix_caching)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        if eos_token_id is None:
+            self.eos_token_ids = frozenset()
+        elif isinstance(eos_token_id, (int, np.integer)):
+            self.eos_token_ids = frozenset({int(eos_token_id)})
+        else:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
+        self.return_logits = return_logits
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._arrivals = 0
+        self._seed_rng = np.random.default_rng(seed)
+        self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
+                              step_s=0.0, device_wait_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0)
+
+    # -- properties ------------------------------------------------------------------------------------
+    @property
+    def kv_caches(self):
+        return self.runner.kv_caches
+
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
+    @property
+    def num_buckets(self) -> int:
+        return self.runner.num_buckets
+
+    @property
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+                           kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
+                           prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
+                           num_buckets=self.num_buckets, **self._counters)
+
+    def warmup(self) -> None:
+        """Compile every bucket before serving (so no request pays for a compile); afterwards
+        ``num_compiles == num_buckets``."""
+        self.runner.warmup()
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).
+
+        Raises:
+            ValueError: requests are still running or waiting.
+        """
+        if self.has_unfinished_requests():
+            raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
+        kv = self.kv_cache_manager
+        self.kv_cache_manager = KVCacheManager(kv.num_blocks, self.block_size,
+                                               enable_prefix_caching=kv.prefix_cache is not None)
+        num_preemptions = self.scheduler.num_preemptions
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        self.scheduler.num_preemptions = num_preemptions
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
+                    ) -> None:
+        """Queue a request (WAITING). vLLM: ``LLMEngine.add_request``.
+
+        Raises:
+            ValueError: a live request with this id, an empty prompt, a prompt of ``>= max_model_len``
+                tokens, a request whose longest sequence needs more blocks than the whole cache, or too
+                many stop tokens for ``min_tokens``; nothing changes.
+        """
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params={sampling_params!r} is not a SamplingParams")
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already running or waiting")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request_id={request_id!r}: prompt_token_ids is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"request_id={request_id!r}: the prompt has {len(prompt)} tokens; "
+                             f"max_model_len={self.max_model_len} leaves no room to generate")
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2 ** 32))
+        req = Request(request_id, prompt, sampling_params, arrival_index=self._arrivals, seed=seed,
+                      max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        longest = req.num_prompt_tokens + req.max_tokens
+        need = cdiv(longest, self.block_size)
+        if need > self.kv_cache_manager.num_blocks:
+            raise ValueError(f"request_id={request_id!r} needs {need} blocks ({longest} tokens), the cache "
+                             f"has {self.kv_cache_manager.num_blocks} in all")
+        if sampling_params.min_tokens and len(req.stop_ids_for_min_tokens) > self.runner.max_num_stop_token_ids:
+            raise ValueError(f"request_id={request_id!r}: {len(req.stop_ids_for_min_tokens)} EOS/stop token "
+                             f"ids with min_tokens > 0; max_num_stop_token_ids="
+                             f"{self.runner.max_num_stop_token_ids}")
+        self._arrivals += 1
+        self._requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Finish requests as aborted and free their blocks now; unknown ids are ignored. Their final
+        output (``finish_reason="abort"``) comes with the next :meth:`step`."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            req.new_token_ids = []
+            self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished_requests()
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run the model once (one mixed step or a decode loop), apply the tokens.
+
+        Args:
+            final_only: return only finished requests (vLLM ``RequestOutputKind.FINAL_ONLY``, what the
+                offline ``LLM`` uses; saves building an output per running request per step).
+
+        Returns:
+            A :class:`RequestOutput` for every request that got tokens or finished (aborts included).
+        """
+        t0 = time.perf_counter()
+        aborted, self._aborted = self._aborted, []
+        sched = self.scheduler.schedule()
+        if sched.is_empty:
+            return [self._output(r) for r in aborted]
+        compiles = self.num_compiles
+        if sched.num_decode_steps:
+            result = self.runner.execute_decode(sched.scheduled, sched.num_decode_steps)
+        else:
+            result = self.runner.execute_mixed(sched.scheduled)
+        t_wait = time.perf_counter()
+        tokens = np.asarray(result.tokens)  # the one blocking wait per step
+        logits = None if result.logits is None else np.asarray(result.logits)
+        t_back = time.perf_counter()
+        if sched.num_decode_steps:
+            sampled = [tokens[:, r] for r in range(len(sched.scheduled))]
+        else:
+            sampled = [tokens[r:r + 1] for r in range(len(sched.scheduled))]
+        lens_before = {id(r): r.num_output_tokens for r, _ in sched.scheduled}
+        touched = self.scheduler.update_from_output(sched, sampled)
+        generated = 0
+        for r, (req, _) in enumerate(sched.scheduled):
+            got = req.num_output_tokens - lens_before[id(req)]
+            generated += got
+            if logits is not None and got:
+                rows = logits[:got, r] if sched.num_decode_steps else logits[r:r + 1]
+                req.logits.extend(rows)
+        c = self._counters
+        c["steps"] += 1
+        c["model_steps"] += max(1, sched.num_decode_steps)
+        c["num_generated_tokens"] += generated
+        if not sched.num_decode_steps:
+            c["num_prompt_tokens_computed"] += sum(
+                n for req, n in sched.scheduled if n > 1 or req.num_output_tokens == 0)
+        outputs = [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
+        for req in touched:
+            if req.is_finished:
+                self._requests.pop(req.request_id, None)
+        t1 = time.perf_counter()
+        c["step_s"] += t1 - t0
+        c["device_wait_s"] += t_back - t_wait
+        if sched.num_decode_steps and self.num_compiles == compiles:
+            c["decode_s"] += t1 - t0
+            c["decode_steps"] += sched.num_decode_steps
+            c["decode_tokens"] += generated
+        return outputs
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.is_finished
+        completion = CompletionOutput(
+            index=0, token_ids=list(req.output_token_ids), new_token_ids=list(req.new_token_ids),
+            finish_reason=RequestStatus.get_finished_reason(req.status), stop_reason=req.stop_reason,
+            logits=np.stack(req.logits) if finished and req.logits else None)
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             outputs=[completion], finished=finished,
+                             num_cached_tokens=req.num_cached_prompt_tokens or 0)
+
+    # -- convenience -----------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams], *, progress=None
+                 ) -> list[RequestOutput]:
+        """Add every prompt, step until all are done, return the final outputs in input order.
+
+        Args:
+            prompt_token_ids: the prompts.
+            sampling_params: one for all, or one per prompt.
+            progress: optional callable ``(finished_output) -> None`` called as each request ends.
+
+        Raises:
+            ValueError: what :meth:`add_request` raises (checked for every prompt before any is added)
+                or a list of sampling params of the wrong length.
+        """
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompt_token_ids))
+        if len(params) != len(prompt_token_ids):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompt_token_ids)} prompts")
+        base = f"gen-{self._arrivals}-"
+        ids = [f"{base}{i}" for i in range(len(prompt_token_ids))]
+        for i, p in enumerate(prompt_token_ids):  # validate all before adding any
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+        added = []
+        try:
+            for rid, p, sp in zip(ids, prompt_token_ids, params):
+                self.add_request(rid, p, sp)
+                added.append(rid)
+        except ValueError:
+            self.abort_request(added)
+            self._aborted = []
+            raise
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for out in self.step(final_only=True):
+                if out.request_id in wanted:
+                    final[out.request_id] = out
+                    if progress is not None:
+                        progress(out)
+        return [final[i] for i in ids]

