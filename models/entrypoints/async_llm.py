@@ -1,0 +1,372 @@
+"""The engine behind an asyncio server: one thread owns the device, requests stream their tokens.
+
+vLLM: ``v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``) and the engine-core busy loop. jaxkv's
+:class:`jaxkv.engine.LLMEngine` is synchronous and not thread-safe, so :class:`AsyncLLM` gives it one thread
+of its own, the *engine thread*, which is the only caller of the engine:
+
+```
+request handlers (event loop)                      engine thread
+  generate() ── ("add", id, ...) ──► command queue ──► add_request / abort_request (between steps)
+                                                       step() ──► RequestOutputs
+  per-request asyncio.Queue ◄── call_soon_threadsafe ◄─┘        (one hand-off per step)
+  detokenize, stop strings ──► async generator ──► HTTP response
+```
+
+A consumer that stops iterating (client disconnected, stop string found) aborts its request; the abort is
+applied before the next step, so the request's blocks are free within one step. The engine thread sleeps
+on the command queue while no request is unfinished. Stats (running / waiting requests, prompt and
+generation tokens/s, KV-cache usage) are snapshotted after every step for ``/metrics`` and logged
+periodically like vLLM's ``LoggingStatLogger``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import logging
+import queue
+import threading
+import time
+import traceback
+from typing import Any, AsyncIterator, Iterable, Sequence
+
+from models.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
+
+logger = logging.getLogger("jaxkv.serve")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine thread stopped after an unexpected error; no request can be served any more."""
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """What :meth:`AsyncLLM.generate` yields: one request's progress after an engine step.
+
+    Attributes:
+        request_id: the id given to :meth:`AsyncLLM.generate`.
+        prompt_token_ids: ``[num_prompt_tokens]``.
+        token_ids: every generated token so far, ``[num_generated_tokens]``.
+        text: detokenized text that may be sent to the client so far (cut before a stop string; while
+            running, the characters that could still start a stop string are held back). It only grows.
+        finished: the request ended; this is its last output.
+        finish_reason: ``None`` while running, then ``"stop"``, ``"length"`` or ``"abort"``.
+        stop_reason: the stop string or stop token id that ended it, or ``None``.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finished: bool = False
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+_ABORTED = object()  # queue marker: AsyncLLM.abort was called for this request
+
+
+class _RequestState:
+    """Detokenizer and stop strings of one request, run on the event loop."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], tokenizer, stop: Sequence[str],
+                 skip_special_tokens: bool):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
+        self.stops = StopChecker(stop)
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.finished = False
+
+    def process(self, out) -> StreamOutput:
+        """Fold an engine ``RequestOutput`` into the request's text; applies stop strings."""
+        completion = out.outputs[0]
+        finished = bool(out.finished)
+        self.detok.add_tokens(completion.new_token_ids, finished=finished)
+        finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+        text = self.detok.text
+        hit = self.stops.check(text)
+        if hit is not None:
+            index, stop = hit
+            text, finished, finish_reason, stop_reason = text[:index], True, "stop", stop
+        text = text[:self.stops.safe_len(text, finished)]
+        self.finished = finished
+        return StreamOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                            token_ids=list(self.detok.token_ids), text=text, finished=finished,
+                            finish_reason=finish_reason if finished else None,
+                            stop_reason=stop_reason if finished else None)
+
+
+    def aborted(self) -> StreamOutput:
+        self.finished = True
+        return StreamOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
+                            token_ids=list(self.detok.token_ids),
+                            text=self.detok.text[:self.stops.safe_len(self.detok.text, False)],
+                            finished=True, finish_reason="abort")
+
+
+def _stats_dict(stats: Any) -> dict[str, Any]:
+    if stats is None:
+        return {}
+    if isinstance(stats, dict):
+        return dict(stats)
+    if dataclasses.is_dataclass(stats):
+        return dataclasses.asdict(stats)
+    return {k: v for k, v in vars(stats).items() if not k.startswith("_")}
+
+
+class AsyncLLM:
+    """Runs an ``LLMEngine`` in a background thread and streams each request's outputs to asyncio.
+
+    Create it inside a running event loop (or call :meth:`start` from one): outputs are handed to that loop.
+
+    Args:
+        engine: ``add_request(request_id, prompt_token_ids, sampling_params)``, ``abort_request(ids)``,
+            ``step() -> list[RequestOutput]``, ``has_unfinished_requests()``, ``stats``
+            (:class:`jaxkv.engine.LLMEngine`).
+        tokenizer: ``decode(ids, skip_special_tokens=...)``.
+        log_stats_interval_s: seconds between stats log lines (``None``: never log). Lines are only
+            written when something happened since the last one.
+    """
+
+    def __init__(self, engine, tokenizer, *, log_stats_interval_s: float | None = 10.0):
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self.log_stats_interval_s = log_stats_interval_s
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._requests: dict[str, _RequestState] = {}  # touched on the event loop only
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._thread: threading.Thread | None = None
+        self._stop = threading.Event()
+        self.dead_error: BaseException | None = None
+        # counters written by the engine thread, read anywhere (ints: atomic under the GIL)
+        self._stats: dict[str, Any] = {}
+        self._num_prompt_tokens = self._num_generation_tokens = 0
+        self._num_requests_finished = self._num_requests_aborted = 0
+        self._num_steps = 0
+
+    # ---------------------------------------------------------------- life cycle (event loop side)
+
+    def start(self) -> None:
+        """Start the engine thread, bound to the running event loop."""
+        if self._thread is not None:
+            return
+        self._loop = asyncio.get_running_loop()
+        self._stats = self._snapshot_stats()
+        self._thread = threading.Thread(target=self._run, name="jaxkv-engine", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stop the engine thread (requests still running are abandoned)."""
+        self._stop.set()
+        self._commands.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    # ---------------------------------------------------------------------------------- requests
+
+    async def generate(self, prompt_token_ids: Sequence[int], sampling_params, request_id: str, *,
+                       stop: Sequence[str] = (), skip_special_tokens: bool = True
+                       ) -> AsyncIterator[StreamOutput]:
+        """Submit a request and yield its outputs as they are produced. vLLM: ``AsyncLLM.generate``.
+
+        Args:
+            prompt_token_ids: ``[num_prompt_tokens]``.
+            sampling_params: :class:`jaxkv.engine.SamplingParams`.
+            request_id: unique among unfinished requests.
+            stop: stop strings, checked on the detokenized text.
+            skip_special_tokens: drop control tokens from the text.
+
+        Yields:
+            :class:`StreamOutput`, the last one with ``finished=True``. Closing the generator early
+            (``aclose()``, task cancelled, client gone) aborts the request.
+
+        Raises:
+            ValueError: the engine rejected the request (nothing else is disturbed).
+            EngineDeadError: the engine thread has died.
+        """
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already running")
+        if self._thread is None:
+            self.start()
+        prompt = [int(t) for t in prompt_token_ids]
+        state = _RequestState(request_id, prompt, self.tokenizer, stop, skip_special_tokens)
+        self._requests[request_id] = state
+        self._commands.put(("add", request_id, prompt, sampling_params))
+        try:
+            while True:
+                item = await state.queue.get()
+                if isinstance(item, BaseException):
+                    state.finished = True  # rejected or engine dead: nothing to abort
+                    raise item
+                if item is _ABORTED:
+                    yield state.aborted()
+                    return
+                out = state.process(item)
+                if out.finished and not item.finished:  # a stop string ended it: the engine still runs it
+                    self._commands.put(("abort", request_id))
+                yield out
+                if out.finished:
+                    return
+        finally:
+            self._requests.pop(request_id, None)
+            if not state.finished:
+                self._commands.put(("abort", request_id))
+
+    def abort(self, request_ids: str | Iterable[str]) -> None:
+        """Abort requests (unknown or finished ids are ignored); their blocks are freed before the next step."""
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            state = self._requests.get(rid)
+            if state is not None:
+                state.queue.put_nowait(_ABORTED)  # its generator ends with finish_reason "abort"
+            self._commands.put(("abort", rid))
+
+    @property
+    def num_unfinished_requests(self) -> int:
+        """Requests submitted and not yet finished (as seen by their streams)."""
+        return len(self._requests)
+
+    def stats(self) -> dict[str, Any]:
+        """Engine stats after the latest step (``num_running``, ``num_waiting``, ``kv_cache_usage``, ...),
+        plus the server's request and token counters."""
+        return dict(self._stats, num_steps=self._num_steps,
+                    num_prompt_tokens_total=self._num_prompt_tokens,
+                    num_generation_tokens_total=self._num_generation_tokens,
+                    num_requests_finished=self._num_requests_finished,
+                    num_requests_aborted=self._num_requests_aborted,
+                    engine_alive=self.is_running)
+
+    # ------------------------------------------------------------------------ engine thread side
+
+    def _snapshot_stats(self) -> dict[str, Any]:
+        stats_obj = getattr(self.engine, "stats", None)
+        stats = _stats_dict(stats_obj)
+        if hasattr(stats_obj, "gpu_idle_share"):
+            stats["gpu_idle_share"] = float(stats_obj.gpu_idle_share)
+        for name, key in (("get_num_unfinished_requests", "num_unfinished_requests"),):
+            fn = getattr(self.engine, name, None)
+            if fn is not None:
+                stats[key] = int(fn())
+        for key, owners, attr in (("num_free_blocks", ("", "kv", "kv_cache_manager"), "num_free_blocks"),
+                                  ("num_gpu_blocks", ("", "runner", "kv", "kv_cache_manager"), "num_blocks")):
+            for owner in owners:
+                value = getattr(getattr(self.engine, owner, None) if owner else self.engine, attr, None)
+                if isinstance(value, int):
+                    stats[key] = value
+                    break
+        return stats
+
+    def _run(self) -> None:
+        last_log = time.monotonic()
+        logged = (0, 0, 0)
+        try:
+            while not self._stop.is_set():
+                busy = self.engine.has_unfinished_requests()
+                self._apply_commands(block=not busy, timeout=self.log_stats_interval_s or 1.0)
+                if self._stop.is_set():
+                    break
+                if self.engine.has_unfinished_requests():
+                    outputs = self.engine.step()
+                    self._num_steps += 1
+                    self._count(outputs)
+                    if outputs:
+                        self._loop.call_soon_threadsafe(self._deliver, outputs)
+                    self._stats = self._snapshot_stats()
+                elif busy:
+                    self._stats = self._snapshot_stats()
+                if self.log_stats_interval_s is not None:
+                    now = time.monotonic()
+                    if now - last_log >= self.log_stats_interval_s:
+                        logged = self._log_stats(now - last_log, logged)
+                        last_log = now
+        except BaseException as e:  # noqa: BLE001 - anything here is a bug: fail every request loudly
+            logger.error("engine thread died:\n%s", traceback.format_exc())
+            self.dead_error = e
+            if self._loop is not None and not self._loop.is_closed():
+                self._loop.call_soon_threadsafe(self._fail_all, e)
+
+    def _apply_commands(self, *, block: bool, timeout: float) -> None:
+        commands = []
+        try:
+            commands.append(self._commands.get(timeout=timeout) if block else self._commands.get_nowait())
+            while True:
+                commands.append(self._commands.get_nowait())
+        except queue.Empty:
+            pass
+        aborts: list[str] = []
+        for cmd in commands:
+            if cmd[0] == "add":
+                _, rid, prompt, params = cmd
+                if aborts and rid in aborts:  # re-used id after an abort: apply the abort first
+                    self._abort_in_engine(aborts)
+                    aborts = []
+                try:
+                    self.engine.add_request(rid, prompt, params)
+                except ValueError as e:
+                    self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
+            elif cmd[0] == "abort":
+                aborts.append(cmd[1])
+        if aborts:
+            self._abort_in_engine(aborts)
+
+    def _abort_in_engine(self, request_ids: list[str]) -> None:
+        try:
+            self.engine.abort_request(request_ids)
+        except (KeyError, ValueError):  # some were already finished: abort one by one, ignore those
+            for rid in request_ids:
+                with contextlib.suppress(KeyError, ValueError):
+                    self.engine.abort_request(rid)
+        self._num_requests_aborted += len(request_ids)
+
+    def _count(self, outputs) -> None:
+        for out in outputs:
+            completion = out.outputs[0]
+            new = len(completion.new_token_ids)
+            if new and len(completion.token_ids) == new:  # first tokens: the prompt was computed
+                self._num_prompt_tokens += len(out.prompt_token_ids)
+            self._num_generation_tokens += new
+            if out.finished and completion.finish_reason != "abort":
+                self._num_requests_finished += 1
+
+    def _log_stats(self, interval: float, logged: tuple[int, int, int]) -> tuple[int, int, int]:
+        s = self._stats
+        # the engine's counters when it has them (prompt tokens computed, re-prefills included)
+        prompt = s.get("prompt_tokens", s.get("num_prompt_tokens_computed", self._num_prompt_tokens))
+        generated = s.get("generated_tokens", s.get("num_generated_tokens", self._num_generation_tokens))
+        now = (int(prompt), int(generated), self._num_steps)
+        if now == logged and not s.get("num_running") and not s.get("num_waiting"):
+            return now  # idle: say nothing
+        prompt_tps = (now[0] - logged[0]) / interval
+        gen_tps = (now[1] - logged[1]) / interval
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, Prefix cache hit rate: %.1f%%, "
+            "Preemptions: %d", prompt_tps, gen_tps, s.get("num_running", 0), s.get("num_waiting", 0),
+            100 * float(s.get("kv_cache_usage", 0.0)), 100 * float(s.get("prefix_cache_hit_rate", 0.0)),
+            s.get("num_preemptions", 0))
+        return now
+
+    # ---------------------------------------------------------------- event loop side, from the thread
+
+    def _deliver(self, outputs) -> None:
+        for out in outputs:
+            state = self._requests.get(out.request_id)
+            if state is not None:  # else: aborted / gone
+                state.queue.put_nowait(out)
+
+    def _deliver_error(self, request_id: str, error: BaseException) -> None:
+        state = self._requests.get(request_id)
+        if state is not None:
+            state.queue.put_nowait(error)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for state in list(self._requests.values()):
+            state.queue.put_nowait(EngineDeadError(f"engine is dead: {error!r}"))

@@ -1,0 +1,1 @@
+"""OpenAI-compatible HTTP server: protocol, app factory, completion and chat handlers."""

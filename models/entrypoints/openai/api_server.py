@@ -1,0 +1,183 @@
+"""The OpenAI-compatible HTTP app (Starlette + pydantic, served by uvicorn).
+
+vLLM: ``entrypoints/openai/api_server.py``.
+
+Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true → server-sent events ending
+in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 while the engine thread runs, else 503),
+``GET /stats`` (JSON: running / waiting requests, KV-cache usage, token counters — what the tests and the
+benchmark read), ``GET /metrics`` (the same as Prometheus gauges).
+
+Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or
+a bad / unsupported / out-of-range field (the message and ``param`` name it) and for prompts that do not fit
+``max_model_len``; 404 for an unknown model; 503 once the engine is dead; 500 for a bug (logged with its
+traceback). A handler's failure is confined to its request.
+
+A client that disconnects cancels its handler: streaming responses are cancelled by Starlette, non-streaming
+ones by :func:`_until_disconnected`; either way the request's generator is closed and the engine aborts it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import logging
+from typing import Any, Awaitable
+
+from pydantic import ValidationError
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from models.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from models.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
+                                                ModelList, OpenAIError, error_from_validation, random_id)
+from models.entrypoints.openai.serving_chat import OpenAIServingChat
+from models.entrypoints.openai.serving_completion import OpenAIServingCompletion
+
+logger = logging.getLogger("jaxkv.serve")
+
+SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+def error_response(e: OpenAIError) -> JSONResponse:
+    return JSONResponse(e.to_dict(), status_code=e.status_code)
+
+
+async def _parse(request: Request, model_cls):
+    """The JSON body validated into ``model_cls``; OpenAIError (400) naming the field otherwise."""
+    body = await request.body()
+    try:
+        data = json.loads(body)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise OpenAIError(f"Invalid request body: not JSON ({e})", param=None) from None
+    if not isinstance(data, dict):
+        raise OpenAIError("Invalid request body: expected a JSON object", param=None)
+    try:
+        return model_cls.model_validate(data)
+    except ValidationError as e:
+        raise error_from_validation(e) from None
+
+
+async def _until_disconnected(request: Request, work: Awaitable[Any]) -> tuple[bool, Any]:
+    """Run ``work`` unless the client disconnects first (then cancel it). Returns ``(finished, result)``."""
+    task = asyncio.ensure_future(work)
+
+    async def disconnected():
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watcher.cancel()
+    if task.done():
+        return True, task.result()
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+    return False, None
+
+
+def _prometheus(stats: dict[str, Any]) -> str:
+    lines = []
+    for key, value in sorted(stats.items()):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            continue
+        lines += [f"# TYPE jaxkv:{key} gauge", f"jaxkv:{key} {value}"]
+    return "\n".join(lines) + "\n"
+
+
+def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], max_model_len: int,
+              default_stop_token_ids=(), extra_stats=None) -> Starlette:
+    """The ASGI app serving ``async_llm``; the engine thread starts with the app and stops with it.
+
+    Args:
+        async_llm: engine wrapper (started in the app's lifespan if not running yet).
+        tokenizer: :class:`models.GGUFTokenizer`.
+        served_model_names: accepted ``model`` values; the first one is reported.
+        max_model_len: longest prompt + completion in tokens.
+        default_stop_token_ids: ids that end generation unless ``ignore_eos``.
+        extra_stats: constant facts merged into ``/stats`` (cache blocks, device, ...).
+    """
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette):
+        async_llm.start()
+        yield
+        async_llm.shutdown()
+
+    options = dict(served_model_names=served_model_names, max_model_len=max_model_len,
+                   default_stop_token_ids=default_stop_token_ids)
+    completion = OpenAIServingCompletion(async_llm, tokenizer, **options)
+    chat = OpenAIServingChat(async_llm, tokenizer, **options)
+    constant_stats = dict(extra_stats or {}, max_model_len=max_model_len)
+
+    async def _openai_error(_: Request, e: OpenAIError):
+        return error_response(e)
+
+    async def _engine_dead(_: Request, e: EngineDeadError):
+        return error_response(OpenAIError(str(e), status_code=503, code="engine_dead"))
+
+    async def _value_error(_: Request, e: ValueError):  # the engine rejected a request
+        return error_response(OpenAIError(f"Invalid request: {e}"))
+
+    async def _internal(_: Request, e: Exception):
+        logger.exception("internal error while serving a request")
+        return error_response(OpenAIError(f"Internal server error: {type(e).__name__}: {e}",
+                                          status_code=500, code="internal_error"))
+
+    async def health(_: Request) -> Response:
+        if async_llm.is_running:
+            return Response(status_code=200)
+        return error_response(OpenAIError("engine is not running", status_code=503, code="engine_dead"))
+
+    async def stats(_: Request) -> JSONResponse:
+        return JSONResponse(dict(constant_stats, **async_llm.stats()))
+
+    async def metrics(_: Request) -> PlainTextResponse:
+        return PlainTextResponse(_prometheus(dict(constant_stats, **async_llm.stats())))
+
+    async def models(_: Request) -> JSONResponse:
+        root = served_model_names[0]
+        cards = [ModelCard(id=name, root=root, max_model_len=max_model_len) for name in served_model_names]
+        return JSONResponse(ModelList(data=cards).model_dump())
+
+    async def create_completion(request: Request):
+        body = await _parse(request, CompletionRequest)
+        request_id = random_id("cmpl")
+        if body.stream:
+            prepared = completion.prepare(body)  # errors before the stream starts are plain 4xx
+            return StreamingResponse(completion.completion_stream(body, request_id, prepared),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        finished, result = await _until_disconnected(request, completion.create_completion(body, request_id))
+        if not finished:
+            return Response(status_code=499)  # nobody reads it
+        return JSONResponse(result.model_dump())
+
+    async def create_chat_completion(request: Request):
+        body = await _parse(request, ChatCompletionRequest)
+        request_id = random_id("chatcmpl")
+        if body.stream:
+            prepared = chat.prepare(body)
+            return StreamingResponse(chat.chat_completion_stream(body, request_id, prepared),
+                                     media_type="text/event-stream", headers=SSE_HEADERS)
+        finished, result = await _until_disconnected(request, chat.create_chat_completion(body, request_id))
+        if not finished:
+            return Response(status_code=499)
+        return JSONResponse(result.model_dump())
+
+    app = Starlette(
+        routes=[Route("/health", health, methods=["GET"]), Route("/stats", stats, methods=["GET"]),
+                Route("/metrics", metrics, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+                Route("/v1/completions", create_completion, methods=["POST"]),
+                Route("/v1/chat/completions", create_chat_completion, methods=["POST"])],
+        exception_handlers={OpenAIError: _openai_error, EngineDeadError: _engine_dead, ValueError: _value_error,
+                            Exception: _internal},
+        lifespan=lifespan)
+    app.state.async_llm = async_llm
+    return app
