@@ -187,7 +187,6 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     if not static:
         assert generated == sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
-    step_s = after.step_s - before.step_s
     wait_s = after.device_wait_s - before.device_wait_s
     kv = engine.kv_cache_manager
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
@@ -196,7 +195,6 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
                   num_buckets=after.num_buckets,
                   gpu_idle_share=(1 - wait_s / elapsed) if elapsed > 0 else None)
-    del step_s
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -266,6 +264,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
     p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before timing")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache (a second run on the machine skips compiles)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
@@ -281,6 +281,9 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
     tok = models.GGUFTokenizer.from_gguf(gguf)
@@ -309,8 +312,12 @@ def run(args) -> int:
             except ImportError as e:
                 print(f"hf: skipped ({e})")
                 continue
-            results.append(run_hf(gguf, requests, batch_size=batch_size, cache=args.hf_cache_implementation,
-                                  progress=not args.no_progress))
+            try:
+                results.append(run_hf(gguf, requests, batch_size=batch_size,
+                                      cache=args.hf_cache_implementation, progress=not args.no_progress))
+            except Exception as e:  # keep the jaxkv results of this run
+                log.exception("hf backend failed: %s", e)
+                print(f"hf: failed ({type(e).__name__}: {e})")
             continue
         if llm is None:
             llm = models.LLM(gguf, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,

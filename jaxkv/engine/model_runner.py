@@ -208,7 +208,7 @@ class ModelRunner:
         pos = np.full(t, -1, np.int32)
         seq_ids = np.zeros(t, np.int32)
         c = 0
-        for r, (req, start, k) in enumerate(zip(reqs, context, q_lens)):
+        for req, start, k in zip(reqs, context, q_lens):
             ids[c:c + k] = req.all_token_ids[start:start + k]
             c += k
         pos[:num_tokens] = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens - context, q_lens)

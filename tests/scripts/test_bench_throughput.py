@@ -9,8 +9,6 @@ import random
 import subprocess
 import sys
 
-import pytest
-
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "bench_throughput.py"
 
 
