@@ -60,7 +60,7 @@ class LLM:
             ``num_gpu_blocks`` is not given, on a device that reports its memory).
         num_gpu_blocks: cache size in blocks (vLLM ``num_gpu_blocks_override``); on a device without
             memory statistics (CPU) the default is enough blocks for ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens, at most 4096 blocks.
+            ``max_model_len`` tokens, at most 1024 blocks.
         attention_impl: ``"pallas"`` / ``"pallas_interpret"`` / ``"reference"`` (default per device).
         return_logits: keep the logits of every sampled token (tests).
 
@@ -118,7 +118,7 @@ class LLM:
                             max_num_batched_tokens) -> int:
         spec = kv_cache_spec(self.config, block_size=block_size, dtype=cache_dtype)
         if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
-            return min(4096, max_num_seqs * -(-self.max_model_len // block_size))
+            return min(1024, max_num_seqs * -(-self.max_model_len // block_size))
         in_use = int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
         # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
         activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size
