@@ -23,8 +23,8 @@ Backends (``--backend``, repeatable, or ``--compare`` for all three in one run):
 Reported per backend: requests/s, output tokens/s (the requests' own output tokens), total tokens/s
 (prompt + output), tokens generated (padding steps of static batches included), preemptions, prefix-cache
 hit rate, compiles (after the warm-up that compiles every bucket, as vLLM captures its CUDA graphs at
-start-up, not timed) and the device's idle share (host time between blocking waits / wall time; an upper
-bound). jaxkv's prefix cache is reset between backends so no run reuses another's blocks.
+start-up, not timed) and the device's idle share (an upper bound: time from a fetched result to a
+dispatch that found the device with nothing queued, over the wall time). jaxkv's prefix cache is reset between backends so no run reuses another's blocks.
 """
 
 from __future__ import annotations
@@ -187,14 +187,14 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     if not static:
         assert generated == sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
-    wait_s = after.device_wait_s - before.device_wait_s
+    idle_s = after.device_idle_s - before.device_idle_s
     kv = engine.kv_cache_manager
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
                   sum(r.output_len for r in requests), generated,
                   num_preemptions=after.num_preemptions - before.num_preemptions,
                   prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
                   num_buckets=after.num_buckets,
-                  gpu_idle_share=(1 - wait_s / elapsed) if elapsed > 0 else None)
+                  gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None)
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -258,6 +258,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-admission-delay-steps", type=int, default=0,
                    help="decode steps an admissible waiting request may wait for a device loop (0 = vLLM)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="dispatch step N+1 before fetching step N's tokens (default on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--static-batch-size", type=int, default=None,
@@ -328,6 +330,7 @@ def run(args) -> int:
                              long_prefill_token_threshold=args.long_prefill_token_threshold,
                              num_scheduler_steps=args.num_scheduler_steps,
                              max_admission_delay_steps=args.max_admission_delay_steps,
+                             async_scheduling=args.async_scheduling,
                              attention_impl=args.attention_impl,
                              seed=args.seed)
             print(f"jaxkv: {llm.num_gpu_blocks} blocks of {args.block_size} tokens, "
