@@ -18,6 +18,7 @@ from jaxkv.block_allocator import BlockAllocator, OutOfBlocksError
 from jaxkv.block_ops import copy_blocks, copy_blocks_donated, zero_blocks, zero_blocks_donated
 from jaxkv.block_sizes import (blocks_per_kv_block, prepare_kernel_block_sizes, select_common_block_size,
                                split_block_table, split_slot_mapping)
+from jaxkv.checks import checked, checks_are_enabled, checks_enabled, raise_if_error
 from jaxkv.cache import (allocate_kv_cache, allocate_kv_cache_raw, bind_kv_cache, extract_layer_index,
                          init_kv_cache, reshape_kv_cache)
 from jaxkv.enc_dec_metadata import (AttentionType, EncoderDecoderMetadata, build_encoder_decoder_metadata,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import jax
 
+from jaxkv.checks import check_paged_metadata
 from jaxkv.metadata import AttentionMetadata
 from pallas_kernels import paged_attention as _decode
 from pallas_kernels import paged_prefill_attention as _prefill
@@ -53,7 +54,11 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
 
     Raises:
         ValueError: unknown ``impl``, a decode batch whose token and sequence counts differ, or what the
-            kernels raise (with concrete metadata, the prefill kernel also checks its values).
+            kernels raise; with concrete metadata, for every ``impl``, a ``seq_lens`` entry outside
+            ``[0, max_num_blocks_per_seq * block_size]``, a block id outside ``[0, num_blocks)`` among
+            the blocks a sequence reads and (prefill) a bad ``query_start_loc``
+            (:func:`pallas_kernels._checks.check_paged_metadata`). Under ``jax.jit`` these value checks
+            are skipped unless the check mode stages them (:mod:`jaxkv.checks`).
     """
     check_attention_impl(impl)
     extras = dict(k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
@@ -63,12 +68,14 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
             raise ValueError(f"decode batch: num_tokens={q.shape[0]} != num_seqs="
                              f"{metadata.seq_lens.shape[0]}")
         args = (q, kv_cache, metadata.block_tables, metadata.seq_lens)
-        if impl == "reference":
+        if impl == "reference":  # the Pallas ops check their metadata values themselves
+            check_paged_metadata(*args[1:])
             return _decode.paged_attention_reference(*args, scale=scale, **extras)
         return _decode.paged_attention(*args, scale=scale, interpret=impl == "pallas_interpret",
                                        **extras)
     args = (q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
     if impl == "reference":
+        check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
         return _prefill.paged_prefill_attention_reference(
             *args, scale=scale, max_query_len=metadata.max_query_len, **extras)
     return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,

@@ -15,8 +15,9 @@ for all of its heads, tokens and both K and V halves.
 Validation happens before anything runs: when block ids are concrete (not traced), an id outside
 ``[0, num_blocks)`` or a duplicate destination raises ``ValueError`` naming the value, and the caches
 are left untouched (a donated cache is not consumed). Under an enclosing ``jit`` the ids are traced and
-cannot be checked: pairs or ids out of range are then dropped (never wrapped or clamped onto a real
-block), and with duplicate destinations one of the writes wins, unspecified which.
+are not checked, unless the check mode stages the same checks with checkify (:mod:`jaxkv.checks`):
+pairs or ids out of range are then dropped (never wrapped or clamped onto a real block), and with
+duplicate destinations one of the writes wins, unspecified which.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._host import concrete
+from jaxkv.checks import as_checked, below, check_mode, require, xp
 
 KVCaches = Any
 """A pytree of per-layer cache arrays (``list``/``tuple``/``dict`` or a single array)."""
@@ -77,41 +78,57 @@ def _check_layers(kv_caches: KVCaches, block_axis: int, name: str):
     return [leaf for _, leaf in flat], treedef, first.shape[block_axis]
 
 
-def _check_range(ids: np.ndarray, name: str, num_blocks: int) -> None:
-    """``ids``: concrete ``int[n]`` whose entry ``i`` is reported as ``{name}[i]``."""
-    bad = np.flatnonzero((ids < 0) | (ids >= num_blocks))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"{name}[{i}]={ids[i]} is out of range [0, num_blocks={num_blocks})")
+def _check_range(ids, name: str, num_blocks: int) -> None:
+    """Every entry of ``ids`` (``int[n]``, reported as ``{name}[i]``) is in ``[0, num_blocks)``.
+
+    Host check when concrete, checkify when traced and the check mode is on (:mod:`jaxkv.checks`).
+    """
+    mode = check_mode(ids)
+    if mode is None:
+        return
+    ids = as_checked(mode, ids)
+    require(mode, (ids >= 0) & below(ids, num_blocks),
+            f"{name}[{{i}}]={{value}} is out of range [0, num_blocks={num_blocks})", index_names=("i",),
+            value=ids)
 
 
 def _check_pairs(src_to_dst, num_src_blocks: int, num_dst_blocks: int):
-    """Shape/dtype of ``src_to_dst``; with concrete values, ranges and distinct destinations."""
+    """Shape/dtype of ``src_to_dst``; its values (ranges, distinct destinations) on the host when
+    concrete, with checkify when traced and the check mode is on."""
     src_to_dst = _as_index_array(src_to_dst, "src_to_dst")
     if src_to_dst.ndim != 2 or src_to_dst.shape[1] != 2:
         raise ValueError(f"src_to_dst.shape={src_to_dst.shape} must be [num_pairs, 2]")
-    pairs = concrete(src_to_dst)
-    if pairs is None:
+    mode = check_mode(src_to_dst)
+    if mode is None or src_to_dst.shape[0] == 0:
         return src_to_dst
-    pairs = pairs.astype(np.int64)
-    bad = np.flatnonzero((pairs[:, 0] < 0) | (pairs[:, 0] >= num_src_blocks))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"src_to_dst[{i}, 0]={pairs[i, 0]} (source block) is out of range "
-                         f"[0, num_blocks={num_src_blocks})")
-    bad = np.flatnonzero((pairs[:, 1] < 0) | (pairs[:, 1] >= num_dst_blocks))
-    if bad.size:
-        i = int(bad[0])
-        raise ValueError(f"src_to_dst[{i}, 1]={pairs[i, 1]} (destination block) is out of range "
-                         f"[0, num_blocks={num_dst_blocks})")
-    dst = pairs[:, 1]
-    seen: dict[int, int] = {}
-    for i, d in enumerate(dst.tolist()):
-        if d in seen:
-            raise ValueError(f"src_to_dst[{i}, 1]={d} is a duplicate destination block "
-                             f"(also src_to_dst[{seen[d]}, 1])")
-        seen[d] = i
+    pairs = as_checked(mode, src_to_dst)
+    src, dst = pairs[:, 0], pairs[:, 1]
+    require(mode, (src >= 0) & below(src, num_src_blocks), "src_to_dst[{i}, 0]={value} (source block) is "
+            f"out of range [0, num_blocks={num_src_blocks})", index_names=("i",), value=src)
+    require(mode, (dst >= 0) & below(dst, num_dst_blocks), "src_to_dst[{i}, 1]={value} (destination "
+            f"block) is out of range [0, num_blocks={num_dst_blocks})", index_names=("i",), value=dst)
+    is_dup, first = _duplicates(mode, dst)
+    require(mode, ~is_dup, "src_to_dst[{i}, 1]={value} is a duplicate destination block "
+            "(also src_to_dst[{j}, 1])", index_names=("i",), value=dst, j=first)
     return src_to_dst
+
+
+def _duplicates(mode: str, x):
+    """``(is_dup, first)``: ``is_dup[i]`` when ``x[i]`` equals an earlier entry, ``first[i]`` the index
+    of the first entry equal to ``x[i]``. One stable sort, NumPy or jnp."""
+    np_ = xp(mode)
+    order = np_.argsort(x, stable=True)
+    ordered = x[order]
+    k = np_.arange(x.shape[0])
+    repeat = np_.concatenate([np_.zeros(1, bool), ordered[1:] == ordered[:-1]])
+    start = np_.where(repeat, 0, k)  # group start position in sorted order, carried forward:
+    start = np.maximum.accumulate(start) if mode == "host" else jax.lax.cummax(start)
+    if mode == "host":
+        is_dup, first = np.empty_like(repeat), np.empty_like(order)
+        is_dup[order], first[order] = repeat, order[start]
+        return is_dup, first
+    return (jnp.zeros_like(repeat).at[order].set(repeat),
+            jnp.zeros_like(order).at[order].set(order[start]))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -200,6 +217,8 @@ def copy_blocks(kv_caches: KVCaches, src_to_dst, *, block_axis: int = DEFAULT_BL
             ``src_to_dst`` not an integer ``[num_pairs, 2]``; when concrete, a block id outside
             ``[0, num_blocks)`` or a duplicate destination (each names the value). Nothing is
             written.
+            Under ``jax.jit`` the ids are traced and not checked, unless the check mode of
+            :mod:`jaxkv.checks` stages the same checks (reported through checkify).
     """
     return _copy(kv_caches, src_to_dst, block_axis, _copy_jit)
 
@@ -225,9 +244,7 @@ def _zero(kv_caches, block_ids, block_axis, fn):
     block_ids = _as_index_array(block_ids, "block_ids")
     if block_ids.ndim != 1:
         raise ValueError(f"block_ids.shape={block_ids.shape} must be [num_ids]")
-    ids = concrete(block_ids)
-    if ids is not None:
-        _check_range(ids, "block_ids", num_blocks)
+    _check_range(block_ids, "block_ids", num_blocks)
     return fn(kv_caches, block_ids, block_axis=block_axis)
 
 
@@ -252,6 +269,8 @@ def zero_blocks(kv_caches: KVCaches, block_ids, *, block_axis: int = DEFAULT_BLO
         ValueError: mismatched layers (see :func:`copy_blocks`); ``block_ids`` not integer or not
             1-D; when concrete, an id outside ``[0, num_blocks)`` (names the value). Nothing is
             written.
+            Under ``jax.jit`` the ids are traced and not checked, unless the check mode of
+            :mod:`jaxkv.checks` stages the same checks (reported through checkify).
     """
     return _zero(kv_caches, block_ids, block_axis, _zero_jit)
 

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxkv._host import concrete
+from jaxkv.checks import as_checked, check_mode, require
 from jaxkv.enc_dec_metadata import EncoderDecoderMetadata
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.slot_mapping import PAD_SLOT_ID
@@ -107,7 +107,8 @@ def pad_decode_metadata(attn_metadata, bucket: int, *, max_num_blocks_per_seq: i
 
     Raises:
         ValueError: metadata that is not decode-only, ``bucket < num_seqs``, a width narrower than the
-            table, or (concrete ``seq_lens``) a ``max_seq_len`` below the longest sequence.
+            table, or (concrete ``seq_lens``; traced ones only in the check mode of :mod:`jaxkv.checks`)
+            a ``max_seq_len`` below a sequence's length.
     """
     if isinstance(attn_metadata, EncoderDecoderMetadata):
         md = attn_metadata
@@ -127,9 +128,11 @@ def pad_decode_metadata(attn_metadata, bucket: int, *, max_num_blocks_per_seq: i
     if new_width < width:
         raise ValueError(f"max_num_blocks_per_seq={new_width} < block_tables width {width}")
     bound = md.max_seq_len if max_seq_len is None else max_seq_len
-    seq_lens = concrete(md.seq_lens)
-    if seq_lens is not None and seq_lens.size and seq_lens.max() > bound:
-        raise ValueError(f"max_seq_len={bound} < longest sequence {int(seq_lens.max())}")
+    mode = check_mode(md.seq_lens)  # host when concrete, checkify in the check mode (jaxkv.checks)
+    if mode is not None:
+        lens = as_checked(mode, md.seq_lens)
+        require(mode, lens <= bound, f"max_seq_len={bound} < seq_lens[{{s}}]={{value}}", index_names=("s",),
+                value=lens)
     pad = bucket - num_seqs
     last = md.query_start_loc[-1:]
     return AttentionMetadata(

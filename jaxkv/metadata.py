@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.checks import check_block_ids
 from jaxkv.slot_mapping import PAD_SLOT_ID, compute_slot_mapping_batch
 
 
@@ -169,7 +170,9 @@ def _plan_batch(context_lens, query_lens, num_seqs_padded, num_tokens_padded, ma
     num_seqs_padded = num_seqs if num_seqs_padded is None else int(num_seqs_padded)
     if num_seqs_padded < num_seqs:
         raise ValueError(f"num_seqs_padded={num_seqs_padded} < num_seqs={num_seqs}")
-    decode_only = bool(num_seqs == 0 or query_lens.max() == 1)
+    # decode-shaped (one token per row, the decode kernel) unless the caller bounds queries above 1: a
+    # batch routed to the prefill kernel pads with zero-length dummies even when every query is 1 token
+    decode_only = bool((num_seqs == 0 or query_lens.max() == 1) and (max_query_len is None or max_query_len == 1))
     dummy_len = 1 if decode_only else 0  # vLLM CUDA-graph padding: one PAD token, seq_len 1
     pad = num_seqs_padded - num_seqs
     seq_lens = np.concatenate([context_lens + query_lens, np.full(pad, dummy_len)])
@@ -184,6 +187,17 @@ def _plan_batch(context_lens, query_lens, num_seqs_padded, num_tokens_padded, ma
         raise ValueError(f"max_query_len={max_q} < longest query {int(query_lens.max(initial=1))}")
     return _BatchPlan(num_seqs, num_seqs_padded, dummy_len, context_lens, query_lens, seq_lens,
                       num_real_tokens, num_tokens_padded, max_q)
+
+
+def _check_used_blocks(table: np.ndarray, seq_lens: np.ndarray, block_size: int, num_blocks: int | None,
+                       name: str) -> None:
+    """Block ids of the blocks each sequence reads (``i < cdiv(seq_len, block_size)``) are in
+    ``[0, num_blocks)`` (``>= 0`` without ``num_blocks``); later entries are never read."""
+    tables = np.asarray(table, np.int64)
+    if tables.shape[1] == 0:
+        return
+    used = np.arange(tables.shape[1])[None, :] * block_size < np.asarray(seq_lens)[:, None]
+    check_block_ids("host", tables, used, name + "[{s}, {i}]", num_blocks, index_names=("s", "i"))
 
 
 def _as_table(block_tables, num_seqs: int, name: str) -> np.ndarray:
@@ -208,6 +222,7 @@ def build_attn_metadata(
     max_query_len: int | None = None,
     sliding_window: int | None = None,
     is_prompt=None,
+    num_blocks: int | None = None,
 ) -> AttentionMetadata:
     """Host-side (NumPy) construction of :class:`AttentionMetadata`, padded for a compiled bucket.
 
@@ -226,6 +241,9 @@ def build_attn_metadata(
         sliding_window: window in tokens: a prompt's tokens before ``query_len - sliding_window`` get
             ``PAD_SLOT_ID`` (vLLM ``compute_slot_mapping_start_idx``); default ``None`` (no masking).
         is_prompt: ``bool[num_seqs]`` for the window rule; default ``context_lens == 0``.
+        num_blocks: blocks in the cache; every block id a sequence reads or writes (its first
+            ``cdiv(seq_len, block_size)`` entries) must be in ``[0, num_blocks)``. Default ``None``:
+            those ids must only be ``>= 0``.
 
     Returns:
         :class:`AttentionMetadata` with ``num_seqs_padded`` rows and ``num_tokens_padded`` slots,
@@ -234,7 +252,8 @@ def build_attn_metadata(
     Raises:
         ValueError: shapes that disagree, a query length < 1, a negative context length, a padded size
             smaller than the real one, ``max_query_len`` below the longest query, ``sliding_window < 1``,
-            or a block table too narrow for a sequence.
+            a block table too narrow for a sequence, or a block id a sequence uses that is negative or
+            (with ``num_blocks``) ``>= num_blocks`` (names the entry and the bound). Nothing is built.
     """
     block_tables = np.asarray(block_tables, np.int32)
     context_lens = np.asarray(context_lens, np.int64)
@@ -244,6 +263,7 @@ def build_attn_metadata(
         raise ValueError(f"block_tables.shape={block_tables.shape}, context_lens.shape="
                          f"{context_lens.shape} and query_lens.shape={query_lens.shape} disagree")
     plan = _plan_batch(context_lens, query_lens, num_seqs_padded, num_tokens_padded, max_query_len)
+    _check_used_blocks(block_tables, plan.real_seq_lens, block_size, num_blocks, "block_tables")
     slots = compute_slot_mapping_batch(block_tables, plan.context_lens, plan.real_seq_lens, block_size,
                                        sliding_window=sliding_window, is_prompt=is_prompt)
     return AttentionMetadata(
@@ -286,6 +306,7 @@ def build_attn_metadata_for_groups(
     max_query_len: int | None = None,
     is_prompt=None,
     builders: Sequence[Callable[[CommonAttentionMetadata], Any] | None] | None = None,
+    num_blocks: int | Sequence[int | None] | None = None,
 ) -> dict[str, Any]:
     """One metadata object per KV-cache group, shared by every layer of the group.
 
@@ -308,6 +329,8 @@ def build_attn_metadata_for_groups(
         is_prompt: ``bool[num_seqs]`` for the sliding-window rule; default ``context_lens == 0``.
         builders: one callable (or ``None`` = identity) per group mapping the group's
             :class:`CommonAttentionMetadata` to the metadata its layers receive.
+        num_blocks: blocks in each group's cache (one int for all groups, or one per group) to check
+            the block ids each sequence uses, as in :func:`build_attn_metadata`; ``None``: ids ``>= 0``.
 
     Returns:
         ``dict[layer_name, metadata]``; layers of one group map to the same object.
@@ -315,8 +338,9 @@ def build_attn_metadata_for_groups(
     Raises:
         ValueError: a group without layer names or with a bad block size / window, a layer in two groups,
             a count of block tables or builders different from the number of groups, a block table whose
-            rows differ from ``num_seqs`` or too narrow for its group, and every error of
-            :func:`build_attn_metadata`.
+            rows differ from ``num_seqs`` or too narrow for its group, a count of ``num_blocks`` entries
+            different from the number of groups, and every error of :func:`build_attn_metadata`
+            (block ids are reported as ``block_tables[g][s, i]``).
     """
     groups = tuple(getattr(kv_cache_groups, "kv_cache_groups", kv_cache_groups))
     if not groups:
@@ -339,10 +363,16 @@ def build_attn_metadata_for_groups(
     if context_lens.shape != query_lens.shape or query_lens.ndim != 1:
         raise ValueError(f"context_lens.shape={context_lens.shape} != query_lens.shape={query_lens.shape}")
     plan = _plan_batch(context_lens, query_lens, num_seqs_padded, num_tokens_padded, max_query_len)
+    if num_blocks is None or isinstance(num_blocks, (int, np.integer)):
+        num_blocks = [num_blocks] * len(groups)
+    num_blocks = list(num_blocks)
+    if len(num_blocks) != len(groups):
+        raise ValueError(f"num_blocks has {len(num_blocks)} entries for {len(groups)} kv_cache_groups")
 
     per_group = []  # everything validated and computed before any output is made
     for i, ((_, block_size, window), table) in enumerate(zip(specs, block_tables)):
         table = _as_table(table, plan.num_seqs, f"block_tables[{i}]")
+        _check_used_blocks(table, plan.real_seq_lens, block_size, num_blocks[i], f"block_tables[{i}]")
         slots = compute_slot_mapping_batch(table, plan.context_lens, plan.real_seq_lens, block_size,
                                            sliding_window=window, is_prompt=is_prompt)
         per_group.append((plan.pad_rows(table), plan.pad_slots(slots), table.shape[1] * block_size))

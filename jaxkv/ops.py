@@ -7,16 +7,19 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from jaxkv._host import concrete
+from jaxkv.checks import as_checked, below, check_mode, require
 from jaxkv.kv_cache_dtype import check_scale, is_fp8_dtype, quantize_to_cache
+from jaxkv.slot_mapping import PAD_SLOT_ID
 
 
 def check_new_tokens(key, value, slot_mapping, *, num_kv_heads: int, head_size: int,
                      capacity: int) -> None:
     """Checks shared by every cache write: K/V ``[num_tokens, num_kv_heads, head_size]``, one integer
-    slot per token and, when ``slot_mapping`` is concrete, every slot ``< capacity`` (in tokens).
+    slot per token and every slot ``PAD_SLOT_ID`` (-1) or in ``[0, capacity)`` (in tokens).
+
+    The slot values are checked on the host when ``slot_mapping`` is concrete, staged with checkify when
+    it is traced and the check mode is on (:mod:`jaxkv.checks`), not at all otherwise.
 
     Raises:
         ValueError: naming the field and value.
@@ -30,10 +33,25 @@ def check_new_tokens(key, value, slot_mapping, *, num_kv_heads: int, head_size: 
         raise ValueError(f"slot_mapping.shape={slot_mapping.shape} must be (num_tokens={key.shape[0]},)")
     if not jnp.issubdtype(slot_mapping.dtype, jnp.integer):
         raise ValueError(f"slot_mapping.dtype={slot_mapping.dtype} must be an integer dtype")
-    slots = concrete(slot_mapping)
-    if slots is not None and slots.size and slots.max() >= capacity:
-        i = int(np.argmax(slots))
-        raise ValueError(f"slot_mapping[{i}]={slots[i]} >= capacity num_blocks*block_size={capacity}")
+    check_slots(slot_mapping, capacity)
+
+
+def check_slots(slot_mapping, capacity: int, name: str = "slot_mapping") -> None:
+    """Every entry of ``slot_mapping`` is ``PAD_SLOT_ID`` (-1) or a slot in ``[0, capacity)``.
+
+    Host check when concrete, checkify when traced and the check mode is on (:mod:`jaxkv.checks`).
+
+    Raises:
+        ValueError: (host) ``slot_mapping[i]=-5 is neither PAD_SLOT_ID=-1 nor a slot in [0,
+            num_blocks*block_size=...)``.
+    """
+    mode = check_mode(slot_mapping)
+    if mode is None:
+        return
+    slots = as_checked(mode, slot_mapping)
+    ok = (slots == PAD_SLOT_ID) | ((slots >= 0) & below(slots, capacity))
+    require(mode, ok, f"{name}[{{i}}]={{value}} is neither PAD_SLOT_ID={PAD_SLOT_ID} nor a slot in "
+            f"[0, num_blocks*block_size={capacity})", index_names=("i",), value=slots)
 
 
 def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
@@ -41,7 +59,7 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
     """Scatter new tokens' K/V into their slots and return the updated cache.
 
     vLLM: ``reshape_and_cache`` (``PagedAttention.write_to_paged_cache``). Tokens whose slot is
-    ``PAD_SLOT_ID`` (any negative slot) are dropped, never written; all other slots of the cache keep
+    ``PAD_SLOT_ID`` (-1) are dropped, never written; all other slots of the cache keep
     their contents. Functional: the input is not mutated. Under ``jax.jit(..., donate_argnums=...)`` of
     the cache, XLA performs the scatter in place on the donated buffer (no copy of the cache).
 
@@ -63,10 +81,12 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
         The new cache, same shape and dtype.
 
     Raises:
-        ValueError: inconsistent shapes; when ``slot_mapping`` is concrete (not traced), a slot
-            ``>= num_blocks * block_size`` (names the slot); fp8 cache with ``k_scale`` or
-            ``v_scale`` missing, not of one element, or (when concrete) not finite and positive.
-            Nothing is written in that case.
+        ValueError: inconsistent shapes; when ``slot_mapping`` is concrete (not traced), a slot that
+            is neither ``PAD_SLOT_ID`` nor in ``[0, num_blocks * block_size)`` (names the index, the
+            slot and the bound); fp8 cache with ``k_scale`` or ``v_scale`` missing, not of one element,
+            or (when concrete) not finite and positive. Nothing is written in that case. Under
+            ``jax.jit`` the slot values are not checked (a traced slot out of range, or any negative
+            one, is dropped, never wrapped) unless the check mode stages the check (:mod:`jaxkv.checks`).
     """
     if kv_cache.ndim != 5 or kv_cache.shape[0] != 2:
         raise ValueError(f"kv_cache.shape={kv_cache.shape} must be "

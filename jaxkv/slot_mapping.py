@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.checks import as_checked, below, check_block_ids, check_mode, require, xp
+
 PAD_SLOT_ID = -1
 """Slot of a token whose K/V is not written (padding, sliding-window-masked prompt tokens)."""
 
@@ -43,7 +45,7 @@ def compute_slot_mapping_start_idx(is_prompt: bool, query_len: int, context_len:
 
 
 def compute_slot_mapping(is_profile_run: bool, seq_len: int, context_len: int, start_idx: int,
-                         block_size: int, block_table) -> np.ndarray:
+                         block_size: int, block_table, *, num_blocks: int | None = None) -> np.ndarray:
     """Slots of tokens ``[context_len, seq_len)`` of one sequence. vLLM: ``compute_slot_mapping``.
 
     Args:
@@ -53,13 +55,15 @@ def compute_slot_mapping(is_profile_run: bool, seq_len: int, context_len: int, s
         start_idx: tokens before this index are masked (``compute_slot_mapping_start_idx``).
         block_size: tokens per block.
         block_table: ``int[>= cdiv(seq_len, block_size)]`` physical block of each logical block.
+        num_blocks: blocks in the cache, to check the block ids written to (default: only ``>= 0``).
 
     Returns:
         ``int64[seq_len - context_len]`` (vLLM appends to a list; we return the piece).
 
     Raises:
         ValueError: ``context_len`` outside ``[0, seq_len]``, ``start_idx`` outside ``[0, seq_len]``,
-            ``block_size < 1`` or a block table too short.
+            ``block_size < 1``, a block table too short, or a block id written to that is negative or
+            (with ``num_blocks``) ``>= num_blocks`` (names the entry and the bound).
     """
     _check_one_sequence(seq_len, context_len, start_idx, block_size)
     if is_profile_run:
@@ -71,7 +75,10 @@ def compute_slot_mapping(is_profile_run: bool, seq_len: int, context_len: int, s
     if seq_len > start and table.shape[0] < needed:
         raise ValueError(f"block_table has {table.shape[0]} blocks; seq_len={seq_len} needs {needed}")
     idx = np.arange(start, seq_len)
-    slots = table[idx // block_size] * block_size + idx % block_size
+    blocks = table[idx // block_size]
+    check_block_ids("host", blocks, np.ones(blocks.shape, bool), "block_table[{b}]", num_blocks,
+                    index_names=("t",), b=idx // block_size, suffix=" (block of token {p})", p=idx)
+    slots = blocks * block_size + idx % block_size
     return np.concatenate([np.full(padding, PAD_SLOT_ID, np.int64), slots])
 
 
@@ -113,7 +120,8 @@ def is_block_tables_empty(block_tables) -> bool:
 
 def compute_slot_mapping_into(is_profile_run: bool, slot_mapping: list, seq_id: int, seq_len: int,
                               context_len: int, start_idx: int, block_size: int,
-                              block_tables: dict[int, list[int]] | None) -> None:
+                              block_tables: dict[int, list[int]] | None, *,
+                              num_blocks: int | None = None) -> None:
     """Append one sequence's slots to ``slot_mapping``: vLLM's exact signature and semantics, vectorised.
 
     vLLM: ``compute_slot_mapping`` (``vllm/attention/backends/utils.py``). In a profile run ``seq_len``
@@ -134,12 +142,14 @@ def compute_slot_mapping_into(is_profile_run: bool, slot_mapping: list, seq_id: 
         block_size: tokens per block.
         block_tables: ``dict[seq_id, list[int]]`` physical block of each logical block; ignored in a
             profile run.
+        num_blocks: blocks in the cache, to check the block ids written to (default: only ``>= 0``).
 
     Raises:
         ValueError: ``slot_mapping`` has no ``extend``; ``context_len`` or ``start_idx`` outside
             ``[0, seq_len]``; ``block_size < 1``; (not profiling) ``seq_id`` missing from
-            ``block_tables`` or mapped to ``None``, or its table shorter than ``cdiv(seq_len,
-            block_size)`` blocks (vLLM raises ``KeyError`` / ``IndexError``). Nothing is appended then.
+            ``block_tables`` or mapped to ``None``, its table shorter than ``cdiv(seq_len,
+            block_size)`` blocks (vLLM raises ``KeyError`` / ``IndexError``), or a block id written to
+            outside ``[0, num_blocks)`` (negative without ``num_blocks``). Nothing is appended then.
     """
     if not hasattr(slot_mapping, "extend"):
         raise ValueError(f"slot_mapping={slot_mapping!r} must be a list (it is extended in place)")
@@ -151,13 +161,14 @@ def compute_slot_mapping_into(is_profile_run: bool, slot_mapping: list, seq_id: 
             raise ValueError(f"seq_id={seq_id} has no block table in block_tables (keys {keys}); "
                              "pass is_profile_run=True if block tables are not built yet")
         table = block_tables[seq_id]
-    piece = compute_slot_mapping(is_profile_run, seq_len, context_len, start_idx, block_size, table)
+    piece = compute_slot_mapping(is_profile_run, seq_len, context_len, start_idx, block_size, table,
+                                 num_blocks=num_blocks)
     slot_mapping.extend(piece.tolist())
 
 
 def compute_slot_mapping_batch(block_tables: np.ndarray, context_lens, seq_lens, block_size: int, *,
                                sliding_window: int | None = None, is_prompt=None,
-                               is_profile_run: bool = False) -> np.ndarray:
+                               is_profile_run: bool = False, num_blocks: int | None = None) -> np.ndarray:
     """Slot mapping of a whole batch in one vectorised pass (tokens of all sequences concatenated).
 
     Equivalent to calling :func:`compute_slot_mapping` with
@@ -173,13 +184,16 @@ def compute_slot_mapping_batch(block_tables: np.ndarray, context_lens, seq_lens,
         is_profile_run: block tables are not built yet: every token gets ``PAD_SLOT_ID`` and
             ``block_tables`` may be ``None``. (vLLM appends ``seq_len`` PADs per sequence; profile runs
             only hold prompts, ``context_len == 0``, so that is the same count.)
+        num_blocks: blocks in the cache, to check the block ids written to (default: only ``>= 0``).
 
     Returns:
         ``int64[sum(seq_lens - context_lens)]``.
 
     Raises:
         ValueError: ``block_size < 1``, ``sliding_window < 1``, lengths of different sizes, a context
-            outside ``[0, seq_len]`` or a block table too narrow.
+            outside ``[0, seq_len]``, a block table too narrow, or a block id written to outside
+            ``[0, num_blocks)`` (negative without ``num_blocks``; names the entry, the token and the
+            bound). Entries of the tables no token is written to are not checked.
     """
     if block_size < 1:
         raise ValueError(f"block_size={block_size} must be >= 1")
@@ -211,12 +225,16 @@ def compute_slot_mapping_batch(block_tables: np.ndarray, context_lens, seq_lens,
     seq_of_token = np.repeat(np.arange(len(seq_lens)), query_lens)
     first = np.cumsum(query_lens) - query_lens
     position = context_lens[seq_of_token] + np.arange(query_lens.sum()) - first[seq_of_token]
-    slots = tables[seq_of_token, position // block_size] * block_size + position % block_size
-    return np.where(position < start_idx[seq_of_token], PAD_SLOT_ID, slots)
+    blocks = tables[seq_of_token, position // block_size]
+    written = position >= start_idx[seq_of_token]
+    check_block_ids("host", blocks, written, "block_tables[{s}, {b}]", num_blocks, index_names=("t",),
+                    s=seq_of_token, b=position // block_size, suffix=" (block of token {t})")
+    slots = blocks * block_size + position % block_size
+    return np.where(written, slots, PAD_SLOT_ID)
 
 
 def slot_mapping_from_positions(block_tables: jax.Array, seq_ids: jax.Array, positions: jax.Array,
-                                block_size: int) -> jax.Array:
+                                block_size: int, *, num_blocks: int | None = None) -> jax.Array:
     """Device-side slot mapping (jnp): the slot of token ``i`` of sequence ``seq_ids[i]``.
 
     vLLM: v1 ``BlockTable.compute_slot_mapping`` (no counterpart in the v0 utils of seed 001).
@@ -226,11 +244,50 @@ def slot_mapping_from_positions(block_tables: jax.Array, seq_ids: jax.Array, pos
         seq_ids: ``int32[num_tokens]`` row of ``block_tables`` of each token.
         positions: ``int32[num_tokens]`` position of each token in its sequence; negative → PAD.
         block_size: tokens per block (static).
+        num_blocks: blocks in the cache, to check the block ids written to (default: only ``>= 0``).
 
     Returns:
         ``int32[num_tokens]`` slots, ``PAD_SLOT_ID`` where ``positions < 0``.
+
+    Raises:
+        ValueError: with concrete inputs, for a token with ``positions >= 0``: a ``seq_ids`` entry
+            outside ``[0, num_seqs)``, a position past the block table (``>= max_num_blocks_per_seq *
+            block_size``; JAX would clamp the gather onto the last entry) or a block id outside ``[0,
+            num_blocks)`` (negative without ``num_blocks``). Under ``jax.jit`` these are not checked
+            unless the check mode stages them (:mod:`jaxkv.checks`).
     """
+    _check_positions(block_tables, seq_ids, positions, block_size, num_blocks)
+    return _slots_from_positions(block_tables, seq_ids, positions, block_size)
+
+
+def _slots_from_positions(block_tables, seq_ids, positions, block_size: int) -> jax.Array:
     safe = jnp.maximum(positions, 0)
     blocks = block_tables[seq_ids, safe // block_size]
     slots = blocks * block_size + safe % block_size
     return jnp.where(positions < 0, PAD_SLOT_ID, slots).astype(jnp.int32)
+
+
+def _check_positions(block_tables, seq_ids, positions, block_size: int, num_blocks: int | None) -> None:
+    """Value checks of :func:`slot_mapping_from_positions` (host or checkify, see :mod:`jaxkv.checks`)."""
+    if (getattr(block_tables, "ndim", None) != 2 or np.shape(seq_ids) != np.shape(positions)
+            or len(np.shape(positions)) != 1):
+        return  # shapes the gather rejects itself
+    mode = check_mode(block_tables, seq_ids, positions)
+    if mode is None:
+        return
+    np_ = xp(mode)
+    tables, seqs, pos = (as_checked(mode, a) for a in (block_tables, seq_ids, positions))
+    num_seqs, width = tables.shape
+    real = pos >= 0
+    require(mode, ~real | ((seqs >= 0) & below(seqs, num_seqs)),
+            f"seq_ids[{{i}}]={{value}} is not a row of block_tables in [0, num_seqs={num_seqs})",
+            index_names=("i",), value=seqs)
+    require(mode, ~real | below(pos, width * block_size),
+            f"positions[{{i}}]={{value}} is past the block table: max_num_blocks_per_seq * block_size="
+            f"{width * block_size}", index_names=("i",), value=pos)
+    if num_seqs == 0 or width == 0:
+        return
+    row = np_.clip(seqs, 0, num_seqs - 1)
+    col = np_.clip(np_.maximum(pos, 0) // block_size, 0, width - 1)
+    check_block_ids(mode, tables[row, col], real, "block_tables[{s}, {b}]", num_blocks,
+                    index_names=("i",), s=row, b=col, suffix=" (block of token {i})")

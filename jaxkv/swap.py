@@ -4,9 +4,10 @@ vLLM: ``PagedAttention.swap_blocks`` → ``ops.swap_blocks`` and the pinned CPU 
 ``CacheEngine._allocate_kv_cache(num_cpu_blocks, "cpu")``.
 
 Same cache pytrees, block axis and validation as :mod:`jaxkv.block_ops` (ids checked when concrete,
-nothing written on error; traced out-of-range pairs dropped). The direction follows where the arrays
-live: host caches are ``jax.Array`` s with ``memory_kind="pinned_host"`` when the platform supports JAX
-memory kinds (:func:`host_memory_kind`), otherwise NumPy arrays. Functional like the other block ops:
+nothing written on error; traced ids checked only in the check mode of :mod:`jaxkv.checks`, and traced
+out-of-range pairs dropped). The direction follows where the arrays live: host caches are
+``jax.Array`` s with ``memory_kind="pinned_host"`` when the platform supports JAX memory kinds
+(:func:`host_memory_kind`), otherwise NumPy arrays. Functional like the other block ops:
 :func:`swap_blocks` returns a new ``dst``; :func:`swap_blocks_donated` consumes ``dst`` and updates it
 in place.
 """
@@ -234,6 +235,8 @@ def swap_blocks(src: KVCaches, dst: KVCaches, src_to_dst, *,
             integer ``[num_pairs, 2]``; when concrete, a source id outside ``[0, num_src_blocks)``, a
             destination id outside ``[0, num_dst_blocks)`` or a duplicate destination (each names the
             value); NumPy path with traced ids. Nothing is written.
+            Under ``jax.jit`` the ids are traced and not checked, unless the check mode of
+            :mod:`jaxkv.checks` stages the same checks (reported through checkify).
     """
     return _swap(src, dst, src_to_dst, block_axis, donate=False)
 

@@ -8,8 +8,10 @@ Layout read by the kernel (jaxkv's Pallas backend, see ``jaxkv/backends/pallas.p
 
 One program handles one (sequence, KV head, context partition). It loads the query rows of every query
 head of the KV head's group at once (padded to the 16 rows a Triton dot needs), streams the sequence's
-blocks ``pages_per_compute_block`` at a time through the block table, and keeps an online softmax in
-float32. Each K/V tile is therefore read from memory once per KV head and used by the whole group.
+blocks through the block table one step at a time (``pallas_kernels._paging``: whole pages, at least 16
+keys per step, or slices of pages too large for one tile), and keeps an online softmax in float32. Head
+sizes that are not powers of two are computed padded to the next one (q and the output are zero-padded
+in the wrapper, K/V channels masked on load). Each K/V tile is therefore read from memory once per KV head and used by the whole group.
 With ``num_splits > 1`` (vLLM's v2) the context is cut into partitions whose partial outputs, maxima and
 sums are written in float32 and merged by a small XLA reduction.
 
@@ -30,74 +32,70 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tuning
+from pallas_kernels import _checks, tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
+from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 
 SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-SUPPORTED_HEAD_SIZES = (16, 32, 64, 128, 256)  # powers of two: Triton tiles are powers of two
+# vLLM's head sizes (plus 16). Any head size up to MAX_HEAD_SIZE works: the kernels compute with the next
+# power of two (>= 16) and mask the extra channels, which never change the result.
+SUPPORTED_HEAD_SIZES = (16, 32, 64, 80, 96, 112, 120, 128, 192, 256)
+MAX_HEAD_SIZE = 256
 MIN_DOT_ROWS = 16  # a Triton dot needs at least 16 rows
 
 
 def _paged_attention_kernel(
     seq_lens_ref,      # i32[1]                          this sequence's length in tokens
     block_table_ref,   # i32[pages_per_partition]        this sequence's blocks in this partition
-    q_ref,             # [block_h, head_size]            the group's query heads, zero-padded rows
+    q_ref,             # [block_h, head_p]               the group's query heads, zero-padded rows/lanes
     k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
     v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
     kv_scales_ref,     # f32[2]                          k_scale, v_scale (fp8 dequantisation)
     alibi_ref,         # f32[block_h] | None             ALiBi slope of each query head
-    o_ref,             # [block_h, head_size]            output (normalised) or f32 partial
+    o_ref,             # [block_h, head_p]               output (normalised) or f32 partial
     *stats_refs,       # ([block_h] f32 max, [block_h] f32 sum) when num_splits > 1
     scale: float,
-    pages_per_compute_block: int,
+    step: KVStep,
     normalize: bool,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     masked_loads: bool,
 ):
     partition = pl.program_id(2)
-    block_h, head_size = q_ref.shape
-    num_blocks, block_size, _ = k_cache_ref.shape
+    block_h, head_p = q_ref.shape
+    num_blocks, block_size, head_size = k_cache_ref.shape
     pages_per_partition = block_table_ref.shape[0]
-    ppcb = pages_per_compute_block
-    block_k = ppcb * block_size
+    block_k = step.block_k
 
     seq_len = seq_lens_ref[0]
     num_pages = pl.cdiv(seq_len, block_size)
-    partition_start = partition * pages_per_partition
-    last_page = jnp.minimum(num_pages, partition_start + pages_per_partition)
+    origin = partition * (pages_per_partition * block_size)  # first token of this partition
     window_start = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
-    # First compute block holding a visible page (compute blocks stay aligned to the table slice).
-    first_local = jnp.maximum(window_start // block_size - partition_start, 0) // ppcb * ppcb
-    num_iters = pl.cdiv(jnp.maximum(last_page - partition_start - first_local, 0), ppcb)
+    # Steps j cover the partition's tokens [j * block_k, (j + 1) * block_k): from the step holding the
+    # window start (0 without a window) to the step holding the last token.
+    local_end = jnp.minimum(seq_len - origin, pages_per_partition * block_size)
+    num_steps = pl.cdiv(jnp.maximum(local_end, 0), block_k)
+    first_step = jnp.minimum(jnp.maximum(window_start - origin, 0) // block_k, num_steps)
 
     q = q_ref[...]
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
-    offsets = (jnp.arange(block_size)[None, :, None], jnp.arange(head_size)[None, None, :])
 
     def body(i, carry):
-        acc, m_prev, l_prev = carry
-        local_page = first_local + i * ppcb
-        block_ids = block_table_ref[pl.ds(local_page, ppcb)]
-        token = (partition_start + local_page) * block_size + jnp.arange(block_k)
-        valid = (token < seq_len) & (token >= window_start)  # [block_k]
-        # Masked gathers: slots that are not visible (past seq_len, outside the window, pages the
-        # sequence does not own) are never read from memory.
-        page = partition_start + local_page + jnp.arange(ppcb)
+        local = (first_step + i) * block_k                  # partition-local first token of the step
+        local_page = local // block_size
+        slot0 = local & (block_size - 1) if step.tokens < block_size else 0  # block_size: a power of two
+        token = origin + local + jnp.arange(block_k)        # [block_k]
+        valid = (token < seq_len) & (token >= window_start)
+        page = origin // block_size + local_page + jnp.arange(step.pages)
         page_visible = (page < num_pages) & (page >= window_start // block_size)
+        block_ids = block_table_ref[pl.ds(local_page, step.pages)]
         block_ids = jnp.clip(jnp.where(page_visible, block_ids, 0), 0, num_blocks - 1)
-        mask = jnp.broadcast_to(valid.reshape(ppcb, block_size, 1), (ppcb, block_size, head_size))
-        if masked_loads:
-            index = (block_ids[:, None, None], *offsets)
-            k = plgpu.load(k_cache_ref.at[index], mask=mask)
-            v = plgpu.load(v_cache_ref.at[index], mask=mask)
-        else:  # plain gathers: invisible pages read block 0 / stale slots instead of nothing
-            k, v = k_cache_ref[block_ids], v_cache_ref[block_ids]
-        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 → q.dtype in registers (scales below)
-        # invisible lanes are undefined (masked load) or stale: zero them (0 * NaN would poison p @ v)
-        k = jnp.where(mask, k, 0).reshape(block_k, head_size)
-        v = jnp.where(mask, v, 0).reshape(block_k, head_size)
+        # Masked gathers: slots that are not visible (past seq_len, outside the window, pages the
+        # sequence does not own) are never read from memory; plain gathers read and zero them.
+        k, v = load_kv_step(k_cache_ref, v_cache_ref, block_ids, slot0, step=step, head_size=head_size,
+                            visible=valid.reshape(step.pages, step.tokens), masked_loads=masked_loads,
+                            dtype=q.dtype)
 
         alibi_bias = None
         if alibi_ref is not None:
@@ -106,12 +104,12 @@ def _paged_attention_kernel(
                                logits_soft_cap=logits_soft_cap, alibi_bias=alibi_bias)  # f32[block_h, block_k]
         logits = jnp.where(valid[None, :], logits, -jnp.inf)
 
-        return online_softmax_step(acc, m_prev, l_prev, logits, v)
+        return online_softmax_step(*carry, logits, v)
 
-    acc = jnp.zeros((block_h, head_size), jnp.float32)
+    acc = jnp.zeros((block_h, head_p), jnp.float32)
     m = jnp.full((block_h,), -jnp.inf, jnp.float32)
     l = jnp.zeros((block_h,), jnp.float32)
-    acc, m, l = lax.fori_loop(0, num_iters, body, (acc, m, l))
+    acc, m, l = lax.fori_loop(0, num_steps - first_step, body, (acc, m, l))
     acc = acc * v_scale
 
     if normalize:
@@ -136,7 +134,7 @@ def _paged_attention_pallas(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     masked_loads: bool,
-    pages_per_compute_block: int,
+    step: KVStep,
     num_splits: int,
     num_warps: int,
     num_stages: int,
@@ -147,18 +145,19 @@ def _paged_attention_pallas(
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
     block_h = max(MIN_DOT_ROWS, pl.next_power_of_2(group))
+    head_p = padded_head_size(head_size)
 
-    # Pad the block table so each partition holds a whole number of compute blocks.
+    # Pad the block table so each partition holds a whole number of steps (padding is never visible).
     max_pages = block_tables.shape[1]
-    pages_per_compute_block = min(pages_per_compute_block, pl.next_power_of_2(max_pages))
-    pages_per_partition = pl.cdiv(pl.cdiv(max_pages, num_splits), pages_per_compute_block)
-    pages_per_partition *= pages_per_compute_block
+    pages_per_partition = pl.cdiv(pl.cdiv(max_pages, num_splits), step.pages) * step.pages
     padded_pages = pages_per_partition * num_splits
     block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))
     block_tables = block_tables.reshape(num_seqs, num_splits, pages_per_partition)
 
+    # q and the output are small: pad them to block_h rows and head_p lanes here (zeros), so the kernel
+    # masks only the K/V gathers.
     q = q.reshape(num_seqs, num_kv_heads, group, head_size)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, 0)))
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, head_p - head_size)))
     alibi_spec = None
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
@@ -166,29 +165,28 @@ def _paged_attention_pallas(
         alibi_spec = pl.BlockSpec((None, block_h), lambda s, h, p: (h, 0))
 
     normalize = num_splits == 1
-    kernel = functools.partial(_paged_attention_kernel, scale=scale,
-                               pages_per_compute_block=pages_per_compute_block, normalize=normalize,
+    kernel = functools.partial(_paged_attention_kernel, scale=scale, step=step, normalize=normalize,
                                sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
                                masked_loads=masked_loads)
     cache_block = (None, num_blocks, None, block_size, head_size)
     in_specs = [
         pl.BlockSpec((1,), lambda s, h, p: (s,)),                                 # seq_lens
         pl.BlockSpec((None, None, pages_per_partition), lambda s, h, p: (s, p, 0)),  # block_tables
-        pl.BlockSpec((None, None, block_h, head_size), lambda s, h, p: (s, h, 0, 0)),  # q
+        pl.BlockSpec((None, None, block_h, head_p), lambda s, h, p: (s, h, 0, 0)),  # q
         pl.BlockSpec(cache_block, lambda s, h, p: (0, 0, h, 0, 0)),               # key pages
         pl.BlockSpec(cache_block, lambda s, h, p: (1, 0, h, 0, 0)),               # value pages
         pl.BlockSpec((2,), lambda s, h, p: (0,)),                                 # kv_scales
         alibi_spec,                                                               # alibi slopes
     ]
     if normalize:
-        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, block_h, head_size), q.dtype)
-        out_specs = pl.BlockSpec((None, None, block_h, head_size), lambda s, h, p: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, block_h, head_p), q.dtype)
+        out_specs = pl.BlockSpec((None, None, block_h, head_p), lambda s, h, p: (s, h, 0, 0))
     else:
         part = (num_splits, num_seqs, num_kv_heads, block_h)
-        out_shape = [jax.ShapeDtypeStruct((*part, head_size), jnp.float32),
+        out_shape = [jax.ShapeDtypeStruct((*part, head_p), jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32),
                      jax.ShapeDtypeStruct(part, jnp.float32)]
-        out_specs = [pl.BlockSpec((None, None, None, block_h, head_size), lambda s, h, p: (p, s, h, 0, 0)),
+        out_specs = [pl.BlockSpec((None, None, None, block_h, head_p), lambda s, h, p: (p, s, h, 0, 0)),
                      pl.BlockSpec((None, None, None, block_h), lambda s, h, p: (p, s, h, 0)),
                      pl.BlockSpec((None, None, None, block_h), lambda s, h, p: (p, s, h, 0))]
 
@@ -201,7 +199,7 @@ def _paged_attention_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         debug=debug,
-        name=f"paged_attention_bh{block_h}_ppcb{pages_per_compute_block}_s{num_splits}",
+        name=f"paged_attention_bh{block_h}_d{head_p}_p{step.pages}x{step.tokens}_s{num_splits}",
     )(seq_lens, block_tables, q, kv_cache, kv_cache, kv_scales, alibi_slopes)
 
     if normalize:
@@ -213,7 +211,7 @@ def _paged_attention_pallas(
         l_sum = (l * weight).sum(axis=0)
         o = (acc * weight[..., None]).sum(axis=0)
         o = o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
-    return o[:, :, :group, :].reshape(num_seqs, num_heads, head_size).astype(q.dtype)
+    return o[:, :, :group, :head_size].reshape(num_seqs, num_heads, head_size).astype(q.dtype)
 
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -240,6 +238,12 @@ def _check_q_and_cache(q, kv_cache, k_scale, v_scale, *, q_layout: str) -> None:
                          f"{[str(d) for d in FP8_DTYPES]}")
     if fp8 and (k_scale is None or v_scale is None):
         raise ValueError(f"kv_cache.dtype={kv_cache.dtype} (fp8) needs k_scale and v_scale")
+
+
+def _check_head_size(head_size: int) -> None:
+    if not 1 <= head_size <= MAX_HEAD_SIZE:
+        raise ValueError(f"head_size={head_size} not supported by the Pallas kernels (1..{MAX_HEAD_SIZE}; "
+                         f"vLLM's sizes: {SUPPORTED_HEAD_SIZES})")
 
 
 def _check_extras(num_heads: int, scale, alibi_slopes, sliding_window, logits_soft_cap) -> None:
@@ -275,6 +279,7 @@ def _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slope
 _STATIC = ("scale", "sliding_window", "logits_soft_cap")
 
 
+@_checks.host_checked(_checks.check_decode_args)
 @functools.partial(jax.jit, static_argnames=_STATIC + (
     "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "masked_loads", "interpret",
     "debug"))
@@ -324,7 +329,9 @@ def paged_attention(
         sliding_window: window in tokens, the current token included (static), or ``None``.
         logits_soft_cap: soft cap of the logits (static), or ``None``.
         pages_per_compute_block: blocks loaded per inner-loop step (static); ``None`` picks
-            :func:`pallas_kernels.tuning.decode_pages_per_compute_block`.
+            :func:`pallas_kernels.tuning.decode_pages_per_compute_block`. Raised to ``cdiv(16,
+            block_size)`` (a dot needs 16 keys), lowered to the block table's width; pages too large
+            for one tile are read in slices (``pallas_kernels._paging.kv_step``).
         num_splits: context partitions per sequence (static); 1 is vLLM's v1; ``None`` picks
             :func:`pallas_kernels.tuning.decode_num_splits` from the shapes.
         num_warps, num_stages: Triton launch parameters (static).
@@ -339,14 +346,17 @@ def paged_attention(
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
 
     Raises:
-        ValueError: inconsistent shapes, unsupported dtype or head size, non-int32 metadata, an fp8
-            cache without scales, a bad window or cap.
+        ValueError: inconsistent shapes, unsupported dtype, a head size above 256, non-int32
+            metadata, an fp8 cache without scales, a bad window or cap; with concrete (non-traced)
+            metadata also, before launch (a host sync), a ``seq_lens`` entry outside ``[0,
+            max_num_blocks_per_seq * block_size]`` or a block id outside ``[0, num_blocks)`` among the
+            blocks a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`). Under
+            ``jax.jit`` these value checks are skipped, unless staged by the check mode
+            (``jaxkv.checks``).
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
               logits_soft_cap, scale)
-    if q.shape[-1] not in SUPPORTED_HEAD_SIZES:
-        raise ValueError(f"head_size={q.shape[-1]} not supported by the Pallas kernel; "
-                         f"supported: {SUPPORTED_HEAD_SIZES}")
+    _check_head_size(q.shape[-1])
     block_size = kv_cache.shape[3]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
@@ -363,11 +373,15 @@ def paged_attention(
             raise ValueError(f"{name}={value} must be >= 1")
     if pages_per_compute_block & (pages_per_compute_block - 1):
         raise ValueError(f"pages_per_compute_block={pages_per_compute_block} must be a power of two")
+    itemsize = max(jnp.dtype(q.dtype).itemsize, jnp.dtype(kv_cache.dtype).itemsize)
+    step = kv_step(block_size=block_size, head_size=q.shape[-1], itemsize=itemsize,
+                   pages=pages_per_compute_block, max_tile_bytes=tuning.DECODE_MAX_TILE_BYTES,
+                   max_pages=block_tables.shape[1])
     return _paged_attention_pallas(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), alibi_slopes, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, masked_loads=masked_loads,
-        pages_per_compute_block=pages_per_compute_block, num_splits=num_splits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
+        step=step, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
+        interpret=interpret, debug=debug)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

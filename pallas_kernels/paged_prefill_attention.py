@@ -34,13 +34,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels import tuning
+from pallas_kernels import _checks, tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._reference import kv_scales, paged_attention_dense
-from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_q_and_cache
+from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
+from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_head_size, _check_q_and_cache
 
-MAX_HEAD_SIZE = 256  # any head size up to this; non-powers of two are padded to the next one in registers
-MIN_DOT_K = 16       # a Triton dot contracts at least 16 channels: smaller head sizes are padded to 16
 
 
 def _tile_kv_range(context_len, q_len, row0, *, block_q: int, block_size: int,
@@ -80,7 +79,7 @@ def _paged_prefill_attention_kernel(
     group_p: int,
     head_p: int,
     max_pages: int,
-    pages_per_compute_block: int,
+    step: KVStep,
     sliding_window: int | None,
     logits_soft_cap: float | None,
 ):
@@ -89,8 +88,7 @@ def _paged_prefill_attention_kernel(
     q_tile = pl.num_programs(2) - 1 - pl.program_id(2)
     num_tokens, group, head_size = q_ref.shape
     num_blocks, block_size, _ = k_cache_ref.shape
-    ppcb = pages_per_compute_block
-    block_k = ppcb * block_size
+    block_k = step.block_k
     rows = block_q * group_p  # dot rows: token-major, row = token_in_tile * group_p + head_in_group
 
     q_start, q_len, seq_len = q_start_ref[0], q_len_ref[0], seq_lens_ref[0]
@@ -106,7 +104,6 @@ def _paged_prefill_attention_kernel(
     g = jnp.arange(group_p)
     d = jnp.arange(head_p)
     g_valid, d_valid = g < group, d < head_size
-    pad_d = head_p != head_size
     q_mask = jnp.broadcast_to(row_valid[:, None, None] & g_valid[None, :, None] & d_valid[None, None, :],
                               (block_q, group_p, head_p))
     q_index = (jnp.minimum(token, num_tokens - 1)[:, None, None], jnp.minimum(g, group - 1)[None, :, None],
@@ -124,44 +121,25 @@ def _paged_prefill_attention_kernel(
         context_len, q_len, row0, block_q=block_q, block_size=block_size, sliding_window=sliding_window,
         max_pages=max_pages)
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
-    slot = jnp.arange(block_size)[None, :, None]
 
-    def load_kv(block_ids, t_valid):
-        """K and V of ``ppcb`` pages → ``[block_k, head_p]`` each, in q.dtype; invisible lanes are 0.
+    def fold(j, carry, *, causal):
+        """Fold step ``j`` (key positions ``[j * block_k, (j + 1) * block_k)``) into the running softmax.
 
-        ``t_valid`` (bool[block_k]) marks visible key slots; ``None``: every slot is visible, so plain
-        gathers (masked only on padded channels)."""
-        mask = None
-        if t_valid is not None:
-            mask = t_valid.reshape(ppcb, block_size, 1) & d_valid[None, None, :]
-        elif pad_d:
-            mask = jnp.broadcast_to(d_valid[None, None, :], (1, block_size, head_p))
-        if mask is None:
-            k, v = k_cache_ref[block_ids], v_cache_ref[block_ids]
-        else:
-            # No `other=` (fp8 refs cannot take it): masked lanes are undefined, zeroed after the cast.
-            mask = jnp.broadcast_to(mask, (ppcb, block_size, head_p))
-            index = (block_ids[:, None, None], slot, d[None, None, :])
-            k = plgpu.load(k_cache_ref.at[index], mask=mask)
-            v = plgpu.load(v_cache_ref.at[index], mask=mask)
-        k, v = k.astype(q.dtype), v.astype(q.dtype)  # fp8 → q.dtype in registers (scales below)
-        if mask is not None:
-            k, v = jnp.where(mask, k, 0), jnp.where(mask, v, 0)
-        return k.reshape(block_k, head_p), v.reshape(block_k, head_p)
-
-    def step(page0, carry, *, causal):
-        """Fold the compute block of pages ``[page0, page0 + ppcb)`` into the running softmax.
-
-        ``causal=False``: every key of the block is visible to every row (strictly below the tile's
-        first query, no window), so no mask is computed at all."""
-        page = page0 + jnp.arange(ppcb)
-        block_ids = block_table_ref[pl.ds(page0, ppcb)]
-        t = page0 * block_size + jnp.arange(block_k)    # key positions of the tile [block_k]
+        ``causal=False``: every key of the step is visible to every row (strictly below the tile's
+        first query, no window), so no mask is computed and the gathers are plain."""
+        t0 = j * block_k
+        page0 = t0 // block_size
+        slot0 = t0 & (block_size - 1) if step.tokens < block_size else 0  # powers of two; `%` fails to lower
+        page = page0 + jnp.arange(step.pages)
+        block_ids = block_table_ref[pl.ds(page0, step.pages)]
+        t = t0 + jnp.arange(block_k)                    # key positions of the step [block_k]
         if causal:
             block_ids = jnp.clip(jnp.where(page < end_page, block_ids, 0), 0, num_blocks - 1)
-            k, v = load_kv(block_ids, (t >= kv_start) & (t < kv_end))
+            visible = ((t >= kv_start) & (t < kv_end)).reshape(step.pages, step.tokens)
         else:
-            k, v = load_kv(jnp.clip(block_ids, 0, num_blocks - 1), None)
+            block_ids, visible = jnp.clip(block_ids, 0, num_blocks - 1), None
+        k, v = load_kv_step(k_cache_ref, v_cache_ref, block_ids, slot0, step=step, head_size=head_size,
+                            visible=visible, masked_loads=True, dtype=q.dtype)
         rel = t[None, :] - pos_rows[:, None]                        # key position - query position
         alibi_bias = None if alibi_ref is None else slope_rows[:, None] * rel.astype(jnp.float32)
         logits = scaled_logits(dot_f32(q, k, contract_b_dim=1), scale=scale, k_scale=k_scale,
@@ -173,21 +151,17 @@ def _paged_prefill_attention_kernel(
             logits = jnp.where(allowed, logits, -jnp.inf)
         return online_softmax_step(*carry, logits, v)
 
-    if sliding_window is None:
-        # Compute blocks wholly below the tile's first query: no mask; the rest (the diagonal): masked.
-        num_full = jnp.where(kv_end > 0, context_len + row0, 0) // block_k
-        num_iters = pl.cdiv(end_page, ppcb)
-        page_of = lambda i: i * ppcb  # noqa: E731
-    else:
-        num_full = 0
-        num_iters = pl.cdiv(jnp.maximum(end_page - first_page, 0), ppcb)
-        page_of = lambda i: first_page + i * ppcb  # noqa: E731
+    # Steps wholly below the tile's first query: no mask; the rest (the diagonal, the window): masked.
+    num_steps = pl.cdiv(jnp.minimum(kv_end, max_pages * block_size), block_k)
+    first_step = jnp.minimum(kv_start // block_k, num_steps)
+    num_full = 0 if sliding_window is not None else jnp.where(kv_end > 0, context_len + row0, 0) // block_k
 
     acc = jnp.zeros((rows, head_p), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
     l = jnp.zeros((rows,), jnp.float32)
-    carry = lax.fori_loop(0, num_full, lambda i, c: step(page_of(i), c, causal=False), (acc, m, l))
-    acc, m, l = lax.fori_loop(num_full, num_iters, lambda i, c: step(page_of(i), c, causal=True), carry)
+    carry = lax.fori_loop(0, num_full, functools.partial(fold, causal=False), (acc, m, l))
+    acc, m, l = lax.fori_loop(jnp.maximum(first_step, num_full), num_steps,
+                              functools.partial(fold, causal=True), carry)
     l_safe = jnp.where(l == 0.0, 1.0, l)  # a row that sees nothing gives 0, not NaN
     out = (acc * v_scale / l_safe[:, None]).reshape(block_q, group_p, head_p).astype(o_ref.dtype)
     # Unclipped indices: masked lanes (rows of other sequences, padded heads/channels) are not written.
@@ -209,7 +183,7 @@ def _paged_prefill_attention_pallas(
     sliding_window: int | None,
     logits_soft_cap: float | None,
     block_q: int,
-    pages_per_compute_block: int,
+    step: KVStep,
     num_warps: int,
     num_stages: int,
     interpret: bool,
@@ -220,12 +194,12 @@ def _paged_prefill_attention_pallas(
     num_seqs, max_pages = block_tables.shape
     group = num_heads // num_kv_heads
     group_p = pl.next_power_of_2(group)
-    head_p = max(MIN_DOT_K, pl.next_power_of_2(head_size))
+    head_p = padded_head_size(head_size)
     assert block_q * group_p >= MIN_DOT_ROWS, (block_q, group_p)
     num_q_tiles = pl.cdiv(max_query_len, block_q)
-    ppcb = pages_per_compute_block
+    ppcb = step.pages
 
-    # A compute block starting at the last page reads up to ppcb - 1 entries past the table.
+    # A step starting at the last page reads up to ppcb - 1 entries past the table.
     block_tables = jnp.pad(block_tables, ((0, 0), (0, ppcb)))
     q_starts = query_start_loc[:-1]
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
@@ -238,7 +212,7 @@ def _paged_prefill_attention_pallas(
 
     kernel = functools.partial(
         _paged_prefill_attention_kernel, scale=scale, block_q=block_q, group_p=group_p, head_p=head_p,
-        max_pages=max_pages, pages_per_compute_block=ppcb, sliding_window=sliding_window,
+        max_pages=max_pages, step=step, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)
     per_seq = pl.BlockSpec((1,), lambda s, h, t: (s,))
     tokens_block = pl.BlockSpec((num_tokens, None, group, head_size), lambda s, h, t: (0, h, 0, 0))
@@ -263,7 +237,7 @@ def _paged_prefill_attention_pallas(
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         debug=debug,
-        name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_ppcb{ppcb}",
+        name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_p{step.pages}x{step.tokens}",
     )(q_starts, q_lens, seq_lens, block_tables, q4, kv_cache, kv_cache, kv_scales, alibi_slopes)
     out = out.reshape(num_tokens, num_heads, head_size)
     # Tokens past query_start_loc[-1] belong to no sequence and are never written: give them 0.
@@ -298,58 +272,11 @@ def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
 
-def _is_concrete(*arrays) -> bool:
-    return not any(isinstance(a, jax.core.Tracer) for a in arrays)
-
-
-def _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len):
-    """Checks of the batch description's values (host side; only called with concrete arrays).
-
-    Everything the kernel relies on to stay in bounds: a non-decreasing ``query_start_loc`` from 0 to at
-    most ``num_tokens``, query lengths within ``max_query_len`` and ``seq_lens``, block tables wide
-    enough, block ids of used pages inside the cache.
-    """
-    num_tokens = q.shape[0]
-    _, num_blocks, _, block_size, _ = kv_cache.shape
-    qsl = np.asarray(query_start_loc, np.int64)
-    lens = np.asarray(seq_lens, np.int64)
-    tables = np.asarray(block_tables, np.int64)
-    if qsl[0] != 0:
-        raise ValueError(f"query_start_loc[0]={qsl[0]} must be 0")
-    steps = np.diff(qsl)
-    if (steps < 0).any():
-        s = int(np.argmax(steps < 0))
-        raise ValueError(f"query_start_loc[{s + 1}]={qsl[s + 1]} < query_start_loc[{s}]={qsl[s]}: "
-                         "query_start_loc must be non-decreasing")
-    if qsl[-1] > num_tokens:
-        raise ValueError(f"query_start_loc[-1]={qsl[-1]} exceeds num_tokens={num_tokens}")
-    if (lens < 0).any():
-        s = int(np.argmax(lens < 0))
-        raise ValueError(f"seq_lens[{s}]={lens[s]} must be >= 0")
-    if (steps > max_query_len).any():
-        s = int(np.argmax(steps > max_query_len))
-        raise ValueError(f"query_len={steps[s]} of sequence {s} exceeds max_query_len={max_query_len}")
-    if (steps > lens).any():
-        s = int(np.argmax(steps > lens))
-        raise ValueError(f"query_len={steps[s]} of sequence {s} exceeds its seq_len={lens[s]}")
-    pages = -(-lens // block_size)
-    if (pages > tables.shape[1]).any():
-        s = int(np.argmax(pages > tables.shape[1]))
-        raise ValueError(f"seq_lens[{s}]={lens[s]} needs {pages[s]} blocks but block_tables has "
-                         f"max_num_blocks_per_seq={tables.shape[1]}")
-    used = np.arange(tables.shape[1])[None, :] < pages[:, None]
-    bad = used & ((tables < 0) | (tables >= num_blocks))
-    if bad.any():
-        s, i = map(int, np.argwhere(bad)[0])
-        raise ValueError(f"block_tables[{s}, {i}]={tables[s, i]} is not a block id in "
-                         f"[0, num_blocks={num_blocks})")
-
-
 _STATIC = ("scale", "max_query_len", "sliding_window", "logits_soft_cap")
 
 _paged_prefill_attention_jit = jax.jit(
     _paged_prefill_attention_pallas,
-    static_argnames=_STATIC + ("block_q", "pages_per_compute_block", "num_warps", "num_stages",
+    static_argnames=_STATIC + ("block_q", "step", "num_warps", "num_stages",
                                "interpret", "debug"))
 
 
@@ -386,7 +313,8 @@ def paged_prefill_attention(
 
     Jitted internally; the tuning knobs, ``scale``, ``max_query_len``, ``sliding_window``,
     ``logits_soft_cap``, ``interpret`` and ``debug`` are static. With concrete (non-traced) metadata the
-    values are checked on the host before launch, which syncs on them; under ``jax.jit`` only shapes are.
+    values are checked on the host before launch, which syncs on them; under ``jax.jit`` only shapes are,
+    unless the check mode stages the value checks (``jaxkv.checks``).
 
     Args:
         q: ``[num_tokens, num_heads, head_size]`` f32/bf16/f16, the new tokens of all sequences,
@@ -423,19 +351,19 @@ def paged_prefill_attention(
             cache without scales, a bad window / cap / tuning knob, a block size that is not a power of
             two; with concrete metadata also a ``query_start_loc`` that does not start at 0, decreases or
             runs past ``num_tokens``, a ``query_len`` above ``max_query_len`` or its ``seq_len``, a block
-            table too narrow for a ``seq_len`` or holding a block id outside the cache.
+            table too narrow for a ``seq_len`` or holding a block id outside the cache among the blocks
+            a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`, shared with decode).
     """
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap, scale)
+    _checks.check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc, num_tokens=q.shape[0],
+                                 max_query_len=max_query_len)
     head_size, block_size = q.shape[-1], kv_cache.shape[3]
-    if head_size > MAX_HEAD_SIZE:
-        raise ValueError(f"head_size={head_size} not supported by the Pallas kernel (max {MAX_HEAD_SIZE})")
+    _check_head_size(head_size)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
     max_query_len = int(max_query_len)
     sliding_window = None if sliding_window is None else int(sliding_window)
-    if _is_concrete(block_tables, seq_lens, query_start_loc):
-        _validate_values(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len)
     group = q.shape[1] // kv_cache.shape[2]
     if block_q is None:
         block_q = tuning.prefill_block_q(group, head_size, max_query_len, jnp.dtype(q.dtype).itemsize)
@@ -445,6 +373,8 @@ def paged_prefill_attention(
     for name, value in (("block_q", block_q), ("pages_per_compute_block", pages_per_compute_block)):
         if not _is_int(value) or value < 1 or value & (value - 1):
             raise ValueError(f"{name}={value!r} must be a power of two >= 1")
+    step = kv_step(block_size=block_size, head_size=head_size, itemsize=jnp.dtype(kv_cache.dtype).itemsize,
+                   pages=int(pages_per_compute_block), max_tile_bytes=tuning.PREFILL_MAX_TILE_BYTES)
     group_p = pl.next_power_of_2(group)
     block_q = max(int(block_q), pl.cdiv(MIN_DOT_ROWS, group_p))  # powers of two: rows >= 16
     if num_warps is None:
@@ -452,8 +382,7 @@ def paged_prefill_attention(
     return _paged_prefill_attention_jit(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), alibi_slopes,
         scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, block_q=block_q, pages_per_compute_block=pages_per_compute_block,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
+        logits_soft_cap=logits_soft_cap, block_q=block_q, step=step, num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

@@ -20,10 +20,13 @@ DECODE_MAX_TILE_BYTES = 32 * 1024
 
 
 def decode_pages_per_compute_block(block_size: int, head_size: int, itemsize: int) -> int:
-    """Blocks per inner step: ``DECODE_PAGES_PER_COMPUTE_BLOCK``, halved until one tile fits
-    ``DECODE_MAX_TILE_BYTES`` (bf16, block 16, D 128: 4 pages = 16 KiB)."""
+    """Blocks per inner step: ``DECODE_PAGES_PER_COMPUTE_BLOCK``, halved until one tile of the padded
+    head size fits ``DECODE_MAX_TILE_BYTES`` (bf16, block 16, D 128: 4 pages = 16 KiB). The kernel then
+    raises it to 16 keys per step and reads pages larger than a tile in slices
+    (``pallas_kernels._paging.kv_step``)."""
+    head_p = max(16, _pow2_at_least(head_size))
     pages = DECODE_PAGES_PER_COMPUTE_BLOCK
-    while pages > 1 and pages * block_size * head_size * itemsize > DECODE_MAX_TILE_BYTES:
+    while pages > 1 and pages * block_size * head_p * itemsize > DECODE_MAX_TILE_BYTES:
         pages //= 2
     return pages
 

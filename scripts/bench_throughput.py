@@ -215,7 +215,7 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
-           progress: bool) -> Result:
+           progress: bool, compile_hf: bool = False) -> Result:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -240,7 +240,8 @@ def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: in
         with torch.no_grad():
             out = model.generate(ids.cuda(), attention_mask=mask.cuda(), max_new_tokens=longest,
                                  min_new_tokens=longest, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
-                                 pad_token_id=pad, cache_implementation=cache)
+                                 pad_token_id=pad, cache_implementation=cache,
+                                 disable_compile=not compile_hf)
         generated += (out.shape[1] - width) * len(batch)
         if bar is not None:
             bar.update(len(batch))
@@ -287,6 +288,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (a second run on the machine skips compiles)")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--hf-compile", action="store_true",
+                   help="let transformers torch.compile the static-cache forward (recompiles per batch shape)")
+    p.add_argument("--requests", default=None,
+                   help="JSON of [prompt_token_ids, output_len] pairs saved by --save-requests (no dataset needed)")
+    p.add_argument("--save-requests", default=None, help="write the sampled requests here")
     p.add_argument("--output-json", default=None)
     return p.parse_args(argv)
 
@@ -307,13 +313,23 @@ def run(args) -> int:
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
     tok = models.GGUFTokenizer.from_gguf(gguf)
-    path = pathlib.Path(args.dataset) if args.dataset else default_dataset_path()
-    records, truncated = read_complete_records(path)
-    print(f"dataset: {path} ({path.stat().st_size} bytes): {len(records)} complete records"
-          + (" (the file is truncated; the partial last record is skipped)" if truncated else ""))
-    requests = sample_requests(records, tok, args.num_prompts, seed=args.seed,
-                               fixed_output_len=args.output_len,
-                               max_total_len=min(2048, args.max_model_len))
+    if args.requests:  # sampled elsewhere with the same rule and tokenizer (e.g. where the dataset is)
+        path, truncated = pathlib.Path(args.requests), False
+        pairs = json.loads(path.read_text())[:args.num_prompts]
+        records = pairs
+        requests = [SampledRequest("", list(p), int(n)) for p, n in pairs]
+        print(f"requests: {len(requests)} read from {path}")
+    else:
+        path = pathlib.Path(args.dataset) if args.dataset else default_dataset_path()
+        records, truncated = read_complete_records(path)
+        print(f"dataset: {path} ({path.stat().st_size} bytes): {len(records)} complete records"
+              + (" (the file is truncated; the partial last record is skipped)" if truncated else ""))
+        requests = sample_requests(records, tok, args.num_prompts, seed=args.seed,
+                                   fixed_output_len=args.output_len,
+                                   max_total_len=min(2048, args.max_model_len))
+    if args.save_requests:
+        pathlib.Path(args.save_requests).write_text(json.dumps([[r.prompt_token_ids, r.output_len]
+                                                                for r in requests]))
     if len(requests) < args.num_prompts:
         print(f"note: only {len(requests)} requests pass the sampling rule (asked for {args.num_prompts})")
     if not requests:
@@ -334,7 +350,8 @@ def run(args) -> int:
                 continue
             try:
                 results.append(run_hf(gguf, requests, batch_size=batch_size,
-                                      cache=args.hf_cache_implementation, progress=not args.no_progress))
+                                      cache=args.hf_cache_implementation, progress=not args.no_progress,
+                                      compile_hf=args.hf_compile))
             except Exception as e:  # keep the jaxkv results of this run
                 log.exception("hf backend failed: %s", e)
                 print(f"hf: failed ({type(e).__name__}: {e})")

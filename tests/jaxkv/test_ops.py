@@ -225,6 +225,17 @@ def test_slot_past_capacity_raises_and_writes_nothing(small, bad_slot):
     np.testing.assert_array_equal(bits(cache), bits(before))
 
 
+@pytest.mark.parametrize("bad_slot", [-5, -2])
+def test_negative_slot_other_than_pad_raises_and_writes_nothing(small, bad_slot):
+    """Issue 9: only PAD_SLOT_ID = -1 means "skip"; any other negative slot is a bug upstream."""
+    cache, key, _ = small
+    before = np.asarray(cache).copy()
+    with pytest.raises(ValueError, match=rf"slot_mapping\[1\]={bad_slot} is neither PAD_SLOT_ID=-1 nor "
+                                         r"a slot in \[0, num_blocks\*block_size=32\)"):
+        write_to_paged_cache(cache, key, key, jnp.asarray([1, bad_slot, -1], jnp.int32))
+    np.testing.assert_array_equal(bits(cache), bits(before))
+
+
 def test_last_valid_slot_is_accepted(small):
     cache, key, _ = small
     slots = np.array([31, -1, 0], np.int32)

@@ -81,7 +81,7 @@ def test_zero_length_sequence_gives_zeros(rng):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(q_shape=(2, 9, 80)), "head_size"),
+    (dict(q_shape=(2, 9, 288)), "head_size=288"),
     (dict(dtype="int8"), "dtype"),
     (dict(seq_lens_dtype="float32"), "seq_lens.dtype"),
     (dict(num_heads=8), "num_heads=8"),
@@ -96,6 +96,25 @@ def test_bad_input_raises(change, match):
     seq_lens = jnp.ones((2,), change.get("seq_lens_dtype", "int32"))
     with pytest.raises(ValueError, match=match):
         paged_attention(q, kv, tables, seq_lens, scale=1.0, interpret=True)
+
+
+@pytest.mark.parametrize("tables,seq_lens,match", [
+    ([[0, 1], [2, 4]], [20, 17], r"block_tables\[1, 1\]=4 is not a block id in \[0, num_blocks=4\)"),
+    ([[0, 1], [-1, 3]], [20, 17], r"block_tables\[1, 0\]=-1 is not a block id"),
+    ([[0, 1], [2, 3]], [20, 33], r"seq_lens\[1\]=33 needs 3 blocks .* block_size=32\]"),
+    ([[0, 1], [2, 3]], [-1, 17], r"seq_lens\[0\]=-1 must be >= 0"),
+])
+def test_bad_metadata_values_raise_before_launch(tables, seq_lens, match):
+    """Issue 9: block ids outside the cache, seq_lens past the block table and negative seq_lens used to
+    return finite garbage; with concrete metadata they raise (the value checks of jaxkv.checks)."""
+    q, kv = jnp.ones((2, 9, 64)), jnp.ones((2, 4, 3, 16, 64))
+    args = (q, kv, jnp.asarray(tables, jnp.int32), jnp.asarray(seq_lens, jnp.int32))
+    with pytest.raises(ValueError, match=match):
+        paged_attention(*args, scale=1.0, interpret=True)
+    garbage_past_the_end = jnp.asarray([[0, 99], [2, 3]], jnp.int32)  # seq 0 (5 tokens) reads block 0 only
+    out = paged_attention(q, kv, garbage_past_the_end, jnp.asarray([5, 17], jnp.int32), scale=1.0,
+                          interpret=True)
+    assert np.isfinite(np.asarray(out)).all()
 
 
 @pytest.mark.parametrize("num_seqs,num_kv_heads,max_blocks,expected", [
@@ -211,3 +230,60 @@ def test_non_positive_scale_raises(scale):
     with pytest.raises(ValueError, match="scale="):
         paged_prefill_attention(q, kv, tables, lens, jnp.array([0, 1, 2], jnp.int32), scale=scale,
                                 max_query_len=1, interpret=True)
+
+
+@pytest.mark.parametrize("head_size", [32, 80, 96, 112, 120, 192, 256])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_vllm_head_sizes(rng, kernel, head_size):
+    """Every head size vLLM serves, in both kernels: padded lanes never change the result."""
+    from tests.pallas_kernels import fuzz
+    cls = fuzz.ShapeClass(kernel=kernel, num_seqs=2, num_kv_heads=1, group=3, head_size=head_size,
+                          block_size=16, dtype="float32", fp8=False, table_width=3, num_blocks=8,
+                          num_tokens=2 if kernel == "decode" else 12, max_query_len=1 if kernel == "decode" else 6,
+                          sliding_window=None, logits_soft_cap=None, alibi=False)
+    case = fuzz.make_case(rng, cls, [(16, 1), (30, 1)] if kernel == "decode" else [(10, 6), (0, 5)])
+    arrays, kwargs = case.kernel_args()
+    fn = paged_attention if kernel == "decode" else __import__(
+        "pallas_kernels.paged_prefill_attention", fromlist=["x"]).paged_prefill_attention
+    assert fuzz.error(fn(*arrays, **kwargs, interpret=True), case) <= fuzz.TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("block_size,head_size,dtype,table_width", [
+    (8, 64, "bfloat16", 1),      # one 8-slot page per sequence: two pages per step (16 keys)
+    (64, 256, "float32", 2),     # 64 KiB pages: read in 32-slot slices
+    (128, 256, "bfloat16", 2),   # 64 KiB pages: 64-slot slices
+    (128, 128, "float32", 3),
+])
+@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+def test_large_and_small_pages(rng, kernel, block_size, head_size, dtype, table_width):
+    from tests.pallas_kernels import fuzz
+    cls = fuzz.ShapeClass(kernel=kernel, num_seqs=2, num_kv_heads=2, group=2, head_size=head_size,
+                          block_size=block_size, dtype=dtype, fp8=False, table_width=table_width,
+                          num_blocks=2 * table_width + 1, num_tokens=2 if kernel == "decode" else 20,
+                          max_query_len=1 if kernel == "decode" else 10, sliding_window=None,
+                          logits_soft_cap=None, alibi=False)
+    most = table_width * block_size
+    lengths = ([(most - 1, 1), (block_size - 1, 1)] if kernel == "decode"
+               else [(max(most - 10, 0), min(most, 10)), (0, 7)])
+    case = fuzz.make_case(rng, cls, lengths)
+    arrays, kwargs = case.kernel_args()
+    fn = paged_attention if kernel == "decode" else __import__(
+        "pallas_kernels.paged_prefill_attention", fromlist=["x"]).paged_prefill_attention
+    assert fuzz.error(fn(*arrays, **kwargs, interpret=True), case) <= fuzz.TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("block_size,head_size,itemsize,pages,max_pages,expected", [
+    (16, 128, 2, 4, 64, (4, 16)),     # the tuned default: 4 whole pages
+    (8, 64, 2, 4, 1, (2, 8)),         # a 1-wide table still gets 16 keys (issue 9's block-8 bug)
+    (4, 64, 2, 1, 1, (4, 4)),
+    (16, 64, 2, 4, 1, (1, 16)),       # clamped to the table's width
+    (128, 256, 2, 1, 8, (1, 64)),     # a 64 KiB page: 32 KiB slices
+    (128, 256, 4, 1, 8, (1, 32)),
+    (64, 80, 4, 2, 8, (2, 64)),       # head 80 computes as 128 lanes: a 32 KiB page fits; pages as asked
+])
+def test_kv_step_geometry(block_size, head_size, itemsize, pages, max_pages, expected):
+    from pallas_kernels._paging import kv_step
+    step = kv_step(block_size=block_size, head_size=head_size, itemsize=itemsize, pages=pages,
+                   max_tile_bytes=32 * 1024, max_pages=max_pages)
+    assert (step.pages, step.tokens) == expected
+    assert step.block_k >= 16
