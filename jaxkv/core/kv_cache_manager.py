@@ -111,7 +111,8 @@ class KVCacheManager:
         """Offer the request's newly computed full blocks to the prefix cache (after its step ran)."""
         if self.prefix_cache is None:
             return
-        full = request.num_computed_tokens // self.block_size
+        # only positions whose token ids are known (a dispatched step's placeholder token is not)
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
         if full <= request.num_cached_blocks:
             return
         hashes = request.hashes_of_full_blocks(full * self.block_size, self.block_size)

@@ -47,7 +47,10 @@ class Request:
         sampling_params: how to sample and stop.
         output_token_ids: generated tokens (a stop token is not included).
         all_token_ids: prompt + output.
-        num_computed_tokens: tokens whose K/V are in the cache.
+        num_computed_tokens: tokens whose K/V are in the cache or are being written by a dispatched step
+            (advanced when a step is scheduled, as vLLM V1 does).
+        num_output_placeholders: tokens that dispatched steps will sample for it (async scheduling: the
+            next step is scheduled before they are back).
         block_ids: the request's physical blocks, logical order.
         block_hashes: chained hashes of the full blocks of ``all_token_ids`` (filled lazily).
         num_cached_blocks: leading blocks already offered to the prefix cache.
@@ -83,6 +86,7 @@ class Request:
         self.num_preemptions = 0
         self.num_cached_prompt_tokens: int | None = None
         self.new_token_ids: list[int] = []  # tokens of the last step
+        self.num_output_placeholders = 0  # tokens sampled by dispatched steps, not yet back
         self.logits: list = []  # per generated token, only when the engine returns logits
 
     @property
@@ -103,8 +107,13 @@ class Request:
 
     @property
     def remaining_tokens(self) -> int:
-        """Tokens it may still generate (by ``max_tokens`` and the model length)."""
-        return self.max_tokens - self.num_output_tokens
+        """Tokens it may still be scheduled to generate (by ``max_tokens`` and the model length; tokens
+        of dispatched steps not back yet count as generated)."""
+        return self.max_tokens - self.num_output_tokens - self.num_output_placeholders
+
+    @property
+    def num_tokens_with_placeholders(self) -> int:
+        return len(self.all_token_ids) + self.num_output_placeholders
 
     @property
     def stop_ids_for_min_tokens(self) -> frozenset[int]:

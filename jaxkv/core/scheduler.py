@@ -73,11 +73,21 @@ class SchedulerOutput:
         num_decode_steps: 0 = one mixed step (prefill chunks and decodes); ``k >= 1`` = a pure-decode
             device loop of ``k`` steps.
         preempted: requests preempted while scheduling.
+        context_lens: per row, tokens computed before this step (the step's first position).
+        gen_idx: per row, index among the request's outputs of the first token this step samples.
+        pending_input: per row, whether its input token is still being sampled by the previous
+            (dispatched, not yet fetched) step: the runner takes it from that step's device output.
+        samples: per row, tokens this step samples for the request (0 for a prompt chunk that does not
+            finish the known tokens).
     """
 
     scheduled: list[tuple[Request, int]]
     num_decode_steps: int = 0
     preempted: list[Request] = dataclasses.field(default_factory=list)
+    context_lens: list[int] = dataclasses.field(default_factory=list)
+    gen_idx: list[int] = dataclasses.field(default_factory=list)
+    pending_input: list[bool] = dataclasses.field(default_factory=list)
+    samples: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -121,9 +131,28 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        multi = self._try_schedule_decode_loop()
-        if multi is not None:
-            return multi
+        out = self._try_schedule_decode_loop()
+        if out is None:
+            out = self._schedule_mixed()
+        return self._commit(out)
+
+    def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
+        """Advance every scheduled request as if its step already ran (vLLM V1 advances
+        ``num_computed_tokens`` at scheduling); the tokens it will sample become placeholders."""
+        for req, n in out.scheduled:
+            out.context_lens.append(req.num_computed_tokens)
+            out.gen_idx.append(req.num_output_tokens + req.num_output_placeholders)
+            out.pending_input.append(req.num_output_placeholders > 0)
+            req.num_computed_tokens += n
+            if out.num_decode_steps:
+                samples = n
+            else:
+                samples = int(req.num_computed_tokens >= req.num_tokens_with_placeholders)
+            req.num_output_placeholders += samples
+            out.samples.append(samples)
+        return out
+
+    def _schedule_mixed(self) -> SchedulerOutput:
         cfg, kv = self.config, self.kv_cache_manager
         budget = cfg.max_num_batched_tokens
         scheduled: list[tuple[Request, int]] = []
@@ -132,6 +161,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
+            if req.remaining_tokens <= 0:  # only waits for its last (dispatched) token
+                i += 1
+                continue
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
             while not kv.allocate_slots(req, n):
                 victim = self.running.pop()  # the most recently admitted
@@ -150,6 +182,8 @@ class Scheduler:
             self._admission_delayed = 0
             while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
                 req = self.waiting[0]
+                if req.num_output_placeholders:  # preempted while its token was in flight: next step
+                    break
                 hits, num_hit_tokens = kv.get_computed_blocks(req)
                 n = self._num_new_tokens(req, num_hit_tokens, budget)
                 if not kv.allocate_slots(req, n, hits):
@@ -166,7 +200,7 @@ class Scheduler:
         return SchedulerOutput(scheduled, 0, preempted)
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
-        n = req.num_tokens - num_computed
+        n = req.num_tokens_with_placeholders - num_computed
         threshold = self.config.long_prefill_token_threshold
         if 0 < threshold < n:
             n = threshold
@@ -185,9 +219,10 @@ class Scheduler:
         """A pure-decode device loop when every running request decodes and no waiting request can be
         admitted (or may still be held back by ``max_admission_delay_steps``)."""
         cfg = self.config
-        if not self.running or any(r.num_tokens - r.num_computed_tokens != 1 for r in self.running):
+        live = [r for r in self.running if r.remaining_tokens > 0]
+        if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
-        remaining = [r.remaining_tokens for r in self.running]
+        remaining = [r.remaining_tokens for r in live]
         if not self.waiting:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
         else:
@@ -202,51 +237,59 @@ class Scheduler:
             delayed = max(0, k - free_steps)
         steps = [min(k, rem) for rem in remaining]
         kv = self.kv_cache_manager
-        for req, s in zip(self.running, steps):
+        for req, s in zip(live, steps):
             if not kv.allocate_slots(req, s):
                 # short of blocks for the loop (blocks already taken stay with their requests and are
                 # used by the next steps): fall back to single steps, which preempt as needed
                 return None
         self._admission_delayed += delayed
-        return SchedulerOutput(list(zip(self.running, steps)), k, [])
+        return SchedulerOutput(list(zip(live, steps)), k, [])
 
     def _can_admit_head(self) -> bool:
         req = self.waiting[0]
+        if req.num_output_placeholders:
+            return False
         hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
         n = self._num_new_tokens(req, num_hit_tokens, self.config.max_num_batched_tokens - len(self.running))
         return n > 0 and self.kv_cache_manager.can_allocate(req, n, hits)
 
     # -- after the step ------------------------------------------------------------------------------
-    def update_from_output(self, output: SchedulerOutput, sampled: list[list[int]]) -> list[Request]:
-        """Apply the step's sampled tokens; return the requests that got a token or finished.
+    def update_from_output(self, output: SchedulerOutput, sampled) -> list[Request]:
+        """Apply a step's sampled tokens; return the requests that got a token or finished.
 
         Args:
-            output: the plan the step ran.
-            sampled: per scheduled request, its sampled tokens: one per decode step in a device loop,
-                else one (ignored when the request's prompt is not complete yet).
+            output: the plan the step ran (already committed by :meth:`schedule`).
+            sampled: per scheduled row, its sampled tokens (one per decode step in a device loop, else
+                one); only the first ``output.samples[row]`` count.
         """
         touched = []
-        for (req, n), tokens in zip(output.scheduled, sampled):
-            if req.status != RequestStatus.RUNNING:
+        for (req, _), tokens, expected in zip(output.scheduled, sampled, output.samples):
+            if req.is_finished:  # stopped by an earlier step's token, or aborted: a wasted token
                 continue
+            req.num_output_placeholders -= expected
             new: list[int] = []
-            if output.num_decode_steps:
-                for t in tokens[:n]:
-                    req.num_computed_tokens += 1
-                    if self._append(req, int(t), new):
-                        break
-            else:
-                req.num_computed_tokens += n
-                if req.num_computed_tokens >= req.num_tokens:
-                    self._append(req, int(tokens[0]), new)
+            for t in tokens[:expected]:
+                if self._append(req, int(t), new):
+                    break
             req.new_token_ids = new
-            self.kv_cache_manager.cache_blocks(req)
             if req.is_finished:
-                self.running.remove(req)
-                self.kv_cache_manager.free(req)
+                self._remove(req)
+            else:
+                self.kv_cache_manager.cache_blocks(req)
             if new or req.is_finished:
                 touched.append(req)
         return touched
+
+    def _remove(self, req: Request) -> None:
+        """A request that just finished leaves its queue; its computed full blocks are offered to the
+        prefix cache, then every block is given back."""
+        if req in self.running:
+            self.running.remove(req)
+        elif req in self.waiting:
+            self.waiting.remove(req)
+        if req.block_ids:
+            self.kv_cache_manager.cache_blocks(req)
+        self.kv_cache_manager.free(req)
 
     def _append(self, req: Request, token: int, new: list[int]) -> bool:
         """vLLM ``check_stop``: stop tokens (not kept, per jaxkv's contract), then the length cap."""

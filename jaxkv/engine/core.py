@@ -8,9 +8,11 @@ vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``: schedule → execute → 
 3. the host blocks only on the sampled tokens (``int32`` per request, or per request and decode step);
 4. :meth:`Scheduler.update_from_output` appends them, checks stops, frees finished requests' blocks.
 
-Timing: ``stats.device_wait_s`` sums the host's blocking waits for results; the rest of the time in
-:meth:`LLMEngine.step` is host work, during which the device has nothing queued (the loop dispatches one
-step at a time), so ``1 - device_wait_s / step_s`` bounds the device's idle share from above.
+Timing: ``stats.device_wait_s`` sums the host's blocking waits for results; ``stats.device_idle_s``
+bounds from above the time the device had nothing queued: from the moment a result was fetched (the
+device was busy until then) to the next dispatch, counted only when that dispatch finds the device with
+nothing left to run (always in synchronous mode; with ``async_scheduling`` only when the step queued
+behind is already done).
 """
 
 from __future__ import annotations
@@ -43,7 +45,10 @@ class EngineStats:
             iterations individually.
         num_generated_tokens: tokens appended to outputs; ``num_prompt_tokens_computed``: prompt (and
             re-prefill) tokens run through the model.
-        step_s: wall seconds inside ``step()``; ``device_wait_s``: of which blocked on device results.
+        step_s: wall seconds inside ``step()``; ``device_wait_s``: of which blocked on device results;
+            ``device_idle_s``: an upper bound of the time the device had nothing queued (from the last
+            fetched result, when the device was busy, to a dispatch that found nothing queued or the
+            queued step already done).
         decode_s, decode_steps, decode_tokens: the same for pure-decode loops only, excluding calls that
             compiled.
     """
@@ -61,14 +66,15 @@ class EngineStats:
     num_prompt_tokens_computed: int
     step_s: float
     device_wait_s: float
+    device_idle_s: float
     decode_s: float
     decode_steps: int
     decode_tokens: int
 
     @property
     def gpu_idle_share(self) -> float:
-        """Upper bound of the device's idle share of ``step()`` time: host work / total."""
-        return 1.0 - self.device_wait_s / self.step_s if self.step_s > 0 else float("nan")
+        """Upper bound of the device's idle share of ``step()`` time: ``device_idle_s / step_s``."""
+        return self.device_idle_s / self.step_s if self.step_s > 0 else float("nan")
 
     @property
     def decode_ms_per_step(self) -> float:
@@ -98,6 +104,8 @@ class LLMEngine:
         num_scheduler_steps: most decode steps run on the device per host round trip.
         max_admission_delay_steps: decode steps an admissible waiting request may be held back so that
             running requests decode in a device loop (0 = admit at the next step, vLLM's behaviour).
+        async_scheduling: schedule and dispatch step N+1 before fetching step N's tokens (vLLM V1 async
+            scheduling); the pending tokens are read on the device.
         seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
         max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
         return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
@@ -111,7 +119,7 @@ class LLMEngine:
                  max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
                  enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
-                 max_admission_delay_steps: int = 0, seed: int = 0,
+                 max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
@@ -135,12 +143,15 @@ class LLMEngine:
         else:
             self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
         self.return_logits = return_logits
+        self.async_scheduling = async_scheduling
+        self._inflight = None  # (SchedulerOutput, StepResult) dispatched, tokens not fetched yet
+        self._busy_until = None
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
         self._arrivals = 0
         self._seed_rng = np.random.default_rng(seed)
         self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
-                              step_s=0.0, device_wait_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0)
+                              step_s=0.0, device_wait_s=0.0, device_idle_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0)
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -234,7 +245,7 @@ class LLMEngine:
             self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests()
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -242,6 +253,10 @@ class LLMEngine:
     # -- the loop ---------------------------------------------------------------------------------------
     def step(self, *, final_only: bool = False) -> list[RequestOutput]:
         """Schedule, run the model once (one mixed step or a decode loop), apply the tokens.
+
+        With ``async_scheduling``, the next step is scheduled and dispatched before this step's tokens
+        are fetched, so the host's work overlaps the device's; a request that ends on a stop token then
+        costs one discarded step of work.
 
         Args:
             final_only: return only finished requests (vLLM ``RequestOutputKind.FINAL_ONLY``, what the
@@ -252,50 +267,75 @@ class LLMEngine:
         """
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
-        sched = self.scheduler.schedule()
-        if sched.is_empty:
-            return [self._output(r) for r in aborted]
         compiles = self.num_compiles
-        if sched.num_decode_steps:
-            result = self.runner.execute_decode(sched.scheduled, sched.num_decode_steps)
-        else:
-            result = self.runner.execute_mixed(sched.scheduled)
+        c = self._counters
+        if self._inflight is None:
+            sched = self.scheduler.schedule()
+            if sched.is_empty:
+                self._busy_until = None
+                return [self._output(r) for r in aborted]
+            self._note_idle(None)  # nothing was queued: the device idled since the last result
+            self._inflight = (sched, self._execute(sched, None))
+        sched, result = self._inflight
+        self._inflight = None
+        if self.async_scheduling:
+            nxt = self.scheduler.schedule()
+            if not nxt.is_empty:
+                self._note_idle(result)
+                self._inflight = (nxt, self._execute(nxt, (sched, result)))
         t_wait = time.perf_counter()
         tokens = np.asarray(result.tokens)  # the one blocking wait per step
         logits = None if result.logits is None else np.asarray(result.logits)
         t_back = time.perf_counter()
-        if sched.num_decode_steps:
-            sampled = [tokens[:, r] for r in range(len(sched.scheduled))]
-        else:
-            sampled = [tokens[r:r + 1] for r in range(len(sched.scheduled))]
-        lens_before = {id(r): r.num_output_tokens for r, _ in sched.scheduled}
+        self._busy_until = t_back  # the device was busy until this result came back
+        loop = sched.num_decode_steps
+        sampled = [tokens[:, r] for r in range(len(sched.scheduled))] if loop else tokens[:, None]
+        lens_before = [req.num_output_tokens for req, _ in sched.scheduled]
         touched = self.scheduler.update_from_output(sched, sampled)
         generated = 0
         for r, (req, _) in enumerate(sched.scheduled):
-            got = req.num_output_tokens - lens_before[id(req)]
+            got = req.num_output_tokens - lens_before[r]
             generated += got
             if logits is not None and got:
-                rows = logits[:got, r] if sched.num_decode_steps else logits[r:r + 1]
-                req.logits.extend(rows)
-        c = self._counters
+                req.logits.extend(logits[:got, r] if loop else logits[r:r + 1])
         c["steps"] += 1
-        c["model_steps"] += max(1, sched.num_decode_steps)
+        c["model_steps"] += max(1, loop)
         c["num_generated_tokens"] += generated
-        if not sched.num_decode_steps:
-            c["num_prompt_tokens_computed"] += sum(
-                n for req, n in sched.scheduled if n > 1 or req.num_output_tokens == 0)
+        if not loop:
+            c["num_prompt_tokens_computed"] += sum(n for (_, n), k in zip(sched.scheduled, sched.samples)
+                                                   if n > 1 or not k)
         outputs = [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
         for req in touched:
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
+        if not self.has_unfinished_requests():
+            self._busy_until = None  # no work left: idle time until the next request is not the host's
         t1 = time.perf_counter()
         c["step_s"] += t1 - t0
         c["device_wait_s"] += t_back - t_wait
-        if sched.num_decode_steps and self.num_compiles == compiles:
+        if loop and self.num_compiles == compiles:
             c["decode_s"] += t1 - t0
-            c["decode_steps"] += sched.num_decode_steps
+            c["decode_steps"] += loop
             c["decode_tokens"] += generated
         return outputs
+
+    def _note_idle(self, queued) -> None:
+        """Before a dispatch: if the device has nothing left to run (no ``queued`` result, or it is
+        ready), it has been idle at most since the last moment it was known busy (a fetched result)."""
+        if self._busy_until is not None and (queued is None or queued.tokens.is_ready()):
+            self._counters["device_idle_s"] += time.perf_counter() - self._busy_until
+
+    def _execute(self, sched, prev):
+        src_rows = prev_tokens = None
+        if prev is not None and any(sched.pending_input):
+            prev_sched, prev_result = prev
+            row_of = {id(req): r for r, (req, _) in enumerate(prev_sched.scheduled)}
+            src_rows = [row_of[id(req)] if pending else -1
+                        for (req, _), pending in zip(sched.scheduled, sched.pending_input)]
+            prev_tokens = prev_result.last
+        if sched.num_decode_steps:
+            return self.runner.execute_decode(sched, src_rows, prev_tokens)
+        return self.runner.execute_mixed(sched, src_rows, prev_tokens)
 
     def _output(self, req: Request) -> RequestOutput:
         finished = req.is_finished

@@ -52,10 +52,12 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
 @dataclasses.dataclass
 class StepResult:
     """Device results of one call (not yet fetched): ``tokens`` ``int32[R]`` (mixed) or
-    ``int32[max_steps, R]`` (decode loop), optional logits of the same leading shape."""
+    ``int32[max_steps, R]`` (decode loop), optional logits of the same leading shape, and ``last``
+    ``int32[largest request bucket]``: each row's last sampled token (what the next step may read)."""
 
     tokens: jax.Array
     logits: jax.Array | None
+    last: jax.Array
 
 
 class ModelRunner:
@@ -98,6 +100,7 @@ class ModelRunner:
         self.request_buckets = pow2_buckets(1, max_num_seqs)
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.num_compiles = 0
+        self._no_prev = None
         self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
         self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
 
@@ -108,11 +111,16 @@ class ModelRunner:
         return len(self.request_buckets) + len(self.token_buckets)
 
     # -- device functions (traced once per bucket) --------------------------------------------------
-    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, *, max_query_len):
-        """``inputs``: ``input_ids``/``positions``/``seq_ids`` ``int32[T]`` (position -1 = padding token),
-        ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
-        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``."""
+    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, prev_tokens, *,
+                    max_query_len):
+        """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
+        padding token; ``src_rows >= 0``: the id is ``prev_tokens[src_rows]``, a token the previous step
+        sampled), ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
+        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``; ``prev_tokens``
+        ``int32[R]``. Returns the sampled ``int32[R]`` (also the next step's ``prev_tokens``)."""
         self.num_compiles += 1
+        src = inputs["src_rows"]
+        input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs["input_ids"])
         positions = inputs["positions"]
         block_tables = inputs["block_tables"]
         metadata = AttentionMetadata(
@@ -121,14 +129,17 @@ class ModelRunner:
             seq_lens=inputs["seq_lens"], block_tables=block_tables,
             query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
             max_seq_len=block_tables.shape[1] * self.block_size)
-        logits, kv_caches = self.model_fn(params, inputs["input_ids"], jnp.maximum(positions, 0), kv_caches,
+        logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
         tokens = sample_tokens_per_row(logits, sampling)
         return tokens, (logits if self.return_logits else None), kv_caches
 
-    def _decode_loop(self, params, kv_caches, tokens, positions, steps, block_tables,
+    def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
                      sampling: SamplingArrays, num_steps):
+        """Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
+        token padded to the largest request bucket (the next step's ``prev_tokens``), the caches."""
         self.num_compiles += 1
+        tokens = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], tokens)
         num_reqs = tokens.shape[0]
         rows = jnp.arange(num_reqs, dtype=jnp.int32)
 
@@ -161,7 +172,9 @@ class ModelRunner:
 
         (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
             body, carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
-        return out_tokens, out_logits, kv_caches
+        last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
+        last = jnp.pad(last, (0, self.request_buckets[-1] - num_reqs), constant_values=-1)
+        return out_tokens, last, out_logits, kv_caches
 
     # -- host side ------------------------------------------------------------------------------------
     def _block_table(self, reqs: list[Request], num_rows: int) -> np.ndarray:
@@ -170,7 +183,7 @@ class ModelRunner:
             table[r, :len(req.block_ids)] = req.block_ids
         return table
 
-    def _sampling_arrays(self, reqs: list[Request], num_rows: int) -> SamplingArrays:
+    def _sampling_arrays(self, reqs: list[Request], num_rows: int, gen_idx_rows=()) -> SamplingArrays:
         """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer."""
         temperature = np.zeros(num_rows, np.float32)
         top_p = np.ones(num_rows, np.float32)
@@ -186,30 +199,44 @@ class ModelRunner:
             top_p[:n] = [sp.top_p for sp in sps]
             top_k[:n] = [sp.top_k for sp in sps]
             seeds[:n] = [r.seed & 0xFFFFFFFF for r in reqs]
-            gen_idx[:n] = [len(r.output_token_ids) for r in reqs]
+            gen_idx[:n] = gen_idx_rows
             for r, req in enumerate(reqs):
-                if req.sampling_params.min_tokens > req.num_output_tokens:
+                if req.sampling_params.min_tokens > gen_idx[r]:
                     min_tokens[r] = req.sampling_params.min_tokens
                     ids = sorted(req.stop_ids_for_min_tokens)
                     stop_ids[r, :len(ids)] = ids
         return SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
 
-    def execute_mixed(self, scheduled: list[tuple[Request, int]]) -> StepResult:
-        """One step of prefill chunks and decodes: ``tokens[r]`` is request ``r``'s next token (only
-        meaningful when its chunk ends its known tokens)."""
+    def _prev(self, prev_tokens):
+        if prev_tokens is None:
+            if self._no_prev is None:
+                self._no_prev = jnp.full(self.request_buckets[-1], -1, jnp.int32)
+            return self._no_prev
+        return prev_tokens
+
+    def execute_mixed(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
+        """One step of prefill chunks and decodes (``sched``: a committed
+        :class:`jaxkv.core.SchedulerOutput`): ``tokens[r]`` is request ``r``'s next token (meaningful
+        where ``sched.samples[r]``). ``src_rows[r] >= 0``: request ``r``'s input token is
+        ``prev_tokens[src_rows[r]]`` (sampled by the previous, still running step)."""
+        scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         n = len(reqs)
         q_lens = np.array([k for _, k in scheduled], np.int32)
-        context = np.array([r.num_computed_tokens for r in reqs], np.int32)
+        context = np.array(sched.context_lens, np.int32)
         num_tokens = int(q_lens.sum())
         num_rows = self.request_buckets[-1]
         t = _bucket(num_tokens, self.token_buckets)
         ids = np.zeros(t, np.int32)
         pos = np.full(t, -1, np.int32)
         seq_ids = np.zeros(t, np.int32)
+        src = np.full(t, -1, np.int32)
         c = 0
         for r, (req, start, k) in enumerate(zip(reqs, context, q_lens)):
-            ids[c:c + k] = req.all_token_ids[start:start + k]
+            known = min(k, max(0, req.num_tokens - start))
+            ids[c:c + known] = req.all_token_ids[start:start + known]
+            if known < k:  # a decode whose input is the token the previous step is sampling
+                src[c + k - 1] = src_rows[r]
             c += k
         pos[:num_tokens] = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens - context, q_lens)
         seq_ids[:num_tokens] = np.repeat(np.arange(n, dtype=np.int32), q_lens)
@@ -220,12 +247,12 @@ class ModelRunner:
         qsl[1:n + 1] = np.cumsum(q_lens)
         last = np.zeros(num_rows, np.int32)
         last[:n] = qsl[1:n + 1] - 1
-        inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, seq_lens=seq_lens, query_start_loc=qsl,
-                      block_tables=self._block_table(reqs, num_rows), logits_indices=last)
-        inputs, sampling = jax.device_put((inputs, self._sampling_arrays(reqs, num_rows)))
+        inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, src_rows=src, seq_lens=seq_lens,
+                      query_start_loc=qsl, block_tables=self._block_table(reqs, num_rows), logits_indices=last)
+        inputs, sampling = jax.device_put((inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx)))
         tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
-                                                     max_query_len=t)
-        return StepResult(tokens, logits)
+                                                     self._prev(prev_tokens), max_query_len=t)
+        return StepResult(tokens, logits, tokens)
 
     def warmup(self) -> None:
         """Compile every bucket now (vLLM captures its CUDA graphs at start-up) with dummy batches whose
@@ -238,32 +265,44 @@ class ModelRunner:
             seq_lens = np.zeros(num_rows, np.int32)
             seq_lens[0] = min(t, width * self.block_size)
             inputs = dict(input_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32),
-                          seq_ids=np.zeros(t, np.int32), seq_lens=seq_lens, query_start_loc=qsl,
+                          seq_ids=np.zeros(t, np.int32), src_rows=np.full(t, -1, np.int32),
+                          seq_lens=seq_lens, query_start_loc=qsl,
                           block_tables=np.zeros((num_rows, width), np.int32),
                           logits_indices=np.zeros(num_rows, np.int32))
             tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs,
-                                                    self._sampling_arrays([], num_rows), max_query_len=t)
+                                                    self._sampling_arrays([], num_rows), self._prev(None),
+                                                    max_query_len=t)
             tokens.block_until_ready()
         for rows in self.request_buckets:
             zeros = np.zeros(rows, np.int32)
-            out, _, self.kv_caches = self._decode(
-                self.params, self.kv_caches, zeros, zeros, zeros, np.zeros((rows, width), np.int32),
-                self._sampling_arrays([], rows), np.int32(1))
+            out, _, _, self.kv_caches = self._decode(
+                self.params, self.kv_caches, zeros, np.full(rows, -1, np.int32), self._prev(None), zeros,
+                zeros, np.zeros((rows, width), np.int32), self._sampling_arrays([], rows), np.int32(1))
             out.block_until_ready()
 
-    def execute_decode(self, scheduled: list[tuple[Request, int]], num_steps: int) -> StepResult:
-        """``num_steps`` decode steps; request ``r`` runs ``scheduled[r][1]`` of them (its blocks for
-        them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped running)."""
+    def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
+        """``sched.num_decode_steps`` decode steps; request ``r`` runs ``sched.scheduled[r][1]`` of them
+        (its blocks for them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped
+        running). ``src_rows`` / ``prev_tokens``: as in :meth:`execute_mixed`."""
+        scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         num_rows = _bucket(len(reqs), self.request_buckets)
         tokens = np.zeros(num_rows, np.int32)
+        src = np.full(num_rows, -1, np.int32)
         positions = np.zeros(num_rows, np.int32)
         steps = np.zeros(num_rows, np.int32)
         n = len(reqs)
-        tokens[:n] = [r.all_token_ids[-1] for r in reqs]
-        positions[:n] = [r.num_computed_tokens for r in reqs]
+        for r, req in enumerate(reqs):
+            if sched.pending_input[r]:
+                src[r] = src_rows[r]
+            else:
+                tokens[r] = req.all_token_ids[-1]
+        positions[:n] = sched.context_lens
         steps[:n] = [s for _, s in scheduled]
-        host = (tokens, positions, steps, self._block_table(reqs, num_rows), self._sampling_arrays(reqs, num_rows),
-                np.int32(num_steps))
-        out, logits, self.kv_caches = self._decode(self.params, self.kv_caches, *jax.device_put(host))
-        return StepResult(out, logits)
+        host = (tokens, src, positions, steps, self._block_table(reqs, num_rows),
+                self._sampling_arrays(reqs, num_rows, sched.gen_idx), np.int32(sched.num_decode_steps))
+        tokens_d, src_d, positions_d, steps_d, table_d, sampling_d, k_d = jax.device_put(host)
+        out, last, logits, self.kv_caches = self._decode(self.params, self.kv_caches, tokens_d, src_d,
+                                                         self._prev(prev_tokens), positions_d, steps_d,
+                                                         table_d, sampling_d, k_d)
+        return StepResult(out, logits, last)

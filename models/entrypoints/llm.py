@@ -54,13 +54,13 @@ class LLM:
         block_size: tokens per block.
         max_model_len: longest sequence (default: the model's ``max_position_embeddings``, at most 4096).
         max_num_seqs, max_num_batched_tokens, enable_prefix_caching, long_prefill_token_threshold,
-            num_scheduler_steps, max_admission_delay_steps, seed: see :class:`jaxkv.LLMEngine` (``max_num_batched_tokens`` defaults
+            num_scheduler_steps, max_admission_delay_steps, async_scheduling, seed: see :class:`jaxkv.LLMEngine` (``max_num_batched_tokens`` defaults
             to ``max(2048, max_num_seqs)``).
         gpu_memory_utilization: fraction of device memory for weights + cache (used when
             ``num_gpu_blocks`` is not given, on a device that reports its memory).
         num_gpu_blocks: cache size in blocks (vLLM ``num_gpu_blocks_override``); on a device without
             memory statistics (CPU) the default is enough blocks for ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens, at most 4096 blocks.
+            ``max_model_len`` tokens, at most 1024 blocks.
         attention_impl: ``"pallas"`` / ``"pallas_interpret"`` / ``"reference"`` (default per device).
         return_logits: keep the logits of every sampled token (tests).
 
@@ -73,7 +73,8 @@ class LLM:
                  max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
                  gpu_memory_utilization: float = 0.9, num_gpu_blocks: int | None = None,
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-                 num_scheduler_steps: int = 8, max_admission_delay_steps: int = 0, attention_impl: str | None = None, seed: int = 0,
+                 num_scheduler_steps: int = 8, max_admission_delay_steps: int = 0,
+                 async_scheduling: bool = False, attention_impl: str | None = None, seed: int = 0,
                  return_logits: bool = False):
         path = resolve_model(model)
         on_gpu = jax.default_backend() == "gpu"
@@ -109,6 +110,7 @@ class LLM:
             enable_prefix_caching=enable_prefix_caching, eos_token_id=self.tokenizer.stop_token_ids,
             long_prefill_token_threshold=long_prefill_token_threshold,
             num_scheduler_steps=num_scheduler_steps, max_admission_delay_steps=max_admission_delay_steps,
+            async_scheduling=async_scheduling,
             seed=seed, return_logits=return_logits)
         self.last_summary: dict[str, float] = {}
         log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens, attention=%s", path.name,
@@ -118,7 +120,7 @@ class LLM:
                             max_num_batched_tokens) -> int:
         spec = kv_cache_spec(self.config, block_size=block_size, dtype=cache_dtype)
         if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
-            return min(4096, max_num_seqs * -(-self.max_model_len // block_size))
+            return min(1024, max_num_seqs * -(-self.max_model_len // block_size))
         in_use = int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
         # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
         activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size

@@ -122,7 +122,7 @@ def test_prefix_hits_and_cached_blocks_become_evictable():
     assert b.hashes_of_full_blocks(8, BS) == block_hashes(b.all_token_ids[:8], BS)
     s.add_request(b)
     out = s.schedule()
-    assert out.scheduled == [(b, 4)] and b.num_computed_tokens == 8 and b.num_cached_prompt_tokens == 8
+    assert out.scheduled == [(b, 4)] and out.context_lens == [8] and b.num_cached_prompt_tokens == 8
     assert kv.prefix_cache_hit_rate == pytest.approx(8 / 22)
 
 

@@ -30,13 +30,23 @@ def _tiny_model(seed=0):
     return model
 
 
-@pytest.fixture(scope="module")
-def engine():
-    """One engine for the module (compiles once per bucket): 14 blocks of 8 tokens, 8 requests a step."""
+def _make(**options):
     return models.make_engine(_tiny_model(), attention_impl="reference", block_size=BLOCK,
                               num_blocks=NUM_BLOCKS, max_model_len=MAX_LEN, max_num_seqs=8,
                               max_num_batched_tokens=32, long_prefill_token_threshold=16,
-                              num_scheduler_steps=4, eos_token_id=None)
+                              num_scheduler_steps=4, eos_token_id=None, **options)
+
+
+@pytest.fixture(scope="module")
+def engine():
+    """One engine for the module (compiles once per bucket): 14 blocks of 8 tokens, 8 requests a step."""
+    return _make()
+
+
+@pytest.fixture(scope="module")
+def async_engine():
+    """The same with async scheduling (step N+1 dispatched before step N's tokens are fetched)."""
+    return _make(async_scheduling=True)
 
 
 def _workload(n=34, seed=0):
@@ -51,7 +61,10 @@ def _all_free(eng) -> bool:
     return kv.num_free_blocks == kv.num_blocks and not eng.has_unfinished_requests()
 
 
-def test_staggered_requests_with_preemption_match_solo_runs(engine):
+@pytest.mark.parametrize("which", ["engine", "async_engine"])
+def test_staggered_requests_with_preemption_match_solo_runs(which, request):
+    engine = request.getfixturevalue(which)
+    solo_engine = request.getfixturevalue("engine")
     prompts, params = _workload()
     done: dict[str, jaxkv.RequestOutput] = {}
     streamed: dict[str, list[int]] = {}
@@ -85,13 +98,15 @@ def test_staggered_requests_with_preemption_match_solo_runs(engine):
     for i, (p, sp) in enumerate(zip(prompts, params)):
         got = done[f"r{i}"].outputs[0]
         assert got.finish_reason == "length" and len(got.token_ids) == sp.max_tokens
-        solo = engine.generate([p], sp)[0].outputs[0]
+        solo = solo_engine.generate([p], sp)[0].outputs[0]
         assert solo.token_ids == got.token_ids, f"request {i}"
     assert engine.num_compiles <= engine.num_buckets
     assert _all_free(engine)
 
 
-def test_abort_mid_run_frees_blocks_at_once(engine):
+@pytest.mark.parametrize("which", ["engine", "async_engine"])
+def test_abort_mid_run_frees_blocks_at_once(which, request):
+    engine = request.getfixturevalue(which)
     prompts, params = _workload(6, seed=1)
     for i, (p, sp) in enumerate(zip(prompts, params)):
         engine.add_request(f"a{i}", p, SamplingParams(max_tokens=25, temperature=0))
@@ -137,10 +152,12 @@ def test_seeded_sampling_does_not_depend_on_the_batch(engine):
     assert _all_free(engine)
 
 
-def test_stop_tokens_eos_min_tokens_ignore_eos():
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_stop_tokens_eos_min_tokens_ignore_eos(async_scheduling):
     eng = models.make_engine(_tiny_model(4), attention_impl="reference", block_size=BLOCK, num_blocks=32,
                              max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
-                             num_scheduler_steps=3, enable_prefix_caching=False)
+                             num_scheduler_steps=3, enable_prefix_caching=False,
+                             async_scheduling=async_scheduling)
     prompt = [1, 2, 3, 4, 5]
     free = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].token_ids
     stop = free[4]
@@ -200,3 +217,21 @@ def test_admission_delay_runs_decode_loops_and_keeps_tokens(engine):
     for p, sp, out in zip(prompts, params, outs):
         assert out.outputs[0].token_ids == engine.generate([p], sp)[0].outputs[0].token_ids
     assert _all_free(eng)
+
+
+def test_async_scheduling_queues_the_next_step_before_fetching(async_engine):
+    """With async scheduling a step is in flight between step() calls, and its tokens arrive in order."""
+    prompts, params = _workload(5, seed=11)
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        async_engine.add_request(f"q{i}", p, sp)
+    async_engine.step()
+    assert async_engine._inflight is not None and async_engine.has_unfinished_requests()
+    done = {}
+    while async_engine.has_unfinished_requests():
+        for out in async_engine.step():
+            if out.finished:
+                done[out.request_id] = out
+    assert sorted(done) == [f"q{i}" for i in range(5)]
+    stats = async_engine.stats
+    assert 0 <= stats.device_idle_s <= stats.step_s and 0 <= stats.gpu_idle_share <= 1
+    assert _all_free(async_engine)

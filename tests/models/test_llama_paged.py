@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-import jaxkv
 import models
 from jaxkv import SamplingParams
 from models.llama import LlamaForCausalLM

