@@ -3,31 +3,17 @@ that requests are preempted, and each request's greedy tokens still equal its so
 
 from __future__ import annotations
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
-from flax import nnx
 
 import jaxkv
 import models
 from jaxkv import SamplingParams
-from models.llama import LlamaForCausalLM
+from tests.models.test_llama_paged import TINY, _tiny_model  # noqa: F401  (the chaos test imports them from here)
 
-TINY = models.LlamaConfig(vocab_size=97, hidden_size=48, intermediate_size=64, num_layers=2,
-                          num_heads=6, num_kv_heads=2, head_size=16, rope_theta=10000.0,
-                          max_position_embeddings=128)
 BLOCK = 8
 NUM_BLOCKS = 14
 MAX_LEN = 128
-
-
-def _tiny_model(seed=0):
-    model = LlamaForCausalLM(TINY, dtype=jnp.float32, rngs=nnx.Rngs(seed))
-    for norm in [model.norm] + [m for l in model.layers for m in (l.input_layernorm, l.post_attention_layernorm)]:
-        norm.scale.set_value(jax.random.uniform(jax.random.key(seed + 1), norm.scale.get_value().shape,
-                                                minval=0.5, maxval=1.5))
-    return model
 
 
 def _make(**options):
