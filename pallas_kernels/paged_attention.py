@@ -11,7 +11,8 @@ head of the KV head's group at once (padded to the 16 rows a Triton dot needs), 
 blocks through the block table one step at a time (``pallas_kernels._paging``: whole pages, at least 16
 keys per step, or slices of pages too large for one tile), and keeps an online softmax in float32. Head
 sizes that are not powers of two are computed padded to the next one (q and the output are zero-padded
-in the wrapper, K/V channels masked on load). Each K/V tile is therefore read from memory once per KV head and used by the whole group.
+in the wrapper, K/V channels masked on load). Each K/V tile is therefore read from memory once per KV
+head and used by the whole group.
 With ``num_splits > 1`` (vLLM's v2) the context is cut into partitions whose partial outputs, maxima and
 sums are written in float32 and merged by a small XLA reduction.
 

@@ -41,7 +41,6 @@ from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_si
 from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_head_size, _check_q_and_cache
 
 
-
 def _tile_kv_range(context_len, q_len, row0, *, block_q: int, block_size: int,
                    sliding_window: int | None, max_pages: int):
     """Keys a tile of query rows ``[row0, row0 + block_q)`` of one sequence can see.
@@ -117,7 +116,7 @@ def _paged_prefill_attention_kernel(
     if alibi_ref is not None:
         slope_rows = jnp.broadcast_to(alibi_ref[...][None, :], (block_q, group_p)).reshape(rows)
 
-    kv_start, kv_end, first_page, end_page = _tile_kv_range(
+    kv_start, kv_end, _, end_page = _tile_kv_range(
         context_len, q_len, row0, block_q=block_q, block_size=block_size, sliding_window=sliding_window,
         max_pages=max_pages)
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
@@ -382,7 +381,8 @@ def paged_prefill_attention(
     return _paged_prefill_attention_jit(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), alibi_slopes,
         scale=scale, max_query_len=max_query_len, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, block_q=block_q, step=step, num_warps=num_warps, num_stages=num_stages, interpret=interpret, debug=debug)
+        logits_soft_cap=logits_soft_cap, block_q=block_q, step=step, num_warps=num_warps,
+        num_stages=num_stages, interpret=interpret, debug=debug)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

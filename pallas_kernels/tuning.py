@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pallas_kernels._paging import padded_head_size
+
 # Decode. Sweep on the H200 (docs/logs/bench-decode-sweep-h200.txt; 32q/8kv heads, D 128, bf16, block 16):
 # 4 pages per step (16 KiB K and V tiles) beat 8 on 7 of 8 shapes, by up to 40 % (batch 256 / ctx 1024:
 # 3592 vs 2570 GB/s): with 8 pages Triton's 2-stage pipeline needs ~132 KiB of shared memory, so one
@@ -24,7 +26,7 @@ def decode_pages_per_compute_block(block_size: int, head_size: int, itemsize: in
     head size fits ``DECODE_MAX_TILE_BYTES`` (bf16, block 16, D 128: 4 pages = 16 KiB). The kernel then
     raises it to 16 keys per step and reads pages larger than a tile in slices
     (``pallas_kernels._paging.kv_step``)."""
-    head_p = max(16, _pow2_at_least(head_size))
+    head_p = padded_head_size(head_size)
     pages = DECODE_PAGES_PER_COMPUTE_BLOCK
     while pages > 1 and pages * block_size * head_p * itemsize > DECODE_MAX_TILE_BYTES:
         pages //= 2
@@ -78,7 +80,7 @@ def prefill_block_q(group: int, head_size: int, max_query_len: int, itemsize: in
     rows a Triton dot needs.
     """
     group_p = _pow2_at_least(group)
-    head_p = max(16, _pow2_at_least(head_size))
+    head_p = padded_head_size(head_size)
     rows = PREFILL_BLOCK_ROWS
     while rows > 16 and rows * head_p * itemsize > PREFILL_MAX_Q_TILE_BYTES:
         rows //= 2
@@ -90,7 +92,7 @@ def prefill_block_q(group: int, head_size: int, max_query_len: int, itemsize: in
 def prefill_pages_per_compute_block(block_size: int, head_size: int, itemsize: int) -> int:
     """Blocks per inner step: ``PREFILL_KV_TOKENS // block_size`` (at least 1), halved until one tile of
     the padded head size fits ``PREFILL_MAX_TILE_BYTES``."""
-    head_p = max(16, _pow2_at_least(head_size))
+    head_p = padded_head_size(head_size)
     pages = max(1, PREFILL_KV_TOKENS // block_size)
     while pages > 1 and pages * block_size * head_p * itemsize > PREFILL_MAX_TILE_BYTES:
         pages //= 2
@@ -99,4 +101,4 @@ def prefill_pages_per_compute_block(block_size: int, head_size: int, itemsize: i
 
 def prefill_num_warps(rows: int, head_size: int) -> int:
     """4 warps for small tiles, 8 once the float32 accumulator reaches 128 x 128 (Triton's FA choice)."""
-    return 8 if rows * max(16, _pow2_at_least(head_size)) >= 128 * 128 else 4
+    return 8 if rows * padded_head_size(head_size) >= 128 * 128 else 4

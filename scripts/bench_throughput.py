@@ -316,7 +316,7 @@ def run(args) -> int:
     if args.requests:  # sampled elsewhere with the same rule and tokenizer (e.g. where the dataset is)
         path, truncated = pathlib.Path(args.requests), False
         pairs = json.loads(path.read_text())[:args.num_prompts]
-        records = pairs
+        records = None  # no dataset read
         requests = [SampledRequest("", list(p), int(n)) for p, n in pairs]
         print(f"requests: {len(requests)} read from {path}")
     else:
@@ -398,7 +398,7 @@ def run(args) -> int:
                       "output tokens/s")
     if args.output_json:
         pathlib.Path(args.output_json).write_text(json.dumps(dict(
-            args=vars(args), dataset=str(path), complete_records=len(records), truncated=truncated,
+            args=vars(args), dataset=str(path), complete_records=None if records is None else len(records), truncated=truncated,
             device=jax.devices()[0].device_kind, results=[r.as_dict() for r in results]), indent=2))
     return 0
 

@@ -72,8 +72,8 @@ class Case:
         """``(q, kv_cache, block_tables, seq_lens, [query_start_loc], kwargs)`` as JAX arrays."""
         c = self.cls
         kv_dtype = FP8 if c.fp8 else c.dtype
-        kv = jnp.asarray((self.kv_cache / self._scales()).astype(np.float32)).astype(kv_dtype) if c.fp8 \
-            else jnp.asarray(self.kv_cache, kv_dtype)
+        stored = self.kv_cache / _scales(self.k_scale, self.v_scale) if c.fp8 else self.kv_cache
+        kv = jnp.asarray(stored, jnp.float32).astype(kv_dtype)
         kwargs = dict(scale=c.head_size ** -0.5, sliding_window=c.sliding_window,
                       logits_soft_cap=c.logits_soft_cap,
                       alibi_slopes=None if self.alibi_slopes is None else jnp.asarray(self.alibi_slopes))
@@ -86,8 +86,11 @@ class Case:
             kwargs["max_query_len"] = c.max_query_len
         return arrays, kwargs
 
-    def _scales(self) -> np.ndarray:
-        return np.array([self.k_scale, self.v_scale]).reshape(2, 1, 1, 1, 1)
+
+
+def _scales(k_scale: float, v_scale: float) -> np.ndarray:
+    """The fp8 scales shaped to broadcast over ``kv_cache`` (index 0 keys, 1 values)."""
+    return np.array([k_scale, v_scale]).reshape(2, 1, 1, 1, 1)
 
 
 def _round(x: np.ndarray, dtype: str) -> np.ndarray:
@@ -112,8 +115,7 @@ def make_case(rng: np.random.Generator, cls: ShapeClass, lengths: list[tuple[int
     kv = rng.standard_normal((2, c.num_blocks, c.num_kv_heads, c.block_size, c.head_size))
     k_scale, v_scale = (float(rng.uniform(0.05, 0.5)), float(rng.uniform(0.05, 0.5))) if c.fp8 else (1.0, 1.0)
     if c.fp8:  # the values the kernel sees: fp8(x / scale) * scale
-        scales = np.array([k_scale, v_scale]).reshape(2, 1, 1, 1, 1)
-        kv = _round(kv / scales, FP8) * scales
+        kv = _round(kv / _scales(k_scale, v_scale), FP8) * _scales(k_scale, v_scale)
     else:
         kv = _round(kv, c.dtype)
     kv[:, np.setdiff1d(np.arange(c.num_blocks), owned)] = np.nan

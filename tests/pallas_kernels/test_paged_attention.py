@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
 
 CASES = [
@@ -243,8 +244,7 @@ def test_vllm_head_sizes(rng, kernel, head_size):
                           sliding_window=None, logits_soft_cap=None, alibi=False)
     case = fuzz.make_case(rng, cls, [(16, 1), (30, 1)] if kernel == "decode" else [(10, 6), (0, 5)])
     arrays, kwargs = case.kernel_args()
-    fn = paged_attention if kernel == "decode" else __import__(
-        "pallas_kernels.paged_prefill_attention", fromlist=["x"]).paged_prefill_attention
+    fn = paged_attention if kernel == "decode" else paged_prefill_attention
     assert fuzz.error(fn(*arrays, **kwargs, interpret=True), case) <= fuzz.TOLERANCE["float32"]
 
 
@@ -267,8 +267,7 @@ def test_large_and_small_pages(rng, kernel, block_size, head_size, dtype, table_
                else [(max(most - 10, 0), min(most, 10)), (0, 7)])
     case = fuzz.make_case(rng, cls, lengths)
     arrays, kwargs = case.kernel_args()
-    fn = paged_attention if kernel == "decode" else __import__(
-        "pallas_kernels.paged_prefill_attention", fromlist=["x"]).paged_prefill_attention
+    fn = paged_attention if kernel == "decode" else paged_prefill_attention
     assert fuzz.error(fn(*arrays, **kwargs, interpret=True), case) <= fuzz.TOLERANCE[dtype]
 
 
