@@ -170,10 +170,7 @@ def _plan_batch(context_lens, query_lens, num_seqs_padded, num_tokens_padded, ma
     num_seqs_padded = num_seqs if num_seqs_padded is None else int(num_seqs_padded)
     if num_seqs_padded < num_seqs:
         raise ValueError(f"num_seqs_padded={num_seqs_padded} < num_seqs={num_seqs}")
-    # decode-shaped (one token per row, the decode kernel) unless the caller bounds queries above 1: a
-    # batch routed to the prefill kernel pads with zero-length dummies even when every query is 1 token
-    one_token_each = num_seqs == 0 or query_lens.max() == 1
-    decode_only = bool(one_token_each and (max_query_len is None or max_query_len == 1))
+    decode_only = bool(num_seqs == 0 or query_lens.max() == 1)
     dummy_len = 1 if decode_only else 0  # vLLM CUDA-graph padding: one PAD token, seq_len 1
     pad = num_seqs_padded - num_seqs
     seq_lens = np.concatenate([context_lens + query_lens, np.full(pad, dummy_len)])
