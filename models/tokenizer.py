@@ -1,8 +1,17 @@
-"""Byte-level BPE tokenizer rebuilt from a GGUF file's metadata (no ``transformers``).
+"""Tokenizers rebuilt from a GGUF file's metadata (no ``transformers``).
 
-The vocabulary, merges, token types and chat template all live in the GGUF's
-``tokenizer.*`` fields; this module turns them into a ``tokenizers.Tokenizer`` and
-renders the chat template with a sandboxed Jinja environment.
+Two kinds, after llama.cpp's ``tokenizer.ggml.model``:
+
+* ``gpt2``: byte-level BPE (SmolLM2): vocabulary + merges;
+* ``llama``: SentencePiece BPE (Gemma 3): vocabulary + scores, no merges. Pieces are merged by score,
+  as SentencePiece and llama.cpp's SPM tokenizer do; here the merges are derived from the scores (for a
+  piece, every split into two vocabulary pieces is a merge ranked by the piece's score, HF's
+  ``SentencePieceExtractor`` rule) and run by a ``tokenizers`` BPE model with byte fallback (``<0xNN>``
+  tokens), after replacing spaces with ``▁`` (no dummy prefix when ``add_space_prefix`` is false).
+
+The vocabulary, token types and chat template live in the GGUF's ``tokenizer.*`` fields; this module
+turns them into a ``tokenizers.Tokenizer`` and renders the chat template with a sandboxed Jinja
+environment. A GGUF without a chat template gets ChatML, or Gemma's template for ``gemma3``.
 """
 
 from __future__ import annotations
@@ -14,12 +23,13 @@ import gguf
 import jinja2.ext
 import jinja2.sandbox
 import tokenizers
-from tokenizers import decoders, models, pre_tokenizers
+from tokenizers import decoders, models, normalizers, pre_tokenizers
 
 from models.gguf_loader import read_gguf_metadata
 
 # llama.cpp's ``tokenizer.ggml.token_type`` values.
-_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED = 1, 3, 4
+_TOKEN_NORMAL, _TOKEN_CONTROL, _TOKEN_USER_DEFINED, _TOKEN_BYTE = 1, 3, 4, 6
+_SPM_SPACE = "\u2581"  # SentencePiece's "▁"
 
 CHATML_TEMPLATE = (
     "{% for message in messages %}"
@@ -27,6 +37,60 @@ CHATML_TEMPLATE = (
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
+
+
+# Gemma's chat template (Gemma 3 model card): a system message is folded into the first user turn, the
+# assistant role is called "model"; the BOS token is part of the rendered text.
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% if messages[0]['role'] == 'system' %}"
+    "{% set first_user_prefix = messages[0]['content'] + '\n\n' %}{% set loop_messages = messages[1:] %}"
+    "{% else %}{% set first_user_prefix = '' %}{% set loop_messages = messages %}{% endif %}"
+    "{% for message in loop_messages %}"
+    "{% if (message['role'] == 'user') != (loop.index0 % 2 == 0) %}"
+    "{{ raise_exception('Conversation roles must alternate user/assistant/user/assistant/...') }}"
+    "{% endif %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "{{ '<start_of_turn>' + role + '\n' + (first_user_prefix if loop.first else '') }}"
+    "{{ message['content'] | trim }}{{ '<end_of_turn>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def _spm_merges(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]
+                ) -> list[tuple[str, str]]:
+    """BPE merges equivalent to SentencePiece's score-driven merging: ``(left, right)`` for every normal
+    piece that splits into two vocabulary pieces, ordered by the piece's score (highest first), then by
+    the parts' ids (HF ``SentencePieceExtractor``)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    ranked = []
+    for i, (piece, ty) in enumerate(zip(tokens, types)):
+        if ty != _TOKEN_NORMAL or len(piece) < 2:
+            continue
+        for k in range(1, len(piece)):
+            left, right = piece[:k], piece[k:]
+            li, ri = vocab.get(left), vocab.get(right)
+            if li is not None and ri is not None:
+                ranked.append((-scores[i], li, ri, left, right))
+    ranked.sort()
+    return [(left, right) for *_, left, right in ranked]
+
+
+def _spm_tokenizer(tokens: list[str], scores: list[float], types: list[int], *, unk: str | None,
+                   add_space_prefix: bool) -> tokenizers.Tokenizer:
+    vocab = {tok: i for i, tok in enumerate(tokens)}
+    tok = tokenizers.Tokenizer(models.BPE(vocab, _spm_merges(tokens, scores, types), unk_token=unk,
+                                          fuse_unk=True, byte_fallback=True))
+    norm = [normalizers.Replace(" ", _SPM_SPACE)]
+    if add_space_prefix:
+        norm.insert(0, normalizers.Prepend(_SPM_SPACE))
+    tok.normalizer = normalizers.Sequence(norm)
+    dec = [decoders.Replace(_SPM_SPACE, " "), decoders.ByteFallback(), decoders.Fuse()]
+    if add_space_prefix:
+        dec.append(decoders.Strip(" ", 1, 0))
+    tok.decoder = decoders.Sequence(dec)
+    return tok
 
 
 def _pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
@@ -89,9 +153,10 @@ class GGUFTokenizer:
         """
         meta = read_gguf_metadata(path_or_reader)
         model = meta.get("tokenizer.ggml.model")
-        if model != "gpt2":
-            raise ValueError(f"tokenizer.ggml.model={model!r} is not supported (only 'gpt2')")
-        for key in ("tokenizer.ggml.tokens", "tokenizer.ggml.merges"):
+        if model not in ("gpt2", "llama"):
+            raise ValueError(f"tokenizer.ggml.model={model!r} is not supported ('gpt2' or 'llama')")
+        required = ("tokenizer.ggml.tokens", "tokenizer.ggml.merges" if model == "gpt2" else "tokenizer.ggml.scores")
+        for key in required:
             if key not in meta:
                 raise ValueError(f"GGUF metadata field {key!r} is missing")
         tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
@@ -103,16 +168,24 @@ class GGUFTokenizer:
         vocab = {tok: i for i, tok in enumerate(tokens)}
         if len(vocab) != len(tokens):
             raise ValueError(f"tokenizer.ggml.tokens has {len(tokens) - len(vocab)} duplicates")
-        merges = []
-        for merge in meta["tokenizer.ggml.merges"]:
-            left, sep, right = merge.partition(" ")
-            if not sep or not left or not right:
-                raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not 'left right'")
-            merges.append((left, right))
-
-        tok = tokenizers.Tokenizer(models.BPE(vocab, merges))
-        tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
-        tok.decoder = decoders.ByteLevel()
+        if model == "llama":
+            scores = [float(x) for x in meta["tokenizer.ggml.scores"]]
+            if len(scores) != len(tokens):
+                raise ValueError(f"tokenizer.ggml.scores has len={len(scores)}, tokenizer.ggml.tokens has "
+                                 f"len={len(tokens)}")
+            unk_id = meta.get("tokenizer.ggml.unknown_token_id")
+            tok = _spm_tokenizer(tokens, scores, types, unk=None if unk_id is None else tokens[int(unk_id)],
+                                 add_space_prefix=bool(meta.get("tokenizer.ggml.add_space_prefix", False)))
+        else:
+            merges = []
+            for merge in meta["tokenizer.ggml.merges"]:
+                left, sep, right = merge.partition(" ")
+                if not sep or not left or not right:
+                    raise ValueError(f"tokenizer.ggml.merges entry {merge!r} is not 'left right'")
+                merges.append((left, right))
+            tok = tokenizers.Tokenizer(models.BPE(vocab, merges))
+            tok.pre_tokenizer = _pre_tokenizer(meta.get("tokenizer.ggml.pre", "default"))
+            tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([
             tokenizers.AddedToken(t, special=True, normalized=False)
             for t, ty in zip(tokens, types) if ty == _TOKEN_CONTROL])
@@ -126,7 +199,8 @@ class GGUFTokenizer:
         return cls(tok, tokens,
                    bos_token_id=opt_int("tokenizer.ggml.bos_token_id"),
                    eos_token_id=opt_int("tokenizer.ggml.eos_token_id"),
-                   chat_template=meta.get("tokenizer.chat_template"),
+                   chat_template=meta.get("tokenizer.chat_template") or (
+                       GEMMA_CHAT_TEMPLATE if meta.get("general.architecture") == "gemma3" else None),
                    add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                    add_eos=bool(meta.get("tokenizer.ggml.add_eos_token", False)))
 
@@ -147,8 +221,9 @@ class GGUFTokenizer:
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
-        """Ids that end generation: EOS, ``<|im_end|>`` and ``<|endoftext|>`` when present."""
-        ids = {self.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>")}
+        """Ids that end generation: EOS, ``<|im_end|>``, ``<|endoftext|>`` and ``<end_of_turn>`` when
+        present."""
+        ids = {self.token_to_id(t) for t in ("<|im_end|>", "<|endoftext|>", "<end_of_turn>")}
         ids.add(self._eos)
         return frozenset(i for i in ids if i is not None)
 
