@@ -57,6 +57,10 @@ class KVCacheManager:
     def prefix_cache_hit_rate(self) -> float:
         return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds (every layer keeps every token)."""
+        return cdiv(num_tokens, self.block_size)
+
     def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
         """Cached blocks of the request's longest cached prefix and the tokens they hold.
 

@@ -51,7 +51,9 @@ class Request:
             (advanced when a step is scheduled, as vLLM V1 does).
         num_output_placeholders: tokens that dispatched steps will sample for it (async scheduling: the
             next step is scheduled before they are back).
-        block_ids: the request's physical blocks, logical order.
+        block_ids: the request's physical blocks, logical order (hybrid groups: the first group's).
+        group_block_ids: hybrid KV-cache groups only: per group, its blocks in logical order (the null
+            block where a sliding window skipped one); ``None`` otherwise.
         block_hashes: chained hashes of the full blocks of ``all_token_ids`` (filled lazily).
         num_cached_blocks: leading blocks already offered to the prefix cache.
         cached_block_ids: blocks the request holds through the prefix cache (released, not freed).
@@ -72,6 +74,7 @@ class Request:
         self.num_computed_tokens = 0
         self.status = RequestStatus.WAITING
         self.block_ids: list[int] = []
+        self.group_block_ids: list[list[int]] | None = None  # hybrid KV-cache groups: one list per group
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0
         self.cached_block_ids: set[int] = set()

@@ -23,7 +23,8 @@ from typing import Iterable
 
 import numpy as np
 
-from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
 from jaxkv.engine.model_runner import ModelFn, ModelRunner
@@ -109,6 +110,10 @@ class LLMEngine:
         seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
         max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
         return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
+        kv_cache_groups: the model's KV-cache groups (``KVCacheConfig.kv_cache_groups``); with more than one
+            (a hybrid model), every request gets one block table per group (:class:`HybridKVCacheManager`)
+            and ``model_fn`` receives a tuple of metadata, one per group; ``kv_caches`` are then the
+            config's tensors (shared by one layer of each group). ``None``: one group.
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -120,7 +125,7 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
-                 max_num_stop_token_ids: int = 8, return_logits: bool = False):
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False, kv_cache_groups=None):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -130,11 +135,12 @@ class LLMEngine:
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   num_scheduler_steps=num_scheduler_steps,
-                                  max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits)
+                                  max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
+                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1)
         self.block_size = block_size
         self.max_model_len = max_model_len
-        self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size,
-                                               enable_prefix_caching=enable_prefix_caching)
+        self.kv_cache_groups = tuple(kv_cache_groups or ())
+        self.kv_cache_manager = self._make_kv_cache_manager(enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         if eos_token_id is None:
             self.eos_token_ids = frozenset()
@@ -187,12 +193,17 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
-        kv = self.kv_cache_manager
-        self.kv_cache_manager = KVCacheManager(kv.num_blocks, self.block_size,
-                                               enable_prefix_caching=kv.prefix_cache is not None)
+        self.kv_cache_manager = self._make_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
         num_preemptions = self.scheduler.num_preemptions
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         self.scheduler.num_preemptions = num_preemptions
+
+    def _make_kv_cache_manager(self, enable_prefix_caching: bool):
+        if len(self.kv_cache_groups) > 1:
+            return HybridKVCacheManager(self.kv_cache_groups, self.runner.num_blocks,
+                                        enable_prefix_caching=enable_prefix_caching)
+        return KVCacheManager(self.runner.num_blocks, self.block_size,
+                              enable_prefix_caching=enable_prefix_caching)
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
@@ -220,7 +231,7 @@ class LLMEngine:
         req = Request(request_id, prompt, sampling_params, arrival_index=self._arrivals, seed=seed,
                       max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
         longest = req.num_prompt_tokens + req.max_tokens
-        need = cdiv(longest, self.block_size)
+        need = self.kv_cache_manager.max_num_blocks(longest, self.config.max_num_batched_tokens)
         if need > self.kv_cache_manager.num_blocks:
             raise ValueError(f"request_id={request_id!r} needs {need} blocks ({longest} tokens), the cache "
                              f"has {self.kv_cache_manager.num_blocks} in all")

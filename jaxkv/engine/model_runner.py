@@ -49,6 +49,13 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
 
 
+def _per_group(block_tables, make):
+    """``make(table)`` for a single ``[R, W]`` table; a tuple of one per group for ``[G, R, W]`` tables."""
+    if block_tables.ndim == 2:
+        return make(block_tables)
+    return tuple(make(block_tables[g]) for g in range(block_tables.shape[0]))
+
+
 @dataclasses.dataclass
 class StepResult:
     """Device results of one call (not yet fetched): ``tokens`` ``int32[R]`` (mixed) or
@@ -74,6 +81,9 @@ class ModelRunner:
         max_num_stop_token_ids: width of the per-row stop-id table used to mask stop tokens before
             ``min_tokens``.
         return_logits: also return the logits of every sampled token (tests, accuracy scripts).
+        num_kv_cache_groups: KV-cache groups of the model; with more than one, block tables are
+            ``int32[num_kv_cache_groups, R, max_num_blocks_per_seq]`` (from ``Request.group_block_ids``) and
+            ``model_fn`` gets a tuple of metadata, one per group (vLLM: one metadata per group).
 
     Raises:
         ValueError: caches of different shapes or a block size that disagrees with them.
@@ -81,7 +91,7 @@ class ModelRunner:
 
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
-                 max_num_stop_token_ids: int = 8, return_logits: bool = False):
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False, num_kv_cache_groups: int = 1):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -94,6 +104,7 @@ class ModelRunner:
         self.num_blocks = shape[1]
         self.block_size = block_size
         self.max_num_blocks_per_seq = -(-max_model_len // block_size)
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_stop_token_ids = max_num_stop_token_ids
         self.return_logits = return_logits
@@ -122,13 +133,12 @@ class ModelRunner:
         src = inputs["src_rows"]
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs["input_ids"])
         positions = inputs["positions"]
-        block_tables = inputs["block_tables"]
-        metadata = AttentionMetadata(
+        metadata = _per_group(inputs["block_tables"], lambda block_tables: AttentionMetadata(
             slot_mapping=slot_mapping_from_positions(block_tables, inputs["seq_ids"], positions,
                                                      self.block_size),
             seq_lens=inputs["seq_lens"], block_tables=block_tables,
             query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
-            max_seq_len=block_tables.shape[1] * self.block_size)
+            max_seq_len=block_tables.shape[1] * self.block_size))
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
         tokens = sample_tokens_per_row(logits, sampling)
@@ -144,11 +154,11 @@ class ModelRunner:
         rows = jnp.arange(num_reqs, dtype=jnp.int32)
 
         def metadata_for(fed):
-            return AttentionMetadata(
-                slot_mapping=slot_mapping_from_positions(block_tables, rows, fed, self.block_size),
-                seq_lens=jnp.where(fed >= 0, fed + 1, 1).astype(jnp.int32), block_tables=block_tables,
+            return _per_group(block_tables, lambda table: AttentionMetadata(
+                slot_mapping=slot_mapping_from_positions(table, rows, fed, self.block_size),
+                seq_lens=jnp.where(fed >= 0, fed + 1, 1).astype(jnp.int32), block_tables=table,
                 query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
-                max_seq_len=block_tables.shape[1] * self.block_size)
+                max_seq_len=table.shape[1] * self.block_size))
 
         def run(i, carry):
             toks, pos, gen, caches = carry
@@ -178,10 +188,24 @@ class ModelRunner:
 
     # -- host side ------------------------------------------------------------------------------------
     def _block_table(self, reqs: list[Request], num_rows: int) -> np.ndarray:
+        if self.num_kv_cache_groups > 1:
+            return self._group_block_tables(reqs, num_rows)
         table = np.zeros((num_rows, self.max_num_blocks_per_seq), np.int32)
         for r, req in enumerate(reqs):
             table[r, :len(req.block_ids)] = req.block_ids
         return table
+
+    def _group_block_tables(self, reqs: list[Request], num_rows: int) -> np.ndarray:
+        """``int32[num_kv_cache_groups, num_rows, max_num_blocks_per_seq]`` from ``group_block_ids``."""
+        table = np.zeros((self.num_kv_cache_groups, num_rows, self.max_num_blocks_per_seq), np.int32)
+        for r, req in enumerate(reqs):
+            for g, blocks in enumerate(req.group_block_ids):
+                table[g, r, :len(blocks)] = blocks
+        return table
+
+    def _empty_tables(self, num_rows: int) -> np.ndarray:
+        lead = (self.num_kv_cache_groups,) if self.num_kv_cache_groups > 1 else ()
+        return np.zeros((*lead, num_rows, self.max_num_blocks_per_seq), np.int32)
 
     def _sampling_arrays(self, reqs: list[Request], num_rows: int, gen_idx_rows=()) -> SamplingArrays:
         """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer."""
@@ -267,7 +291,7 @@ class ModelRunner:
             inputs = dict(input_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32),
                           seq_ids=np.zeros(t, np.int32), src_rows=np.full(t, -1, np.int32),
                           seq_lens=seq_lens, query_start_loc=qsl,
-                          block_tables=np.zeros((num_rows, width), np.int32),
+                          block_tables=self._empty_tables(num_rows),
                           logits_indices=np.zeros(num_rows, np.int32))
             tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs,
                                                     self._sampling_arrays([], num_rows), self._prev(None),
@@ -277,7 +301,7 @@ class ModelRunner:
             zeros = np.zeros(rows, np.int32)
             out, _, _, self.kv_caches = self._decode(
                 self.params, self.kv_caches, zeros, np.full(rows, -1, np.int32), self._prev(None), zeros,
-                zeros, np.zeros((rows, width), np.int32), self._sampling_arrays([], rows), np.int32(1))
+                zeros, self._empty_tables(rows), self._sampling_arrays([], rows), np.int32(1))
             out.block_until_ready()
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:

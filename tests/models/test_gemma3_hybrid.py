@@ -1,0 +1,141 @@
+"""Gemma 3 through hybrid KV-cache groups (sliding window + full attention) vs its cache-free forward.
+
+A tiny random-weight Gemma 3 (window 24 < prompt lengths up to 70, block size 8): paged logits of every
+step equal the dense forward with a sliding-window mask; the sliding-window groups' blocks stay bounded
+while a sequence grows; removing skipped blocks follows vLLM's rule.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jaxkv import SamplingParams
+from models.gemma3 import random_weights
+from models.gemma3_config import Gemma3Config
+from models.gemma3_runner import get_kv_cache_config, make_engine
+
+TINY = Gemma3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=6, num_heads=2,
+                    num_kv_heads=1, head_size=32, query_pre_attn_scalar=24.0, sliding_window=24,
+                    sliding_window_pattern=3, rope_theta=1e6, rope_local_base_freq=1e4,
+                    max_position_embeddings=256)
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    return random_weights(TINY, seed=0)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _dense(graphdef, state, ids):
+    return nnx.merge(graphdef, state).forward_dense(ids, jnp.ones(ids.shape, bool))
+
+
+def dense_logits(model, seq):
+    graphdef, state = nnx.split(model)
+    return np.asarray(_dense(graphdef, state, jnp.asarray([seq], jnp.int32)))[0]
+
+
+def greedy(n):
+    return SamplingParams(max_tokens=n, temperature=0.0)
+
+
+def _engine(impl="reference", *, hybrid=True, num_blocks=96, **options):
+    options = dict(max_num_seqs=4, max_num_batched_tokens=64, enable_prefix_caching=False,
+                   num_scheduler_steps=1, return_logits=True) | options
+    return make_engine(_model(), attention_impl=impl, block_size=8, num_blocks=num_blocks,
+                       max_model_len=160, hybrid=hybrid, **options)
+
+
+@pytest.mark.parametrize("impl,steps", [("reference", 1), ("reference", 4), ("pallas_interpret", 4)])
+def test_hybrid_paged_logits_match_dense_sliding_window_forward(impl, steps):
+    """Prompts shorter and longer than the window, chunked prefill, decode past the window: every step's
+    logits equal the cache-free forward (sliding-window mask on sliding layers)."""
+    rng = np.random.default_rng(1)
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (70, 5, 31)]
+    eng = _engine(impl, num_scheduler_steps=steps, long_prefill_token_threshold=20)
+    assert len(eng.kv_cache_groups) == 3
+    done = eng.generate(prompts, greedy(30))
+    for out in done:
+        c = out.outputs[0]
+        seq = out.prompt_token_ids + c.token_ids
+        dense = dense_logits(_model(), seq)
+        start = len(out.prompt_token_ids) - 1
+        np.testing.assert_allclose(c.logits, dense[start:start + 30], rtol=1e-4, atol=1e-4)
+        np.testing.assert_array_equal(c.token_ids, dense[start:-1].argmax(-1))
+
+
+def test_window_matters_and_hybrid_equals_unified_cache():
+    """The same tokens through one full-attention group (sliding only in compute) give the same logits,
+    and a forward without the window differs (so the test above can fail)."""
+    rng = np.random.default_rng(2)
+    prompt = rng.integers(0, TINY.vocab_size, 60).tolist()
+    hyb = _engine().generate([prompt], greedy(8))[0].outputs[0]
+    uni = _engine(hybrid=False).generate([prompt], greedy(8))[0].outputs[0]
+    np.testing.assert_allclose(hyb.logits, uni.logits, rtol=1e-5, atol=1e-5)
+    no_window = random_weights(Gemma3Config(**{**TINY.__dict__, "sliding_window": 10 ** 6}), seed=0)
+    seq = prompt + hyb.token_ids
+    assert np.abs(dense_logits(no_window, seq)[59] - hyb.logits[0]).max() > 1e-2
+
+
+def test_sliding_groups_hold_a_bounded_number_of_blocks_as_a_sequence_grows():
+    """Decoding far past the window: full group grows with the sequence, every sliding group holds at
+    most cdiv(window, block_size) + 1 blocks after each step (vLLM remove_skipped_blocks)."""
+    eng = _engine(max_num_batched_tokens=32, return_logits=False)
+    kv = eng.kv_cache_manager
+    windows = kv.sliding_windows
+    assert sorted(w is None for w in windows) == [False, False, True]
+    eng.add_request("a", [1, 2, 3, 4, 5], greedy(120))
+    seen = []
+    while eng.has_unfinished_requests():
+        eng.step()
+        req = eng._requests.get("a")
+        if req is None or req.group_block_ids is None:
+            continue
+        per_group = kv.num_blocks_in_use(req)
+        n = req.num_computed_tokens
+        for used, w in zip(per_group, windows):
+            if w is None:
+                assert used == -(-n // 8)
+            else:
+                assert used <= -(-w // 8) + 1, (n, per_group)
+        # blocks were last trimmed when this step was allocated (n - 1 tokens computed then): those wholly
+        # before its token's window start are null; every block the next token can see is real
+        for blocks, w in zip(req.group_block_ids, windows):
+            if w is not None:
+                assert all(b == kv.null_block for b in blocks[:max(0, n - 1 - w + 1) // 8])
+                assert all(b != kv.null_block for b in blocks[max(0, n - w + 1) // 8:])
+        seen.append(n)
+    assert max(seen) >= 120
+    assert kv.num_free_blocks == kv.num_blocks - 1  # all back but the null block
+
+
+def test_hybrid_kv_cache_config_follows_vllm_grouping_rules():
+    """Gemma-3-270M's 18 layers (15 sliding, 3 full): group_size = min(15, 3) = 3 → five sliding groups
+    of 3 layers in layer order, one full group, 3 tensors; tensor i shared by layer i of every group;
+    num_blocks = budget // page_size // 3 (seed 004: KVCacheConfig / _get_kv_cache_config_uniform_page_size),
+    computed here from the rules, not from the code."""
+    cfg = Gemma3Config(vocab_size=8, hidden_size=640, intermediate_size=8, num_layers=18, num_heads=4,
+                       num_kv_heads=1, head_size=256)
+    kv = get_kv_cache_config(cfg, block_size=16, dtype=jnp.bfloat16, num_blocks=100)
+    name = "model.layers.{}.self_attn.attn".format
+    sliding = [i for i in range(18) if (i + 1) % 6]
+    full = [5, 11, 17]
+    expected_groups = [sliding[i:i + 3] for i in range(0, 15, 3)] + [full]
+    assert [[int(n.split(".")[2]) for n in g.layer_names] for g in kv.kv_cache_groups] == expected_groups
+    page = 2 * 16 * 1 * 256 * 2  # K and V, block_size tokens, 1 KV head, head size 256, bf16
+    for g, layers in zip(kv.kv_cache_groups, expected_groups):
+        spec = g.kv_cache_spec
+        assert spec.page_size_bytes == page and spec.block_size == 16
+        assert getattr(spec, "sliding_window", None) == (None if layers == full else 512)
+    assert kv.num_blocks == 100
+    assert [t.size for t in kv.kv_cache_tensors] == [100 * page] * 3
+    assert [set(t.shared_by) for t in kv.kv_cache_tensors] == [
+        {name(g[i]) for g in expected_groups} for i in range(3)]
+    unified = get_kv_cache_config(cfg, block_size=16, dtype=jnp.bfloat16, num_blocks=100, hybrid=False)
+    assert len(unified.kv_cache_groups) == 1 and len(unified.kv_cache_tensors) == 18
