@@ -203,13 +203,14 @@ class Gemma3ForCausalLM(nnx.Module):
             x, kv_caches[t] = layer(x, positions, kv_caches[t], md, attention_impl=attention_impl)
         return self._logits(x[logits_indices]), kv_caches
 
-    def forward_dense(self, input_ids: Int[Array, "batch seq"], valid: jax.Array
-                      ) -> Float[Array, "batch seq vocab"]:
-        """Cache-free forward over left-aligned sequences (``valid``: bool[batch, seq]); f32 logits."""
+    def forward_dense(self, input_ids: Int[Array, "batch seq"], valid: jax.Array, first_logit: int = 0
+                      ) -> Float[Array, "batch seq_out vocab"]:
+        """Cache-free forward over left-aligned sequences (``valid``: bool[batch, seq]); f32 logits of
+        positions ``first_logit..seq-1`` (a static int: long prompts need only their last logits)."""
         x = self._embed(input_ids)
         for layer in self.layers:
             x = layer.dense(x, valid)
-        return self._logits(x)
+        return self._logits(x[:, first_logit:])
 
 
 def from_weights(config: Gemma3Config, weights: dict, *, dtype=jnp.float32) -> Gemma3ForCausalLM:

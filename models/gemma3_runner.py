@@ -11,7 +11,11 @@ tensor per layer) and sliding-window layers only limit their compute.
 
 from __future__ import annotations
 
+import functools
+
 import jax
+import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 import jaxkv
@@ -99,3 +103,16 @@ def make_engine(model: Gemma3ForCausalLM, *, attention_impl: str, block_size: in
     params, fn = make_model_fn(model, kv_config, attention_impl=attention_impl)
     return jaxkv.LLMEngine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
                            kv_cache_groups=kv_config.kv_cache_groups, **engine_options)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _dense_logits(graphdef, state, input_ids, valid, first_logit):
+    return nnx.merge(graphdef, state).forward_dense(input_ids, valid, first_logit)
+
+
+def dense_logits(model: Gemma3ForCausalLM, input_ids, valid=None, *, first_logit: int = 0) -> np.ndarray:
+    """Jitted cache-free forward: ``f32[batch, seq - first_logit, vocab]`` logits (NumPy)."""
+    input_ids = jnp.asarray(input_ids, jnp.int32)
+    valid = jnp.ones(input_ids.shape, bool) if valid is None else jnp.asarray(valid, bool)
+    graphdef, state = nnx.split(model)
+    return np.asarray(_dense_logits(graphdef, state, input_ids, valid, first_logit))

