@@ -53,6 +53,10 @@ class PrefixCache:
         """Evictable blocks left once ``blocks`` (about to be reused) are acquired."""
         return len(self._evictable) - sum(1 for b in set(blocks) if b in self._evictable)
 
+    def get(self, block_hash) -> int | None:
+        """The cached block of one hash (any hashable key, e.g. ``(group, hash)``), or ``None``."""
+        return self._block_of.get(block_hash)
+
     def match(self, hashes: list[int]) -> list[int]:
         """The cached blocks of the longest prefix of ``hashes`` (no reference taken)."""
         blocks = []

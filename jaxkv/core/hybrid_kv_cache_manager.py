@@ -12,8 +12,13 @@ that fell out of its window by the *null block* and frees them
 never handed out nor written; block tables point skipped logical blocks to it and the attention kernels
 never read it (its keys are outside every window).
 
-Prefix caching is not supported for hybrid groups yet (vLLM matches a hit per group, right to left for
-sliding windows); the engine logs that it is disabled.
+Prefix caching follows vLLM's hybrid rules (``HybridKVCacheCoordinator.find_longest_cache_hit``): blocks are
+cached per group under ``(group, chained block hash)`` in one :class:`jaxkv.prefix_cache.PrefixCache` (one
+LRU over the shared pool); a full-attention group hits on the longest cached prefix (left to right); a
+sliding-window group needs only the last ``cdiv(sliding_window - 1, block_size)`` blocks before the hit
+point to be cached (searched right to left, earlier ones become the null block), or a cached run from the
+first block; the hit is the longest length every group accepts (iterated to a fixed point, since a
+sliding group's answer depends on the length it may use).
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from collections.abc import Sequence
 
 from jaxkv.block_allocator import BlockAllocator
 from jaxkv.core.request import Request
+from jaxkv.prefix_cache import PrefixCache
 from jaxkv.spec import FullAttentionSpec, SlidingWindowSpec
 
 log = logging.getLogger(__name__)
@@ -43,7 +49,7 @@ class HybridKVCacheManager:
             :class:`jaxkv.FullAttentionSpec` (a ``sliding_window`` recorded on it only limits compute) or a
             :class:`jaxkv.SlidingWindowSpec`, all with one block size.
         num_blocks: blocks in the pool (``KVCacheConfig.num_blocks``), the null block included.
-        enable_prefix_caching: must be ``False`` (or is turned off with a log line).
+        enable_prefix_caching: cache computed full blocks per group and reuse them (vLLM's rules above).
 
     Raises:
         ValueError: no group, a spec of another type, different block sizes, ``num_blocks < 2``.
@@ -68,15 +74,12 @@ class HybridKVCacheManager:
             raise ValueError(f"kv_cache_groups have block sizes {sorted(sizes)}; one is supported")
         if num_blocks < 2:
             raise ValueError(f"num_blocks={num_blocks} must be >= 2 (block 0 is the null block)")
-        if enable_prefix_caching:
-            log.info("prefix caching is disabled: not supported for hybrid KV-cache groups "
-                     "(sliding window + full attention) yet")
         (self.block_size,) = sizes
         self.sliding_windows: tuple[int | None, ...] = tuple(windows)
         self.num_groups = len(groups)
         self.allocator = BlockAllocator(num_blocks)
         (self.null_block,) = self.allocator.allocate(1)
-        self.prefix_cache = None
+        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
         self.prefix_cache_queries = 0
         self.prefix_cache_hits = 0
 
@@ -87,7 +90,9 @@ class HybridKVCacheManager:
 
     @property
     def num_free_blocks(self) -> int:
-        return self.allocator.num_free_blocks
+        """Blocks an allocation can get: free ones plus cached blocks no request holds."""
+        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
+        return self.allocator.num_free_blocks + evictable
 
     @property
     def usage(self) -> float:
@@ -96,7 +101,7 @@ class HybridKVCacheManager:
 
     @property
     def prefix_cache_hit_rate(self) -> float:
-        return 0.0
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
         """Most blocks one request of ``num_tokens`` tokens needs from the pool, all groups together (a
@@ -114,15 +119,90 @@ class HybridKVCacheManager:
         groups = request.group_block_ids or [[] for _ in range(self.num_groups)]
         return [sum(b != self.null_block for b in blocks) for blocks in groups]
 
-    # -- prefix cache (off) -----------------------------------------------------------------------------
-    def get_computed_blocks(self, request: Request) -> tuple[list, int]:
-        return [], 0
+    # -- prefix cache ----------------------------------------------------------------------------------
+    def _lookup(self, g: int, h) -> int | None:
+        return self.prefix_cache.get((g, h))
+
+    def _full_hit(self, g: int, hashes: list, max_blocks: int) -> list[int]:
+        blocks = []
+        for h in hashes[:max_blocks]:
+            b = self._lookup(g, h)
+            if b is None:
+                break
+            blocks.append(b)
+        return blocks
+
+    def _sliding_hit(self, g: int, hashes: list, max_blocks: int) -> list[int]:
+        """vLLM ``SlidingWindowManager.find_longest_cache_hit``: rightmost run of
+        ``cdiv(window - 1, block_size)`` cached blocks ending at most at ``max_blocks``; earlier blocks null."""
+        need = cdiv(self.sliding_windows[g] - 1, self.block_size)
+        blocks = [self.null_block] * max_blocks
+        run = 0
+        for i in range(max_blocks - 1, -1, -1):
+            b = self._lookup(g, hashes[i])
+            if b is None:
+                run = 0
+                continue
+            blocks[i] = b
+            run += 1
+            if run >= need:
+                return blocks[:i + run]
+        return blocks[:run]  # a cached run from block 0 shorter than the window still counts
+
+    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+        """Per group, the cached blocks (null where a window skips them) of the longest prefix every group
+        can reuse, and its length in tokens. Only full blocks of ``all_token_ids[:-1]`` count (the last token
+        is always computed). Takes no reference. vLLM: ``HybridKVCacheCoordinator.find_longest_cache_hit``."""
+        if self.prefix_cache is None:
+            return [], 0
+        hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)
+        length = len(hashes)
+        while True:  # each group's hit is monotone in the length it may use: shrink to a fixed point
+            hits = [self._full_hit(g, hashes, length) if w is None else self._sliding_hit(g, hashes, length)
+                    for g, w in enumerate(self.sliding_windows)]
+            new = min(len(h) for h in hits)
+            if new == length:
+                break
+            length = new
+        if length == 0:
+            return [], 0
+        return [h[:length] for h in hits], length * self.block_size
 
     def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
 
     def cache_blocks(self, request: Request) -> None:
-        return None
+        """Offer the request's newly computed full blocks of every group to the prefix cache, under
+        ``(group, block hash)``; blocks a window already skipped (null) are not cached."""
+        if self.prefix_cache is None or request.group_block_ids is None:
+            return
+        full = min(request.num_computed_tokens, request.num_tokens) // self.block_size
+        start = request.num_cached_blocks
+        if full <= start:
+            return
+        hashes = request.hashes_of_full_blocks(full * self.block_size, self.block_size)
+        for g, blocks in enumerate(request.group_block_ids):
+            pairs = [((g, h), b) for h, b in zip(hashes[start:full], blocks[start:full]) if b != self.null_block]
+            if not pairs:
+                continue
+            keys, real = zip(*pairs)
+            rejected = set(self.prefix_cache.register(list(keys), list(real)))
+            request.cached_block_ids.update(b for b in real if b not in rejected)
+        request.num_cached_blocks = full
+
+    def _release(self, request: Request, blocks: list[int]) -> None:
+        """Give back blocks of ``request``: cached ones become evictable, the others free."""
+        cached = [b for b in blocks if b in request.cached_block_ids]
+        if cached:
+            self.prefix_cache.release(cached)
+            request.cached_block_ids.difference_update(cached)
+        if cached:
+            done = set(cached)
+            blocks = [b for b in blocks if b not in done]
+        plain = blocks
+        if plain:
+            self.allocator.free(plain)
 
     # -- allocation -----------------------------------------------------------------------------------
     def _groups_of(self, request: Request) -> list[list[int]]:
@@ -147,48 +227,67 @@ class HybridKVCacheManager:
                 removed.append(blocks[i])
                 blocks[i] = self.null_block
             if removed:
-                self.allocator.free(removed)
+                self._release(request, removed)
 
-    def _num_needed(self, request: Request, num_new_tokens: int) -> int:
-        groups = self._groups_of(request)
-        total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
-        return sum(max(0, total - len(blocks)) for blocks in groups)
+    def _num_needed(self, request: Request, num_new_tokens: int, hits=()) -> int:
+        groups = request.group_block_ids or [[] for _ in range(self.num_groups)]
+        num_hit = len(hits[0]) if hits else 0
+        total = cdiv(request.num_computed_tokens + num_hit * self.block_size + num_new_tokens, self.block_size)
+        return sum(max(0, total - len(blocks) - num_hit) for blocks in groups)
+
+    def _available(self, hits=()) -> int:
+        if self.prefix_cache is None:
+            return self.allocator.num_free_blocks
+        real = [b for blocks in hits for b in blocks if b != self.null_block]
+        return self.allocator.num_free_blocks + self.prefix_cache.num_evictable_blocks_without(real)
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
-        if new_computed_blocks:
-            raise ValueError("new_computed_blocks: prefix caching is off for hybrid KV-cache groups")
         groups = request.group_block_ids
-        if groups is None:
-            return cdiv(num_new_tokens, self.block_size) * self.num_groups <= self.num_free_blocks
-        # blocks remove_skipped_blocks would free count as free
-        freeable = 0
-        for blocks, w in zip(groups, self.sliding_windows):
+        freeable = 0  # blocks remove_skipped_blocks would give back count as available
+        for blocks, w in zip(groups or (), self.sliding_windows):
             if w is not None:
                 skipped = max(0, request.num_computed_tokens - w + 1) // self.block_size
                 freeable += sum(b != self.null_block for b in blocks[:skipped])
-        return self._num_needed(request, num_new_tokens) <= self.num_free_blocks + freeable
+        need = self._num_needed(request, num_new_tokens, new_computed_blocks)
+        return need <= self._available(new_computed_blocks) + freeable
 
     def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
         """Blocks for ``num_new_tokens`` more tokens in every group, after freeing the sliding groups'
-        blocks that fell out of the window. Returns ``False`` (no block taken) when too few are free.
-        vLLM: ``KVCacheManager.allocate_slots`` with the hybrid coordinator."""
-        if new_computed_blocks:
-            raise ValueError("new_computed_blocks: prefix caching is off for hybrid KV-cache groups")
+        blocks that fell out of the window; ``new_computed_blocks`` (per group, from
+        :meth:`get_computed_blocks`) are taken first, with a reference. Returns ``False`` (no block taken)
+        when too few are free (evictable cached blocks count as free). vLLM: ``KVCacheManager.allocate_slots``
+        with the hybrid coordinator."""
+        self._groups_of(request)
         self.remove_skipped_blocks(request, request.num_computed_tokens)
-        if self._num_needed(request, num_new_tokens) > self.num_free_blocks:
+        need = self._num_needed(request, num_new_tokens, new_computed_blocks)
+        if need > self._available(new_computed_blocks):
             return False
+        if new_computed_blocks:
+            if any(request.group_block_ids):
+                raise ValueError(f"request {request.request_id!r} already holds blocks; new_computed_blocks "
+                                 "are for a request being admitted")
+            real = [b for blocks in new_computed_blocks for b in blocks if b != self.null_block]
+            self.prefix_cache.acquire(real)
+            for mine, hit in zip(request.group_block_ids, new_computed_blocks):
+                mine.extend(hit)
+            request.cached_block_ids.update(real)
+            request.num_cached_blocks = len(new_computed_blocks[0])
         total = cdiv(request.num_computed_tokens + num_new_tokens, self.block_size)
+        if new_computed_blocks:
+            total = cdiv(len(new_computed_blocks[0]) * self.block_size + num_new_tokens, self.block_size)
+        pool = self.prefix_cache if self.prefix_cache is not None else self.allocator
         for blocks in request.group_block_ids:
             if total > len(blocks):
-                blocks.extend(self.allocator.allocate(total - len(blocks)))
+                blocks.extend(pool.allocate(total - len(blocks)))
         return True
 
     def free(self, request: Request) -> None:
-        """Give back every real block of every group (last blocks first)."""
+        """Give back every real block of every group (last blocks first): cached ones become evictable, so
+        a prefix outlives its tail (vLLM frees in reverse order)."""
         for blocks in request.group_block_ids or ():
             real = [b for b in reversed(blocks) if b != self.null_block]
             if real:
-                self.allocator.free(real)
+                self._release(request, real)
         request.group_block_ids = None
         request.block_ids = []
         request.cached_block_ids = set()
