@@ -24,7 +24,8 @@ from jaxkv.cache import (allocate_kv_cache, allocate_kv_cache_raw, bind_kv_cache
 from jaxkv.enc_dec_metadata import (AttentionType, EncoderDecoderMetadata, build_encoder_decoder_metadata,
                                     get_num_prefill_decode_query_kv_tokens, get_seq_len_block_table_args,
                                     is_all_cross_attn_metadata_set, is_all_encoder_attn_metadata_set)
-from jaxkv.core import KVCacheManager, Request, RequestStatus, Scheduler, SchedulerConfig, SchedulerOutput
+from jaxkv.core import (HybridKVCacheManager, KVCacheManager, Request, RequestStatus, Scheduler,
+                        SchedulerConfig, SchedulerOutput)
 from jaxkv.engine import CompletionOutput, EngineStats, LLMEngine, RequestOutput, SamplingParams
 from jaxkv.graph_buckets import DecodeGraphState, capture_batch_sizes, graph_batch_size, pad_decode_metadata
 from jaxkv.kv_cache_config import (KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,

@@ -10,6 +10,6 @@ from models.runner import (dense_logits, init_kv_caches, kv_cache_spec, layer_na
                            make_engine, make_model_fn)
 from models.tokenizer import GGUFTokenizer
 
-__all__ = ["GGUFTokenizer", "Gemma3Config", "registry", "LLM", "LlamaConfig", "LlamaForCausalLM", "dense_logits", "find_smollm2_gguf",
-           "from_weights", "init_kv_caches", "kv_cache_spec", "layer_names", "load_gguf_checkpoint",
-           "load_llama_gguf", "make_engine", "make_model_fn", "resolve_model"]
+__all__ = ["GGUFTokenizer", "Gemma3Config", "LLM", "LlamaConfig", "LlamaForCausalLM", "dense_logits",
+           "find_smollm2_gguf", "from_weights", "init_kv_caches", "kv_cache_spec", "layer_names",
+           "load_gguf_checkpoint", "load_llama_gguf", "make_engine", "make_model_fn", "registry", "resolve_model"]

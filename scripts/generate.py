@@ -30,9 +30,10 @@ log = logging.getLogger("generate")
 
 
 class KVBlockProbe:
-    """Records, after every engine step, the blocks each live request holds per KV-cache group (the
-    largest count seen per request and group). vLLM has no such print; it reads the KV-cache manager's
-    per-group block lists (``Request.group_block_ids``, or ``block_ids`` for one group)."""
+    """Records, after every engine step, the blocks each live request holds per KV-cache group: the
+    largest count seen per request and group, and the count after its last step. vLLM has no such print;
+    it reads the KV-cache manager's per-group block lists (``Request.group_block_ids``, or ``block_ids``
+    for one group)."""
 
     def __init__(self, engine):
         self.engine = engine
@@ -56,6 +57,7 @@ class KVBlockProbe:
             p = self.peak.setdefault(req.request_id, {"blocks": [0] * len(used), "tokens": 0})
             p["blocks"] = [max(a, b) for a, b in zip(p["blocks"], used)]
             p["tokens"] = max(p["tokens"], req.num_computed_tokens)
+            p["last"] = list(used)
 
     def report(self, *, block_size: int) -> str:
         groups = self.engine.kv_cache_groups
@@ -64,12 +66,13 @@ class KVBlockProbe:
         sizes = [len(g.layer_names) for g in groups] or [None]
         lines = []
         for rid, p in self.peak.items():
-            per = ", ".join(f"g{i}({k}{'' if n is None else f', {n} layers'})={b}"
-                            for i, (k, n, b) in enumerate(zip(kinds, sizes, p["blocks"])))
-            total = sum(p["blocks"])
+            per = ", ".join(f"g{i}({k}{'' if n is None else f', {n} layers'})={b}/{last}"
+                            for i, (k, n, b, last) in enumerate(zip(kinds, sizes, p["blocks"], p["last"])))
+            total, total_last = sum(p["blocks"]), sum(p["last"])
             all_full = -(-p["tokens"] // block_size) * max(len(groups), 1)
-            lines.append(f"kv blocks (peak) request {rid}: {p['tokens']} tokens: {per}; total {total} "
-                         f"(all-full-attention: {all_full}, {total / all_full:.3f} of it)")
+            lines.append(f"kv blocks (peak/at the last step) request {rid}, {p['tokens']} tokens: {per}; "
+                         f"total {total}/{total_last} (every layer full attention: {all_full}; "
+                         f"{total / all_full:.3f}/{total_last / all_full:.3f} of it)")
         return "\n".join(lines)
 
 

@@ -52,14 +52,16 @@ def _engine(impl="reference", *, hybrid=True, num_blocks=96, **options):
                        max_model_len=160, hybrid=hybrid, **options)
 
 
-@pytest.mark.parametrize("impl,steps", [("reference", 1), ("pallas_interpret", 4)])
-def test_hybrid_paged_logits_match_dense_sliding_window_forward(impl, steps):
+@pytest.mark.parametrize("impl,steps,async_scheduling", [("reference", 1, False), ("pallas_interpret", 4, True)])
+def test_hybrid_paged_logits_match_dense_sliding_window_forward(impl, steps, async_scheduling):
     """Prompts shorter and longer than the window, chunked prefill, decode past the window, a pool so small
     that freed sliding-window blocks are reused by other sequences at once (and requests are preempted):
-    every step's logits equal the cache-free forward (sliding-window mask on sliding layers)."""
+    every step's logits equal the cache-free forward (sliding-window mask on sliding layers). The Pallas
+    case runs decode loops of 4 steps with async scheduling."""
     rng = np.random.default_rng(1)
     prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (70, 5, 31)]
-    eng = _engine(impl, num_scheduler_steps=steps, long_prefill_token_threshold=20, num_blocks=40)
+    eng = _engine(impl, num_scheduler_steps=steps, long_prefill_token_threshold=20, num_blocks=40,
+                  async_scheduling=async_scheduling)
     assert len(eng.kv_cache_groups) == 3
     n = 20
     done = eng.generate(prompts, greedy(n))
