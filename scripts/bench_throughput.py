@@ -27,7 +27,10 @@ hit rate, compiles (after the warm-up that compiles every bucket, as vLLM captur
 start-up, not timed) and the device's idle share (an upper bound: time from a fetched result to a
 dispatch that found the device with nothing queued, over the wall time). With ``--cupti`` (torch with CUDA
 in the same process) the GPU's busy share is also measured: the union of the kernel and copy intervals
-CUPTI records during the timed run, over its wall time (``busy``; idle = 1 - busy). jaxkv's prefix cache
+CUPTI records during the timed run, over its wall time (``busy``; idle = 1 - busy); XLA's command
+buffers (CUDA graphs) are turned off for such a run, because CUPTI tracing of CUDA graphs is unreliable
+(the first such run on an H100 died with an illegal memory access), so report throughput from a run
+without ``--cupti``. jaxkv's prefix cache
 is reset between backends so no run reuses another's blocks.
 """
 
@@ -37,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import random
 import sys
@@ -325,7 +329,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save-requests", default=None, help="write the sampled requests here")
     p.add_argument("--output-json", default=None)
     p.add_argument("--cupti", action="store_true",
-                   help="measure the GPU's busy share of the jaxkv runs with CUPTI (needs torch with CUDA)")
+                   help="measure the GPU's busy share of the jaxkv runs with CUPTI (needs torch with CUDA; "
+                        "turns XLA's command buffers off, since CUPTI and CUDA graphs do not mix reliably)")
     return p.parse_args(argv)
 
 
@@ -339,6 +344,12 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.cupti and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        # CUPTI activity tracing of CUDA graphs is unreliable (pytorch/pytorch#75504: illegal memory
+        # accesses; pytorch/kineto#1165); our first --cupti run on an H100 died with one. XLA reads its
+        # flags when the GPU backend starts, which has not happened yet.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+        print("--cupti: XLA command buffers (CUDA graphs) off for this run: busy share measured without them")
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

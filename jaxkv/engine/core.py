@@ -109,6 +109,8 @@ class LLMEngine:
         seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
         max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
         return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
+        check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
+            device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -120,7 +122,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
-                 max_num_stop_token_ids: int = 8, return_logits: bool = False):
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False,
+                 check_kernel_inputs: bool = False):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -130,7 +133,8 @@ class LLMEngine:
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   num_scheduler_steps=num_scheduler_steps,
-                                  max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits)
+                                  max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
+                                  check_kernel_inputs=check_kernel_inputs)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_manager = KVCacheManager(self.runner.num_blocks, block_size,
