@@ -82,6 +82,14 @@ def _tile_transforms(head_size: int, dtype) -> tuple:
     return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
 
 
+def _upcast(x, dtype):
+    """fp8 → ``dtype``; to bf16 through f32 (sm_90 converts fp8 only to f16 in hardware; Mosaic refuses
+    the direct cast without a newer ptxas), exact either way."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
 def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                    steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None):
@@ -124,7 +132,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
             first_token = origin + (first_step + i) * block_kv
             plgpu.barrier_wait(k_bars.at[slot])
             if fp8:
-                k16_smem[...] = plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(dtype)
+                k16_smem[...] = _upcast(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(k_consumed.at[slot])
                 k_tile = k16_smem
@@ -158,7 +166,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
                                                        layout=plgpu.Layout.WGMMA)
             row_visible = (row < seq_len) & (row >= window_start)
             if fp8:
-                v = plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA).astype(dtype)
+                v = _upcast(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
                 v16_smem[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
                 plgpu.commit_smem()
                 plgpu.barrier_arrive(v_consumed.at[slot])
