@@ -109,7 +109,7 @@ def test_bad_block_kv_raises():
 
 
 def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
-    """``impl="pallas_mosaic_interpret"``: a supported decode batch runs the Mosaic kernel and matches
+    """``impl="pallas_mosaic"`` (``_interpret`` on CPU): a supported decode batch runs the Mosaic kernel and matches
     the reference; ALiBi falls back to the Triton kernel with a warning naming it."""
     calls = []
 
@@ -126,17 +126,18 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     (q, kv, tables, lens), kwargs = case.kernel_args()
     md = jaxkv.build_attn_metadata(np.asarray(tables), [20, 8], [1, 1], cls.block_size)
     scale = kwargs["scale"]
-    out = jaxkv.paged_attention(q, kv, md, scale=scale, impl="pallas_mosaic_interpret")
+    impl = "pallas_mosaic" if ON_GPU else "pallas_mosaic_interpret"
+    out = jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl)
     assert calls == ["mosaic"]
     assert fuzz.error(out, case) <= fuzz.TOLERANCE[cls.dtype]
 
     slopes = jnp.full((cls.num_heads,), 0.1, jnp.float32)
     with pytest.warns(UserWarning, match="falls back to the Triton kernel: alibi"):
-        jaxkv.paged_attention(q, kv, md, scale=scale, impl="pallas_mosaic_interpret", alibi_slopes=slopes)
+        jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl, alibi_slopes=slopes)
     assert calls == ["mosaic", "triton"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per reason
-        jaxkv.paged_attention(q, kv, md, scale=scale, impl="pallas_mosaic_interpret", alibi_slopes=slopes)
+        jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl, alibi_slopes=slopes)
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only lowering check; the GPU runs the compiled tests")
