@@ -114,6 +114,8 @@ class LLMEngine:
             (a hybrid model), every request gets one block table per group (:class:`HybridKVCacheManager`)
             and ``model_fn`` receives a tuple of metadata, one per group; ``kv_caches`` are then the
             config's tensors (shared by one layer of each group). ``None``: one group.
+        check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
+            device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -125,7 +127,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
-                 max_num_stop_token_ids: int = 8, return_logits: bool = False, kv_cache_groups=None):
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False,
+                 check_kernel_inputs: bool = False, kv_cache_groups=None):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -136,6 +139,7 @@ class LLMEngine:
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
+                                  check_kernel_inputs=check_kernel_inputs,
                                   num_kv_cache_groups=len(kv_cache_groups or ()) or 1)
         self.block_size = block_size
         self.max_model_len = max_model_len
