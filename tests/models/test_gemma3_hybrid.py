@@ -7,6 +7,7 @@ while a sequence grows; removing skipped blocks follows vLLM's rule.
 
 from __future__ import annotations
 
+import collections
 import functools
 
 import jax
@@ -219,3 +220,55 @@ def test_prefix_caching_reuses_blocks_and_keeps_logits():
         np.testing.assert_allclose(c.logits, dense[start:start + 6], rtol=1e-4, atol=1e-4)
     kv = eng.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks - 1
+
+
+@pytest.mark.parametrize("prefix_caching", [False, True])
+def test_hybrid_block_accounting_under_random_arrivals_preemption_and_aborts(prefix_caching):
+    """Scheduler + HybridKVCacheManager alone (dummy sampled tokens) over 400 steps of random arrivals
+    with shared prefixes, aborts and preemption: after every step each block is in exactly one place
+    (the null block, the free list, the prefix cache's evictable set, or one group of one request, cached
+    blocks possibly shared), and sliding groups never hold a block their window cannot see."""
+    from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
+    from jaxkv.core.request import Request, RequestStatus
+    from jaxkv.core.scheduler import Scheduler, SchedulerConfig
+    kv_config = get_kv_cache_config(TINY, block_size=8, dtype="float32", num_blocks=60)
+    kv = HybridKVCacheManager(kv_config.kv_cache_groups, 60, enable_prefix_caching=prefix_caching)
+    sched = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=32, max_model_len=120,
+                                      num_scheduler_steps=3, long_prefill_token_threshold=16), kv)
+    rng = np.random.default_rng(5)
+    prefixes = [rng.integers(0, 50, 40).tolist() for _ in range(3)]
+    live, n = [], 0
+    for step in range(400):
+        if rng.random() < 0.3 and len(live) < 8:
+            prompt = prefixes[rng.integers(3)][:rng.integers(1, 41)] + rng.integers(0, 50, rng.integers(1, 30)).tolist()
+            req = Request(f"r{n}", prompt, greedy(int(rng.integers(1, 40))), arrival_index=n, seed=0,
+                          max_model_len=120, eos_token_ids=frozenset())
+            n += 1
+            sched.add_request(req)
+            live.append(req)
+        if live and rng.random() < 0.05:
+            victim = live.pop(int(rng.integers(len(live))))
+            if not victim.is_finished:
+                sched.finish_request(victim, RequestStatus.FINISHED_ABORTED)
+        out = sched.schedule()
+        if not out.is_empty:
+            sched.update_from_output(out, [[int(rng.integers(0, 50))] * max(1, out.num_decode_steps)]
+                                     * len(out.scheduled))
+        live = [r for r in live if not r.is_finished]
+        held = collections.Counter()
+        for r in sched.running + list(sched.waiting):
+            for blocks, w in zip(r.group_block_ids or (), kv.sliding_windows):
+                real = [b for b in blocks if b != kv.null_block]
+                held.update(real)
+                if w is not None:  # nothing before the window of the last computed token is held
+                    dead = max(0, r.num_computed_tokens - 1 - w + 1) // 8
+                    assert all(b == kv.null_block for b in blocks[:max(0, dead - 4)]), (step, r)
+        cache = kv.prefix_cache
+        evictable = set(cache._evictable) if cache else set()
+        free = list(kv.allocator._free)
+        assert len(free) == len(set(free)) and kv.null_block not in free
+        assert not (set(free) & set(held)) and not (set(free) & evictable) and not (evictable & set(held))
+        shared = [b for b, c in held.items() if c > 1]
+        assert all(cache is not None and cache._hash_of.get(b) is not None for b in shared), shared
+        assert 1 + len(free) + len(evictable) + len(held) == kv.num_blocks, step
+    assert n > 50
