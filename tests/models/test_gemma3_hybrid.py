@@ -168,9 +168,10 @@ def test_prefix_cache_hit_follows_vllm_rules_for_sliding_window_groups():
     from jaxkv.core.request import Request
     bs, window = 4, 10  # a sliding group needs the last cdiv(9, 4) = 3 blocks before the hit point
     common = dict(block_size=bs, num_kv_heads=1, head_size=8, dtype="float32")
-    groups = [KVCacheGroupSpec(layer_names=["s0"], kv_cache_spec=SlidingWindowSpec(sliding_window=window, **common)),
+    sliding = SlidingWindowSpec(sliding_window=window, **common)
+    groups = [KVCacheGroupSpec(layer_names=["s0"], kv_cache_spec=sliding),
               KVCacheGroupSpec(layer_names=["f0"], kv_cache_spec=FullAttentionSpec(**common)),
-              KVCacheGroupSpec(layer_names=["s1"], kv_cache_spec=SlidingWindowSpec(sliding_window=window, **common))]
+              KVCacheGroupSpec(layer_names=["s1"], kv_cache_spec=sliding)]
     rng = np.random.default_rng(0)
     for trial in range(300):
         kv = HybridKVCacheManager(groups, 400, enable_prefix_caching=True)
@@ -240,7 +241,8 @@ def test_hybrid_block_accounting_under_random_arrivals_preemption_and_aborts(pre
     live, n = [], 0
     for step in range(400):
         if rng.random() < 0.3 and len(live) < 8:
-            prompt = prefixes[rng.integers(3)][:rng.integers(1, 41)] + rng.integers(0, 50, rng.integers(1, 30)).tolist()
+            prompt = (prefixes[rng.integers(3)][:rng.integers(1, 41)]
+                      + rng.integers(0, 50, rng.integers(1, 30)).tolist())
             req = Request(f"r{n}", prompt, greedy(int(rng.integers(1, 40))), arrival_index=n, seed=0,
                           max_model_len=120, eos_token_ids=frozenset())
             n += 1
