@@ -9,11 +9,15 @@ _TEXT = ("The history of the city of Paris begins with a small settlement on an 
 
 
 def decode_prompts(tok, batch: int, length: int) -> list[list[int]]:
-    """``batch`` prompts of exactly ``length`` tokens (shifted windows of one English text)."""
+    """``batch`` prompts of exactly ``length`` tokens (shifted windows of one English text), after the BOS
+    token where the tokenizer adds one (Gemma; SmolLM2 adds none, so its prompts are unchanged)."""
     base = tok.encode(_TEXT)
+    bos = tok.encode("", add_special_tokens=True)
     if length + 7 > len(base):
         raise ValueError(f"length={length} exceeds the benchmark text ({len(base) - 7} tokens)")
-    return [base[i % 7: i % 7 + length] for i in range(batch)]
+    if length <= len(bos):
+        raise ValueError(f"length={length} leaves no text token after the BOS token")
+    return [bos + base[i % 7: i % 7 + length - len(bos)] for i in range(batch)]
 
 
 def add_workload_args(p: argparse.ArgumentParser, *, batches: str) -> None:
