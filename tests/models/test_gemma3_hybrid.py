@@ -90,8 +90,9 @@ def test_window_matters_and_hybrid_equals_unified_cache():
     differs (so these comparisons can fail)."""
     rng = np.random.default_rng(2)
     prompt = rng.integers(0, TINY.vocab_size, 40).tolist()
-    hyb = _engine().generate([prompt], greedy(3))[0].outputs[0]
-    uni = _engine(hybrid=False).generate([prompt], greedy(3))[0].outputs[0]
+    one = dict(max_num_seqs=1, max_num_batched_tokens=16)  # one request and one token bucket: 2 compiles
+    hyb = _engine(**one).generate([prompt], greedy(3))[0].outputs[0]
+    uni = _engine(hybrid=False, **one).generate([prompt], greedy(3))[0].outputs[0]
     np.testing.assert_allclose(hyb.logits, uni.logits, rtol=1e-5, atol=1e-5)
     dense = dense_logits(_model(), prompt + hyb.token_ids)
     np.testing.assert_allclose(hyb.logits, dense[39:42], rtol=1e-4, atol=1e-4)
@@ -210,7 +211,7 @@ def test_prefix_caching_reuses_blocks_and_keeps_logits():
     rng = np.random.default_rng(3)
     shared = rng.integers(0, TINY.vocab_size, 56).tolist()
     a, b = shared + [5, 6, 7], shared + rng.integers(0, TINY.vocab_size, 9).tolist()
-    eng = _engine(enable_prefix_caching=True)
+    eng = _engine(enable_prefix_caching=True, max_num_seqs=1, max_num_batched_tokens=16)
     out_a = eng.generate([a], greedy(6))[0]
     out_b = eng.generate([b], greedy(6))[0]
     assert out_a.num_cached_tokens == 0 and out_b.num_cached_tokens == 56
