@@ -1,6 +1,11 @@
 """Host cost of one engine step, with a trivial model (no real device work), profiled with cProfile.
 
     python scripts/profile_engine_host.py [--requests 1000] [--max-num-seqs 256] [--steps 100]
+    python scripts/profile_engine_host.py --workload requests-1000.json [--max-admission-delay-steps 8]
+
+``--workload FILE`` (token ids and output lengths, as ``bench_throughput.py --save-requests`` writes them)
+runs that whole workload through ``LLM.generate``'s path instead and prints its host wall and CPU time,
+host round trips and model steps (no profile): what the engine's host side costs for a real workload.
 
 The model is a table lookup (logits = a random ``[vocab, vocab]`` row of the last token), so the time per
 step is almost all host Python: scheduling, input preparation, output processing. Prints ms per step and
@@ -11,6 +16,8 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import json
+import pathlib
 import pstats
 import sys
 import time
@@ -22,6 +29,29 @@ import numpy as np
 import jaxkv
 
 
+def _engine(args, model_fn, vocab: int, num_blocks: int) -> jaxkv.LLMEngine:
+    return jaxkv.LLMEngine(model_fn, jax.random.normal(jax.random.key(0), (vocab, vocab)),
+                           [jnp.zeros((2, num_blocks, 1, 16, 8))], block_size=16, max_model_len=2048,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
+                           max_admission_delay_steps=args.max_admission_delay_steps)
+
+
+def run_workload(args, model_fn, vocab: int) -> int:
+    pairs = json.loads(pathlib.Path(args.workload).read_text())
+    engine = _engine(args, model_fn, vocab, args.num_blocks or 16384)
+    engine.warmup()
+    t0, c0 = time.perf_counter(), time.process_time()
+    engine.generate([p for p, _ in pairs], [jaxkv.SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0,
+                                                                 seed=i) for i, (_, n) in enumerate(pairs)])
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    st = engine.stats
+    print(f"{len(pairs)} requests, {st.num_generated_tokens} output tokens: host wall {wall:.2f} s, process CPU "
+          f"{cpu:.2f} s, {st.steps} host round trips, {st.model_steps} model steps ({st.decode_steps} in decode "
+          f"loops), {1e6 * wall / st.num_generated_tokens:.1f} us wall per output token, "
+          f"max_admission_delay_steps {args.max_admission_delay_steps}")
+    return 0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=1000)
@@ -29,15 +59,19 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--final-only", action="store_true", help="step(final_only=True), as LLM.generate")
     p.add_argument("--top", type=int, default=15)
+    p.add_argument("--workload", default=None, help="run these requests to the end (see above)")
+    p.add_argument("--max-admission-delay-steps", type=int, default=0)
+    p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default 4096; 16384 with --workload)")
     args = p.parse_args(argv)
     vocab = 128
 
     def model_fn(table, ids, positions, caches, metadata, logits_indices):
-        return table[ids[logits_indices]], caches
+        return table[ids[logits_indices] % vocab], caches
 
-    engine = jaxkv.LLMEngine(model_fn, jax.random.normal(jax.random.key(0), (vocab, vocab)),
-                             [jnp.zeros((2, 4096, 1, 16, 8))], block_size=16, max_model_len=2048,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096)
+    if args.workload:
+        return run_workload(args, model_fn, vocab)
+
+    engine = _engine(args, model_fn, vocab, args.num_blocks or 4096)
     engine.warmup()
     rng = np.random.default_rng(0)
     for i in range(args.requests):
