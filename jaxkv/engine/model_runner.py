@@ -99,6 +99,7 @@ class ModelRunner:
         self.return_logits = return_logits
         self.request_buckets = pow2_buckets(1, max_num_seqs)
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.prev_len = self.request_buckets[-1]  # length of a step's per-row last tokens
         self.num_compiles = 0
         self._no_prev = None
         self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
@@ -132,12 +133,16 @@ class ModelRunner:
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
         tokens = sample_tokens_per_row(logits, sampling)
+        if "out_rows" in inputs:  # rows laid out per data-parallel rank: back to the schedule's order
+            tokens, logits = tokens[inputs["out_rows"]], logits[inputs["out_rows"]]
         return tokens, (logits if self.return_logits else None), kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, num_steps):
+                     sampling: SamplingArrays, num_steps, order=None):
         """Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
-        token padded to the largest request bucket (the next step's ``prev_tokens``), the caches."""
+        token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches. ``order``
+        (``int32[R]``, optional): row ``order[r]`` holds the schedule's request ``r`` (rows laid out per
+        data-parallel rank); the outputs come back in the schedule's order."""
         self.num_compiles += 1
         tokens = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], tokens)
         num_reqs = tokens.shape[0]
@@ -173,7 +178,10 @@ class ModelRunner:
         (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
             body, carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
-        last = jnp.pad(last, (0, self.request_buckets[-1] - num_reqs), constant_values=-1)
+        if order is not None:
+            last, out_tokens = last[order], out_tokens[:, order]
+            out_logits = None if out_logits is None else out_logits[:, order]
+        last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
         return out_tokens, last, out_logits, kv_caches
 
     # -- host side ------------------------------------------------------------------------------------
@@ -210,7 +218,7 @@ class ModelRunner:
     def _prev(self, prev_tokens):
         if prev_tokens is None:
             if self._no_prev is None:
-                self._no_prev = jnp.full(self.request_buckets[-1], -1, jnp.int32)
+                self._no_prev = jnp.full(self.prev_len, -1, jnp.int32)
             return self._no_prev
         return prev_tokens
 
@@ -219,14 +227,21 @@ class ModelRunner:
         :class:`jaxkv.core.SchedulerOutput`): ``tokens[r]`` is request ``r``'s next token (meaningful
         where ``sched.samples[r]``). ``src_rows[r] >= 0``: request ``r``'s input token is
         ``prev_tokens[src_rows[r]]`` (sampled by the previous, still running step)."""
+        t = _bucket(sched.total_num_scheduled_tokens, self.token_buckets)
+        inputs, sampling = self.prepare_mixed(sched, src_rows, self.request_buckets[-1], t)
+        inputs, sampling = jax.device_put((inputs, sampling))
+        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
+                                                     self._prev(prev_tokens), max_query_len=t)
+        return StepResult(tokens, logits, tokens)
+
+    def prepare_mixed(self, sched, src_rows, num_rows: int, t: int) -> tuple[dict, SamplingArrays]:
+        """Host (NumPy) inputs of a mixed step: ``num_rows`` rows, ``t`` token slots."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         n = len(reqs)
         q_lens = np.array([k for _, k in scheduled], np.int32)
         context = np.array(sched.context_lens, np.int32)
         num_tokens = int(q_lens.sum())
-        num_rows = self.request_buckets[-1]
-        t = _bucket(num_tokens, self.token_buckets)
         ids = np.zeros(t, np.int32)
         pos = np.full(t, -1, np.int32)
         seq_ids = np.zeros(t, np.int32)
@@ -249,10 +264,7 @@ class ModelRunner:
         last[:n] = qsl[1:n + 1] - 1
         inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, src_rows=src, seq_lens=seq_lens,
                       query_start_loc=qsl, block_tables=self._block_table(reqs, num_rows), logits_indices=last)
-        inputs, sampling = jax.device_put((inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx)))
-        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
-                                                     self._prev(prev_tokens), max_query_len=t)
-        return StepResult(tokens, logits, tokens)
+        return inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx)
 
     def warmup(self) -> None:
         """Compile every bucket now (vLLM captures its CUDA graphs at start-up) with dummy batches whose
@@ -284,9 +296,19 @@ class ModelRunner:
         """``sched.num_decode_steps`` decode steps; request ``r`` runs ``sched.scheduled[r][1]`` of them
         (its blocks for them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped
         running). ``src_rows`` / ``prev_tokens``: as in :meth:`execute_mixed`."""
+        num_rows = _bucket(len(sched.scheduled), self.request_buckets)
+        host = self.prepare_decode(sched, src_rows, num_rows)
+        tokens_d, src_d, positions_d, steps_d, table_d, sampling_d, k_d = jax.device_put(host)
+        out, last, logits, self.kv_caches = self._decode(self.params, self.kv_caches, tokens_d, src_d,
+                                                         self._prev(prev_tokens), positions_d, steps_d,
+                                                         table_d, sampling_d, k_d)
+        return StepResult(out, logits, last)
+
+    def prepare_decode(self, sched, src_rows, num_rows: int) -> tuple:
+        """Host (NumPy) inputs of a decode loop over ``num_rows`` rows: ``(tokens, src_rows, positions,
+        steps, block_tables, sampling, num_steps)``."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
-        num_rows = _bucket(len(reqs), self.request_buckets)
         tokens = np.zeros(num_rows, np.int32)
         src = np.full(num_rows, -1, np.int32)
         positions = np.zeros(num_rows, np.int32)
@@ -299,10 +321,5 @@ class ModelRunner:
                 tokens[r] = req.all_token_ids[-1]
         positions[:n] = sched.context_lens
         steps[:n] = [s for _, s in scheduled]
-        host = (tokens, src, positions, steps, self._block_table(reqs, num_rows),
+        return (tokens, src, positions, steps, self._block_table(reqs, num_rows),
                 self._sampling_arrays(reqs, num_rows, sched.gen_idx), np.int32(sched.num_decode_steps))
-        tokens_d, src_d, positions_d, steps_d, table_d, sampling_d, k_d = jax.device_put(host)
-        out, last, logits, self.kv_caches = self._decode(self.params, self.kv_caches, tokens_d, src_d,
-                                                         self._prev(prev_tokens), positions_d, steps_d,
-                                                         table_d, sampling_d, k_d)
-        return StepResult(out, logits, last)
