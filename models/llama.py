@@ -15,7 +15,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxkv
-from jaxkv.parallel import paged_attention_layer
+from jaxkv.parallel import gather_logits_rows, paged_attention_layer
 from models.config import LlamaConfig
 
 
@@ -173,7 +173,7 @@ class LlamaForCausalLM(nnx.Module):
         for layer, kv_cache in zip(self.layers, kv_caches):
             x, kv_cache = layer(x, positions, kv_cache, metadata, attention_impl=attention_impl, mesh=mesh)
             new_caches.append(kv_cache)
-        return self._logits(x[logits_indices]), new_caches
+        return self._logits(gather_logits_rows(x, logits_indices, mesh)), new_caches
 
     def forward_dense(self, input_ids: Int[Array, "batch seq"], valid: jax.Array
                       ) -> Float[Array, "batch seq vocab"]:

@@ -81,3 +81,29 @@ def paged_attention_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: ja
                        in_specs=(tokens, tokens, tokens, cache_spec, P(DP), P(DP), P(DP, None), P(DP)),
                        out_specs=(tokens, cache_spec), check_vma=False)
     return fn(q, k, v, kv_cache, metadata.slot_mapping, metadata.seq_lens, metadata.block_tables, qsl)
+
+
+def gather_logits_rows(x: jax.Array, logits_indices: jax.Array, mesh: Mesh | None = None) -> jax.Array:
+    """``x[logits_indices]``: the hidden state of each row's last new token.
+
+    With ``dp > 1`` the gather runs per ``dp`` rank (a rank's rows index its own token slice, as
+    :class:`jaxkv.parallel.DataParallelModelRunner` lays them out), so no rank's activations travel;
+    left to XLA, the global gather became an all-gather of ``x`` over ``dp``.
+
+    Args:
+        x: ``[num_tokens, hidden]``.
+        logits_indices: ``int32[num_rows]`` token index (into the whole batch) of each row.
+        mesh: the ``(dp, tp)`` mesh or ``None``.
+
+    Returns:
+        ``[num_rows, hidden]``.
+    """
+    dp, _ = mesh_sizes(mesh)
+    if dp == 1:
+        return x[logits_indices]
+
+    def local(x, idx):
+        return x[idx - jax.lax.axis_index(DP) * x.shape[0]]
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(P(DP, None), P(DP)), out_specs=P(DP, None),
+                         axis_names={DP}, check_vma=False)(x, logits_indices)
