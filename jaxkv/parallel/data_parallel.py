@@ -42,6 +42,7 @@ class DataParallelKVCacheManager:
 
     Attributes:
         rank_of: ``{request_id: rank}`` of every request holding blocks.
+        num_placed: admissions per rank so far (a preempted request counts again when re-admitted).
         managers: the per-rank managers.
 
     Raises:
@@ -61,6 +62,7 @@ class DataParallelKVCacheManager:
         self.max_num_seqs_per_rank = max_num_seqs_per_rank
         self.rank_of: dict[str, int] = {}
         self._load = [0] * data_parallel_size  # requests holding blocks, per rank
+        self.num_placed = [0] * data_parallel_size  # placements so far, per rank (statistics)
 
     # -- aggregate views ----------------------------------------------------------------------------
     @property
@@ -119,6 +121,7 @@ class DataParallelKVCacheManager:
         if request.request_id not in self.rank_of:
             self.rank_of[request.request_id] = rank
             self._load[rank] += 1
+            self.num_placed[rank] += 1
         return True
 
     def cache_blocks(self, request: Request) -> None:
