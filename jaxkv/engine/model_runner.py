@@ -112,6 +112,12 @@ class ModelRunner:
         return len(self.request_buckets) + len(self.token_buckets)
 
     # -- device functions (traced once per bucket) --------------------------------------------------
+    def _slot_mapping(self, block_tables, seq_ids, positions):
+        return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
+
+    def _sample(self, logits, sampling: SamplingArrays):
+        return sample_tokens_per_row(logits, sampling)
+
     def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, prev_tokens, *,
                     max_query_len):
         """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
@@ -125,14 +131,13 @@ class ModelRunner:
         positions = inputs["positions"]
         block_tables = inputs["block_tables"]
         metadata = AttentionMetadata(
-            slot_mapping=slot_mapping_from_positions(block_tables, inputs["seq_ids"], positions,
-                                                     self.block_size),
+            slot_mapping=self._slot_mapping(block_tables, inputs["seq_ids"], positions),
             seq_lens=inputs["seq_lens"], block_tables=block_tables,
             query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
             max_seq_len=block_tables.shape[1] * self.block_size)
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
-        tokens = sample_tokens_per_row(logits, sampling)
+        tokens = self._sample(logits, sampling)
         if "out_rows" in inputs:  # rows laid out per data-parallel rank: back to the schedule's order
             tokens, logits = tokens[inputs["out_rows"]], logits[inputs["out_rows"]]
         return tokens, (logits if self.return_logits else None), kv_caches
@@ -150,7 +155,7 @@ class ModelRunner:
 
         def metadata_for(fed):
             return AttentionMetadata(
-                slot_mapping=slot_mapping_from_positions(block_tables, rows, fed, self.block_size),
+                slot_mapping=self._slot_mapping(block_tables, rows, fed),
                 seq_lens=jnp.where(fed >= 0, fed + 1, 1).astype(jnp.int32), block_tables=block_tables,
                 query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
                 max_seq_len=block_tables.shape[1] * self.block_size)
@@ -161,7 +166,7 @@ class ModelRunner:
             fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
             logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
                                            rows)
-            new = sample_tokens_per_row(logits, dataclasses.replace(sampling, gen_idx=gen))
+            new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen))
             new = jnp.where(active, new, -1)
             step = active.astype(jnp.int32)
             return ((jnp.where(active, new, toks), pos + step, gen + step, caches),

@@ -28,6 +28,8 @@ from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxkv.core.request import Request
 from jaxkv.engine.model_runner import ModelRunner, StepResult, _bucket, pow2_buckets
 from jaxkv.parallel.mesh import DP, mesh_sizes
+from jaxkv.sampling import sample_tokens_per_row
+from jaxkv.slot_mapping import slot_mapping_from_positions
 
 
 class DataParallelKVCacheManager:
@@ -168,6 +170,22 @@ class DataParallelModelRunner(ModelRunner):
         self.rank_of: dict[str, int] = {}
         self._rows = NamedSharding(mesh, P(DP))
         self._replicated = NamedSharding(mesh, P())
+
+    def _slot_mapping(self, block_tables, seq_ids, positions):
+        """Per ``dp`` rank, from its own block-table rows (``seq_ids`` index the global batch, and a
+        rank's tokens belong to its rows): no block table travels between ranks."""
+        def local(block_tables, seq_ids, positions):
+            rows = seq_ids - jax.lax.axis_index(DP) * block_tables.shape[0]
+            return slot_mapping_from_positions(block_tables, rows, positions, self.block_size)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(DP, None), P(DP), P(DP)), out_specs=P(DP),
+                             axis_names={DP}, check_vma=False)(block_tables, seq_ids, positions)
+
+    def _sample(self, logits, sampling):
+        """Per ``dp`` rank (sampling is row-wise): its rows' logits, parameters and stop-id masks stay
+        on it."""
+        return jax.shard_map(sample_tokens_per_row, mesh=self.mesh, in_specs=(P(DP, None), P(DP)),
+                             out_specs=P(DP), axis_names={DP}, check_vma=False)(logits, sampling)
 
     def _split(self, sched):
         """Per rank: the schedule's row indices placed on it."""
