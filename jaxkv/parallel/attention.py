@@ -50,13 +50,16 @@ def paged_attention_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: ja
         ``(out [num_tokens, num_heads, head_size], the updated cache)``.
 
     Raises:
-        ValueError: what the ops raise, or a cache whose head count does not fit the mesh.
+        ValueError: what the ops raise, a cache whose head count does not fit the mesh, or
+            ``alibi_slopes`` with a mesh (not supported).
     """
     scales = {} if k_scale is None else dict(k_scale=k_scale, v_scale=v_scale)
     if mesh is None:
         kv_cache = write_to_paged_cache(kv_cache, k, v, metadata.slot_mapping, **scales)
         return paged_attention(q, kv_cache, metadata, scale=scale, impl=impl, **scales, **extras), kv_cache
 
+    if extras.get("alibi_slopes") is not None:
+        raise ValueError("alibi_slopes with a mesh: per-head slopes are not sharded over tp (not supported)")
     dp, tp = mesh_sizes(mesh)
     heads = kv_head_map(k.shape[1], tp)
     if heads is not None:  # fewer KV heads than ranks: one replica per rank

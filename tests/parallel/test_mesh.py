@@ -52,7 +52,7 @@ def test_mesh_suite_on_4_cpu_devices():
     print(out[-3000:])
     assert r.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 9, out[-3000:]
+    assert passed and int(passed.group(1)) >= 10, out[-3000:]
 
 
 # -- a tiny random Llama, its single-device tokens --------------------------------------------------------
@@ -156,15 +156,16 @@ def _attention_case(rng, mesh, poisoned_rank: int, decode: bool):
 
 @needs_mesh
 @pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-@pytest.mark.parametrize("poisoned_rank", [0, 1])
-def test_request_never_reads_another_ranks_blocks(rng, poisoned_rank, decode):
+@pytest.mark.parametrize("poisoned_rank,impl", [(0, "reference"), (1, "pallas_interpret")])
+def test_request_never_reads_another_ranks_blocks(rng, poisoned_rank, impl, decode):
     """Local block ids are the same numbers on both ranks: a rank's rows must write and read only its
-    own pool. The other pool is NaN; the clean rank's output equals a single-device run on its pool
-    alone, and the NaN pool is left untouched."""
+    own pool. The other pool is NaN; the clean rank's output equals a single-device reference run on its
+    pool alone, and the NaN pool is left untouched. ``pallas_interpret``: the Pallas kernels (in the
+    interpreter) run per shard inside the shard_map."""
     mesh = make_mesh(2, 2)
     cache, q, k, v, md, tokens, rows, nb = _attention_case(rng, mesh, poisoned_rank, decode)
     sharded = jax.device_put(cache, jaxkv.parallel.kv_cache_sharding(mesh))
-    fn = jax.jit(lambda q, k, v, c, m: paged_attention_layer(q, k, v, c, m, scale=0.25, impl="reference",
+    fn = jax.jit(lambda q, k, v, c, m: paged_attention_layer(q, k, v, c, m, scale=0.25, impl=impl,
                                                               mesh=mesh))
     meta = AttentionMetadata(**{n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in md.items()})
     out, new_cache = (np.asarray(x) for x in fn(q, k, v, sharded, meta))
@@ -234,8 +235,7 @@ def test_bad_head_counts_name_the_valid_sizes():
 def test_smollm2_text_equals_single_device(gguf_path, tp, dp):
     prompts = ["The capital of France is", "Water is", "Once upon a time"]
     sp = SamplingParams(max_tokens=16, temperature=0)
-    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_gpu_blocks=64, use_tqdm=False)
-    kw.pop("use_tqdm")
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_gpu_blocks=64)
     solo = models.LLM(gguf_path, **kw).generate(prompts, sp, use_tqdm=False)
     mesh = models.LLM(gguf_path, tensor_parallel_size=tp, data_parallel_size=dp, **kw).generate(
         prompts, sp, use_tqdm=False)
