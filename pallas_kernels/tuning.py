@@ -102,3 +102,26 @@ def prefill_pages_per_compute_block(block_size: int, head_size: int, itemsize: i
 def prefill_num_warps(rows: int, head_size: int) -> int:
     """4 warps for small tiles, 8 once the float32 accumulator reaches 128 x 128 (Triton's FA choice)."""
     return 8 if rows * padded_head_size(head_size) >= 128 * 128 else 4
+
+
+# Mosaic GPU decode (pallas_kernels.paged_attention_mgpu). Not measured yet: chosen so the shared-memory
+# ring fits the 227 KiB of an H100 SM, and left out of automatic selection until a measured table exists
+# (MGPU_DECODE_FASTER stays empty; scripts/gpu_mgpu.sh measures it).
+MGPU_SMEM_BYTES = 200 * 1024      # what the ring + q + converted tiles may take (headroom for barriers)
+MGPU_DECODE_MAX_STAGES = 4
+# (head_size, kv dtype name) -> decode is faster on Mosaic GPU than Triton on sm_90: empty until measured.
+MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset()
+
+
+def mgpu_decode_block_kv(head_size: int) -> int:
+    """Keys per step of the Mosaic decode kernel: 128 (64 for head size 256, so two stages fit)."""
+    return 64 if head_size > 128 else 128
+
+
+def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool) -> int:
+    """Ring depth: as many K+V stages as fit ``MGPU_SMEM_BYTES`` beside the 64-row query and P tiles
+    (and, for fp8, the two 16-bit converted tiles), at most ``MGPU_DECODE_MAX_STAGES``, at least 1."""
+    itemsize = 1 if fp8 else 2
+    fixed = 64 * head_size * 2 + 64 * block_kv * 2 + (2 * block_kv * head_size * 2 if fp8 else 0)
+    per_stage = 2 * block_kv * head_size * itemsize
+    return max(1, min(MGPU_DECODE_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))

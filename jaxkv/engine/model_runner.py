@@ -25,7 +25,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.experimental import checkify
 
+from jaxkv.checks import checked, checks_are_enabled, raise_if_error
 from jaxkv.core.request import Request
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.sampling import SamplingArrays, sample_tokens_per_row
@@ -47,6 +49,25 @@ def _bucket(n: int, buckets: tuple[int, ...]) -> int:
         if b >= n:
             return b
     raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _check_fed_tokens(input_ids, positions) -> None:
+    """In check mode: every token fed at a real position (``>= 0``) has an id ``>= 0`` (a pending token
+    taken from the previous step's output must have been sampled there)."""
+    if checks_are_enabled():
+        bad = (positions >= 0) & (input_ids < 0)
+        checkify.check(~jnp.any(bad), "input_ids[{i}]={value} is fed at position {pos}: token ids must be >= 0",
+                       i=jnp.argmax(bad), value=jnp.min(jnp.where(bad, input_ids, 0)),
+                       pos=jnp.max(jnp.where(bad, positions, -1)))
+
+
+def _raising(step):
+    """A ``checked`` jitted step that raises its first failed check and returns the step's output."""
+    def run(*args, **kwargs):
+        err, out = step(*args, **kwargs)
+        raise_if_error(err)
+        return out
+    return run
 
 
 @dataclasses.dataclass
@@ -74,6 +95,10 @@ class ModelRunner:
         max_num_stop_token_ids: width of the per-row stop-id table used to mask stop tokens before
             ``min_tokens``.
         return_logits: also return the logits of every sampled token (tests, accuracy scripts).
+        check_kernel_inputs: debug mode: both step functions run under ``checkify`` with jaxkv's value
+            checks on (:mod:`jaxkv.checks`): every attention call's block table, sequence lengths and
+            ``query_start_loc`` and every written slot are checked on the device, and a violation raises
+            ``ValueError`` after the step (each step then waits for its result: no overlap).
 
     Raises:
         ValueError: caches of different shapes or a block size that disagrees with them.
@@ -81,7 +106,8 @@ class ModelRunner:
 
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
-                 max_num_stop_token_ids: int = 8, return_logits: bool = False):
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False,
+                 check_kernel_inputs: bool = False):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -104,6 +130,10 @@ class ModelRunner:
         self._no_prev = None
         self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
         self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
+        if check_kernel_inputs:
+            self._mixed = _raising(jax.jit(checked(self._mixed_step), donate_argnums=(1,),
+                                           static_argnames=("max_query_len",)))
+            self._decode = _raising(jax.jit(checked(self._decode_loop), donate_argnums=(1,)))
 
     @property
     def num_buckets(self) -> int:
@@ -129,6 +159,7 @@ class ModelRunner:
         src = inputs["src_rows"]
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs["input_ids"])
         positions = inputs["positions"]
+        _check_fed_tokens(input_ids, positions)
         block_tables = inputs["block_tables"]
         metadata = AttentionMetadata(
             slot_mapping=self._slot_mapping(block_tables, inputs["seq_ids"], positions),
@@ -164,6 +195,7 @@ class ModelRunner:
             toks, pos, gen, caches = carry
             active = i < steps
             fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
+            _check_fed_tokens(toks, fed)
             logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
                                            rows)
             new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen))

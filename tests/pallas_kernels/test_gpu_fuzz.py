@@ -19,18 +19,24 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 from tests.pallas_kernels import fuzz
 
 ON_GPU = jax.default_backend() == "gpu"
-KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention}
+KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention,
+           "decode_mgpu": paged_attention_mgpu}   # Mosaic GPU (Hopper only): -k decode_mgpu
 GPU_CLASSES, GPU_CASES_PER_CLASS = 64, 8       # 512 cases per kernel, + the regression shapes
+GPU_CLASSES = int(os.environ.get("JAXKV_FUZZ_CLASSES", GPU_CLASSES))  # fewer for a short run
 CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
 
 
 def run_fuzz(kernel: str, *, num_classes: int, cases_per_class: int, interpret: bool, seed: int):
     rng = np.random.default_rng(seed)
-    classes = [(c, None) for c in fuzz.shape_classes(rng, kernel, num_classes)]
+    classes = [(c, None) for c in fuzz.shape_classes(rng, kernel.removesuffix("_mgpu"), num_classes)]
+    if kernel == "decode_mgpu":  # the nearest classes the Mosaic kernel supports
+        from tests.pallas_kernels.test_paged_attention_mgpu import mosaic_class
+        classes = [(mosaic_class(c, rng), None) for c, _ in classes]
     if kernel == "decode":
         classes = [(c, lens) for c, lens in fuzz.regression_classes()] + classes
     fn = KERNELS[kernel]
@@ -71,13 +77,13 @@ def _report(rows, kernel: str, seconds: float) -> list[dict]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernels need a GPU (pytest -m gpu on the GPU machine)")
-@pytest.mark.parametrize("kernel", ["decode", "prefill"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu"])
 def test_fuzz_compiled(kernel):
     t0 = time.perf_counter()
     rows = run_fuzz(kernel, num_classes=GPU_CLASSES, cases_per_class=GPU_CASES_PER_CLASS,
                     interpret=False, seed=9)
     failed = _report(rows, kernel, time.perf_counter() - t0)
-    assert len(rows) >= 500
+    assert len(rows) >= GPU_CLASSES * GPU_CASES_PER_CLASS
     assert not failed, f"{len(failed)} of {len(rows)} {kernel} cases off the float64 reference"
 
 

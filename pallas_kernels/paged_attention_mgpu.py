@@ -1,0 +1,389 @@
+"""Paged decode attention on Pallas Mosaic GPU (Hopper: TMA, wgmma, warp specialisation).
+
+Same contract as :func:`pallas_kernels.paged_attention.paged_attention` (vLLM's
+``PagedAttention.forward_decode``) for the subset :func:`unsupported_reason` accepts; the op-level
+dispatch (``jaxkv.attention``, ``impl="pallas_mosaic"``) sends everything else to the Triton kernel.
+
+Cache layout: the Pallas backend's ``[2, num_blocks, num_kv_heads, block_size, head_size]`` unchanged. One
+page of one KV head is a contiguous ``block_size x head_size`` tile, which is exactly what one 2-D TMA
+copy moves (a box of ``block_size`` rows of ``head_size`` elements), so no new layout is needed.
+
+One CUDA block (grid ``(num_kv_heads, num_splits, num_seqs)``) handles one (KV head, context partition,
+sequence) with two warpgroups:
+
+* the *memory* warpgroup walks the partition ``block_kv`` tokens per step and, for each step, issues one
+  TMA copy per page (or page slice) into slot ``step % num_stages`` of a shared-memory ring of K and of V
+  tiles; the page ids come from the block table (scalar loads from global memory). A slot is refilled
+  once the compute warpgroup has arrived on its "consumed" barrier.
+* the *compute* warpgroup holds the group's query heads as the 64 rows of a ``wgmma`` tile (heads past
+  the group are zero rows), computes ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma`` from shared memory (P written there) and
+  keeps an online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale).
+
+Slots a sequence does not own (past ``seq_len`` in its last page, pages outside the sliding window that
+share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
+memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN). fp8 pages are copied as fp8 (half
+the bytes of bf16), converted to the compute dtype in registers and written to a 16-bit tile for
+``wgmma``; ``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
+
+With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
+log-sum-exp (float32); one small XLA pass merges them.
+
+Tested in the Mosaic GPU interpreter on CPU (``tests/pallas_kernels/test_paged_attention_mgpu.py``) and
+lowered for sm_90 on CPU; the compiled kernel runs only on a Hopper GPU (``scripts/gpu_mgpu.sh``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from pallas_kernels import _checks, tuning
+from pallas_kernels._reference import kv_scales
+from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
+
+ROWS = 64                      # wgmma M: one warpgroup's tile of query rows (the group's heads, padded)
+HEAD_SIZES = (64, 128, 256)    # head sizes the kernel computes (wgmma N/K and 128-byte swizzle rows)
+COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+MIN_BLOCK_SIZE = 8             # a TMA box of one page: rows a multiple of the 8-row smem tile
+LOG2E = math.log2(math.e)
+
+
+def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_size: int,
+                       block_size: int, *, alibi: bool) -> str | None:
+    """Why the Mosaic GPU decode kernel cannot run this call, or ``None`` when it can.
+
+    The op-level dispatch falls back to the Triton kernel with this reason. Static arguments only.
+    """
+    if jnp.dtype(q_dtype) not in COMPUTE_DTYPES:
+        return f"q.dtype={jnp.dtype(q_dtype)} (Mosaic kernel: bfloat16/float16; wgmma has no f32 path)"
+    if jnp.dtype(kv_dtype) != jnp.dtype(q_dtype) and jnp.dtype(kv_dtype) not in FP8_DTYPES:
+        return f"kv_cache.dtype={jnp.dtype(kv_dtype)} with q.dtype={jnp.dtype(q_dtype)}"
+    if head_size not in HEAD_SIZES:
+        return f"head_size={head_size} (Mosaic kernel: {HEAD_SIZES})"
+    if num_heads % num_kv_heads or num_heads // num_kv_heads > ROWS:
+        return f"num_heads={num_heads}/num_kv_heads={num_kv_heads} (at most {ROWS} heads per KV head)"
+    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
+        return f"block_size={block_size} (Mosaic kernel: a power of two >= {MIN_BLOCK_SIZE})"
+    if alibi:
+        return "alibi_slopes (not implemented in the Mosaic kernel)"
+    return None
+
+
+def _tile_transforms(head_size: int, dtype) -> tuple:
+    """The (tiling, swizzle) transforms of a ``[rows, head_size]`` shared-memory tile used by wgmma."""
+    row_bytes = head_size * jnp.dtype(dtype).itemsize
+    swizzle = min(128, row_bytes)
+    return (plgpu.TilingTransform((8, swizzle // jnp.dtype(dtype).itemsize)), plgpu.SwizzleTransform(swizzle))
+
+
+def _upcast(x, dtype):
+    """fp8 → ``dtype``; to bf16 through f32 (sm_90 converts fp8 only to f16 in hardware; Mosaic refuses
+    the direct cast without a newer ptxas), exact either way."""
+    if jnp.dtype(dtype) == jnp.dtype(jnp.bfloat16):
+        x = x.astype(jnp.float32)
+    return x.astype(dtype)
+
+
+def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
+                   scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
+                   steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None):
+    (q_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem), (q_bar, k_bars, v_bars), consumed = scratch
+    k_consumed, v_consumed = consumed
+    num_blocks, block_size = kv_ref.shape[1], kv_ref.shape[3]
+    head_size = kv_ref.shape[4]
+    dtype = q_smem.dtype
+    fp8 = k16_smem is not None
+    copies = block_kv // tokens_per_copy
+
+    h = lax.axis_index("h")
+    part = lax.axis_index("p")
+    s = lax.axis_index("s")
+    wg = lax.axis_index("wg")
+
+    seq_len = seq_lens_ref[s]
+    num_pages = (seq_len + block_size - 1) // block_size
+    part_tokens = steps_per_partition * block_kv
+    origin = part * part_tokens                              # first token of this partition
+    window_start = 0 if sliding_window is None else jnp.maximum(seq_len - sliding_window, 0)
+    local_end = jnp.clip(seq_len - origin, 0, part_tokens)
+    num_steps = (local_end + block_kv - 1) // block_kv
+    first_step = jnp.minimum(jnp.maximum(window_start - origin, 0) // block_kv, num_steps)
+    n = num_steps - first_step                               # steps this program runs (may be 0)
+
+    @pl.when(wg == 0)
+    def _compute():
+        plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem, q_bar.at[0])
+        plgpu.barrier_wait(q_bar.at[0])
+        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
+        v_scale = scales_ref[1]
+        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+        acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
+
+        def body(i, carry):
+            acc, m, l = carry
+            slot = lax.rem(i, num_stages)
+            first_token = origin + (first_step + i) * block_kv
+            plgpu.barrier_wait(k_bars.at[slot])
+            if fp8:
+                k16_smem[...] = _upcast(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(k_consumed.at[slot])
+                k_tile = k16_smem
+            else:
+                k_tile = k_smem.at[slot]
+
+            def qk(acc_ref):
+                plgpu.wgmma(acc_ref, q_smem, k_tile.T)
+                return acc_ref[...]
+            logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+            if not fp8:
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            logits = logits * k_factor
+            if logits_soft_cap is not None:
+                logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
+            token = first_token + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                                         layout=plgpu.Layout.WGMMA)
+            logits = jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
+
+            m_next = jnp.maximum(m, logits.max(axis=1))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a row with no visible key stays 0
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
+            l = l * alpha + p.sum(axis=1)
+            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+            plgpu.barrier_wait(v_bars.at[slot])
+            # Zero the V rows of invisible slots (they may hold NaN): only steps that reach past the
+            # sequence's end or start before the window need it; fp8 tiles are converted anyway.
+            row = first_token + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
+                                                       layout=plgpu.Layout.WGMMA)
+            row_visible = (row < seq_len) & (row >= window_start)
+            if fp8:
+                v = _upcast(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
+                v16_smem[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(v_consumed.at[slot])
+                v_tile = v16_smem
+            else:
+                v_tile = v_smem.at[slot]
+                boundary = (first_token + block_kv > seq_len) | (first_token < window_start)
+
+                @pl.when(boundary)
+                def _zero_invisible_rows():
+                    v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+                    v_tile[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
+                    plgpu.commit_smem()
+
+            # P goes through shared memory (the interpreter runs wgmma only from shared memory; one
+            # 64 x block_kv tile per step is small next to the K/V tiles of a memory-bound kernel).
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
+
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
+                return acc_ref[...]
+            # A fresh accumulator added to the rescaled one: the interpreter cannot run an accumulator
+            # initialised from registers (``pl.run_state`` + ``ACC.init``).
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
+            if not fp8:
+                plgpu.barrier_arrive(v_consumed.at[slot])
+            return acc, m_next, l
+
+        acc, m, l = lax.fori_loop(0, n, body, (acc, m, l))
+        l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
+        acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
+        q_smem[...] = acc.astype(dtype)                          # the query tile is no longer read
+        lse_smem[...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[part, s, h])
+        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[part, s, h])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        def issue(i, slot, cache, tiles, bars):
+            # Step i's tokens [first_token, first_token + block_kv), one TMA copy per page (or slice).
+            first_token = origin + (first_step + i) * block_kv
+            for c in range(copies):
+                token = first_token + c * tokens_per_copy
+                page = token // block_size
+                page_id = tables_ref[s, page]
+                # Pages the sequence does not own are read from block 0 (their slots are invisible).
+                page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
+                offset = token % block_size if tokens_per_copy < block_size else 0
+                plgpu.copy_gmem_to_smem(
+                    kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
+                    tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
+                    bars.at[slot])
+
+        for i in range(num_stages):                              # fill the ring
+            @pl.when(i < n)
+            def _prologue():
+                issue(i, i, 0, k_smem, k_bars)
+                issue(i, i, 1, v_smem, v_bars)
+
+        @pl.loop(0, jnp.maximum(n - num_stages, 0))
+        def _steady(i):
+            slot = lax.rem(i, num_stages)
+            plgpu.barrier_wait(k_consumed.at[slot])
+            issue(i + num_stages, slot, 0, k_smem, k_bars)
+            plgpu.barrier_wait(v_consumed.at[slot])
+            issue(i + num_stages, slot, 1, v_smem, v_bars)
+
+
+def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
+                          logits_soft_cap, block_kv, num_stages, num_splits, interpret):
+    num_seqs, num_heads, head_size = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    dtype = q.dtype
+    fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    tokens_per_copy = min(block_size, block_kv)
+
+    # Pad the block table so every partition holds whole steps (padding pages are never visible).
+    max_pages = block_tables.shape[1]
+    steps_needed = pl.cdiv(max_pages * block_size, block_kv)
+    steps_per_partition = pl.cdiv(steps_needed, num_splits)
+    padded_pages = pl.cdiv(steps_per_partition * num_splits * block_kv, block_size)
+    block_tables = jnp.pad(block_tables, ((0, 0), (0, max(0, padded_pages - max_pages))))
+
+    q = q.reshape(num_seqs, num_kv_heads, group, head_size)
+    q = jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+
+    tile = _tile_transforms(head_size, dtype)
+    cache_tile = _tile_transforms(head_size, kv_cache.dtype)
+    stage_shape = (num_stages, block_kv, head_size)
+    smem = (
+        plgpu.SMEM((ROWS, head_size), dtype, transforms=tile),                   # q, then the output
+        plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # K ring
+        plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
+        plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # K converted
+        plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # V converted
+        plgpu.SMEM((ROWS, block_kv), dtype, transforms=_tile_transforms(block_kv, dtype)),  # P
+        plgpu.SMEM((ROWS,), jnp.float32),                                        # log-sum-exp
+    )
+    copies = block_kv // tokens_per_copy
+    barriers = (plgpu.Barrier(num_barriers=1),
+                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
+                plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages))
+    consumed = (plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),) * 2
+    kernel = functools.partial(
+        _decode_kernel, scale=scale, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
+        num_stages=num_stages, steps_per_partition=steps_per_partition, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap)
+
+    def entry(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref):
+        pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref,
+                                              lse_ref, scratch),
+                      smem, barriers, consumed, collective_axes="wg")
+
+    part = (num_splits, num_seqs, num_kv_heads, ROWS)
+    o, lse = plgpu.kernel(
+        entry,
+        out_type=(jax.ShapeDtypeStruct((*part, head_size), dtype), jax.ShapeDtypeStruct(part, jnp.float32)),
+        grid=(num_kv_heads, num_splits, num_seqs),
+        grid_names=("h", "p", "s"),
+        num_threads=2,
+        thread_name="wg",
+        compiler_params=plgpu.CompilerParams(approx_math=True),
+        interpret=plgpu.InterpretGPUParams() if interpret else None,
+    )(seq_lens, block_tables, q, kv_cache, scales)
+
+    if num_splits == 1:
+        out = o[0]
+    else:  # merge the partitions in float32 (base-2 log-sum-exp weights)
+        lse_max = lse.max(axis=0)
+        weight = jnp.where(jnp.isneginf(lse), 0.0,
+                           jnp.exp2(lse - jnp.where(jnp.isneginf(lse_max), 0.0, lse_max)[None]))
+        total = weight.sum(axis=0)
+        out = (o.astype(jnp.float32) * weight[..., None]).sum(axis=0)
+        out = out / jnp.where(total == 0.0, 1.0, total)[..., None]
+    return out[:, :, :group].reshape(num_seqs, num_heads, head_size).astype(dtype)
+
+
+_STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
+           "interpret")
+
+
+@_checks.host_checked(_checks.check_decode_args)
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_attention_mgpu(
+    q: jax.Array,
+    kv_cache: jax.Array,
+    block_tables: jax.Array,
+    seq_lens: jax.Array,
+    *,
+    scale: float,
+    k_scale: jax.Array | float | None = None,
+    v_scale: jax.Array | float | None = None,
+    alibi_slopes: jax.Array | None = None,
+    sliding_window: int | None = None,
+    logits_soft_cap: float | None = None,
+    block_kv: int | None = None,
+    num_stages: int | None = None,
+    num_splits: int | None = None,
+    interpret: bool = False,
+) -> jax.Array:
+    """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
+
+    vLLM: ``PagedAttention.forward_decode`` (``paged_attention_v1`` / ``v2``). Same arguments, semantics
+    and result as :func:`pallas_kernels.paged_attention.paged_attention` for the calls
+    :func:`unsupported_reason` accepts (bf16/f16 q; cache of q's dtype or fp8 e4m3/e5m2; head size
+    64/128/256; at most 64 query heads per KV head; block size a power of two >= 8; no ALiBi).
+
+    Args:
+        q: ``[num_seqs, num_heads, head_size]`` bf16/f16.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, ``q.dtype`` or fp8.
+        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``.
+        seq_lens: ``int32[num_seqs]`` (0 gives a zero output).
+        scale, k_scale, v_scale, sliding_window, logits_soft_cap: as in the Triton op.
+        alibi_slopes: must be ``None`` (see :func:`unsupported_reason`).
+        block_kv: keys per inner step (static, a multiple of 64); ``None``:
+            :func:`pallas_kernels.tuning.mgpu_decode_block_kv`.
+        num_stages: shared-memory ring depth (static, >= 1); ``None``:
+            :func:`pallas_kernels.tuning.mgpu_decode_num_stages`.
+        num_splits: context partitions per sequence (static); ``None``:
+            :func:`pallas_kernels.tuning.decode_num_splits` (the Triton kernel's rule).
+        interpret: run in the Mosaic GPU interpreter (CPU).
+
+    Returns:
+        ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
+            that is not a positive multiple of 64, ``num_stages`` or ``num_splits`` < 1.
+        NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
+    """
+    _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
+              logits_soft_cap, scale)
+    _check_head_size(q.shape[-1])
+    _, num_heads, head_size = q.shape
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
+    reason = unsupported_reason(q.dtype, kv_cache.dtype, num_heads, num_kv_heads, head_size, block_size,
+                                alibi=alibi_slopes is not None)
+    if reason:
+        raise NotImplementedError(f"paged_attention_mgpu: {reason}")
+    fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    if block_kv is None:
+        block_kv = tuning.mgpu_decode_block_kv(head_size)
+    if num_stages is None:
+        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8)
+    if num_splits is None:
+        num_splits = tuning.decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1],
+                                              max(1, block_kv // block_size))
+    if block_kv < 64 or block_kv % 64:
+        raise ValueError(f"block_kv={block_kv} must be a positive multiple of 64")
+    for name, value in (("num_stages", num_stages), ("num_splits", num_splits)):
+        if value < 1:
+            raise ValueError(f"{name}={value} must be >= 1")
+    return _paged_attention_mgpu(
+        q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
+        num_stages=num_stages, num_splits=num_splits, interpret=interpret)

@@ -1,0 +1,180 @@
+"""The Mosaic GPU decode kernel (``pallas_kernels.paged_attention_mgpu``) against the float64 fuzz reference.
+
+Where each test runs: on CPU the kernel runs in the Mosaic GPU interpreter (``InterpretGPUParams``:
+simulated shared memory, TMA copies, barriers and the two warpgroups), which checks the kernel's logic
+(paging, masking, NaN slots, online softmax, split merge) but not what only the hardware shows (layouts,
+shared-memory budget, ptxas); ``test_lowers_for_sm90`` lowers every class through Mosaic GPU for CUDA on
+CPU, which catches unsupported ops and layouts. On a GPU the same tests run the compiled kernel
+(``scripts/gpu_mgpu.sh``, on an H100); only that run is evidence that the compiled kernel is right.
+``JAXKV_MGPU_FUZZ=N`` adds N random interpreted classes (slow: ~2 s a case).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from pallas_kernels import paged_attention as triton_mod
+from pallas_kernels import paged_attention_mgpu as mgpu_mod
+from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu, unsupported_reason
+from tests.pallas_kernels import fuzz
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+
+
+def _cls(*, num_seqs=2, kv_heads=1, group=4, head=128, block=16, dtype="bfloat16", fp8=False, width=8,
+         window=None, cap=None) -> fuzz.ShapeClass:
+    return fuzz.ShapeClass(kernel="decode", num_seqs=num_seqs, num_kv_heads=kv_heads, group=group,
+                           head_size=head, block_size=block, dtype=dtype, fp8=fp8, table_width=width,
+                           num_blocks=num_seqs * width + 2, num_tokens=num_seqs, max_query_len=1,
+                           sliding_window=window, logits_soft_cap=cap, alibi=False)
+
+
+# (class, sequence lengths, num_splits): every head size, fp8, window, soft cap, one page a step and
+# several, a page sliced over steps (block 128 > 64 keys a step at head size 256), MQA with head size
+# 256, GQA up to the 64-row tile, lengths on page and step boundaries, and split-K.
+CASES = [
+    (_cls(head=128, block=16, width=20), [300, 17], 2),
+    (_cls(head=128, block=16, width=20, window=40, cap=5.0), [300, 1], 1),
+    (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, width=40), [130, 64], 1),
+    (_cls(head=256, block=32, group=1, width=6, window=100), [190, 64], 2),   # MQA, head size 256
+    (_cls(head=256, block=128, group=1, num_seqs=1, width=2), [129], 1),      # page sliced over steps
+    (_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], None),
+    (_cls(head=64, block=16, group=64, num_seqs=1, width=4), [1], None),      # the full 64-row tile
+    (_cls(head=128, block=64, kv_heads=3, group=5, width=4), [64, 255], 4),   # empty partitions
+]
+
+
+def _run(cls, lens, num_splits, seed=0):
+    case = fuzz.make_case(np.random.default_rng(seed), cls, [(n - 1, 1) for n in lens])
+    arrays, kwargs = case.kernel_args()
+    out = paged_attention_mgpu(*arrays, **kwargs, num_splits=num_splits, interpret=INTERPRET)
+    assert out.shape == case.q.shape and out.dtype == jnp.dtype(cls.dtype)
+    return fuzz.error(out, case)
+
+
+@pytest.mark.parametrize("cls,lens,num_splits", CASES,
+                         ids=[f"{c.describe()} {lens} s{sp}" for c, lens, sp in CASES])
+def test_matches_float64_reference(cls, lens, num_splits):
+    """NaN in every slot no sequence owns; a kernel that reads or mixes in one returns inf error."""
+    assert _run(cls, lens, num_splits) <= fuzz.TOLERANCE[cls.dtype]
+
+
+def test_zero_length_sequence_gives_zeros():
+    cls = _cls(head=64, width=2)
+    case = fuzz.make_case(np.random.default_rng(1), cls, [(0, 1), (5, 1)])
+    arrays, kwargs = case.kernel_args()
+    arrays[3] = arrays[3].at[0].set(0)  # sequence 0 empty: its output is 0
+    out = paged_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET)
+    assert np.all(np.asarray(out[0], np.float32) == 0.0)
+    assert np.isfinite(np.asarray(out, np.float32)).all()
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype=jnp.float32), "q.dtype=float32"),
+    (dict(head=80), "head_size=80"),
+    (dict(alibi=True), "alibi"),
+    (dict(heads=(130, 2)), "at most 64"),
+    (dict(block=4), "block_size=4"),
+])
+def test_unsupported_calls_say_why(change, match):
+    """The kernel refuses what it does not implement, naming the field (the dispatch falls back)."""
+    args = dict(dtype=jnp.bfloat16, head=64, heads=(8, 2), block=16, alibi=False) | change
+    reason = unsupported_reason(args["dtype"], args["dtype"], *args["heads"], args["head"], args["block"],
+                                alibi=args["alibi"])
+    assert reason is not None and match in reason
+    num_heads, num_kv_heads = args["heads"]
+    q = jnp.zeros((1, num_heads, args["head"]), args["dtype"])
+    kv = jnp.zeros((2, 4, num_kv_heads, args["block"], args["head"]), args["dtype"])
+    extra = dict(alibi_slopes=jnp.ones((num_heads,))) if args["alibi"] else {}
+    with pytest.raises(NotImplementedError, match=match):
+        paged_attention_mgpu(q, kv, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), scale=0.1,
+                             interpret=True, **extra)
+
+
+def test_bad_block_kv_raises():
+    q = jnp.zeros((1, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 4, 1, 16, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match="block_kv=48"):
+        paged_attention_mgpu(q, kv, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), scale=0.1,
+                             block_kv=48, interpret=True)
+
+
+def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
+    """``impl="pallas_mosaic"`` (``_interpret`` on CPU): a supported decode batch runs the Mosaic kernel and matches
+    the reference; ALiBi falls back to the Triton kernel with a warning naming it."""
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(mgpu_mod, "paged_attention_mgpu", spy("mosaic", mgpu_mod.paged_attention_mgpu))
+    monkeypatch.setattr(triton_mod, "paged_attention", spy("triton", triton_mod.paged_attention))
+    monkeypatch.setattr(jaxkv.attention, "_warned_fallbacks", set())
+    cls = _cls(head=64, block=8, kv_heads=2, group=2, width=4)
+    case = fuzz.make_case(np.random.default_rng(2), cls, [(20, 1), (8, 1)])
+    (q, kv, tables, lens), kwargs = case.kernel_args()
+    md = jaxkv.build_attn_metadata(np.asarray(tables), [20, 8], [1, 1], cls.block_size)
+    scale = kwargs["scale"]
+    impl = "pallas_mosaic" if ON_GPU else "pallas_mosaic_interpret"
+    out = jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl)
+    assert calls == ["mosaic"]
+    assert fuzz.error(out, case) <= fuzz.TOLERANCE[cls.dtype]
+
+    slopes = jnp.full((cls.num_heads,), 0.1, jnp.float32)
+    with pytest.warns(UserWarning, match="falls back to the Triton kernel: alibi"):
+        jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl, alibi_slopes=slopes)
+    assert calls == ["mosaic", "triton"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl, alibi_slopes=slopes)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only lowering check; the GPU runs the compiled tests")
+@pytest.mark.parametrize("fp8", [False, True])
+def test_lowers_for_sm90(fp8):
+    """Every class of ``CASES`` (fp8 or not) lowers through Pallas Mosaic GPU for CUDA on CPU.
+
+    Export stops after Mosaic GPU has lowered the kernel to its MLIR module (the module is serialised
+    into the custom call), so unsupported ops, casts and layouts fail here; shared-memory budget and
+    ptxas issues show only on the GPU."""
+    from jax import export
+    for cls, lens, num_splits in CASES:
+        cls = dataclasses.replace(cls, fp8=fp8)
+        case = fuzz.make_case(np.random.default_rng(0), cls, [(n - 1, 1) for n in lens])
+        arrays, kwargs = case.kernel_args()
+        fn = jax.jit(lambda *a: paged_attention_mgpu(*a, **kwargs, num_splits=num_splits))
+        exported = export.export(fn, platforms=("cuda",))(*arrays)
+        assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.skipif(not os.environ.get("JAXKV_MGPU_FUZZ"), reason="set JAXKV_MGPU_FUZZ=N (slow, ~2 s a case)")
+def test_random_classes_interpreted():
+    rng = np.random.default_rng(13)
+    failed = []
+    for cls in fuzz.shape_classes(rng, "decode", int(os.environ["JAXKV_MGPU_FUZZ"])):
+        cls = mosaic_class(cls, rng)
+        lengths = fuzz.random_lengths(rng, cls)
+        case = fuzz.make_case(rng, cls, lengths)
+        arrays, kwargs = case.kernel_args()
+        err = fuzz.error(paged_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET), case)
+        if not err <= fuzz.TOLERANCE[cls.dtype]:
+            failed.append((cls.describe(), lengths, err))
+    assert not failed, failed
+
+
+def mosaic_class(cls: fuzz.ShapeClass, rng: np.random.Generator) -> fuzz.ShapeClass:
+    """The nearest class the Mosaic kernel supports: head size 64/128/256, bf16/f16, no ALiBi."""
+    head = int(rng.choice(mgpu_mod.HEAD_SIZES))
+    dtype = "bfloat16" if cls.dtype == "float32" else cls.dtype
+    return dataclasses.replace(cls, head_size=head, dtype=dtype, alibi=False)
