@@ -208,7 +208,8 @@ class LLMEngine:
             return KVCacheManager(self.runner.num_blocks, self.block_size,
                                   enable_prefix_caching=enable_prefix_caching)
         from jaxkv.parallel.data_parallel import DataParallelKVCacheManager
-        kv = DataParallelKVCacheManager(self.runner.num_blocks, self.block_size, data_parallel_size=self.runner.dp,
+        kv = DataParallelKVCacheManager(self.runner.num_blocks, self.block_size,
+                                        data_parallel_size=self.runner.dp,
                                         max_num_seqs_per_rank=self.runner.max_num_seqs_per_rank,
                                         enable_prefix_caching=enable_prefix_caching)
         self.runner.rank_of = kv.rank_of  # the runner lays rows out by the manager's placement

@@ -8,6 +8,7 @@ from jaxkv.parallel.mesh import (DP, TP, allocate_sharded_kv_caches, check_tenso
                                  kv_head_map, make_mesh, mesh_sizes, num_kv_heads_per_rank, valid_tp_sizes)
 
 __all__ = ["DP", "TP", "DataParallelKVCacheManager", "DataParallelModelRunner", "allocate_sharded_kv_caches",
-           "check_tensor_parallel", "gather_logits_rows", "global_kv_cache_shape", "kv_cache_partition_spec", "kv_cache_sharding",
+           "check_tensor_parallel", "gather_logits_rows", "global_kv_cache_shape", "kv_cache_partition_spec",
+           "kv_cache_sharding",
            "kv_head_map", "make_mesh", "mesh_sizes", "num_kv_heads_per_rank", "paged_attention_layer",
            "valid_tp_sizes"]
