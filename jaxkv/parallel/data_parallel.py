@@ -152,12 +152,20 @@ class DataParallelModelRunner(ModelRunner):
         mesh: the ``(dp, tp)`` mesh.
         rank_of: ``{request_id: rank}`` (the :class:`DataParallelKVCacheManager`'s), read at each step.
 
+    The step's inputs travel as separate arrays, each sharded over ``dp`` (not as the single-device
+    runner's two packed buffers, whose layout mixes every array).
+
     Raises:
-        ValueError: what :class:`ModelRunner` raises, or a block count not divisible by ``dp``.
+        ValueError: what :class:`ModelRunner` raises, a block count not divisible by ``dp``, or
+            ``check_kernel_inputs`` (not supported on a data-parallel mesh).
     """
 
     def __init__(self, model_fn, params, kv_caches, *, mesh: Mesh, max_num_seqs: int, **options):
+        if options.get("check_kernel_inputs"):
+            raise ValueError("check_kernel_inputs=True is not supported with data_parallel_size > 1")
         super().__init__(model_fn, params, kv_caches, max_num_seqs=max_num_seqs, **options)
+        self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
+        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
         self.mesh = mesh
         self.dp, _ = mesh_sizes(mesh)
         if self.num_blocks % self.dp:
@@ -234,13 +242,18 @@ class DataParallelModelRunner(ModelRunner):
         groups = self._split(sched)
         rows = _bucket(max(len(idx) for idx in groups), self.request_buckets)
         parts = [self.prepare_decode(*self._subset(sched, idx, src_rows), rows) for idx in groups]
-        host = jax.tree.map(lambda *xs: np.concatenate(xs), *[p[:-1] for p in parts])
         order = jax.device_put(self._order(groups, rows), self._replicated)
-        tokens, src, positions, steps, table, sampling = self._put(host)
-        out, last, logits, self.kv_caches = self._decode(
-            self.params, self.kv_caches, tokens, src, self._prev(prev_tokens), positions, steps, table,
-            sampling, np.int32(sched.num_decode_steps), order)
+        out, last, logits = self._dispatch_decode(parts, order, np.int32(sched.num_decode_steps), prev_tokens)
         return StepResult(out, logits, last)
+
+    def _dispatch_decode(self, parts, order, num_steps, prev_tokens):
+        for arrays, _ in parts:
+            arrays.pop("num_steps")
+        arrays, sampling = self._put(jax.tree.map(lambda *xs: np.concatenate(xs), *parts))
+        out, last, logits, self.kv_caches = self._decode(
+            self.params, self.kv_caches, arrays["tokens"], arrays["src_rows"], self._prev(prev_tokens),
+            arrays["positions"], arrays["steps"], arrays["block_tables"], sampling, num_steps, order)
+        return out, last, logits
 
     def warmup(self) -> None:
         """Compile every bucket with all-padding batches (nothing is written)."""
@@ -255,10 +268,7 @@ class DataParallelModelRunner(ModelRunner):
                                                     self._prev(None), max_query_len=t)
             tokens.block_until_ready()
         for rows in self.request_buckets:
-            host = self.prepare_decode(SchedulerOutput([], 1), None, rows)[:-1]
-            host = jax.tree.map(lambda *xs: np.concatenate(xs), *[host] * self.dp)
+            parts = [self.prepare_decode(SchedulerOutput([], 1), None, rows) for _ in range(self.dp)]
             order = jax.device_put(np.arange(self.dp * rows, dtype=np.int32), self._replicated)
-            tokens, src, positions, steps, table, sampling = self._put(host)
-            out, _, _, self.kv_caches = self._decode(self.params, self.kv_caches, tokens, src, self._prev(None),
-                                                     positions, steps, table, sampling, np.int32(1), order)
+            out, _, _ = self._dispatch_decode(parts, order, np.int32(1), None)
             out.block_until_ready()
