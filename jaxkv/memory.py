@@ -174,8 +174,15 @@ def available_kv_cache_memory_bytes(*, gpu_memory_utilization: float = 0.9, devi
 def num_blocks_from_device_memory(kv_cache: KVCacheSpec | Mapping[str, KVCacheSpec] | KVCacheConfig, *,
                                   num_layers: int | None = None, gpu_memory_utilization: float = 0.9,
                                   device: Any = None, reserved_bytes: int = 0,
-                                  total_bytes: int | None = None, free_bytes: int | None = None) -> int:
+                                  total_bytes: int | None = None, free_bytes: int | None = None,
+                                  mesh: Any = None) -> int:
     """How many blocks fit in the device memory left for the KV cache.
+
+    With a ``(dp, tp)`` ``mesh`` (:func:`jaxkv.parallel.make_mesh`) the count is per device, i.e. the
+    block pool of one ``dp`` rank: every spec keeps ``max(1, num_kv_heads // tp)`` KV heads (what one
+    ``tp`` rank stores), the budget is the smallest over the mesh's devices (``device`` ignored;
+    ``reserved_bytes`` is per device: that device's share of the weights and activations), and the
+    engine's cache holds ``dp`` times the result.
 
     The budget is :func:`available_kv_cache_memory_bytes`; then
 
@@ -190,6 +197,7 @@ def num_blocks_from_device_memory(kv_cache: KVCacheSpec | Mapping[str, KVCacheSp
     Args:
         kv_cache: per-layer specs, one spec (with ``num_layers``), or an existing config.
         num_layers: layers sharing the spec (only with a single spec).
+        mesh: a mesh with axes ``tp`` / ``dp`` (or ``None``: one device).
         gpu_memory_utilization, device, reserved_bytes, total_bytes, free_bytes: see
             :func:`available_kv_cache_memory_bytes`.
 
@@ -199,8 +207,21 @@ def num_blocks_from_device_memory(kv_cache: KVCacheSpec | Mapping[str, KVCacheSp
     Raises:
         ValueError: the memory errors of :func:`available_kv_cache_memory_bytes`; ``num_layers`` missing or
             given where it does not apply; a budget below one block (the message gives budget and block
-            bytes).
+            bytes); a mesh with a :class:`KVCacheConfig` (size the config per device instead).
     """
+    if mesh is not None:
+        tp = int(mesh.shape.get("tp", 1))
+        per_rank = lambda s: s.replace(num_kv_heads=max(1, s.num_kv_heads // tp))  # noqa: E731
+        if isinstance(kv_cache, KVCacheSpec):
+            kv_cache = per_rank(kv_cache)
+        elif isinstance(kv_cache, Mapping):
+            kv_cache = {name: per_rank(s) for name, s in kv_cache.items()}
+        else:
+            raise ValueError(f"mesh={mesh} needs per-layer specs or one spec, not kv_cache={kv_cache!r}")
+        return min(num_blocks_from_device_memory(
+            kv_cache, num_layers=num_layers, gpu_memory_utilization=gpu_memory_utilization, device=d,
+            reserved_bytes=reserved_bytes, total_bytes=total_bytes, free_bytes=free_bytes)
+            for d in mesh.devices.flat)
     if isinstance(kv_cache, KVCacheSpec):
         if num_layers is None:
             raise ValueError("num_layers=None: give the number of layers that share the spec")

@@ -15,6 +15,7 @@ from flax import nnx
 from jaxtyping import Array, Float, Int
 
 import jaxkv
+from jaxkv.parallel import gather_logits_rows, paged_attention_layer
 from models.config import LlamaConfig
 
 
@@ -56,7 +57,7 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(self, x: Float[Array, "num_tokens hidden"], positions: Int[Array, "num_tokens"],
-                 kv_cache: jax.Array, metadata: jaxkv.AttentionMetadata, *, attention_impl: str
+                 kv_cache: jax.Array, metadata: jaxkv.AttentionMetadata, *, attention_impl: str, mesh=None
                  ) -> tuple[Float[Array, "num_tokens hidden"], jax.Array]:
         c = self.config
         q, k, v = self._qkv(x, positions)
@@ -65,9 +66,9 @@ class Attention(nnx.Module):
         scales = {}
         if jnp.dtype(kv_cache.dtype) in jaxkv.FP8_DTYPES:
             scales = dict(k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
-        kv_cache = jaxkv.write_to_paged_cache(kv_cache, k, v, metadata.slot_mapping, **scales)
-        out = jaxkv.paged_attention(q, kv_cache, metadata, scale=c.head_size ** -0.5,
-                                    impl=attention_impl, **scales)
+        # write + attend; on a mesh per shard (local heads, local rows and blocks: jaxkv.parallel)
+        out, kv_cache = paged_attention_layer(q, k, v, kv_cache, metadata, scale=c.head_size ** -0.5,
+                                              impl=attention_impl, mesh=mesh, **scales)
         return self.o_proj(out.reshape(x.shape[0], c.num_heads * c.head_size)), kv_cache
 
     def dense(self, x: Float[Array, "batch seq hidden"], valid: jax.Array) -> Float[Array, "batch seq hidden"]:
@@ -113,9 +114,9 @@ class DecoderLayer(nnx.Module):
         self.post_attention_layernorm = _rms_norm(config, rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs)
 
-    def __call__(self, x, positions, kv_cache, metadata, *, attention_impl):
+    def __call__(self, x, positions, kv_cache, metadata, *, attention_impl, mesh=None):
         h, kv_cache = self.self_attn(self.input_layernorm(x).astype(x.dtype), positions, kv_cache,
-                                     metadata, attention_impl=attention_impl)
+                                     metadata, attention_impl=attention_impl, mesh=mesh)
         x = x + h
         return x + self.mlp(self.post_attention_layernorm(x).astype(x.dtype)), kv_cache
 
@@ -147,7 +148,7 @@ class LlamaForCausalLM(nnx.Module):
 
     def __call__(self, input_ids: Int[Array, "num_tokens"], positions: Int[Array, "num_tokens"],
                  kv_caches: list[jax.Array], metadata: jaxkv.AttentionMetadata,
-                 logits_indices: Int[Array, "num_logits"], *, attention_impl: str
+                 logits_indices: Int[Array, "num_logits"], *, attention_impl: str, mesh=None
                  ) -> tuple[Float[Array, "num_logits vocab"], list[jax.Array]]:
         """One model step over the batch's new tokens.
 
@@ -159,6 +160,8 @@ class LlamaForCausalLM(nnx.Module):
             logits_indices: ``int32[num_logits]`` tokens whose next-token logits are wanted
                 (each sequence's last new token).
             attention_impl: see :func:`jaxkv.paged_attention`.
+            mesh: the ``(dp, tp)`` mesh the parameters and caches are sharded over (``None``: one
+                device); see :func:`models.parallel.shard_llama_params`.
 
         Returns:
             ``(f32[num_logits, vocab_size] logits, the updated caches)``.
@@ -168,9 +171,9 @@ class LlamaForCausalLM(nnx.Module):
         x = self.embed_tokens(input_ids)
         new_caches = []
         for layer, kv_cache in zip(self.layers, kv_caches):
-            x, kv_cache = layer(x, positions, kv_cache, metadata, attention_impl=attention_impl)
+            x, kv_cache = layer(x, positions, kv_cache, metadata, attention_impl=attention_impl, mesh=mesh)
             new_caches.append(kv_cache)
-        return self._logits(x[logits_indices]), new_caches
+        return self._logits(gather_logits_rows(x, logits_indices, mesh)), new_caches
 
     def forward_dense(self, input_ids: Int[Array, "batch seq"], valid: jax.Array
                       ) -> Float[Array, "batch seq vocab"]:

@@ -117,17 +117,27 @@ class EngineCaches:
     model_fn: object
 
 
+def check_mesh_support(config) -> None:
+    """Raise ``ValueError`` for a model family that cannot run on a device mesh yet."""
+    if isinstance(config, Gemma3Config):
+        raise ValueError("tensor_parallel_size / data_parallel_size > 1 is not supported for gemma3 yet "
+                         "(only Llama-family models are sharded); use 1")
+
+
 def make_engine_caches(model, *, block_size: int, num_blocks: int, dtype, attention_impl: str,
-                       hybrid: bool = True) -> EngineCaches:
-    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for Gemma 3)."""
+                       hybrid: bool = True, mesh=None) -> EngineCaches:
+    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for Gemma 3).
+    With a ``(dp, tp)`` ``mesh`` (Llama family only) the caches and parameters are sharded over it."""
+    if mesh is not None:
+        check_mesh_support(model.config)
     if isinstance(model, Gemma3ForCausalLM):
         kv_config, caches = gemma3_runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
                                                          num_blocks=num_blocks, hybrid=hybrid)
         params, fn = gemma3_runner.make_model_fn(model, kv_config, attention_impl=attention_impl)
         return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
     kv_config, caches = runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
-                                              num_blocks=num_blocks)
-    params, fn = runner.make_model_fn(model, attention_impl=attention_impl)
+                                              num_blocks=num_blocks, mesh=mesh)
+    params, fn = runner.make_model_fn(model, attention_impl=attention_impl, mesh=mesh)
     return EngineCaches(kv_config, caches, None, params, fn)
 
 

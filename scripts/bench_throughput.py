@@ -315,6 +315,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dispatch step N+1 before fetching step N's tokens (default on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-impl", default=None)
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices each model replica is split over (heads, MLP)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="model replicas, each with its own KV block pool (max-num-seqs is for all of them)")
     p.add_argument("--static-batch-size", type=int, default=None,
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
     p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")
@@ -410,8 +414,10 @@ def run(args) -> int:
                              max_admission_delay_steps=args.max_admission_delay_steps,
                              async_scheduling=args.async_scheduling,
                              attention_impl=args.attention_impl,
-                             seed=args.seed)
-            print(f"jaxkv: {llm.num_gpu_blocks} blocks of {args.block_size} tokens, "
+                             seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                             data_parallel_size=args.data_parallel_size)
+            print(f"jaxkv: tp={args.tensor_parallel_size} dp={args.data_parallel_size}, "
+                  f"{llm.num_gpu_blocks} blocks of {args.block_size} tokens (per dp rank), "
                   f"{llm.engine.num_buckets} buckets, attention={llm.attention_impl}, dtype={llm.dtype}")
             if not args.no_warmup:
                 t0 = time.perf_counter()

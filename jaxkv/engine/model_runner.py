@@ -179,6 +179,7 @@ class ModelRunner:
         self.return_logits = return_logits
         self.request_buckets = pow2_buckets(1, max_num_seqs)
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.prev_len = self.request_buckets[-1]  # length of a step's per-row last tokens
         self.num_compiles = 0
         self._no_prev = None
         wrap = checked if check_kernel_inputs else (lambda fn: fn)
@@ -195,6 +196,12 @@ class ModelRunner:
         return len(self.request_buckets) + len(self.token_buckets)
 
     # -- device functions (traced once per bucket) --------------------------------------------------
+    def _slot_mapping(self, block_tables, seq_ids, positions):
+        return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
+
+    def _sample(self, logits, sampling: SamplingArrays):
+        return sample_tokens_per_row(logits, sampling)
+
     def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, *, layout, max_query_len):
         inputs, sampling = _split_sampling(_unpack(ints, floats, layout))
         return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len)
@@ -217,20 +224,23 @@ class ModelRunner:
         positions = inputs["positions"]
         _check_fed_tokens(input_ids, positions)
         metadata = _per_group(inputs["block_tables"], lambda block_tables: AttentionMetadata(
-            slot_mapping=slot_mapping_from_positions(block_tables, inputs["seq_ids"], positions,
-                                                     self.block_size),
+            slot_mapping=self._slot_mapping(block_tables, inputs["seq_ids"], positions),
             seq_lens=inputs["seq_lens"], block_tables=block_tables,
             query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
             max_seq_len=block_tables.shape[1] * self.block_size))
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
-        tokens = sample_tokens_per_row(logits, sampling)
+        tokens = self._sample(logits, sampling)
+        if "out_rows" in inputs:  # rows laid out per data-parallel rank: back to the schedule's order
+            tokens, logits = tokens[inputs["out_rows"]], logits[inputs["out_rows"]]
         return tokens, (logits if self.return_logits else None), kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, num_steps):
+                     sampling: SamplingArrays, num_steps, order=None):
         """Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
-        token padded to the largest request bucket (the next step's ``prev_tokens``), the caches."""
+        token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches. ``order``
+        (``int32[R]``, optional): row ``order[r]`` holds the schedule's request ``r`` (rows laid out per
+        data-parallel rank); the outputs come back in the schedule's order."""
         self.num_compiles += 1
         tokens = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], tokens)
         num_reqs = tokens.shape[0]
@@ -238,7 +248,7 @@ class ModelRunner:
 
         def metadata_for(fed):
             return _per_group(block_tables, lambda table: AttentionMetadata(
-                slot_mapping=slot_mapping_from_positions(table, rows, fed, self.block_size),
+                slot_mapping=self._slot_mapping(table, rows, fed),
                 seq_lens=jnp.where(fed >= 0, fed + 1, 1).astype(jnp.int32), block_tables=table,
                 query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
                 max_seq_len=table.shape[1] * self.block_size))
@@ -250,7 +260,7 @@ class ModelRunner:
             _check_fed_tokens(toks, fed)
             logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
                                            rows)
-            new = sample_tokens_per_row(logits, dataclasses.replace(sampling, gen_idx=gen))
+            new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen))
             new = jnp.where(active, new, -1)
             step = active.astype(jnp.int32)
             return ((jnp.where(active, new, toks), pos + step, gen + step, caches),
@@ -267,7 +277,10 @@ class ModelRunner:
         (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
             body, carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
-        last = jnp.pad(last, (0, self.request_buckets[-1] - num_reqs), constant_values=-1)
+        if order is not None:
+            last, out_tokens = last[order], out_tokens[:, order]
+            out_logits = None if out_logits is None else out_logits[:, order]
+        last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
         return out_tokens, last, out_logits, kv_caches
 
     # -- host side ------------------------------------------------------------------------------------
@@ -322,7 +335,7 @@ class ModelRunner:
     def _prev(self, prev_tokens):
         if prev_tokens is None:
             if self._no_prev is None:
-                self._no_prev = jnp.full(self.request_buckets[-1], -1, jnp.int32)
+                self._no_prev = jnp.full(self.prev_len, -1, jnp.int32)
             return self._no_prev
         return prev_tokens
 
@@ -331,14 +344,19 @@ class ModelRunner:
         :class:`jaxkv.core.SchedulerOutput`): ``tokens[r]`` is request ``r``'s next token (meaningful
         where ``sched.samples[r]``). ``src_rows[r] >= 0``: request ``r``'s input token is
         ``prev_tokens[src_rows[r]]`` (sampled by the previous, still running step)."""
+        t = _bucket(sched.total_num_scheduled_tokens, self.token_buckets)
+        inputs, sampling = self.prepare_mixed(sched, src_rows, self.request_buckets[-1], t)
+        tokens, logits = self._run_mixed(inputs, sampling, prev_tokens, max_query_len=t)
+        return StepResult(tokens, logits, tokens)
+
+    def prepare_mixed(self, sched, src_rows, num_rows: int, t: int) -> tuple[dict, SamplingArrays]:
+        """Host (NumPy) inputs of a mixed step: ``num_rows`` rows, ``t`` token slots."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         n = len(reqs)
         q_lens = np.array([k for _, k in scheduled], np.int32)
         context = np.array(sched.context_lens, np.int32)
         num_tokens = int(q_lens.sum())
-        num_rows = self.request_buckets[-1]
-        t = _bucket(num_tokens, self.token_buckets)
         ids = np.zeros(t, np.int32)
         pos = np.full(t, -1, np.int32)
         seq_ids = np.zeros(t, np.int32)
@@ -361,9 +379,7 @@ class ModelRunner:
         last[:n] = qsl[1:n + 1] - 1
         inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, src_rows=src, seq_lens=seq_lens,
                       query_start_loc=qsl, block_tables=self._block_table(reqs, num_rows), logits_indices=last)
-        tokens, logits = self._run_mixed(inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx),
-                                         prev_tokens, max_query_len=t)
-        return StepResult(tokens, logits, tokens)
+        return inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx)
 
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, prev_tokens, *, max_query_len: int):
         ints, floats, layout = _pack(inputs | _sampling_dict(sampling))
@@ -408,9 +424,16 @@ class ModelRunner:
         """``sched.num_decode_steps`` decode steps; request ``r`` runs ``sched.scheduled[r][1]`` of them
         (its blocks for them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped
         running). ``src_rows`` / ``prev_tokens``: as in :meth:`execute_mixed`."""
+        num_rows = _bucket(len(sched.scheduled), self.request_buckets)
+        arrays, sampling = self.prepare_decode(sched, src_rows, num_rows)
+        out, last, logits = self._run_decode(arrays, sampling, prev_tokens)
+        return StepResult(out, logits, last)
+
+    def prepare_decode(self, sched, src_rows, num_rows: int) -> tuple[dict, SamplingArrays]:
+        """Host (NumPy) inputs of a decode loop over ``num_rows`` rows: ``tokens``, ``src_rows``,
+        ``positions``, ``steps``, ``block_tables``, ``num_steps``, and the sampling arrays."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
-        num_rows = _bucket(len(reqs), self.request_buckets)
         tokens = np.zeros(num_rows, np.int32)
         src = np.full(num_rows, -1, np.int32)
         positions = np.zeros(num_rows, np.int32)
@@ -425,6 +448,4 @@ class ModelRunner:
         steps[:n] = [s for _, s in scheduled]
         arrays = dict(tokens=tokens, src_rows=src, positions=positions, steps=steps,
                       block_tables=self._block_table(reqs, num_rows), num_steps=np.int32(sched.num_decode_steps))
-        out, last, logits = self._run_decode(arrays, self._sampling_arrays(reqs, num_rows, sched.gen_idx),
-                                             prev_tokens)
-        return StepResult(out, logits, last)
+        return arrays, self._sampling_arrays(reqs, num_rows, sched.gen_idx)

@@ -15,10 +15,13 @@ from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
+from flax import nnx
 
 import jaxkv
+import jaxkv.parallel
 from jaxkv import RequestOutput, SamplingParams
 from models import registry
+from models.parallel import check_llama_tensor_parallel
 from models.registry import resolve_model
 from models.runner import kv_cache_spec
 
@@ -48,9 +51,18 @@ class LLM:
             ``max_model_len`` tokens, at most 1024 blocks.
         attention_impl: ``"pallas"`` / ``"pallas_interpret"`` / ``"reference"`` (default per device).
         return_logits: keep the logits of every sampled token (tests).
+        tensor_parallel_size: devices each model replica is split over (heads and MLP, Megatron-style;
+            vLLM ``tensor_parallel_size``).
+        data_parallel_size: model replicas, each with its own KV block pool; every request runs on one
+            (vLLM ``data_parallel_size``). With either above 1 the model runs on a ``(dp, tp)``
+            :func:`jaxkv.parallel.make_mesh` mesh of ``dp * tp`` devices; ``num_gpu_blocks`` is then per
+            ``dp`` rank, while ``max_num_seqs`` / ``max_num_batched_tokens`` stay engine-wide (all ranks;
+            vLLM sets them per rank).
 
     Raises:
-        ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block.
+        ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block, too few
+            devices for the mesh, head counts that do not split over ``tensor_parallel_size`` (the
+            message lists the valid sizes).
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2-135m", *, dtype: str = "auto",
@@ -60,8 +72,11 @@ class LLM:
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  num_scheduler_steps: int = 8, max_admission_delay_steps: int = 0,
                  async_scheduling: bool = False, attention_impl: str | None = None, seed: int = 0,
-                 return_logits: bool = False):
+                 return_logits: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1):
         path = resolve_model(model)
+        self.mesh = jaxkv.parallel.make_mesh(tensor_parallel_size, data_parallel_size)
+        if tensor_parallel_size * data_parallel_size == 1:
+            self.mesh = None  # one device: no mesh, exactly the single-device program
         on_gpu = jax.default_backend() == "gpu"
         if dtype == "auto":
             dtype = "bfloat16" if on_gpu else "float32"
@@ -74,6 +89,9 @@ class LLM:
         if num_gpu_blocks is None and _has_memory_stats():
             snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
         self.config, weights, self.tokenizer = registry.load_checkpoint(path, progress=False)
+        if self.mesh is not None:
+            registry.check_mesh_support(self.config)
+            check_llama_tensor_parallel(self.config, tensor_parallel_size)
         self.model = registry.build_model(self.config, weights, dtype=self.dtype)
         del weights
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
@@ -87,7 +105,10 @@ class LLM:
                                                       cache_dtype, max_num_seqs, max_num_batched_tokens)
         self.num_gpu_blocks = num_gpu_blocks
         parts = registry.make_engine_caches(self.model, block_size=block_size, num_blocks=num_gpu_blocks,
-                                            dtype=cache_dtype, attention_impl=self.attention_impl)
+                                            dtype=cache_dtype, attention_impl=self.attention_impl,
+                                            mesh=self.mesh)
+        if self.mesh is not None:
+            nnx.update(self.model, parts.params)  # the sharded weights replace the single-device copy
         self.kv_cache_config = parts.kv_cache_config
         self.engine = jaxkv.LLMEngine(
             parts.model_fn, parts.params, parts.kv_caches, kv_cache_groups=parts.kv_cache_groups,
@@ -97,26 +118,30 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             num_scheduler_steps=num_scheduler_steps, max_admission_delay_steps=max_admission_delay_steps,
             async_scheduling=async_scheduling,
-            seed=seed, return_logits=return_logits)
+            seed=seed, return_logits=return_logits, mesh=self.mesh)
         self.last_summary: dict[str, float] = {}
-        log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens, attention=%s", path.name,
-                 self.dtype, cache_dtype, num_gpu_blocks, block_size, self.attention_impl)
+        log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens%s, attention=%s, mesh=%s",
+                 path.name, self.dtype, cache_dtype, num_gpu_blocks, block_size,
+                 " per dp rank" if self.mesh is not None else "", self.attention_impl,
+                 None if self.mesh is None else dict(self.mesh.shape))
 
     def _blocks_from_memory(self, snapshot, utilization, block_size, cache_dtype, max_num_seqs,
                             max_num_batched_tokens) -> int:
         spec = kv_cache_spec(self.config, block_size=block_size, dtype=cache_dtype)
+        dp, _ = jaxkv.parallel.mesh_sizes(self.mesh)
         if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
             per_seq = registry.blocks_per_sequence(self.config, self.max_model_len, block_size=block_size,
                                                    max_num_batched_tokens=max_num_batched_tokens)
-            return min(max(1024, per_seq), max_num_seqs * per_seq)
-        in_use = int(jax.devices()[0].memory_stats().get("bytes_in_use", 0))
+            return min(max(1024, per_seq), -(-max_num_seqs // dp) * per_seq)
+        devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
+        in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
         # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
         activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size
                           + 64 * max_num_batched_tokens * self.config.hidden_size * 4)
         return jaxkv.num_blocks_from_device_memory(
             spec, num_layers=registry.num_cache_tensors(self.config), gpu_memory_utilization=utilization,
             reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes,
-            free_bytes=snapshot.free_bytes)
+            free_bytes=snapshot.free_bytes, mesh=self.mesh)
 
     def get_tokenizer(self):
         return self.tokenizer

@@ -1,0 +1,14 @@
+"""Tensor and data parallelism over a ``(dp, tp)`` device mesh with JAX's own SPMD (docs/serving.md,
+"The mesh")."""
+
+from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
+from jaxkv.parallel.data_parallel import DataParallelKVCacheManager, DataParallelModelRunner
+from jaxkv.parallel.mesh import (DP, TP, allocate_sharded_kv_caches, check_tensor_parallel,
+                                 global_kv_cache_shape, kv_cache_partition_spec, kv_cache_sharding,
+                                 kv_head_map, make_mesh, mesh_sizes, num_kv_heads_per_rank, valid_tp_sizes)
+
+__all__ = ["DP", "TP", "DataParallelKVCacheManager", "DataParallelModelRunner", "allocate_sharded_kv_caches",
+           "check_tensor_parallel", "gather_logits_rows", "global_kv_cache_shape", "kv_cache_partition_spec",
+           "kv_cache_sharding",
+           "kv_head_map", "make_mesh", "mesh_sizes", "num_kv_heads_per_rank", "paged_attention_layer",
+           "valid_tp_sizes"]

@@ -1,0 +1,274 @@
+"""Data parallelism over the mesh axis ``dp``: one block pool per rank, each request on one rank.
+
+vLLM runs one engine per data-parallel rank behind a load-balancing front end. jaxkv keeps one engine
+and one jitted step for all ranks instead:
+
+* :class:`DataParallelKVCacheManager` holds one :class:`jaxkv.core.KVCacheManager` per rank (local block
+  ids ``0 .. num_blocks_per_rank - 1``, each rank's own prefix cache) and places a request on a rank
+  when it is admitted: the rank with the fewest requests, then the most free blocks (at most
+  ``ceil(max_num_seqs / dp)`` requests per rank). A preempted request is placed again on re-admission.
+  The scheduler sees the same interface as a single manager.
+* :class:`DataParallelModelRunner` lays a step's rows out per rank: rank ``d`` owns rows ``[d * R, (d +
+  1) * R)`` and token slots ``[d * T, (d + 1) * T)`` of the padded batch (``R``, ``T``: the step's
+  per-rank buckets), with block ids, slots and ``query_start_loc`` local to that rank. Under
+  :func:`jaxkv.parallel.paged_attention_layer` the ``dp`` shard of every array is exactly one rank's
+  rows, tokens and blocks, so a request can only ever read its own rank's blocks. The sampled tokens
+  are put back in the schedule's order on the device, so the engine's bookkeeping is unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
+from jaxkv.core.request import Request
+from jaxkv.engine.model_runner import ModelRunner, StepResult, _bucket, pow2_buckets
+from jaxkv.parallel.mesh import DP, mesh_sizes
+from jaxkv.sampling import sample_tokens_per_row
+from jaxkv.slot_mapping import slot_mapping_from_positions
+
+
+class DataParallelKVCacheManager:
+    """Per-rank KV-cache managers behind :class:`jaxkv.core.KVCacheManager`'s interface.
+
+    Args:
+        num_blocks_per_rank: blocks in each rank's pool.
+        block_size: tokens per block.
+        data_parallel_size: ranks.
+        max_num_seqs_per_rank: most requests placed on one rank at once.
+        enable_prefix_caching: a prefix cache per rank (a hit needs the prefix on the request's rank).
+
+    Attributes:
+        rank_of: ``{request_id: rank}`` of every request holding blocks.
+        num_placed: admissions per rank so far (a preempted request counts again when re-admitted).
+        managers: the per-rank managers.
+
+    Raises:
+        ValueError: a size below 1.
+    """
+
+    def __init__(self, num_blocks_per_rank: int, block_size: int, *, data_parallel_size: int,
+                 max_num_seqs_per_rank: int, enable_prefix_caching: bool = True):
+        for name, value in (("data_parallel_size", data_parallel_size),
+                            ("max_num_seqs_per_rank", max_num_seqs_per_rank)):
+            if value < 1:
+                raise ValueError(f"{name}={value} must be >= 1")
+        self.managers = [KVCacheManager(num_blocks_per_rank, block_size,
+                                        enable_prefix_caching=enable_prefix_caching)
+                         for _ in range(data_parallel_size)]
+        self.block_size = block_size
+        self.max_num_seqs_per_rank = max_num_seqs_per_rank
+        self.rank_of: dict[str, int] = {}
+        self._load = [0] * data_parallel_size  # requests holding blocks, per rank
+        self.num_placed = [0] * data_parallel_size  # placements so far, per rank (statistics)
+
+    # -- aggregate views ----------------------------------------------------------------------------
+    @property
+    def prefix_cache(self):
+        """The first rank's prefix cache (``None`` when prefix caching is off)."""
+        return self.managers[0].prefix_cache
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks one request can draw on: its rank's pool."""
+        return self.managers[0].num_blocks
+
+    @property
+    def num_free_blocks(self) -> int:
+        return sum(m.num_free_blocks for m in self.managers)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / (self.num_blocks * len(self.managers))
+
+    @property
+    def prefix_cache_hit_rate(self) -> float:
+        queries = sum(m.prefix_cache_queries for m in self.managers)
+        return sum(m.prefix_cache_hits for m in self.managers) / queries if queries else 0.0
+
+    # -- placement ----------------------------------------------------------------------------------
+    def _rank(self, request: Request) -> int | None:
+        """The request's rank, or where it would be placed now (``None``: every rank is full)."""
+        rank = self.rank_of.get(request.request_id)
+        if rank is not None:
+            return rank
+        open_ranks = [d for d, n in enumerate(self._load) if n < self.max_num_seqs_per_rank]
+        if not open_ranks:
+            return None
+        return min(open_ranks, key=lambda d: (self._load[d], -self.managers[d].num_free_blocks, d))
+
+    # -- KVCacheManager interface -------------------------------------------------------------------
+    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+        rank = self._rank(request)
+        return ([], 0) if rank is None else self.managers[rank].get_computed_blocks(request)
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.managers[0].record_prefix_lookup(num_tokens, num_hit_tokens)
+
+    def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
+        rank = self._rank(request)
+        return rank is not None and self.managers[rank].can_allocate(request, num_new_tokens,
+                                                                     new_computed_blocks)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
+        """As :meth:`KVCacheManager.allocate_slots`, on the request's rank (placing it first if new)."""
+        rank = self._rank(request)
+        if rank is None or not self.managers[rank].allocate_slots(request, num_new_tokens,
+                                                                  new_computed_blocks):
+            return False
+        if request.request_id not in self.rank_of:
+            self.rank_of[request.request_id] = rank
+            self._load[rank] += 1
+            self.num_placed[rank] += 1
+        return True
+
+    def cache_blocks(self, request: Request) -> None:
+        rank = self.rank_of.get(request.request_id)
+        if rank is not None:
+            self.managers[rank].cache_blocks(request)
+
+    def free(self, request: Request) -> None:
+        """Give the request's blocks back to its rank; it is placed again if it is re-admitted."""
+        rank = self.rank_of.pop(request.request_id, None)
+        if rank is not None:
+            self.managers[rank].free(request)
+            self._load[rank] -= 1
+
+
+class DataParallelModelRunner(ModelRunner):
+    """A :class:`jaxkv.engine.ModelRunner` whose padded batch holds each ``dp`` rank's rows and tokens in
+    that rank's slice (see the module docstring).
+
+    Args:
+        model_fn, params, kv_caches, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+            num_scheduler_steps, max_num_stop_token_ids, return_logits: as :class:`ModelRunner`;
+            ``kv_caches`` are the global arrays sharded with :func:`jaxkv.parallel.kv_cache_sharding`
+            (``dp * num_blocks`` blocks), ``max_num_seqs`` and ``max_num_batched_tokens`` the engine's
+            (all ranks).
+        mesh: the ``(dp, tp)`` mesh.
+        rank_of: ``{request_id: rank}`` (the :class:`DataParallelKVCacheManager`'s), read at each step.
+
+    The step's inputs travel as separate arrays, each sharded over ``dp`` (not as the single-device
+    runner's two packed buffers, whose layout mixes every array).
+
+    Raises:
+        ValueError: what :class:`ModelRunner` raises, a block count not divisible by ``dp``, or
+            ``check_kernel_inputs`` (not supported on a data-parallel mesh).
+    """
+
+    def __init__(self, model_fn, params, kv_caches, *, mesh: Mesh, max_num_seqs: int, **options):
+        if options.get("check_kernel_inputs"):
+            raise ValueError("check_kernel_inputs=True is not supported with data_parallel_size > 1")
+        super().__init__(model_fn, params, kv_caches, max_num_seqs=max_num_seqs, **options)
+        self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
+        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
+        self.mesh = mesh
+        self.dp, _ = mesh_sizes(mesh)
+        if self.num_blocks % self.dp:
+            raise ValueError(f"kv_caches hold {self.num_blocks} blocks, not divisible by "
+                             f"data_parallel_size={self.dp}")
+        self.num_blocks //= self.dp  # per rank
+        self.max_num_seqs_per_rank = cdiv(max_num_seqs, self.dp)
+        self.request_buckets = pow2_buckets(1, self.max_num_seqs_per_rank)  # per rank
+        self.prev_len = self.dp * self.request_buckets[-1]
+        self.rank_of: dict[str, int] = {}
+        self._rows = NamedSharding(mesh, P(DP))
+        self._replicated = NamedSharding(mesh, P())
+
+    def _slot_mapping(self, block_tables, seq_ids, positions):
+        """Per ``dp`` rank, from its own block-table rows (``seq_ids`` index the global batch, and a
+        rank's tokens belong to its rows): no block table travels between ranks."""
+        def local(block_tables, seq_ids, positions):
+            rows = seq_ids - jax.lax.axis_index(DP) * block_tables.shape[0]
+            return slot_mapping_from_positions(block_tables, rows, positions, self.block_size)
+
+        return jax.shard_map(local, mesh=self.mesh, in_specs=(P(DP, None), P(DP), P(DP)), out_specs=P(DP),
+                             axis_names={DP}, check_vma=False)(block_tables, seq_ids, positions)
+
+    def _sample(self, logits, sampling):
+        """Per ``dp`` rank (sampling is row-wise): its rows' logits, parameters and stop-id masks stay
+        on it."""
+        return jax.shard_map(sample_tokens_per_row, mesh=self.mesh, in_specs=(P(DP, None), P(DP)),
+                             out_specs=P(DP), axis_names={DP}, check_vma=False)(logits, sampling)
+
+    def _split(self, sched):
+        """Per rank: the schedule's row indices placed on it."""
+        groups = [[] for _ in range(self.dp)]
+        for i, (req, _) in enumerate(sched.scheduled):
+            groups[self.rank_of[req.request_id]].append(i)
+        return groups
+
+    @staticmethod
+    def _subset(sched, idx, src_rows):
+        pick = lambda xs: [xs[i] for i in idx]  # noqa: E731
+        sub = dataclasses.replace(sched, scheduled=pick(sched.scheduled), preempted=[],
+                                  context_lens=pick(sched.context_lens), gen_idx=pick(sched.gen_idx),
+                                  pending_input=pick(sched.pending_input), samples=pick(sched.samples))
+        return sub, (None if src_rows is None else pick(src_rows))
+
+    def _order(self, groups, rows_per_rank):
+        """``int32[dp * rows_per_rank]``: padded row of each schedule row (then the padding rows)."""
+        order = np.zeros(self.dp * rows_per_rank, np.int32)
+        for d, idx in enumerate(groups):
+            order[idx] = d * rows_per_rank + np.arange(len(idx))
+        return order
+
+    def _put(self, tree):
+        return jax.device_put(tree, self._rows)
+
+    def execute_mixed(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
+        groups = self._split(sched)
+        t = _bucket(max(sum(sched.scheduled[i][1] for i in idx) for idx in groups), self.token_buckets)
+        rows = self.request_buckets[-1]
+        parts = []
+        for d, idx in enumerate(groups):
+            inputs, sampling = self.prepare_mixed(*self._subset(sched, idx, src_rows), rows, t)
+            inputs["seq_ids"] = inputs["seq_ids"] + d * rows      # rows of the global batch
+            inputs["logits_indices"] = inputs["logits_indices"] + d * t
+            parts.append((inputs, sampling))
+        inputs, sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
+        out_rows = jax.device_put(self._order(groups, rows), self._replicated)
+        inputs, sampling = self._put((inputs, sampling))
+        inputs["out_rows"] = out_rows
+        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
+                                                     self._prev(prev_tokens), max_query_len=t)
+        return StepResult(tokens, logits, tokens)
+
+    def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
+        groups = self._split(sched)
+        rows = _bucket(max(len(idx) for idx in groups), self.request_buckets)
+        parts = [self.prepare_decode(*self._subset(sched, idx, src_rows), rows) for idx in groups]
+        order = jax.device_put(self._order(groups, rows), self._replicated)
+        out, last, logits = self._dispatch_decode(parts, order, np.int32(sched.num_decode_steps), prev_tokens)
+        return StepResult(out, logits, last)
+
+    def _dispatch_decode(self, parts, order, num_steps, prev_tokens):
+        for arrays, _ in parts:
+            arrays.pop("num_steps")
+        arrays, sampling = self._put(jax.tree.map(lambda *xs: np.concatenate(xs), *parts))
+        out, last, logits, self.kv_caches = self._decode(
+            self.params, self.kv_caches, arrays["tokens"], arrays["src_rows"], self._prev(prev_tokens),
+            arrays["positions"], arrays["steps"], arrays["block_tables"], sampling, num_steps, order)
+        return out, last, logits
+
+    def warmup(self) -> None:
+        """Compile every bucket with all-padding batches (nothing is written)."""
+        from jaxkv.core.scheduler import SchedulerOutput
+        empty = SchedulerOutput([])
+        for t in self.token_buckets:
+            inputs, sampling = self.prepare_mixed(empty, None, self.request_buckets[-1], t)
+            inputs, sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *[(inputs, sampling)] * self.dp)
+            inputs, sampling = self._put((inputs, sampling))
+            inputs["out_rows"] = jax.device_put(np.arange(self.prev_len, dtype=np.int32), self._replicated)
+            tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
+                                                    self._prev(None), max_query_len=t)
+            tokens.block_until_ready()
+        for rows in self.request_buckets:
+            parts = [self.prepare_decode(SchedulerOutput([], 1), None, rows) for _ in range(self.dp)]
+            order = jax.device_put(np.arange(self.dp * rows, dtype=np.int32), self._replicated)
+            out, _, _ = self._dispatch_decode(parts, order, np.int32(1), None)
+            out.block_until_ready()

@@ -1,0 +1,243 @@
+"""Tensor and data parallelism on 4 CPU devices (f32, a tiny random Llama): greedy tokens on every mesh
+equal the single-device tokens, the caches hold the shards they should, a request reads only its own
+rank's blocks, and the compiled step holds one all-reduce per o_proj and down_proj.
+
+JAX fixes its device count when it starts, and the pytest process has usually started it with one CPU
+device. So :func:`test_mesh_suite_on_4_cpu_devices` runs this file again in a subprocess with
+``XLA_FLAGS=--xla_force_host_platform_device_count=4``; there the tests below run and the launcher skips.
+Set ``JAXKV_SLOW=1`` to add the SmolLM2 tests (``LLM(tensor_parallel_size=3)`` / ``data_parallel_size=2``).
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import jaxkv
+import models
+from jaxkv import AttentionMetadata, SamplingParams
+from jaxkv.parallel import make_mesh, paged_attention_layer
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+from models.runner import init_kv_caches, make_model_fn
+
+NUM_DEVICES = 4
+needs_mesh = pytest.mark.skipif(jax.device_count() < NUM_DEVICES,
+                                reason="runs in the 4-device subprocess of test_mesh_suite_on_4_cpu_devices")
+slow = pytest.mark.skipif(not os.environ.get("JAXKV_SLOW"), reason="set JAXKV_SLOW=1 (SmolLM2, minutes)")
+
+BLOCK, MAX_LEN = 8, 64
+
+
+def test_mesh_suite_on_4_cpu_devices():
+    if jax.device_count() >= NUM_DEVICES:
+        pytest.skip("this process has 4 devices: the mesh tests run here directly")
+    flags = os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={NUM_DEVICES}"
+    env = dict(os.environ, XLA_FLAGS=flags.strip(), JAX_PLATFORMS="cpu")
+    root = pathlib.Path(__file__).resolve().parents[2]
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-rs",
+                        str(pathlib.Path(__file__).resolve())], cwd=root, env=env, capture_output=True,
+                       text=True, timeout=600)
+    out = r.stdout + r.stderr
+    print(out[-3000:])
+    assert r.returncode == 0, out[-6000:]
+    passed = re.search(r"(\d+) passed", out)
+    assert passed and int(passed.group(1)) >= 10, out[-3000:]
+
+
+# -- a tiny random Llama, its single-device tokens --------------------------------------------------------
+def _config(num_kv_heads: int) -> LlamaConfig:
+    return LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                       num_kv_heads=num_kv_heads, head_size=16, max_position_embeddings=MAX_LEN)
+
+
+def _model(num_kv_heads: int) -> LlamaForCausalLM:
+    return LlamaForCausalLM(_config(num_kv_heads), rngs=nnx.Rngs(num_kv_heads))
+
+
+PROMPTS = [list(np.random.default_rng(7).integers(0, 128, n)) for n in (5, 17, 3, 30, 9, 12)]
+SAMPLING = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+
+
+def _engine(num_kv_heads, mesh, *, num_blocks=32, **options):
+    return models.make_engine(_model(num_kv_heads), attention_impl="reference", block_size=BLOCK,
+                              num_blocks=num_blocks, max_model_len=MAX_LEN, max_num_seqs=4,
+                              max_num_batched_tokens=16, num_scheduler_steps=4, mesh=mesh, **options)
+
+
+def _tokens(engine):
+    return [o.outputs[0].token_ids for o in engine.generate(PROMPTS, SAMPLING)]
+
+
+_solo: dict[int, list] = {}
+
+
+def _single_device_tokens(num_kv_heads):
+    if num_kv_heads not in _solo:
+        _solo[num_kv_heads] = _tokens(_engine(num_kv_heads, None))
+    return _solo[num_kv_heads]
+
+
+def _check_shards(engine, num_kv_heads, tp, dp, num_blocks):
+    """Every device holds ``[2, num_blocks, max(1, kv // tp), block, head]``: its rank's pool and heads."""
+    kv_per_rank = max(1, num_kv_heads // tp)
+    for cache in engine.kv_caches:
+        assert cache.shape == (2, dp * num_blocks, tp * kv_per_rank, BLOCK, 16)
+        shards = cache.addressable_shards
+        assert len(shards) == tp * dp
+        assert {s.data.shape for s in shards} == {(2, num_blocks, kv_per_rank, BLOCK, 16)}
+        assert len({(s.index[1].start, s.index[2].start) for s in shards}) == tp * dp  # no two alike
+    if num_kv_heads < tp:  # replicated KV heads: the tp ranks of one dp rank hold equal copies
+        by_dp = collections.defaultdict(list)
+        for s in engine.kv_caches[0].addressable_shards:
+            by_dp[s.index[1].start].append(np.asarray(s.data))
+        for copies in by_dp.values():
+            assert np.abs(copies[0]).sum() > 0
+            for c in copies[1:]:
+                np.testing.assert_array_equal(c, copies[0])
+
+
+@needs_mesh
+@pytest.mark.parametrize("num_kv_heads,tp,dp,options", [
+    (2, 2, 1, {}),
+    (2, 1, 2, dict(async_scheduling=True, num_blocks=7)),  # small pools: ranks preempt
+    (2, 2, 2, {}),
+    (1, 2, 2, dict(async_scheduling=True)),  # 1 KV head, tp=2: one replica per rank
+], ids=["tp2", "dp2-async", "tp2xdp2", "tp2xdp2-kv1-replicated"])
+def test_greedy_tokens_equal_single_device(num_kv_heads, tp, dp, options):
+    """A batch of 6 requests (prompts of 3..30 tokens, chunked prefill, 4 running at most) on the mesh."""
+    engine = _engine(num_kv_heads, make_mesh(tp, dp), **options)
+    assert _tokens(engine) == _single_device_tokens(num_kv_heads)
+    _check_shards(engine, num_kv_heads, tp, dp, options.get("num_blocks", 32))
+    if dp > 1:
+        kv = engine.kv_cache_manager
+        assert all(n > 0 for n in kv.num_placed)  # both ranks served requests
+        assert len(kv.managers) == dp and not kv.rank_of  # every block given back
+    if options.get("num_blocks") == 7:
+        # 7 blocks per rank for requests of up to 6 blocks, 2 per rank: the ranks preempt on their own
+        assert engine.stats.num_preemptions > 0
+
+
+def _attention_case(rng, mesh, poisoned_rank: int, decode: bool):
+    """Rows of both dp ranks over a global cache whose ``poisoned_rank`` pool is NaN."""
+    dp, heads, kv_heads, d, nb = 2, 4, 2, 16, 6
+    cache = rng.standard_normal((2, dp * nb, kv_heads, BLOCK, d)).astype(np.float32)
+    cache[:, poisoned_rank * nb:(poisoned_rank + 1) * nb] = np.nan
+    rows = 2  # per rank
+    seq_lens = np.array([13, 20, 9, 17], np.int32)
+    q_lens = np.ones(4, np.int32) if decode else np.array([5, 3, 9, 1], np.int32)
+    tokens = int(q_lens.reshape(dp, rows).sum(1).max()) if not decode else rows
+    tables = np.stack([rng.permutation(nb)[:3] for _ in range(4)]).astype(np.int32)  # local ids
+    qsl = np.zeros((dp, rows + 1), np.int32)
+    slots = np.full((dp, tokens), -1, np.int32)
+    for r in range(dp):
+        for j in range(rows):
+            g = r * rows + j
+            qsl[r, j + 1] = qsl[r, j] + q_lens[g]
+            pos = np.arange(seq_lens[g] - q_lens[g], seq_lens[g])
+            slots[r, qsl[r, j]:qsl[r, j + 1]] = tables[g, pos // BLOCK] * BLOCK + pos % BLOCK
+    q = rng.standard_normal((dp * tokens, heads, d)).astype(np.float32)
+    k = rng.standard_normal((dp * tokens, kv_heads, d)).astype(np.float32)
+    v = rng.standard_normal((dp * tokens, kv_heads, d)).astype(np.float32)
+    md = dict(slot_mapping=slots.reshape(-1), seq_lens=seq_lens, block_tables=tables,
+              query_start_loc=qsl.reshape(-1), max_query_len=1 if decode else tokens, max_seq_len=3 * BLOCK)
+    return cache, q, k, v, md, tokens, rows, nb
+
+
+@needs_mesh
+@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
+@pytest.mark.parametrize("poisoned_rank,impl", [(0, "reference"), (1, "pallas_interpret")])
+def test_request_never_reads_another_ranks_blocks(rng, poisoned_rank, impl, decode):
+    """Local block ids are the same numbers on both ranks: a rank's rows must write and read only its
+    own pool. The other pool is NaN; the clean rank's output equals a single-device reference run on its
+    pool alone, and the NaN pool is left untouched. ``pallas_interpret``: the Pallas kernels (in the
+    interpreter) run per shard inside the shard_map."""
+    mesh = make_mesh(2, 2)
+    cache, q, k, v, md, tokens, rows, nb = _attention_case(rng, mesh, poisoned_rank, decode)
+    sharded = jax.device_put(cache, jaxkv.parallel.kv_cache_sharding(mesh))
+    fn = jax.jit(lambda q, k, v, c, m: paged_attention_layer(q, k, v, c, m, scale=0.25, impl=impl,
+                                                              mesh=mesh))
+    meta = AttentionMetadata(**{n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in md.items()})
+    out, new_cache = (np.asarray(x) for x in fn(q, k, v, sharded, meta))
+    clean = 1 - poisoned_rank
+    t, r = slice(clean * tokens, (clean + 1) * tokens), slice(clean * rows, (clean + 1) * rows)
+    local = AttentionMetadata(slot_mapping=jnp.asarray(md["slot_mapping"][t]), seq_lens=jnp.asarray(md["seq_lens"][r]),
+                              block_tables=jnp.asarray(md["block_tables"][r]),
+                              query_start_loc=jnp.asarray(md["query_start_loc"].reshape(2, -1)[clean]),
+                              max_query_len=md["max_query_len"], max_seq_len=md["max_seq_len"])
+    pool = slice(clean * nb, (clean + 1) * nb)
+    want, want_cache = paged_attention_layer(q[t], k[t], v[t], jnp.asarray(cache[:, pool]), local, scale=0.25,
+                                             impl="reference")
+    assert np.isfinite(out[t]).all()
+    np.testing.assert_allclose(out[t], want, rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(new_cache[:, pool], np.asarray(want_cache))
+    bad = slice(poisoned_rank * nb, (poisoned_rank + 1) * nb)
+    written = md["slot_mapping"].reshape(2, -1)[poisoned_rank]
+    untouched = np.ones((nb * BLOCK,), bool)
+    untouched[written[written >= 0]] = False
+    np.testing.assert_array_equal(np.isnan(new_cache[:, bad].transpose(0, 2, 1, 3, 4).reshape(2, 2, -1, 16)
+                                           [:, :, untouched]), True)
+
+
+def _collectives(tp, dp, num_kv_heads=2):
+    """Collective ops in the compiled decode step of the tiny model on a ``(dp, tp)`` mesh."""
+    config = _config(num_kv_heads)
+    mesh = make_mesh(tp, dp)
+    params, fn = make_model_fn(_model(num_kv_heads), attention_impl="reference", mesh=mesh)
+    _, caches = init_kv_caches(config, block_size=BLOCK, num_blocks=8, dtype=jnp.float32, mesh=mesh)
+    rows = 4 * dp
+    md = AttentionMetadata(slot_mapping=jnp.zeros(rows, jnp.int32), seq_lens=jnp.ones(rows, jnp.int32),
+                           block_tables=jnp.zeros((rows, 4), jnp.int32),
+                           query_start_loc=jnp.arange(rows + 1, dtype=jnp.int32), max_query_len=1,
+                           max_seq_len=4 * BLOCK)
+    ids = jnp.zeros(rows, jnp.int32)
+    text = jax.jit(fn).lower(params, ids, ids, caches, md, jnp.arange(rows, dtype=jnp.int32)).compile().as_text()
+    ops = re.findall(r"= (\S+) (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
+                     text)
+    return collections.Counter(op for _, op in ops), [shape for shape, _ in ops]
+
+
+@needs_mesh
+def test_compiled_step_has_one_all_reduce_per_row_parallel_matmul():
+    """Megatron-style: per layer one all-reduce after o_proj and one after down_proj, each of the
+    hidden state ``[tokens, hidden]``; nothing else (embedding and LM head are replicated). dp adds no
+    collective (each rank's logits rows are gathered locally)."""
+    layers = _config(2).num_layers
+    for tp, dp in ((2, 2),):
+        counts, shapes = _collectives(tp, dp)
+        assert counts == {"all-reduce": 2 * layers}, counts
+        assert set(shapes) == {"f32[4,64]{1,0}"}, shapes  # 4 tokens per dp rank, hidden 64
+    assert _collectives(1, 2)[0] == {}
+    counts, shapes = _collectives(2, 1, num_kv_heads=1)  # replicated KV heads: still only the two
+    assert counts == {"all-reduce": 2 * layers} and set(shapes) == {"f32[4,64]{1,0}"}
+
+
+@needs_mesh
+def test_bad_head_counts_name_the_valid_sizes():
+    with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by tensor_parallel_size=3.*\[1, 2, 4\]"):
+        make_model_fn(_model(2), attention_impl="reference", mesh=make_mesh(3, 1))
+
+
+# -- SmolLM2 (9 query heads, 3 KV heads: tp=3) ------------------------------------------------------------
+@needs_mesh
+@slow
+@pytest.mark.parametrize("tp,dp", [(3, 1), (1, 2)])
+def test_smollm2_text_equals_single_device(gguf_path, tp, dp):
+    prompts = ["The capital of France is", "Water is", "Once upon a time"]
+    sp = SamplingParams(max_tokens=16, temperature=0)
+    kw = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_gpu_blocks=64)
+    solo = models.LLM(gguf_path, **kw).generate(prompts, sp, use_tqdm=False)
+    mesh = models.LLM(gguf_path, tensor_parallel_size=tp, data_parallel_size=dp, **kw).generate(
+        prompts, sp, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in mesh] == [o.outputs[0].token_ids for o in solo]
+    assert "Paris" in mesh[0].outputs[0].text
