@@ -81,6 +81,10 @@ class DataParallelKVCacheManager:
     def num_free_blocks(self) -> int:
         return sum(m.num_free_blocks for m in self.managers)
 
+    def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
+        """Most blocks one request of ``num_tokens`` tokens holds on its rank."""
+        return self.managers[0].max_num_blocks(num_tokens, max_num_batched_tokens)
+
     @property
     def usage(self) -> float:
         return 1.0 - self.num_free_blocks / (self.num_blocks * len(self.managers))
