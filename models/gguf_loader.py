@@ -273,25 +273,47 @@ def load_llama_gguf(
     for i in range(c.num_layers):
         expected.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
 
+    def map_name(tensor_name):
+        name, transpose, n_head = _map_name(tensor_name, c)
+        return name, transpose, (lambda w: unpermute_qk_from_interleaved_rope(w, n_head)) if n_head else None
+
+    return config, dequantize_weights(reader, expected, map_name, dtype=dt, num_layers=c.num_layers,
+                                      progress=progress)
+
+
+def dequantize_weights(reader, expected: dict[str, tuple[int, ...]], map_name, *, dtype, num_layers: int,
+                       progress: bool) -> dict[str, np.ndarray]:
+    """Every tensor of ``reader`` dequantised by the ``gguf`` library, renamed and reoriented.
+
+    Args:
+        reader: a ``gguf.GGUFReader``.
+        expected: our weight name -> its shape in ``x @ W`` orientation.
+        map_name: GGUF tensor name -> ``(our name, transpose, fix)``; ``fix`` (or ``None``) is applied to
+            the dequantised array before the transpose (e.g. undoing llama.cpp's Q/K row permutation).
+        dtype: NumPy dtype of the returned arrays.
+        num_layers: for the error message.
+
+    Raises:
+        ValueError: a tensor that is not expected, has the wrong shape after reorientation, or is missing.
+    """
     weights: dict[str, np.ndarray] = {}
     for tensor in tqdm(reader.tensors, desc="loading weights", disable=not progress):
-        name, transpose, n_head = _map_name(tensor.name, c)
+        name, transpose, fix = map_name(tensor.name)
         if name not in expected:
-            raise ValueError(f"GGUF tensor {tensor.name!r} is not expected for "
-                             f"num_layers={c.num_layers}")
+            raise ValueError(f"GGUF tensor {tensor.name!r} is not expected for num_layers={num_layers}")
         w = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type))
-        if n_head:
-            w = unpermute_qk_from_interleaved_rope(w, n_head)
+        if fix is not None:
+            w = fix(w)
         if transpose:
             w = w.T
         if w.shape != expected[name]:
             raise ValueError(f"GGUF tensor {tensor.name!r} has shape={w.shape} after "
                              f"reorientation, expected {expected[name]}")
-        weights[name] = np.ascontiguousarray(w, dtype=dt)
+        weights[name] = np.ascontiguousarray(w, dtype=dtype)
     missing = sorted(set(expected) - set(weights))
     if missing:
         raise ValueError(f"GGUF tensors missing for weights={missing[:8]}")
-    return config, weights
+    return weights
 
 
 def _map_name(gguf_name: str, c: LlamaConfig) -> tuple[str, bool, int]:

@@ -184,6 +184,17 @@ class LlamaForCausalLM(nnx.Module):
         return self._logits(x)
 
 
+def set_weight(param, weights: dict, name: str, dtype) -> None:
+    """``param``'s value becomes ``weights[name]`` cast to ``dtype`` (``ValueError`` naming the weight when
+    it is missing or its shape differs from the parameter's)."""
+    if name not in weights:
+        raise ValueError(f"weight {name!r} missing")
+    value, expected = weights[name], tuple(param.get_value().shape)
+    if tuple(value.shape) != expected:
+        raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {expected}")
+    param.set_value(jnp.asarray(value, dtype))
+
+
 def from_weights(config: LlamaConfig, weights: dict, *, dtype=jnp.float32) -> LlamaForCausalLM:
     """Build the model from a weight dict (names of :func:`models.gguf_loader.load_llama_gguf`).
 
@@ -193,12 +204,7 @@ def from_weights(config: LlamaConfig, weights: dict, *, dtype=jnp.float32) -> Ll
     model = nnx.eval_shape(lambda: LlamaForCausalLM(config, dtype=dtype, rngs=nnx.Rngs(0)))
 
     def put(param, name, cast=dtype):
-        if name not in weights:
-            raise ValueError(f"weight {name!r} missing")
-        value, expected = weights[name], tuple(param.get_value().shape)
-        if tuple(value.shape) != expected:
-            raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {expected}")
-        param.set_value(jnp.asarray(value, cast))
+        set_weight(param, weights, name, cast)
 
     put(model.embed_tokens.embedding, "embed_tokens")
     put(model.norm.scale, "norm", jnp.float32)
