@@ -347,6 +347,13 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {e}") from None
 
 
+def _print_partial(r: Result) -> None:
+    """One line per finished backend, at once (a later backend that dies does not take it along)."""
+    print(f"done: {r.backend}: {r.output_tokens_per_s:.1f} output tok/s, {r.requests_per_s:.2f} req/s, "
+          f"{r.elapsed_s:.2f} s" + ("" if r.gpu_busy_share_cupti is None
+                                    else f", GPU busy {r.gpu_busy_share_cupti:.1%} (CUPTI)"), flush=True)
+
+
 def run(args) -> int:
     if args.cupti and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
         # CUPTI activity tracing of CUDA graphs is unreliable (pytorch/pytorch#75504: illegal memory
@@ -399,6 +406,7 @@ def run(args) -> int:
                 results.append(run_hf(gguf, requests, batch_size=batch_size,
                                       cache=args.hf_cache_implementation, progress=not args.no_progress,
                                       compile_hf=args.hf_compile))
+                _print_partial(results[-1])
             except Exception as e:  # keep the jaxkv results of this run
                 log.exception("hf backend failed: %s", e)
                 print(f"hf: failed ({type(e).__name__}: {e})")
@@ -425,6 +433,7 @@ def run(args) -> int:
                 print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s")
         results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
                                  progress=not args.no_progress, cupti=args.cupti))
+        _print_partial(results[-1])
 
     print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "
           f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
