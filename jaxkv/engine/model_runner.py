@@ -59,6 +59,16 @@ def _per_group(block_tables, make):
     return tuple(make(block_tables[g]) for g in range(block_tables.shape[0]))
 
 
+def _scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
+    """``table[r, :len(rows[r])] = rows[r]`` for every row, as one NumPy scatter (no per-row call)."""
+    if not rows:
+        return
+    lens = np.fromiter((len(ids) for ids in rows), np.int64, count=len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lens.sum()))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    table[np.repeat(np.arange(len(rows)), lens), np.arange(flat.size) - starts] = flat
+
+
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 
 
@@ -288,20 +298,14 @@ class ModelRunner:
         if self.num_kv_cache_groups > 1:
             return self._group_block_tables(reqs, num_rows)
         table = np.zeros((num_rows, self.max_num_blocks_per_seq), np.int32)
-        if reqs:  # one scatter of every request's block ids (no per-row NumPy call)
-            lens = np.fromiter((len(r.block_ids) for r in reqs), np.int64, count=len(reqs))
-            flat = np.fromiter(itertools.chain.from_iterable(r.block_ids for r in reqs), np.int32,
-                               count=int(lens.sum()))
-            starts = np.repeat(np.cumsum(lens) - lens, lens)
-            table[np.repeat(np.arange(len(reqs)), lens), np.arange(flat.size) - starts] = flat
+        _scatter_rows(table, [r.block_ids for r in reqs])
         return table
 
     def _group_block_tables(self, reqs: list[Request], num_rows: int) -> np.ndarray:
         """``int32[num_kv_cache_groups, num_rows, max_num_blocks_per_seq]`` from ``group_block_ids``."""
         table = np.zeros((self.num_kv_cache_groups, num_rows, self.max_num_blocks_per_seq), np.int32)
-        for r, req in enumerate(reqs):
-            for g, blocks in enumerate(req.group_block_ids):
-                table[g, r, :len(blocks)] = blocks
+        for g in range(self.num_kv_cache_groups):
+            _scatter_rows(table[g], [r.group_block_ids[g] for r in reqs])
         return table
 
     def _empty_tables(self, num_rows: int) -> np.ndarray:
