@@ -32,7 +32,7 @@ from jaxtyping import Array, Float, Int
 
 import jaxkv
 from models.gemma3_config import Gemma3Config
-from models.llama import apply_rope, rope_cos_sin, set_weight
+from models.llama import apply_rope, dense_attention, rope_cos_sin, set_weight
 
 
 def _rms_norm(size: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
@@ -90,17 +90,9 @@ class Gemma3Attention(nnx.Module):
         batch, seq, _ = x.shape
         q, k, v = self._qkv(x, jnp.broadcast_to(jnp.arange(seq), (batch, seq)))
         group = c.num_queries_per_kv
-        q = q.reshape(batch, seq, c.num_kv_heads, group, c.head_size).astype(jnp.float32)
-        logits = jnp.einsum("bqkgd,btkd->bkgqt", q, k.astype(jnp.float32)) * self.scale
-        qi, ti = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
-        mask = ti <= qi
-        if self.sliding_window is not None:
-            mask &= qi - ti < self.sliding_window
-        mask = mask[None] & valid[:, None, :]
-        logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
-        probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bkgqt,btkd->bqkgd", probs, v.astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(out.reshape(batch, seq, c.num_heads * c.head_size))
+        q = q.reshape(batch, seq, c.num_kv_heads, group, c.head_size)
+        out = dense_attention(q, k, v, valid, scale=self.scale, sliding_window=self.sliding_window)
+        return self.o_proj(out.astype(x.dtype).reshape(batch, seq, c.num_heads * c.head_size))
 
 
 class Gemma3MLP(nnx.Module):

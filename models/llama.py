@@ -27,6 +27,25 @@ def rope_cos_sin(positions: Int[Array, "..."], head_size: int, theta: float
     return jnp.cos(angles), jnp.sin(angles)
 
 
+def dense_attention(q: Float[Array, "batch seq kv_heads group head_size"],
+                    k: Float[Array, "batch seq kv_heads head_size"], v: Float[Array, "batch seq kv_heads head_size"],
+                    valid: jax.Array, *, scale: float, sliding_window: int | None = None
+                    ) -> Float[Array, "batch seq kv_heads group head_size"]:
+    """Cache-free causal GQA attention in f32 over whole left-aligned sequences (``valid``:
+    ``bool[batch, seq]``, keys that exist); with ``sliding_window`` a query sees only the last
+    ``sliding_window`` keys, its own included. The dense references the paged models are tested against."""
+    seq = q.shape[1]
+    logits = jnp.einsum("bqkgd,btkd->bkgqt", q.astype(jnp.float32), k.astype(jnp.float32)) * scale
+    qi, ti = jnp.arange(seq)[:, None], jnp.arange(seq)[None, :]
+    mask = ti <= qi
+    if sliding_window is not None:
+        mask &= qi - ti < sliding_window
+    mask = mask[None] & valid[:, None, :]
+    logits = jnp.where(mask[:, None, None], logits, -jnp.inf)
+    probs = jax.nn.softmax(logits, axis=-1)
+    return jnp.einsum("bkgqt,btkd->bqkgd", probs, v.astype(jnp.float32))
+
+
 def apply_rope(x: Float[Array, "... heads head_size"], cos: Float[Array, "... half"],
                sin: Float[Array, "... half"]) -> Float[Array, "... heads head_size"]:
     """Rotate channel pairs ``(i, i + head_size/2)`` (HF's ``rotate_half`` / NeoX convention)."""
@@ -77,12 +96,8 @@ class Attention(nnx.Module):
         batch, seq, _ = x.shape
         q, k, v = self._qkv(x, jnp.broadcast_to(jnp.arange(seq), (batch, seq)))
         group = c.num_queries_per_kv
-        q = q.reshape(batch, seq, c.num_kv_heads, group, c.head_size).astype(jnp.float32)
-        logits = jnp.einsum("bqkgd,btkd->bkgqt", q, k.astype(jnp.float32)) * c.head_size ** -0.5
-        causal = jnp.tril(jnp.ones((seq, seq), bool))[None] & valid[:, None, :]
-        logits = jnp.where(causal[:, None, None], logits, -jnp.inf)
-        probs = jax.nn.softmax(logits, axis=-1)
-        out = jnp.einsum("bkgqt,btkd->bqkgd", probs, v.astype(jnp.float32)).astype(x.dtype)
+        q = q.reshape(batch, seq, c.num_kv_heads, group, c.head_size)
+        out = dense_attention(q, k, v, valid, scale=c.head_size ** -0.5).astype(x.dtype)
         return self.o_proj(out.reshape(batch, seq, c.num_heads * c.head_size))
 
 
