@@ -37,6 +37,7 @@ is reset between backends so no run reuses another's blocks.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import logging
@@ -210,27 +211,25 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     before = engine.stats
     name = "jaxkv-static" if static else "jaxkv"
     bar, update = _progress(len(requests), name, progress)
-    prof = None
     if cupti:  # GPU busy time measured by CUPTI over the timed run
         from torch.profiler import ProfilerActivity, profile
         prof = profile(activities=[ProfilerActivity.CUDA])
-        prof.__enter__()
-    t0 = time.perf_counter()
-    outs = []
-    if static:
-        for start in range(0, len(requests), batch_size):
-            batch = requests[start:start + batch_size]
-            longest = max(r.output_len for r in batch)
-            outs += engine.generate([r.prompt_token_ids for r in batch],
-                                    [_params(longest, start + i) for i in range(len(batch))], progress=update)
     else:
-        outs = engine.generate([r.prompt_token_ids for r in requests],
-                               [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
-    elapsed = time.perf_counter() - t0
-    busy_share = None
-    if prof is not None:
-        prof.__exit__(None, None, None)
-        busy_share = gpu_busy_seconds(prof) / elapsed
+        prof = contextlib.nullcontext()
+    with prof:
+        t0 = time.perf_counter()
+        outs = []
+        if static:
+            for start in range(0, len(requests), batch_size):
+                batch = requests[start:start + batch_size]
+                longest = max(r.output_len for r in batch)
+                outs += engine.generate([r.prompt_token_ids for r in batch],
+                                        [_params(longest, start + i) for i in range(len(batch))], progress=update)
+        else:
+            outs = engine.generate([r.prompt_token_ids for r in requests],
+                                   [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
+        elapsed = time.perf_counter() - t0
+    busy_share = gpu_busy_seconds(prof) / elapsed if cupti else None
     if bar is not None:
         bar.close()
     after = engine.stats

@@ -152,7 +152,7 @@ class LLMEngine:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
-        if len(self.kv_cache_groups) > 1 and "mesh" in extra:
+        if len(self.kv_cache_groups) > 1 and runner_cls is not ModelRunner:
             raise ValueError(f"kv_cache_groups ({len(self.kv_cache_groups)} groups) with data_parallel_size="
                              f"{mesh.shape['dp']}: hybrid caches are not supported with dp > 1 yet")
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
