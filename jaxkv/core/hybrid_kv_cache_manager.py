@@ -26,19 +26,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from jaxkv.block_allocator import BlockAllocator
+from jaxkv.core.kv_cache_manager import BlockPool, cdiv
 from jaxkv.core.request import Request
-from jaxkv.prefix_cache import PrefixCache
 from jaxkv.spec import FullAttentionSpec, SlidingWindowSpec
 
 log = logging.getLogger(__name__)
 
 
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class HybridKVCacheManager:
+class HybridKVCacheManager(BlockPool):
     """The blocks of every live request, one block list per KV-cache group (``request.group_block_ids``).
 
     Same interface as :class:`jaxkv.core.KVCacheManager`; ``request.block_ids`` is the first group's list
@@ -77,31 +72,14 @@ class HybridKVCacheManager:
         (self.block_size,) = sizes
         self.sliding_windows: tuple[int | None, ...] = tuple(windows)
         self.num_groups = len(groups)
-        self.allocator = BlockAllocator(num_blocks)
+        super().__init__(num_blocks, enable_prefix_caching=enable_prefix_caching)
         (self.null_block,) = self.allocator.allocate(1)
-        self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
-        self.prefix_cache_queries = 0
-        self.prefix_cache_hits = 0
 
     # -- sizes ---------------------------------------------------------------------------------------
-    @property
-    def num_blocks(self) -> int:
-        return self.allocator.num_blocks
-
-    @property
-    def num_free_blocks(self) -> int:
-        """Blocks an allocation can get: free ones plus cached blocks no request holds."""
-        evictable = self.prefix_cache.num_evictable_blocks if self.prefix_cache else 0
-        return self.allocator.num_free_blocks + evictable
-
     @property
     def usage(self) -> float:
         """Share of the usable blocks (all but the null block) held by live requests, 0..1."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
         """Most blocks one request of ``num_tokens`` tokens needs from the pool, all groups together (a
@@ -167,10 +145,6 @@ class HybridKVCacheManager:
         if length == 0:
             return [], 0
         return [h[:length] for h in hits], length * self.block_size
-
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += num_hit_tokens
 
     def cache_blocks(self, request: Request) -> None:
         """Offer the request's newly computed full blocks of every group to the prefix cache, under

@@ -16,23 +16,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-class KVCacheManager:
-    """The blocks of every live request (one KV-cache group: every layer shares a block table).
+class BlockPool:
+    """What every KV-cache manager has: one block allocator, the optional prefix cache over it and the
+    prefix-cache statistics (vLLM: ``BlockPool`` + ``PrefixCacheStats``)."""
 
-    Args:
-        num_blocks: blocks in the cache.
-        block_size: tokens per block.
-        enable_prefix_caching: keep computed full blocks under their chained hash so that a later
-            request (or the re-prefill of a preempted one) with the same prefix reuses them.
-
-    Raises:
-        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
-        if block_size < 1:
-            raise ValueError(f"block_size={block_size} must be >= 1")
-        self.block_size = block_size
+    def __init__(self, num_blocks: int, *, enable_prefix_caching: bool):
         self.allocator = BlockAllocator(num_blocks)
         self.prefix_cache = PrefixCache(self.allocator) if enable_prefix_caching else None
         self.prefix_cache_queries = 0  # tokens looked up (vLLM PrefixCacheStats.queries)
@@ -49,13 +37,37 @@ class KVCacheManager:
         return self.allocator.num_free_blocks + evictable
 
     @property
+    def prefix_cache_hit_rate(self) -> float:
+        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
+
+    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+
+class KVCacheManager(BlockPool):
+    """The blocks of every live request (one KV-cache group: every layer shares a block table).
+
+    Args:
+        num_blocks: blocks in the cache.
+        block_size: tokens per block.
+        enable_prefix_caching: keep computed full blocks under their chained hash so that a later
+            request (or the re-prefill of a preempted one) with the same prefix reuses them.
+
+    Raises:
+        ValueError: ``num_blocks < 1`` or ``block_size < 1``.
+    """
+
+    def __init__(self, num_blocks: int, block_size: int, *, enable_prefix_caching: bool = True):
+        if block_size < 1:
+            raise ValueError(f"block_size={block_size} must be >= 1")
+        super().__init__(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        self.block_size = block_size
+
+    @property
     def usage(self) -> float:
         """Share of blocks held by live requests, 0..1 (vLLM ``KVCacheManager.usage``)."""
         return 1.0 - self.num_free_blocks / self.num_blocks
-
-    @property
-    def prefix_cache_hit_rate(self) -> float:
-        return self.prefix_cache_hits / self.prefix_cache_queries if self.prefix_cache_queries else 0.0
 
     def max_num_blocks(self, num_tokens: int, max_num_batched_tokens: int | None = None) -> int:
         """Most blocks one request of ``num_tokens`` tokens holds (every layer keeps every token)."""
@@ -72,10 +84,6 @@ class KVCacheManager:
         hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)
         blocks = self.prefix_cache.match(hashes)
         return blocks, len(blocks) * self.block_size
-
-    def record_prefix_lookup(self, num_tokens: int, num_hit_tokens: int) -> None:
-        self.prefix_cache_queries += num_tokens
-        self.prefix_cache_hits += num_hit_tokens
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
         return self._num_needed(request, num_new_tokens, new_computed_blocks) <= self._available(
