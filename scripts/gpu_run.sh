@@ -29,7 +29,7 @@ cb1)
     cp .serve/*.json /tmp/
   fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
-  [ -n "${KERNEL_TESTS:-}" ] && timeout 400 python -m pytest -q -p no:cacheprovider tests/pallas_kernels -k "not fuzz_compiled and not lower_for" 2>&1 | tail -5 | tee $OUT/kernel-tests.txt
+  [ -n "${KERNEL_TESTS:-}" ] && timeout 400 python -m pytest -q -p no:cacheprovider ${KERNEL_TESTS_PATHS:-tests/pallas_kernels} -k "not fuzz_compiled and not lower_for" 2>&1 | tail -5 | tee $OUT/kernel-tests.txt
   ;;
 cb2)
   cat /tmp/gg.part.aa .gguf2/gg.part.ab > $G
