@@ -25,13 +25,12 @@ Reported per backend: requests/s, output tokens/s (the requests' own output toke
 (prompt + output), tokens generated (padding steps of static batches included), preemptions, prefix-cache
 hit rate, compiles (after the warm-up that compiles every bucket, as vLLM captures its CUDA graphs at
 start-up, not timed) and the device's idle share (an upper bound: time from a fetched result to a
-dispatch that found the device with nothing queued, over the wall time). With ``--cupti`` (torch with CUDA
-in the same process) the GPU's busy share is also measured: the union of the kernel and copy intervals
-CUPTI records during the timed run, over its wall time (``busy``; idle = 1 - busy); XLA's command
-buffers (CUDA graphs) are turned off for such a run, because CUPTI tracing of CUDA graphs is unreliable
-(the first such run on an H100 died with an illegal memory access), so report throughput from a run
-without ``--cupti``. jaxkv's prefix cache
-is reset between backends so no run reuses another's blocks.
+dispatch that found the device with nothing queued, over the wall time). With ``--profile-busy`` the
+GPU's busy share is also measured: the timed run is traced by JAX's profiler (XLA's CUPTI tracer; the
+trace is parsed in C++ by ``jax.profiler.ProfileData``), and ``busy`` is the union of the intervals in
+which a GPU stream ran a kernel or copy, over the wall time (idle = 1 - busy). Tracing costs time, so
+report throughput from a run without it. jaxkv's prefix cache is reset between backends so no run
+reuses another's blocks.
 """
 
 from __future__ import annotations
@@ -41,7 +40,6 @@ import contextlib
 import dataclasses
 import json
 import logging
-import os
 import pathlib
 import random
 import sys
@@ -156,7 +154,7 @@ class Result:
     num_compiles: int | None = None
     num_buckets: int | None = None
     gpu_idle_share: float | None = None
-    gpu_busy_share_cupti: float | None = None
+    gpu_busy_share_trace: float | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -188,32 +186,55 @@ def _progress(total: int, desc: str, enabled: bool):
     return bar, (lambda out: bar.update(1))
 
 
-def gpu_busy_seconds(prof) -> float:
-    """Seconds during which the GPU ran at least one kernel or copy: the union of the CUDA activity
-    intervals that CUPTI recorded in a ``torch.profiler`` session (JAX's kernels included: CUPTI traces
-    the whole process)."""
-    from torch.autograd import DeviceType
-    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
-                   if e.device_type == DeviceType.CUDA and e.time_range.end > e.time_range.start)
-    busy_us, end = 0.0, float("-inf")
-    for a, b in spans:
+def union_seconds(spans) -> float:
+    """Length of the union of ``(start_ns, end_ns)`` intervals, in seconds."""
+    busy_ns, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
         if b <= end:
             continue
-        busy_us += b - max(a, end)
+        busy_ns += b - max(a, end)
         end = b
-    return busy_us * 1e-6
+    return busy_ns * 1e-9
+
+
+def device_busy_seconds(trace_dir: str | pathlib.Path) -> float | None:
+    """Seconds in which a GPU stream ran a kernel or copy in the newest ``*.xplane.pb`` under
+    ``trace_dir`` (written by ``jax.profiler.start_trace``): the union of the events on the ``Stream ...``
+    lines of the ``/device:GPU:*`` planes. ``None`` (with the plane and line names printed) when the
+    trace has no such line, e.g. on a CPU."""
+    from jax.profiler import ProfileData
+    files = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        print(f"--profile-busy: no trace under {trace_dir}")
+        return None
+    data = ProfileData.from_file(str(files[-1]))
+    spans, seen = [], []
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            seen.append(plane.name)
+            continue
+        for line in plane.lines:
+            seen.append(f"{plane.name}/{line.name}")
+            if line.name.startswith("Stream"):
+                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events if e.duration_ns > 0]
+    if not spans:
+        print(f"--profile-busy: no GPU stream events in {files[-1]} (planes/lines: {seen[:20]})")
+        return None
+    return union_seconds(spans)
 
 
 def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
-              progress: bool, cupti: bool = False) -> Result:
+              progress: bool, profile_busy: bool = False) -> Result:
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.stats
     name = "jaxkv-static" if static else "jaxkv"
     bar, update = _progress(len(requests), name, progress)
-    if cupti:  # GPU busy time measured by CUPTI over the timed run
-        from torch.profiler import ProfilerActivity, profile
-        prof = profile(activities=[ProfilerActivity.CUDA])
+    trace_dir = None
+    if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run
+        import tempfile
+        trace_dir = tempfile.mkdtemp(prefix=f"bench-{name}-trace-")
+        prof = jax.profiler.trace(trace_dir)
     else:
         prof = contextlib.nullcontext()
     with prof:
@@ -229,7 +250,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
             outs = engine.generate([r.prompt_token_ids for r in requests],
                                    [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
         elapsed = time.perf_counter() - t0
-    busy_share = gpu_busy_seconds(prof) / elapsed if cupti else None
+    busy_s = device_busy_seconds(trace_dir) if profile_busy else None
+    busy_share = None if busy_s is None else busy_s / elapsed
     if bar is not None:
         bar.close()
     after = engine.stats
@@ -244,7 +266,7 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
                   num_buckets=after.num_buckets,
                   gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None,
-                  gpu_busy_share_cupti=busy_share)
+                  gpu_busy_share_trace=busy_share)
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -331,9 +353,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JSON of [prompt_token_ids, output_len] pairs saved by --save-requests (no dataset needed)")
     p.add_argument("--save-requests", default=None, help="write the sampled requests here")
     p.add_argument("--output-json", default=None)
-    p.add_argument("--cupti", action="store_true",
-                   help="measure the GPU's busy share of the jaxkv runs with CUPTI (needs torch with CUDA; "
-                        "turns XLA's command buffers off, since CUPTI and CUDA graphs do not mix reliably)")
+    p.add_argument("--profile-busy", action="store_true",
+                   help="measure the GPU's busy share of the jaxkv runs from a JAX profiler trace (XLA's CUPTI "
+                        "tracer); tracing slows the run, so take throughput from a run without it")
     return p.parse_args(argv)
 
 
@@ -349,17 +371,11 @@ def main(argv=None) -> int:
 def _print_partial(r: Result) -> None:
     """One line per finished backend, at once (a later backend that dies does not take it along)."""
     print(f"done: {r.backend}: {r.output_tokens_per_s:.1f} output tok/s, {r.requests_per_s:.2f} req/s, "
-          f"{r.elapsed_s:.2f} s" + ("" if r.gpu_busy_share_cupti is None
-                                    else f", GPU busy {r.gpu_busy_share_cupti:.1%} (CUPTI)"), flush=True)
+          f"{r.elapsed_s:.2f} s" + ("" if r.gpu_busy_share_trace is None
+                                    else f", GPU busy {r.gpu_busy_share_trace:.1%} (profiler trace)"), flush=True)
 
 
 def run(args) -> int:
-    if args.cupti and "xla_gpu_enable_command_buffer" not in os.environ.get("XLA_FLAGS", ""):
-        # CUPTI activity tracing of CUDA graphs is unreliable (pytorch/pytorch#75504: illegal memory
-        # accesses; pytorch/kineto#1165); our first --cupti run on an H100 died with one. XLA reads its
-        # flags when the GPU backend starts, which has not happened yet.
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_gpu_enable_command_buffer=").strip()
-        print("--cupti: XLA command buffers (CUDA graphs) off for this run: busy share measured without them")
     if args.compilation_cache_dir:
         jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
         jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -431,7 +447,7 @@ def run(args) -> int:
                 llm.engine.warmup()
                 print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s")
         results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
-                                 progress=not args.no_progress, cupti=args.cupti))
+                                 progress=not args.no_progress, profile_busy=args.profile_busy))
         _print_partial(results[-1])
 
     print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "
@@ -446,7 +462,7 @@ def run(args) -> int:
         print(f"{r.backend:<13} {r.requests_per_s:>8.2f} {r.output_tokens_per_s:>10.1f} "
               f"{r.total_tokens_per_s:>11.1f} {r.generated_tokens:>10} {fmt(r.num_preemptions, 'd'):>7} "
               f"{fmt(r.prefix_cache_hit_rate, '.1%'):>10} {compiles or '-':>9} "
-              f"{fmt(r.gpu_idle_share, '.1%'):>6} {fmt(r.gpu_busy_share_cupti, '.1%'):>6} {r.elapsed_s:>8.2f}")
+              f"{fmt(r.gpu_idle_share, '.1%'):>6} {fmt(r.gpu_busy_share_trace, '.1%'):>6} {r.elapsed_s:>8.2f}")
     by = {r.backend: r for r in results}
     if "jaxkv" in by:
         for other in ("jaxkv-static", "hf"):

@@ -10,7 +10,7 @@
 #                   with scripts/bench_throughput.py's rule) joins the GGUF, runs generate.py and the
 #                   ShareGPT throughput benchmark: jaxkv continuous vs jaxkv static vs HF static.
 #   stage cb3     : (after cb2 on the same machine, carries nothing) jaxkv continuous with --max-admission-delay-steps 8, and a
-#                   --cupti run (GPU busy share; XLA command buffers off for it).
+#                   --profile-busy run (GPU busy share from a JAX profiler trace).
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
@@ -41,8 +41,8 @@ cb2)
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
   ;;
 cb3)  # after cb2 on the same warm machine (compilation cache in /tmp/jaxcache): the admission-delay variant
-  # and the CUPTI-measured GPU busy share (command buffers off there; see bench_throughput --cupti)
-  for extra in ${CB3_RUNS:-"--max-admission-delay-steps 8" "--cupti"}; do
+  # and the GPU busy share from a JAX profiler trace (bench_throughput --profile-busy)
+  for extra in ${CB3_RUNS:-"--max-admission-delay-steps 8" "--profile-busy"}; do
     echo "\$ python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress $extra" | tee -a $OUT/bench-throughput-cb3.txt
     timeout 280 python scripts/bench_throughput.py --model $G --requests /tmp/requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache $extra 2>&1 | quiet | tail -8 | tee -a $OUT/bench-throughput-cb3.txt
   done

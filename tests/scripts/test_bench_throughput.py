@@ -9,6 +9,9 @@ import random
 import subprocess
 import sys
 
+import numpy as np
+import pytest
+
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "bench_throughput.py"
 
 
@@ -77,7 +80,7 @@ def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
         [sys.executable, str(SCRIPT), "--dataset", str(data), "--num-prompts", "6", "--backend", "jaxkv",
          "--backend", "jaxkv-static", "--max-model-len", "96", "--max-num-seqs", "2",
          "--max-num-batched-tokens", "16", "--num-gpu-blocks", "24", "--output-len", "5",
-         "--no-progress", "--no-warmup", "--output-json", str(out)],
+         "--no-progress", "--no-warmup", "--output-json", str(out), "--profile-busy"],
         capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "39 complete records (the file is truncated" in proc.stdout
@@ -87,3 +90,36 @@ def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
     assert by["jaxkv"]["output_tokens"] == 30 and by["jaxkv"]["generated_tokens"] == 30
     assert by["jaxkv"]["num_compiles"] <= by["jaxkv"]["num_buckets"]
     assert by["jaxkv-static"]["output_tokens"] == 30
+    # a CPU trace has no GPU plane: the busy share is absent, and the script says why
+    assert "--profile-busy: no GPU stream events" in proc.stdout
+    assert by["jaxkv"]["gpu_busy_share_trace"] is None
+
+
+def test_union_seconds_matches_a_brute_force_count():
+    mod = _module()
+    rng = np.random.default_rng(0)
+    starts = rng.integers(0, 1000, 60)
+    spans = [(int(a), int(a + d)) for a, d in zip(starts, rng.integers(0, 80, 60))]
+    covered = np.zeros(1200, bool)
+    for a, b in spans:
+        covered[a:b] = True
+    assert mod.union_seconds(spans) == pytest.approx(covered.sum() * 1e-9)
+
+
+def test_device_busy_counts_gpu_stream_lines_only(tmp_path, monkeypatch):
+    """Only ``Stream`` lines of ``/device:GPU`` planes count ("XLA Modules" spans the gaps between kernels)."""
+    import types
+    import jax.profiler
+    mod = _module()
+    ev = lambda a, d: types.SimpleNamespace(start_ns=a, duration_ns=d)
+    line = lambda name, *evs: types.SimpleNamespace(name=name, events=list(evs))
+    planes = [types.SimpleNamespace(name="/host:CPU", lines=[line("python", ev(0, 10_000))]),
+              types.SimpleNamespace(name="/device:GPU:0", lines=[
+                  line("XLA Modules", ev(0, 1_000)), line("Stream #13(compute)", ev(100, 50), ev(120, 50)),
+                  line("Stream #14(MemcpyH2D)", ev(400, 10))])]
+    (tmp_path / "x").mkdir()
+    (tmp_path / "x" / "host.xplane.pb").write_bytes(b"")
+    monkeypatch.setattr(jax.profiler, "ProfileData",
+                        types.SimpleNamespace(from_file=lambda path: types.SimpleNamespace(planes=planes)))
+    assert mod.device_busy_seconds(tmp_path) == pytest.approx(80e-9)
+    assert mod.device_busy_seconds(tmp_path / "x" / "none") is None
