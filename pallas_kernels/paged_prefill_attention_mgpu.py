@@ -34,13 +34,14 @@ warpgroups:
   every barrier phase.
 
 What is masked and why. A masked step gives ``-inf`` logits to keys after the row's token (causal), at or
-before ``token - sliding_window`` (window), and to every key of rows past the sequence's new tokens and of
-padded head rows (their output is never gathered back). Keys at or past ``seq_len`` (the tail of the last
-page, pages past the sequence's end, redirected to block 0) may hold NaN, and ``0 * NaN`` is NaN in
-``P V``: in the one step that reaches past ``seq_len`` the consumers zero those V rows in shared memory
-before ``P V`` (both consumers may write the same zeros to the shared tile: a race of identical values),
-and their logits are ``-inf`` so NaN keys never reach the softmax. Unmasked steps lie wholly below the
-tile's first query, inside the owned pages.
+before ``token - sliding_window`` (window), and to every key of rows past the sequence's new tokens (their
+output is never gathered back; padded head rows hold zero queries and are dropped the same way). Keys at or past ``seq_len`` (the tail of the last page, pages past
+the sequence's end, redirected to block 0) and, with a window, keys before the program's window start
+(pages a sliding-window model may have freed, read because they share a step with visible keys) may hold
+NaN, and ``0 * NaN`` is NaN in ``P V``: in the steps that hold such keys the consumers zero those V rows
+in shared memory before ``P V`` (both consumers may write the same values to the shared tile: a race of
+identical values), and their logits are ``-inf`` so NaN keys never reach the softmax. Unmasked steps lie
+wholly below the tile's first query, inside the owned pages, with no window.
 
 ``P`` goes from registers straight into the ``P V`` ``wgmma`` with the running accumulator updated in
 place (FA3) in the compiled kernel; the Mosaic GPU interpreter runs ``wgmma`` only from shared memory and
@@ -60,7 +61,6 @@ GPU (``scripts/gpu_mgpu.sh``).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -134,6 +134,7 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
         return first, end, rows_here
 
     prog_first, prog_end, _ = key_range(row0, row0 + num_consumers * tile_tokens)
+    prog_kv_start = 0 if sliding_window is None else jnp.maximum(context_len + row0 - sliding_window + 1, 0)
     n = prog_end - prog_first                            # steps the memory warpgroup issues (may be 0)
 
     @pl.when(wg < num_consumers)
@@ -202,12 +203,15 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
             plgpu.barrier_wait(v_bars.at[slot])
             v_tile = v_smem.at[slot]
             if masked:
-                @pl.when(t0 + block_kv > seq_len)
-                def _zero_rows_past_the_sequence():   # they may hold NaN (unowned slots, block 0)
+                # V rows no row of the program sees and that may hold NaN: at or past seq_len (unowned
+                # slots, block 0) and before the program's window start (pages a sliding-window model
+                # may have freed). Identical for both consumers, so their writes agree.
+                @pl.when((t0 + block_kv > seq_len) | (t0 < prog_kv_start))
+                def _zero_invisible_rows():
                     vrow = t0 + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
                                                        layout=plgpu.Layout.WGMMA)
                     v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
-                    v_tile[...] = jnp.where(vrow < seq_len, v, jnp.zeros_like(v))
+                    v_tile[...] = jnp.where((vrow < seq_len) & (vrow >= prog_kv_start), v, jnp.zeros_like(v))
                     plgpu.commit_smem()
 
             if pv_from_smem:

@@ -146,3 +146,7 @@ def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int
     fixed = num_consumers * 64 * head_size * 2 + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0)
     per_stage = 2 * block_kv * head_size * 2
     return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
+
+
+# (head_size, kv dtype name) -> prefill is faster on Mosaic GPU than Triton on sm_90: empty until measured.
+MGPU_PREFILL_FASTER: frozenset[tuple[int, str]] = frozenset()
