@@ -108,7 +108,8 @@ def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, hea
 
 def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, tables_ref, q_ref, kv_ref,
                     scales_ref, o_ref, scratch, *, scale: float, block_kv: int, tokens_per_copy: int,
-                    num_stages: int, num_consumers: int, group_p: int, sliding_window: int | None,
+                    num_stages: int, num_consumers: int, group_p: int, num_programs: int,
+                    sliding_window: int | None,
                     logits_soft_cap: float | None, pv_from_smem: bool, set_registers: bool):
     (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed) = scratch
     num_blocks, block_size, head_size = kv_ref.shape[1], kv_ref.shape[3], kv_ref.shape[4]
@@ -119,7 +120,7 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
 
     h = lax.axis_index("h")
     tile = lax.axis_index("t")
-    tile = lax.axis_size("t") - 1 - tile                 # heaviest (last) tiles of each sequence first
+    tile = num_programs - 1 - tile                       # heaviest (last) tiles of each sequence first
     wg = lax.axis_index("wg")
 
     s = tile_seq_ref[tile]
@@ -352,7 +353,8 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     consumed = (plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),) * 2
     kernel = functools.partial(
         _prefill_kernel, scale=scale, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
-        num_stages=num_stages, num_consumers=num_consumers, group_p=group_p, sliding_window=sliding_window,
+        num_stages=num_stages, num_consumers=num_consumers, group_p=group_p, num_programs=num_programs,
+        sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap, pv_from_smem=pv_from_smem, set_registers=not interpret)
 
     def entry(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, tables_ref, q_ref, kv_ref,

@@ -235,7 +235,7 @@ def test_lowers_for_sm90(pv_from_smem):
     call), so unsupported ops, casts and layouts fail here; shared-memory budget, register pressure and
     ptxas issues show only on the GPU."""
     from jax import export
-    for lengths, kw, nc in CASES:
+    for lengths, kw, nc in (CASES if not pv_from_smem else CASES[:3]):   # P via smem: the interpreted path
         cls = _cls(lengths, **kw)
         case = fuzz.make_case(np.random.default_rng(0), cls, lengths)
         arrays, kwargs = case.kernel_args()
