@@ -14,6 +14,7 @@ from jaxkv.metadata import AttentionMetadata
 from pallas_kernels import paged_attention as _decode
 from pallas_kernels import paged_attention_mgpu as _decode_mgpu
 from pallas_kernels import paged_prefill_attention as _prefill
+from pallas_kernels import paged_prefill_attention_mgpu as _prefill_mgpu
 from pallas_kernels import tuning as _tuning
 
 ATTENTION_IMPLS = ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret", "reference")
@@ -44,11 +45,11 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     zero-length padding dummies) goes to the prefill kernel
     (:func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`), vLLM's ``forward_prefix``.
     ``impl="pallas"``: the compiled Pallas-Triton kernels; ``"pallas_interpret"``: the same kernels in
-    the Pallas interpreter (CPU tests); ``"pallas_mosaic"``: decode on the Pallas Mosaic GPU kernel
-    (Hopper; :mod:`pallas_kernels.paged_attention_mgpu`), falling back to the Triton kernel, with a
-    one-time warning naming the reason, for what it does not support, and prefill batches on the Triton
-    prefill kernel (no Mosaic prefill kernel yet); ``"pallas_mosaic_interpret"``: the same in the
-    interpreters (CPU tests); ``"reference"``: the jnp references.
+    the Pallas interpreter (CPU tests); ``"pallas_mosaic"``: the Pallas Mosaic GPU kernels (Hopper;
+    :mod:`pallas_kernels.paged_attention_mgpu` for decode, :mod:`pallas_kernels.paged_prefill_attention_mgpu`
+    for prefill / mixed batches), falling back to the Triton kernel, with a one-time warning naming the
+    reason, for what they do not support; ``"pallas_mosaic_interpret"``: the same in the interpreters (CPU
+    tests); ``"reference"``: the jnp references.
 
     Args:
         q: ``[num_tokens, num_heads, head_size]``.
@@ -82,7 +83,7 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         if impl == "reference":  # the Pallas ops check their metadata values themselves
             check_paged_metadata(*args[1:])
             return _decode.paged_attention_reference(*args, scale=scale, **extras)
-        if _use_mosaic_decode(q, kv_cache, impl, alibi_slopes is not None):
+        if _use_mosaic("decode", q, kv_cache, impl, alibi_slopes is not None):
             return _decode_mgpu.paged_attention_mgpu(*args, scale=scale, interpret=interpret, **extras)
         return _decode.paged_attention(*args, scale=scale, interpret=interpret, **extras)
     args = (q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
@@ -90,26 +91,33 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
         return _prefill.paged_prefill_attention_reference(
             *args, scale=scale, max_query_len=metadata.max_query_len, **extras)
+    if _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None):
+        return _prefill_mgpu.paged_prefill_attention_mgpu(
+            *args, scale=scale, max_query_len=metadata.max_query_len, interpret=interpret, **extras)
     return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,
                                             interpret=interpret, **extras)
 
 
-def _use_mosaic_decode(q: jax.Array, kv_cache: jax.Array, impl: str, alibi: bool) -> bool:
-    """Whether a decode batch runs on the Mosaic GPU kernel: asked for (``pallas_mosaic*``) and supported
-    (else a one-time warning with the reason, and the Triton kernel), or ``impl="pallas"`` on an sm_90
-    GPU with the shape in the measured table ``pallas_kernels.tuning.MGPU_DECODE_FASTER`` (empty until
-    measured, so the Triton kernel stays the default)."""
+def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: bool) -> bool:
+    """Whether a ``kind`` (``"decode"`` / ``"prefill"``) batch runs on the Mosaic GPU kernel: asked for
+    (``pallas_mosaic*``) and supported (else a one-time warning with the reason, and the Triton kernel), or
+    ``impl="pallas"`` on an sm_90 GPU with the shape in the measured table
+    ``pallas_kernels.tuning.MGPU_DECODE_FASTER`` / ``MGPU_PREFILL_FASTER`` (empty until measured, so the
+    Triton kernels stay the default)."""
     _, num_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
-    reason = _decode_mgpu.unsupported_reason(q.dtype, kv_cache.dtype, num_heads, num_kv_heads, head_size,
-                                             block_size, alibi=alibi)
+    module, faster = ((_decode_mgpu, _tuning.MGPU_DECODE_FASTER) if kind == "decode"
+                      else (_prefill_mgpu, _tuning.MGPU_PREFILL_FASTER))
+    reason = module.unsupported_reason(q.dtype, kv_cache.dtype, num_heads, num_kv_heads, head_size,
+                                       block_size, alibi=alibi)
     if impl in _MOSAIC_IMPLS:
-        if reason and reason not in _warned_fallbacks:
-            _warned_fallbacks.add(reason)
-            warnings.warn(f"attention_impl={impl!r}: decode falls back to the Triton kernel: {reason}",
+        key = f"{kind}: {reason}"
+        if reason and key not in _warned_fallbacks:
+            _warned_fallbacks.add(key)
+            warnings.warn(f"attention_impl={impl!r}: {kind} falls back to the Triton kernel: {reason}",
                           stacklevel=3)
         return reason is None
-    if impl != "pallas" or reason or (head_size, str(kv_cache.dtype)) not in _tuning.MGPU_DECODE_FASTER:
+    if impl != "pallas" or reason or (head_size, str(kv_cache.dtype)) not in faster:
         return False
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"

@@ -125,3 +125,28 @@ def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool) -> int:
     fixed = 64 * head_size * 2 + 64 * block_kv * 2 + (2 * block_kv * head_size * 2 if fp8 else 0)
     per_stage = 2 * block_kv * head_size * itemsize
     return max(1, min(MGPU_DECODE_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
+
+
+# Mosaic GPU prefill (pallas_kernels.paged_prefill_attention_mgpu). Not measured yet (no GPU run): FA3's
+# shape (two consumer warpgroups of 64 query rows, 128 keys a step for head size <= 128) with as many ring
+# stages as fit MGPU_SMEM_BYTES; scripts/gpu_mgpu.sh measures it against the Triton kernel and cuDNN.
+MGPU_PREFILL_NUM_CONSUMERS = 2
+MGPU_PREFILL_MAX_STAGES = 4
+
+
+def mgpu_prefill_block_kv(head_size: int) -> int:
+    """Keys per step of the Mosaic prefill kernel: 128 (64 for head size 256, so two stages fit)."""
+    return 64 if head_size > 128 else 128
+
+
+def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool) -> int:
+    """Ring depth: as many K+V stages (16-bit) as fit ``MGPU_SMEM_BYTES`` beside the consumers' 64-row Q
+    tiles (and their P tiles when P goes through shared memory), at most ``MGPU_PREFILL_MAX_STAGES``, at
+    least 1 (bf16, D 128, 128 keys, two consumers, P in registers: 2 stages, 160 KiB)."""
+    fixed = num_consumers * 64 * head_size * 2 + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0)
+    per_stage = 2 * block_kv * head_size * 2
+    return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
+
+
+# (head_size, kv dtype name) -> prefill is faster on Mosaic GPU than Triton on sm_90: empty until measured.
+MGPU_PREFILL_FASTER: frozenset[tuple[int, str]] = frozenset()

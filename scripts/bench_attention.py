@@ -1,7 +1,9 @@
 """Paged decode attention benchmark on a GPU: our Pallas kernels (Triton; Mosaic GPU, Hopper only) vs JAX's
-Pallas paged_attention.
+Pallas paged_attention; ``--mode prefill``: our prefill kernels (Triton; Mosaic GPU) vs cuDNN, then chunked
+prefill (512 new tokens over a cached context of 4k / 16k).
 
     python scripts/bench_attention.py --mode decode [--quick]
+    python scripts/bench_attention.py --mode prefill [--quick]
 
 Shape (issue 4's grid): 32 query heads, 8 KV heads, head_size 128, bf16, block_size 16, random block
 tables, all sequences the same length. GB/s = K+V bytes read (2 * sum(seq_lens) * num_kv_heads *
@@ -90,7 +92,8 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="also write the GB/s table here (for plots)")
     p.add_argument("--no-mosaic", action="store_true",
-                   help="decode: leave out the Mosaic GPU kernel (pallas_kernels.paged_attention_mgpu)")
+                   help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
+                        "paged_prefill_attention_mgpu)")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_attention needs a GPU", file=sys.stderr)
@@ -112,7 +115,7 @@ def main(argv=None) -> int:
     if args.mode == "write":
         return bench_write(time_calls, copy_gbs)
     if args.mode == "prefill":
-        return bench_prefill(time_calls, args.iters, sweep=not args.quick)
+        return bench_prefill(time_calls, args.iters, sweep=not args.quick, mosaic=not args.no_mosaic)
 
     ours = {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
@@ -251,56 +254,124 @@ PREFILL_SWEEP = [dict(block_q=bq, pages_per_compute_block=pp, num_warps=w, num_s
                                        (16, 8, 4, 3), (64, 4, 8, 3), (64, 8, 8, 3))]
 
 
-def bench_prefill(time_calls, iters, sweep=False) -> int:
-    """Paged prefill kernel vs cuDNN dense causal attention on the same Q/K/V (TFLOP/s, causal FLOPs)."""
+MOSAIC_PREFILL_VARIANTS = {"mosaic": dict(), "mosaic c1": dict(num_consumers=1),
+                           "mosaic bkv64": dict(block_kv=64)}
+
+
+def _mosaic_prefill_try(name, fn, args, want_fn, iters, time_calls, flops):
+    """TF/s of a Mosaic prefill variant, or None (printed why) when it fails or is wrong: the new kernel
+    must not stop the run."""
+    try:
+        out = fn(*args)
+        err = float(want_fn(out))
+    except Exception as e:  # a compile / launch failure of the new kernel
+        print(f"      {name}: failed ({type(e).__name__}: {str(e)[:300]})", flush=True)
+        return None
+    if not err < 5e-2:
+        print(f"      {name}: WRONG, max abs diff {err:.2e}", flush=True)
+        return None
+    return flops / statistics.median(time_calls(fn, [args], iters)) / 1e12
+
+
+def _paged_dense(rng, batch, length, key):
+    """Dense [batch, length, heads, D] q/k/v and the same K/V scattered into shuffled pages."""
+    q = jax.random.normal(key, (batch, length, NUM_HEADS, HEAD_SIZE), DTYPE)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
+    v = jax.random.normal(jax.random.fold_in(key, 2), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
+    pages = length // BLOCK_SIZE
+    tables = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
+    # scatter the dense K/V into pages: token t of sequence b → block tables[b, t // 16]
+    kv = jnp.zeros((2, batch * pages, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE), DTYPE)
+    dense = jnp.stack([k, v]).reshape(2, batch, pages, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
+    kv = kv.at[:, tables.reshape(-1)].set(
+        dense.transpose(0, 1, 2, 4, 3, 5).reshape(2, batch * pages, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE))
+    return q, k, v, kv, jnp.asarray(tables)
+
+
+def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
+    """Paged prefill kernels (Triton; Mosaic GPU) vs cuDNN dense causal attention on the same Q/K/V
+    (TFLOP/s, causal FLOPs), then chunked prefill (a 512-token chunk over a cached context)."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
+    from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu
+    variants = {} if not mosaic else (dict(MOSAIC_PREFILL_VARIANTS) if sweep
+                                      else {"mosaic": MOSAIC_PREFILL_VARIANTS["mosaic"]})
     print("paged prefill (context 0, whole prompts) vs jax.nn.dot_product_attention(implementation='cudnn'),")
     print(f"{NUM_HEADS}q/{NUM_KV_HEADS}kv heads, D {HEAD_SIZE}, bf16, block {BLOCK_SIZE}; "
           "FLOPs = 4 * D * heads * L(L+1)/2 per sequence (unmasked pairs only)")
-    print(f"{'batch':>5} {'len':>5} {'ours TF/s':>10} {'cudnn TF/s':>11} {'ratio':>6}")
+    print(f"{'batch':>5} {'len':>5} {'ours TF/s':>10} {'cudnn TF/s':>11} {'ratio':>6}"
+          + "".join(f" {n + ' TF/s':>16} {'ratio':>6}" for n in variants))
     scale = HEAD_SIZE ** -0.5
     rng = np.random.default_rng(0)
     for batch in (1, 8):
         for length in (512, 2048, 8192):
             key = jax.random.key(batch * 100000 + length)
-            q = jax.random.normal(key, (batch, length, NUM_HEADS, HEAD_SIZE), DTYPE)
-            k = jax.random.normal(jax.random.fold_in(key, 1), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
-            v = jax.random.normal(jax.random.fold_in(key, 2), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
-            pages = length // BLOCK_SIZE
-            tables = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
-            # scatter the dense K/V into pages: token t of sequence b → block tables[b, t // 16]
-            kv = jnp.zeros((2, batch * pages, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE), DTYPE)
-            dense = jnp.stack([k, v]).reshape(2, batch, pages, BLOCK_SIZE, NUM_KV_HEADS, HEAD_SIZE)
-            kv = kv.at[:, tables.reshape(-1)].set(
-                dense.transpose(0, 1, 2, 4, 3, 5).reshape(2, batch * pages, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE))
+            q, k, v, kv, tables = _paged_dense(rng, batch, length, key)
             qs = q.reshape(batch * length, NUM_HEADS, HEAD_SIZE)
             qsl = jnp.arange(batch + 1, dtype=jnp.int32) * length
             lens = jnp.full((batch,), length, jnp.int32)
+            args = (qs, kv, tables, lens, qsl)
             # jitted: the public op checks concrete metadata on the host, which a timing must not include
             ours = jax.jit(functools.partial(paged_prefill_attention, scale=scale, max_query_len=length))
             cudnn = jax.jit(functools.partial(jax.nn.dot_product_attention, is_causal=True, scale=scale,
                                               implementation="cudnn"))
-            out = ours(qs, kv, jnp.asarray(tables), lens, qsl).reshape(batch, length, NUM_HEADS, HEAD_SIZE)
             want = cudnn(q, k, v)
-            err = float(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32)).max())
+
+            def diff(out):
+                out = out.reshape(batch, length, NUM_HEADS, HEAD_SIZE).astype(jnp.float32)
+                return jnp.abs(out - want.astype(jnp.float32)).max()
+            err = float(diff(ours(*args)))
             if not err < 5e-2:
                 raise SystemExit(f"prefill {batch=} {length=}: max abs diff vs cudnn {err:.2e}")
             flops = 4 * HEAD_SIZE * NUM_HEADS * batch * length * (length + 1) / 2
-            t_ours = statistics.median(time_calls(ours, [(qs, kv, jnp.asarray(tables), lens, qsl)], iters))
+            t_ours = statistics.median(time_calls(ours, [args], iters))
             t_cudnn = statistics.median(time_calls(cudnn, [(q, k, v)], iters))
-            print(f"{batch:>5} {length:>5} {flops / t_ours / 1e12:>10.1f} {flops / t_cudnn / 1e12:>11.1f} "
-                  f"{t_cudnn / t_ours:>6.2f}", flush=True)
+            cudnn_tfs = flops / t_cudnn / 1e12
+            row = f"{batch:>5} {length:>5} {flops / t_ours / 1e12:>10.1f} {cudnn_tfs:>11.1f} {t_cudnn / t_ours:>6.2f}"
+            for name, kw in variants.items():
+                fn = jax.jit(functools.partial(paged_prefill_attention_mgpu, scale=scale, max_query_len=length,
+                                               **kw))
+                tfs = _mosaic_prefill_try(name, fn, args, diff, iters, time_calls, flops)
+                row += f" {tfs:>16.1f} {tfs / cudnn_tfs:>6.2f}" if tfs else f" {'-':>16} {'-':>6}"
+            print(row, flush=True)
             if sweep and (batch, length) in ((1, 8192), (8, 2048)):
-                args = [(qs, kv, jnp.asarray(tables), lens, qsl)]
                 for kw in PREFILL_SWEEP:
                     fn = jax.jit(functools.partial(paged_prefill_attention, scale=scale, max_query_len=length,
                                                    **kw))
                     try:
-                        t = statistics.median(time_calls(fn, args, iters))
+                        t = statistics.median(time_calls(fn, [args], iters))
                     except Exception as e:  # e.g. a tile set over the shared-memory limit
                         print(f"      sweep {kw}: skipped ({type(e).__name__})")
                         continue
                     print(f"      sweep {kw}: {flops / t / 1e12:6.1f} TF/s", flush=True)
+
+    # Chunked prefill: batch 1, a chunk of 512 new tokens over a cached context; checked against the
+    # float32 reference op, FLOPs = 4 * D * heads * (512 * ctx + 512 * 513 / 2).
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention_reference
+    chunk = 512
+    print(f"\nchunked prefill: batch 1, {chunk} new tokens over a cached context (TF/s)")
+    print(f"{'ctx':>6} {'ours TF/s':>10}" + "".join(f" {n + ' TF/s':>16} {'vs ours':>7}" for n in variants))
+    for ctx in (4096, 16384):
+        total = ctx + chunk
+        q, _, _, kv, tables = _paged_dense(rng, 1, total, jax.random.key(ctx))
+        qs = q[0, ctx:]
+        args = (qs, kv, tables, jnp.asarray([total], jnp.int32), jnp.asarray([0, chunk], jnp.int32))
+        kw = dict(scale=scale, max_query_len=chunk)
+        want = paged_prefill_attention_reference(qs.astype(jnp.float32), kv.astype(jnp.float32), *args[2:], **kw)
+
+        def diff(out):
+            return jnp.abs(out.astype(jnp.float32) - want).max()
+        ours = jax.jit(functools.partial(paged_prefill_attention, **kw))
+        err = float(diff(ours(*args)))
+        if not err < 5e-2:
+            raise SystemExit(f"chunked prefill {ctx=}: max abs diff vs reference {err:.2e}")
+        flops = 4 * HEAD_SIZE * NUM_HEADS * (chunk * ctx + chunk * (chunk + 1) / 2)
+        ours_tfs = flops / statistics.median(time_calls(ours, [args], iters)) / 1e12
+        row = f"{ctx:>6} {ours_tfs:>10.1f}"
+        for name, vkw in variants.items():
+            fn = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw, **vkw))
+            tfs = _mosaic_prefill_try(name, fn, args, diff, iters, time_calls, flops)
+            row += f" {tfs:>16.1f} {tfs / ours_tfs:>7.2f}" if tfs else f" {'-':>16} {'-':>7}"
+        print(row, flush=True)
     return 0
 
 

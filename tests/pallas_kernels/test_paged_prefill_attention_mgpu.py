@@ -1,0 +1,263 @@
+"""The Mosaic GPU prefill kernel (``pallas_kernels.paged_prefill_attention_mgpu``) against the float64 fuzz
+reference.
+
+Where each test runs: on CPU the kernel runs in the Mosaic GPU interpreter (``InterpretGPUParams``:
+simulated shared memory, TMA copies, barriers, the producer and consumer warpgroups), with P through shared
+memory (``pv_from_smem=True``, the only ``wgmma`` form the interpreter runs); that checks the kernel's logic
+(tile map, paging, causal / window / padding masks, NaN slots, online softmax) but not what only the
+hardware shows. ``test_lowers_for_sm90`` lowers every class through Mosaic GPU for CUDA on CPU, with P in
+registers (the compiled path) and through shared memory. On a GPU the same tests run the compiled kernel
+with P in registers, and ``test_compiled_p_through_smem`` the shared-memory variant
+(``scripts/gpu_mgpu.sh``); only that run is evidence that the compiled kernel is right.
+``JAXKV_MGPU_FUZZ=N`` adds every case with one and two consumers and N random interpreted classes (slow).
+A plain CPU run interprets every case with one consumer warpgroup: with two (three warpgroups, three CPU
+threads) the interpreter intermittently deadlocks on the 2-core CI machine (module docstring of the kernel);
+the two-consumer cases run with ``JAXKV_MGPU_FUZZ`` (may hang: run under ``timeout``) and on the GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxkv
+from pallas_kernels import paged_prefill_attention as triton_mod
+from pallas_kernels import paged_prefill_attention_mgpu as mgpu_mod
+from pallas_kernels import tuning
+from pallas_kernels.paged_prefill_attention_mgpu import _tile_map, paged_prefill_attention_mgpu, unsupported_reason
+from tests.pallas_kernels import fuzz
+
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU
+SLOW = bool(os.environ.get("JAXKV_MGPU_FUZZ"))
+PAD_TOKENS = 3  # rows of q past query_start_loc[-1]: their output must be 0
+
+
+def _cls(lengths, *, kv_heads=1, group=4, head=128, block=16, dtype="bfloat16", window=None, cap=None,
+         width=None) -> fuzz.ShapeClass:
+    most = max(c + q for c, q in lengths)
+    width = width or -(-most // block) + 1
+    return fuzz.ShapeClass(kernel="prefill", num_seqs=len(lengths), num_kv_heads=kv_heads, group=group,
+                           head_size=head, block_size=block, dtype=dtype, fp8=False, table_width=width,
+                           num_blocks=len(lengths) * width + 2,
+                           num_tokens=sum(q for _, q in lengths) + PAD_TOKENS,
+                           max_query_len=max(q for _, q in lengths), sliding_window=window,
+                           logits_soft_cap=cap, alibi=False)
+
+
+# The Triton prefill kernel's test batch (prefix 0 / block-1 / block / several blocks, decode tokens
+# beside long queries, a zero-length dummy), at its bf16 shapes.
+MIXED = [(0, 21), (15, 7), (16, 1), (0, 0), (53, 13), (39, 1)]
+# (lengths as (context_len, query_len), class, num_consumers)
+CASES = [
+    (MIXED, dict(kv_heads=3, group=3, head=64), 2),                                  # SmolLM2's group of 3
+    (MIXED, dict(kv_heads=2, group=4, head=128, dtype="float16"), 1),                # one consumer
+    ([(0, 70), (150, 64)], dict(group=8, head=256, block=32, window=100), 2),        # MQA, D 256, window
+    ([(0, 19), (7, 1), (20, 12), (3, 0)], dict(kv_heads=2, group=3, head=64, block=8, window=5, cap=3.0), 2),
+    ([(300, 70), (40, 1), (129, 64)], dict(group=1, head=128, block=16), 2),         # chunks over a context
+    ([(200, 129)], dict(group=1, head=256, block=128), 2),                           # page sliced over steps
+    ([(17, 5), (0, 2)], dict(group=64, head=64, block=16), 1),                       # the full 64-row tile
+]
+DEFAULT = [0, 2, 3, 4]  # the cases of a plain CPU run (~5 s each in the interpreter); the rest with SLOW
+IDS = [f"{_cls(l, **kw).describe()} {l} c{nc}" for l, kw, nc in CASES]
+
+
+def _run(lengths, kw, num_consumers, seed=0, **extra):
+    cls = _cls(lengths, **kw)
+    case = fuzz.make_case(np.random.default_rng(seed), cls, lengths)
+    arrays, kwargs = case.kernel_args()
+    if INTERPRET and not SLOW:
+        num_consumers = 1  # see the module docstring: three interpreted warpgroups may deadlock
+    out = paged_prefill_attention_mgpu(*arrays, **kwargs, num_consumers=num_consumers, interpret=INTERPRET,
+                                       **extra)
+    assert out.shape == case.q.shape and out.dtype == jnp.dtype(cls.dtype)
+    out32 = np.asarray(jnp.asarray(out, jnp.float32))
+    np.testing.assert_array_equal(out32[int(case.query_start_loc[-1]):], 0.0)   # padding tokens
+    return fuzz.error(out, case), case, out32
+
+
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_matches_float64_reference(index):
+    """NaN in every slot no sequence owns and in garbage block-table entries; a kernel that reads or mixes
+    in one returns inf error."""
+    if index not in DEFAULT and not SLOW and not ON_GPU:
+        pytest.skip("set JAXKV_MGPU_FUZZ=N for every case in the interpreter")
+    lengths, kw, nc = CASES[index]
+    err, case, _ = _run(lengths, kw, nc)
+    assert err <= fuzz.TOLERANCE[case.cls.dtype]
+
+
+@pytest.mark.skipif(not (SLOW or ON_GPU), reason="set JAXKV_MGPU_FUZZ=N (slow in the interpreter)")
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_other_consumer_count(index):
+    lengths, kw, nc = CASES[index]
+    err, case, _ = _run(lengths, kw, 3 - nc)
+    assert err <= fuzz.TOLERANCE[case.cls.dtype]
+
+
+@pytest.mark.skipif(not ON_GPU, reason="GPU only: the interpreter always runs P through shared memory")
+@pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
+def test_compiled_p_through_smem(index):
+    lengths, kw, nc = CASES[index]
+    err, case, _ = _run(lengths, kw, nc, pv_from_smem=True)
+    assert err <= fuzz.TOLERANCE[case.cls.dtype]
+
+
+def test_unowned_and_out_of_window_slots_do_not_matter():
+    """NaN → noise in every unowned slot and in the pages before every tile's window (freed pages of a
+    sliding-window model) leaves the output bit-identical: those pages are never read, and the tail slots
+    read with the last step are masked and zeroed."""
+    lengths, window, block = [(40, 16), (9, 3)], 10, 8
+    cls = _cls(lengths, kv_heads=1, group=4, head=64, block=block, window=window)
+    case = fuzz.make_case(np.random.default_rng(3), cls, lengths)
+    arrays, kwargs = case.kernel_args()
+    run = lambda kv: np.asarray(jnp.asarray(paged_prefill_attention_mgpu(
+        arrays[0], kv, *arrays[2:], **kwargs, interpret=INTERPRET), jnp.float32))
+    cache = np.array(jnp.asarray(arrays[1], jnp.float32))
+    before_window = case.block_tables[0, :(40 - window + 1) // block]   # tokens 0..23 of sequence 0
+    cache[:, before_window] = np.nan
+    poisoned = run(jnp.asarray(cache, cls.dtype))
+    noisy = np.where(np.isnan(cache), np.random.default_rng(4).standard_normal(cache.shape) * 100, cache)
+    np.testing.assert_array_equal(poisoned, run(jnp.asarray(noisy, cls.dtype)))
+    assert fuzz.error(poisoned, case) <= fuzz.TOLERANCE[cls.dtype]
+
+
+def test_tile_map_splits_sequences_into_programs():
+    """Host side: each sequence's new tokens in programs of ``tokens_per_program`` tokens, back to back;
+    zero-length sequences take none; programs past the last one have no rows."""
+    qsl = jnp.asarray([0, 5, 5, 37, 38], jnp.int32)            # query lens 5, 0, 32, 1
+    seq, row0, q_len, first = (np.asarray(x) for x in _tile_map(qsl, 41, 16, 8))
+    np.testing.assert_array_equal(first, [0, 1, 1, 3])
+    np.testing.assert_array_equal(seq[:4], [0, 2, 2, 3])
+    np.testing.assert_array_equal(row0[:4], [0, 0, 16, 0])
+    np.testing.assert_array_equal(q_len, [5, 32, 32, 1, 0, 0, 0, 0])
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(dtype=jnp.float32), "q.dtype=float32"),
+    (dict(kv_dtype=jnp.float8_e4m3fn), "fp8"),
+    (dict(head=80), "head_size=80"),
+    (dict(alibi=True), "alibi"),
+    (dict(heads=(130, 2)), "at most 64"),
+    (dict(block=4), "block_size=4"),
+])
+def test_unsupported_calls_say_why(change, match):
+    """The kernel refuses what it does not implement, naming the field (the dispatch falls back)."""
+    args = dict(dtype=jnp.bfloat16, head=64, heads=(8, 2), block=16, alibi=False) | change
+    kv_dtype = args.get("kv_dtype", args["dtype"])
+    reason = unsupported_reason(args["dtype"], kv_dtype, *args["heads"], args["head"], args["block"],
+                                alibi=args["alibi"])
+    assert reason is not None and match in reason
+    num_heads, num_kv_heads = args["heads"]
+    q = jnp.zeros((2, num_heads, args["head"]), args["dtype"])
+    kv = jnp.zeros((2, 4, num_kv_heads, args["block"], args["head"]), kv_dtype)
+    extra = dict(alibi_slopes=jnp.ones((num_heads,))) if args["alibi"] else {}
+    if "kv_dtype" in change:
+        extra.update(k_scale=1.0, v_scale=1.0)
+    with pytest.raises(NotImplementedError, match=match):
+        paged_prefill_attention_mgpu(q, kv, jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 2, jnp.int32),
+                                     jnp.asarray([0, 2], jnp.int32), scale=0.1, max_query_len=2,
+                                     interpret=True, **extra)
+
+
+@pytest.mark.parametrize("kw,match", [(dict(block_kv=48), "block_kv=48"), (dict(num_stages=0), "num_stages=0"),
+                                      (dict(num_consumers=3), "num_consumers=3"),
+                                      (dict(max_query_len=1), "max_query_len=1")])
+def test_bad_knobs_raise(kw, match):
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 4, 1, 16, 64), jnp.bfloat16)
+    with pytest.raises(ValueError, match=match):
+        paged_prefill_attention_mgpu(q, kv, jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 2, jnp.int32),
+                                     jnp.asarray([0, 2], jnp.int32), scale=0.1, interpret=True,
+                                     **({"max_query_len": 2} | kw))
+
+
+def test_num_stages_fit_shared_memory():
+    """bf16, D 128, 128 keys, two consumers: 2 stages with P in registers; head size 256 (64 keys) too."""
+    assert tuning.mgpu_prefill_num_stages(128, 128, num_consumers=2, pv_from_smem=False) == 2
+    assert tuning.mgpu_prefill_num_stages(64, 256, num_consumers=2, pv_from_smem=False) == 2
+    assert tuning.mgpu_prefill_num_stages(128, 64, num_consumers=2, pv_from_smem=True) == 4
+    for d in (64, 128, 256):
+        bkv = tuning.mgpu_prefill_block_kv(d)
+        for smem_p in (False, True):
+            st = tuning.mgpu_prefill_num_stages(bkv, d, num_consumers=2, pv_from_smem=smem_p)
+            used = 2 * 64 * d * 2 + (2 * 64 * bkv * 2 if smem_p else 0) + st * 2 * bkv * d * 2
+            assert st >= 1 and (used <= tuning.MGPU_SMEM_BYTES or st == 1)
+
+
+def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
+    """``impl="pallas_mosaic"`` (``_interpret`` on CPU): a supported prefill / mixed batch runs the Mosaic
+    prefill kernel, under ``jax.jit`` too, and matches the reference; an fp8 cache falls back to the Triton
+    kernel with a one-time warning naming the reason."""
+    calls = []
+
+    def spy(name, fn):
+        def wrapped(*a, **k):
+            calls.append(name)
+            return fn(*a, **k)
+        return wrapped
+    monkeypatch.setattr(mgpu_mod, "paged_prefill_attention_mgpu",
+                        spy("mosaic", mgpu_mod.paged_prefill_attention_mgpu))
+    monkeypatch.setattr(triton_mod, "paged_prefill_attention", spy("triton", triton_mod.paged_prefill_attention))
+    monkeypatch.setattr(jaxkv.attention, "_warned_fallbacks", set())
+    lengths = [(20, 9), (7, 1)]
+    cls = _cls(lengths, kv_heads=2, group=2, head=64, block=8)
+    case = fuzz.make_case(np.random.default_rng(2), cls, lengths)
+    (q, kv, tables, lens, _), kwargs = case.kernel_args()
+    md = jaxkv.build_attn_metadata(np.asarray(tables), [20, 7], [9, 1], cls.block_size)
+    scale = kwargs["scale"]
+    impl = "pallas_mosaic" if ON_GPU else "pallas_mosaic_interpret"
+    out = jax.jit(lambda q, kv, md: jaxkv.paged_attention(q, kv, md, scale=scale, impl=impl))(q, kv, md)
+    assert calls == ["mosaic"]
+    assert fuzz.error(out[:10], case) <= fuzz.TOLERANCE[cls.dtype]
+
+    kv8 = kv.astype(jnp.float8_e4m3fn)
+    with pytest.warns(UserWarning, match="prefill falls back to the Triton kernel: kv_cache.dtype=float8_e4m3fn"):
+        jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
+    assert calls == ["mosaic", "triton"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # once per reason
+        jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU-only lowering check; the GPU runs the compiled tests")
+@pytest.mark.parametrize("pv_from_smem", [False, True], ids=["p-registers", "p-smem"])
+def test_lowers_for_sm90(pv_from_smem):
+    """Every class of ``CASES`` (with its consumer count: both occur) lowers through Pallas Mosaic GPU for CUDA on CPU.
+
+    Export stops after Mosaic GPU has lowered the kernel to its MLIR module (serialised into the custom
+    call), so unsupported ops, casts and layouts fail here; shared-memory budget, register pressure and
+    ptxas issues show only on the GPU."""
+    from jax import export
+    for lengths, kw, nc in (CASES if not pv_from_smem else CASES[:3]):   # P via smem: the interpreted path
+        cls = _cls(lengths, **kw)
+        case = fuzz.make_case(np.random.default_rng(0), cls, lengths)
+        arrays, kwargs = case.kernel_args()
+        for consumers in (nc,):
+            fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(*a, **kwargs, num_consumers=consumers,
+                                                                 pv_from_smem=pv_from_smem))
+            exported = export.export(fn, platforms=("cuda",))(*arrays)
+            assert "mosaic_gpu" in exported.mlir_module()
+
+
+@pytest.mark.skipif(not SLOW, reason="set JAXKV_MGPU_FUZZ=N (slow, ~5 s a case)")
+def test_random_classes_interpreted():
+    rng = np.random.default_rng(13)
+    failed = []
+    for cls in fuzz.shape_classes(rng, "prefill", int(os.environ["JAXKV_MGPU_FUZZ"])):
+        head = int(rng.choice(mgpu_mod.HEAD_SIZES))
+        dtype = "bfloat16" if cls.dtype == "float32" else cls.dtype
+        cls = dataclasses.replace(cls, head_size=head, dtype=dtype, alibi=False, fp8=False)
+        lengths = fuzz.random_lengths(rng, cls)
+        case = fuzz.make_case(rng, cls, lengths)
+        arrays, kwargs = case.kernel_args()
+        err = fuzz.error(paged_prefill_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET), case)
+        if not err <= fuzz.TOLERANCE[cls.dtype]:
+            failed.append((cls.describe(), lengths, err))
+    assert not failed, failed
