@@ -29,7 +29,11 @@ cb1)
     cp .serve/*.json /tmp/
   fi
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
-  [ -n "${KERNEL_TESTS:-}" ] && timeout 400 python -m pytest -q -p no:cacheprovider ${KERNEL_TESTS_PATHS:-tests/pallas_kernels} -k "not fuzz_compiled and not lower_for" 2>&1 | tail -5 | tee $OUT/kernel-tests.txt
+  # -v through tee (not tail): a run cut short still leaves every finished test's line in $OUT, and
+  # faulthandler prints the stacks of a test that takes over 120 s
+  [ -n "${KERNEL_TESTS:-}" ] && timeout ${KERNEL_TESTS_TIMEOUT:-400} python -m pytest -v -p no:cacheprovider \
+      -o faulthandler_timeout=120 --durations=10 ${KERNEL_TESTS_PATHS:-tests/pallas_kernels} \
+      -k "not fuzz_compiled and not lower_for" 2>&1 | tee $OUT/kernel-tests.txt | tail -15
   ;;
 cb2)
   cat /tmp/gg.part.aa .gguf2/gg.part.ab > $G
