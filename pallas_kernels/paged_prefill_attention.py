@@ -10,7 +10,9 @@ Layout read by the kernel (jaxkv's Pallas backend)::
     q:        [num_tokens, num_heads, head_size]                    # all sequences' new tokens
     kv_cache: [2, num_blocks, num_kv_heads, block_size, head_size]   # 0 = key, 1 = value
 
-One program handles one (sequence, KV head, tile of ``block_q`` query tokens). It gathers the tile's
+One program handles one (KV head, query tile); the tiles (``block_q`` new tokens of one sequence) are
+flattened over the batch (:func:`_query_tiles`), so a mixed batch of many decodes and a few long chunks
+launches about ``num_tokens / block_q + num_seqs`` tiles per KV head. It gathers the tile's
 tokens (at ``query_start_loc[s] + row``) for every query head of the KV head's group, flattened to
 ``block_q * next_power_of_2(group)`` rows (>= 16, what a Triton dot needs), and streams the sequence's
 pages ``pages_per_compute_block`` at a time from the window start of its first token to the causal end of
@@ -26,6 +28,7 @@ File shape (design.md §5): ``_paged_prefill_attention_kernel`` (refs) → ``_pa
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -61,11 +64,53 @@ def _tile_kv_range(context_len, q_len, row0, *, block_q: int, block_size: int,
     return kv_start, kv_end, first_page, end_page
 
 
+class QueryTiles(NamedTuple):
+    """The grid's query tiles, flattened over the batch: tile ``t`` covers query rows ``[row0[t], row0[t] +
+    block_q)`` of sequence ``seq[t]``. Arrays are ``int32[num_tiles]``; tiles past the work have
+    ``q_len == 0`` (no row is valid, nothing is read or written)."""
+
+    seq: jax.Array
+    q_start: jax.Array
+    q_len: jax.Array
+    seq_len: jax.Array
+    row0: jax.Array
+    num_tiles: int
+
+
+def num_query_tiles(num_tokens: int, num_seqs: int, *, block_q: int, max_query_len: int) -> int:
+    """Static bound on the query tiles of a batch: ``sum_s cdiv(q_len_s, block_q)`` is at most
+    ``cdiv(num_tokens, block_q)`` plus one partial tile per sequence with a token, and at most
+    ``num_seqs * cdiv(max_query_len, block_q)``."""
+    per_seq = num_seqs * pl.cdiv(max(1, max_query_len), block_q)
+    return max(1, min(pl.cdiv(num_tokens, block_q) + min(num_seqs, num_tokens), per_seq))
+
+
+def _query_tiles(query_start_loc, seq_lens, *, block_q: int, max_query_len: int, num_tokens: int) -> QueryTiles:
+    """Flatten every sequence's query tiles into one list (vLLM's unified attention walks "q blocks" the
+    same way), so the grid grows with the tokens of the batch, not with ``num_seqs x max_query_len``: a
+    mixed batch of 256 rows in a 4096-token bucket launches ~400 tiles per KV head instead of 32,768
+    mostly empty ones. Within a sequence the last tile (the most keys, causal) comes first."""
+    num_seqs = seq_lens.shape[0]
+    num_tiles = num_query_tiles(num_tokens, num_seqs, block_q=block_q, max_query_len=max_query_len)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    per_seq = (q_lens + block_q - 1) // block_q
+    ends = jnp.cumsum(per_seq)
+    t = jnp.arange(num_tiles, dtype=jnp.int32)
+    seq = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)   # the sequence owning tile t
+    real = seq < num_seqs
+    seq = jnp.minimum(seq, num_seqs - 1)
+    local = ends[seq] - 1 - t                                              # last tile first
+    return QueryTiles(seq=seq, q_start=query_start_loc[seq], q_len=jnp.where(real, q_lens[seq], 0),
+                      seq_len=seq_lens[seq], row0=jnp.where(real, local * block_q, 0).astype(jnp.int32),
+                      num_tiles=num_tiles)
+
+
 def _paged_prefill_attention_kernel(
-    q_start_ref,       # i32[1]                           query_start_loc[s]: this sequence's first token
-    q_len_ref,         # i32[1]                           new tokens of this sequence
-    seq_lens_ref,      # i32[1]                           cached + new tokens of this sequence
-    block_table_ref,   # i32[max_num_blocks_per_seq + ppcb]   this sequence's blocks (zero-padded)
+    q_start_ref,       # i32[1]                           query_start_loc[s] of this tile's sequence s
+    q_len_ref,         # i32[1]                           new tokens of s (0 for a tile past the work)
+    seq_lens_ref,      # i32[1]                           cached + new tokens of s
+    row0_ref,          # i32[1]                           the tile's first query index inside s
+    block_table_ref,   # i32[max_num_blocks_per_seq + ppcb]   s's blocks (zero-padded)
     q_ref,             # [num_tokens, group, head_size]   this KV head's query heads, every token
     k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
     v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
@@ -82,9 +127,6 @@ def _paged_prefill_attention_kernel(
     sliding_window: int | None,
     logits_soft_cap: float | None,
 ):
-    # Heaviest tiles first: the last query tiles see the most keys (causal); launching them first
-    # shortens the tail of the grid.
-    q_tile = pl.num_programs(2) - 1 - pl.program_id(2)
     num_tokens, group, head_size = q_ref.shape
     num_blocks, block_size, _ = k_cache_ref.shape
     block_k = step.block_k
@@ -92,7 +134,7 @@ def _paged_prefill_attention_kernel(
 
     q_start, q_len, seq_len = q_start_ref[0], q_len_ref[0], seq_lens_ref[0]
     context_len = seq_len - q_len
-    row0 = q_tile * block_q
+    row0 = row0_ref[0]
     qi = row0 + jnp.arange(block_q)                    # query index inside the sequence [block_q]
     token = q_start + qi                               # row of q / o                   [block_q]
     row_valid = (qi < q_len) & (token < num_tokens)    # [block_q]
@@ -153,7 +195,8 @@ def _paged_prefill_attention_kernel(
     # Steps wholly below the tile's first query: no mask; the rest (the diagonal, the window): masked.
     num_steps = pl.cdiv(jnp.minimum(kv_end, max_pages * block_size), block_k)
     first_step = jnp.minimum(kv_start // block_k, num_steps)
-    num_full = 0 if sliding_window is not None else jnp.where(kv_end > 0, context_len + row0, 0) // block_k
+    num_full = 0 if sliding_window is not None else jnp.minimum(
+        jnp.where(kv_end > 0, context_len + row0, 0) // block_k, num_steps)
 
     acc = jnp.zeros((rows, head_p), jnp.float32)
     m = jnp.full((rows,), -jnp.inf, jnp.float32)
@@ -195,41 +238,41 @@ def _paged_prefill_attention_pallas(
     group_p = pl.next_power_of_2(group)
     head_p = padded_head_size(head_size)
     assert block_q * group_p >= MIN_DOT_ROWS, (block_q, group_p)
-    num_q_tiles = pl.cdiv(max_query_len, block_q)
     ppcb = step.pages
 
     # A step starting at the last page reads up to ppcb - 1 entries past the table.
     block_tables = jnp.pad(block_tables, ((0, 0), (0, ppcb)))
-    q_starts = query_start_loc[:-1]
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tiles = _query_tiles(query_start_loc, seq_lens, block_q=block_q, max_query_len=max_query_len,
+                         num_tokens=num_tokens)
     q4 = q.reshape(num_tokens, num_kv_heads, group, head_size)
     alibi_spec = None
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
         alibi_slopes = jnp.pad(alibi_slopes, ((0, 0), (0, group_p - group)))
-        alibi_spec = pl.BlockSpec((None, group_p), lambda s, h, t: (h, 0))
+        alibi_spec = pl.BlockSpec((None, group_p), lambda h, t: (h, 0))
 
     kernel = functools.partial(
         _paged_prefill_attention_kernel, scale=scale, block_q=block_q, group_p=group_p, head_p=head_p,
         max_pages=max_pages, step=step, sliding_window=sliding_window,
         logits_soft_cap=logits_soft_cap)
-    per_seq = pl.BlockSpec((1,), lambda s, h, t: (s,))
-    tokens_block = pl.BlockSpec((num_tokens, None, group, head_size), lambda s, h, t: (0, h, 0, 0))
+    per_tile = pl.BlockSpec((1,), lambda h, t: (t,))
+    tokens_block = pl.BlockSpec((num_tokens, None, group, head_size), lambda h, t: (0, h, 0, 0))
     cache_block = (None, num_blocks, None, block_size, head_size)
     in_specs = [
-        per_seq,                                                            # q_starts
-        per_seq,                                                            # q_lens
-        per_seq,                                                            # seq_lens
-        pl.BlockSpec((None, max_pages + ppcb), lambda s, h, t: (s, 0)),     # block_tables
+        per_tile,                                                           # q_start of the tile's seq
+        per_tile,                                                           # q_len
+        per_tile,                                                           # seq_len
+        per_tile,                                                           # the tile's first row
+        pl.BlockSpec((None, max_pages + ppcb), lambda h, t: (t, 0)),        # the seq's block table
         tokens_block,                                                       # q
-        pl.BlockSpec(cache_block, lambda s, h, t: (0, 0, h, 0, 0)),         # key pages
-        pl.BlockSpec(cache_block, lambda s, h, t: (1, 0, h, 0, 0)),         # value pages
-        pl.BlockSpec((2,), lambda s, h, t: (0,)),                           # kv_scales
+        pl.BlockSpec(cache_block, lambda h, t: (0, 0, h, 0, 0)),            # key pages
+        pl.BlockSpec(cache_block, lambda h, t: (1, 0, h, 0, 0)),            # value pages
+        pl.BlockSpec((2,), lambda h, t: (0,)),                              # kv_scales
         alibi_spec,                                                         # alibi slopes
     ]
     out = pl.pallas_call(
         kernel,
-        grid=(num_seqs, num_kv_heads, num_q_tiles),
+        grid=(num_kv_heads, tiles.num_tiles),
         in_specs=in_specs,
         out_specs=tokens_block,
         out_shape=jax.ShapeDtypeStruct((num_tokens, num_kv_heads, group, head_size), q.dtype),
@@ -237,7 +280,8 @@ def _paged_prefill_attention_pallas(
         interpret=interpret,
         debug=debug,
         name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_p{step.pages}x{step.tokens}",
-    )(q_starts, q_lens, seq_lens, block_tables, q4, kv_cache, kv_cache, kv_scales, alibi_slopes)
+    )(tiles.q_start, tiles.q_len, tiles.seq_len, tiles.row0, block_tables[tiles.seq], q4, kv_cache, kv_cache,
+      kv_scales, alibi_slopes)
     out = out.reshape(num_tokens, num_heads, head_size)
     # Tokens past query_start_loc[-1] belong to no sequence and are never written: give them 0.
     owned = jnp.arange(num_tokens) < query_start_loc[-1]

@@ -12,8 +12,8 @@ import pytest
 
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import paged_attention as decode_attention
-from pallas_kernels.paged_prefill_attention import (_tile_kv_range, paged_prefill_attention,
-                                                    paged_prefill_attention_reference)
+from pallas_kernels.paged_prefill_attention import (_query_tiles, _tile_kv_range, num_query_tiles,
+                                                    paged_prefill_attention, paged_prefill_attention_reference)
 from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
 
 # Interpret mode on CPU (CI); on a GPU the same tests run the compiled Pallas-Triton kernel.
@@ -205,6 +205,51 @@ def test_decode_only_batch_matches_decode_kernel(rng):
     check(out, decode_attention_loop(q[:4], batch, 0.125), [1, 1, 1, 1], "float32")
     dec = decode_attention(args[0][:4], *args[1:4], scale=0.125, interpret=INTERPRET)
     assert rel_err(out[:4], np.asarray(dec, np.float64)) < TOLERANCE["float32"]
+
+
+@pytest.mark.parametrize("block_q", [1, 4, 32])
+def test_query_tiles_cover_every_query_row_once(rng, block_q):
+    """The flattened tile list = a loop over sequences and their ``cdiv(q_len, block_q)`` tiles; the
+    tiles past the work own no row; the static bound holds for the largest possible batch too."""
+    for _ in range(20):
+        num_seqs = int(rng.integers(1, 12))
+        q_lens = rng.integers(0, 70, num_seqs) * (rng.random(num_seqs) < 0.8)
+        num_tokens = int(q_lens.sum()) + int(rng.integers(0, 40))
+        max_query_len = max(1, int(q_lens.max()))
+        qsl = jnp.asarray(np.concatenate([[0], np.cumsum(q_lens)]), jnp.int32)
+        seq_lens = jnp.asarray(q_lens + rng.integers(0, 50, num_seqs), jnp.int32)
+        t = jax.tree.map(np.asarray, _query_tiles(qsl, seq_lens, block_q=block_q, max_query_len=max_query_len,
+                                                  num_tokens=num_tokens)._asdict())
+        expected = sorted((s, k * block_q) for s in range(num_seqs) for k in range(-(-int(q_lens[s]) // block_q)))
+        real = t["q_len"] > 0
+        assert sorted(zip(t["seq"][real].tolist(), t["row0"][real].tolist())) == expected
+        assert (t["row0"][~real] == 0).all()
+        np.testing.assert_array_equal(t["q_start"][real], np.asarray(qsl)[t["seq"][real]])
+        np.testing.assert_array_equal(t["seq_len"][real], np.asarray(seq_lens)[t["seq"][real]])
+        # the most keys first inside a sequence (causal): row0 decreases along each sequence's tiles
+        for s in range(num_seqs):
+            rows = t["row0"][real & (t["seq"] == s)]
+            assert (np.diff(rows) < 0).all()
+    # worst case for the bound: every sequence ends one token into a tile
+    n, bq = 7, 8
+    assert num_query_tiles(n * (bq + 1), n, block_q=bq, max_query_len=bq + 1) >= n * 2
+
+
+def test_mixed_batch_in_a_large_token_bucket(rng):
+    """The engine's mixed step: many decode rows, dummy rows (no token) and one long chunk, the tokens padded
+    to a bucket far above the real count and ``max_query_len`` = the bucket (what the runner passes)."""
+    bs = 8
+    context_lens = [5, 0, 17, 40, 0, 9, 30, 0, 2, 0]
+    query_lens = [1, 0, 1, 1, 37, 1, 1, 0, 1, 0]
+    batch, q, args = make_batch(rng, context_lens, query_lens, num_heads=9, num_kv_heads=3, head_size=64,
+                                block_size=bs)
+    pad = 128 - args[0].shape[0]
+    q_padded = jnp.pad(args[0], ((0, pad), (0, 0), (0, 0)))
+    out = paged_prefill_attention(q_padded, *args[1:], scale=0.125, max_query_len=128, interpret=INTERPRET)
+    n = sum(query_lens)
+    expected = prefill_loop(q, batch, query_lens, 0.125)
+    assert rel_err(np.asarray(out[:n], np.float64), expected[:n]) < TOLERANCE["float32"]
+    np.testing.assert_array_equal(np.asarray(out[n:]), 0.0)
 
 
 def test_works_under_jit_with_traced_metadata(rng):
