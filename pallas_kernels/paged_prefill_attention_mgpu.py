@@ -74,6 +74,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
+from pallas_kernels._mgpu_paging import produce_kv_ring
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size
 from pallas_kernels.paged_attention_mgpu import (COMPUTE_DTYPES, HEAD_SIZES, LOG2E, MIN_BLOCK_SIZE, ROWS,
@@ -112,9 +113,8 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
                     sliding_window: int | None,
                     logits_soft_cap: float | None, pv_from_smem: bool, set_registers: bool):
     (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed) = scratch
-    num_blocks, block_size, head_size = kv_ref.shape[1], kv_ref.shape[3], kv_ref.shape[4]
+    block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
-    copies = block_kv // tokens_per_copy
     tile_tokens = ROWS // group_p                        # T: query tokens of one consumer's 64-row tile
     log2_group = group_p.bit_length() - 1
 
@@ -255,34 +255,10 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
         if set_registers:
             plgpu.set_max_registers(40, action="decrease")
 
-        def issue(i, slot, cache, tiles, bars):
-            # Step prog_first + i: tokens [t0, t0 + block_kv), one TMA copy per page (or page slice).
-            t0 = (prog_first + i) * block_kv
-            for c in range(copies):
-                token = t0 + c * tokens_per_copy
-                page = token // block_size
-                page_id = tables_ref[s, page]
-                # Pages past the sequence's end are read from block 0 (their slots are masked / zeroed).
-                page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
-                offset = token % block_size if tokens_per_copy < block_size else 0
-                plgpu.copy_gmem_to_smem(
-                    kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
-                    tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
-                    bars.at[slot])
-
-        for i in range(num_stages):                              # fill the ring
-            @pl.when(i < n)
-            def _prologue():
-                issue(i, i, 0, k_smem, k_bars)
-                issue(i, i, 1, v_smem, v_bars)
-
-        @pl.loop(0, jnp.maximum(n - num_stages, 0))
-        def _steady(i):
-            slot = lax.rem(i, num_stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            issue(i + num_stages, slot, 0, k_smem, k_bars)
-            plgpu.barrier_wait(v_consumed.at[slot])
-            issue(i + num_stages, slot, 1, v_smem, v_bars)
+        produce_kv_ring(kv_ref, tables_ref, s, h, step_token=lambda i: (prog_first + i) * block_kv,
+                        num_steps=n, num_pages=num_pages, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
+                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
+                        k_consumed=k_consumed, v_consumed=v_consumed)
 
 
 def _tile_map(query_start_loc, num_tokens: int, tokens_per_program: int, num_programs: int):
