@@ -77,8 +77,9 @@ from pallas_kernels import _checks, tuning
 from pallas_kernels._mgpu_paging import produce_kv_ring
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size
-from pallas_kernels.paged_attention_mgpu import (COMPUTE_DTYPES, HEAD_SIZES, LOG2E, MIN_BLOCK_SIZE, ROWS,
-                                                 _tile_transforms)
+from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
+from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
+from pallas_kernels.paged_attention_mgpu import unsupported_reason as decode_unsupported_reason
 from pallas_kernels.paged_prefill_attention import _is_int, _validate
 
 MAX_CONSUMERS = 2
@@ -89,22 +90,13 @@ def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, hea
     """Why the Mosaic GPU prefill kernel cannot run this call, or ``None`` when it can.
 
     The op-level dispatch falls back to the Triton prefill kernel with this reason. Static arguments only.
+    The decode kernel's rules (:func:`pallas_kernels.paged_attention_mgpu.unsupported_reason`), and no fp8
+    cache (not implemented here yet).
     """
-    if jnp.dtype(q_dtype) not in COMPUTE_DTYPES:
-        return f"q.dtype={jnp.dtype(q_dtype)} (Mosaic kernel: bfloat16/float16; wgmma has no f32 path)"
-    if jnp.dtype(kv_dtype) in FP8_DTYPES:
+    if jnp.dtype(q_dtype) in COMPUTE_DTYPES and jnp.dtype(kv_dtype) in FP8_DTYPES:
         return f"kv_cache.dtype={jnp.dtype(kv_dtype)} (fp8 not implemented in the Mosaic prefill kernel)"
-    if jnp.dtype(kv_dtype) != jnp.dtype(q_dtype):
-        return f"kv_cache.dtype={jnp.dtype(kv_dtype)} with q.dtype={jnp.dtype(q_dtype)}"
-    if head_size not in HEAD_SIZES:
-        return f"head_size={head_size} (Mosaic kernel: {HEAD_SIZES})"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > ROWS:
-        return f"num_heads={num_heads}/num_kv_heads={num_kv_heads} (at most {ROWS} heads per KV head)"
-    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
-        return f"block_size={block_size} (Mosaic kernel: a power of two >= {MIN_BLOCK_SIZE})"
-    if alibi:
-        return "alibi_slopes (not implemented in the Mosaic kernel)"
-    return None
+    return decode_unsupported_reason(q_dtype, kv_dtype, num_heads, num_kv_heads, head_size, block_size,
+                                     alibi=alibi)
 
 
 def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, tables_ref, q_ref, kv_ref,
