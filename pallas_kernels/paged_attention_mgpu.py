@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
+from pallas_kernels._mgpu_paging import produce_kv_ring
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
 
@@ -95,11 +96,9 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
                    steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None):
     (q_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem), (q_bar, k_bars, v_bars), consumed = scratch
     k_consumed, v_consumed = consumed
-    num_blocks, block_size = kv_ref.shape[1], kv_ref.shape[3]
-    head_size = kv_ref.shape[4]
+    block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
     fp8 = k16_smem is not None
-    copies = block_kv // tokens_per_copy
 
     h = lax.axis_index("h")
     part = lax.axis_index("p")
@@ -208,34 +207,10 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
 
     @pl.when(wg == 1)
     def _memory():
-        def issue(i, slot, cache, tiles, bars):
-            # Step i's tokens [first_token, first_token + block_kv), one TMA copy per page (or slice).
-            first_token = origin + (first_step + i) * block_kv
-            for c in range(copies):
-                token = first_token + c * tokens_per_copy
-                page = token // block_size
-                page_id = tables_ref[s, page]
-                # Pages the sequence does not own are read from block 0 (their slots are invisible).
-                page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
-                offset = token % block_size if tokens_per_copy < block_size else 0
-                plgpu.copy_gmem_to_smem(
-                    kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
-                    tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
-                    bars.at[slot])
-
-        for i in range(num_stages):                              # fill the ring
-            @pl.when(i < n)
-            def _prologue():
-                issue(i, i, 0, k_smem, k_bars)
-                issue(i, i, 1, v_smem, v_bars)
-
-        @pl.loop(0, jnp.maximum(n - num_stages, 0))
-        def _steady(i):
-            slot = lax.rem(i, num_stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            issue(i + num_stages, slot, 0, k_smem, k_bars)
-            plgpu.barrier_wait(v_consumed.at[slot])
-            issue(i + num_stages, slot, 1, v_smem, v_bars)
+        produce_kv_ring(kv_ref, tables_ref, s, h, step_token=lambda i: origin + (first_step + i) * block_kv,
+                        num_steps=n, num_pages=num_pages, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
+                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
+                        k_consumed=k_consumed, v_consumed=v_consumed)
 
 
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,

@@ -74,10 +74,12 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
+from pallas_kernels._mgpu_paging import produce_kv_ring
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size
-from pallas_kernels.paged_attention_mgpu import (COMPUTE_DTYPES, HEAD_SIZES, LOG2E, MIN_BLOCK_SIZE, ROWS,
-                                                 _tile_transforms)
+from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
+from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
+from pallas_kernels.paged_attention_mgpu import unsupported_reason as decode_unsupported_reason
 from pallas_kernels.paged_prefill_attention import _is_int, _validate
 
 MAX_CONSUMERS = 2
@@ -88,22 +90,13 @@ def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, hea
     """Why the Mosaic GPU prefill kernel cannot run this call, or ``None`` when it can.
 
     The op-level dispatch falls back to the Triton prefill kernel with this reason. Static arguments only.
+    The decode kernel's rules (:func:`pallas_kernels.paged_attention_mgpu.unsupported_reason`), and no fp8
+    cache (not implemented here yet).
     """
-    if jnp.dtype(q_dtype) not in COMPUTE_DTYPES:
-        return f"q.dtype={jnp.dtype(q_dtype)} (Mosaic kernel: bfloat16/float16; wgmma has no f32 path)"
-    if jnp.dtype(kv_dtype) in FP8_DTYPES:
+    if jnp.dtype(q_dtype) in COMPUTE_DTYPES and jnp.dtype(kv_dtype) in FP8_DTYPES:
         return f"kv_cache.dtype={jnp.dtype(kv_dtype)} (fp8 not implemented in the Mosaic prefill kernel)"
-    if jnp.dtype(kv_dtype) != jnp.dtype(q_dtype):
-        return f"kv_cache.dtype={jnp.dtype(kv_dtype)} with q.dtype={jnp.dtype(q_dtype)}"
-    if head_size not in HEAD_SIZES:
-        return f"head_size={head_size} (Mosaic kernel: {HEAD_SIZES})"
-    if num_heads % num_kv_heads or num_heads // num_kv_heads > ROWS:
-        return f"num_heads={num_heads}/num_kv_heads={num_kv_heads} (at most {ROWS} heads per KV head)"
-    if block_size < MIN_BLOCK_SIZE or block_size & (block_size - 1):
-        return f"block_size={block_size} (Mosaic kernel: a power of two >= {MIN_BLOCK_SIZE})"
-    if alibi:
-        return "alibi_slopes (not implemented in the Mosaic kernel)"
-    return None
+    return decode_unsupported_reason(q_dtype, kv_dtype, num_heads, num_kv_heads, head_size, block_size,
+                                     alibi=alibi)
 
 
 def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, tables_ref, q_ref, kv_ref,
@@ -112,9 +105,8 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
                     sliding_window: int | None,
                     logits_soft_cap: float | None, pv_from_smem: bool, set_registers: bool):
     (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed) = scratch
-    num_blocks, block_size, head_size = kv_ref.shape[1], kv_ref.shape[3], kv_ref.shape[4]
+    block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
-    copies = block_kv // tokens_per_copy
     tile_tokens = ROWS // group_p                        # T: query tokens of one consumer's 64-row tile
     log2_group = group_p.bit_length() - 1
 
@@ -255,34 +247,10 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
         if set_registers:
             plgpu.set_max_registers(40, action="decrease")
 
-        def issue(i, slot, cache, tiles, bars):
-            # Step prog_first + i: tokens [t0, t0 + block_kv), one TMA copy per page (or page slice).
-            t0 = (prog_first + i) * block_kv
-            for c in range(copies):
-                token = t0 + c * tokens_per_copy
-                page = token // block_size
-                page_id = tables_ref[s, page]
-                # Pages past the sequence's end are read from block 0 (their slots are masked / zeroed).
-                page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
-                offset = token % block_size if tokens_per_copy < block_size else 0
-                plgpu.copy_gmem_to_smem(
-                    kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
-                    tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
-                    bars.at[slot])
-
-        for i in range(num_stages):                              # fill the ring
-            @pl.when(i < n)
-            def _prologue():
-                issue(i, i, 0, k_smem, k_bars)
-                issue(i, i, 1, v_smem, v_bars)
-
-        @pl.loop(0, jnp.maximum(n - num_stages, 0))
-        def _steady(i):
-            slot = lax.rem(i, num_stages)
-            plgpu.barrier_wait(k_consumed.at[slot])
-            issue(i + num_stages, slot, 0, k_smem, k_bars)
-            plgpu.barrier_wait(v_consumed.at[slot])
-            issue(i + num_stages, slot, 1, v_smem, v_bars)
+        produce_kv_ring(kv_ref, tables_ref, s, h, step_token=lambda i: (prog_first + i) * block_kv,
+                        num_steps=n, num_pages=num_pages, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
+                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
+                        k_consumed=k_consumed, v_consumed=v_consumed)
 
 
 def _tile_map(query_start_loc, num_tokens: int, tokens_per_program: int, num_programs: int):

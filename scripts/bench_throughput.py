@@ -42,7 +42,9 @@ import json
 import logging
 import pathlib
 import random
+import shutil
 import sys
+import tempfile
 import time
 
 import jax
@@ -232,7 +234,6 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     bar, update = _progress(len(requests), name, progress)
     trace_dir = None
     if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run
-        import tempfile
         trace_dir = tempfile.mkdtemp(prefix=f"bench-{name}-trace-")
         prof = jax.profiler.trace(trace_dir)
     else:
@@ -250,7 +251,10 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
             outs = engine.generate([r.prompt_token_ids for r in requests],
                                    [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
         elapsed = time.perf_counter() - t0
-    busy_s = device_busy_seconds(trace_dir) if profile_busy else None
+    busy_s = None
+    if profile_busy:
+        busy_s = device_busy_seconds(trace_dir)
+        shutil.rmtree(trace_dir, ignore_errors=True)  # a whole run's trace grows with its kernel count
     busy_share = None if busy_s is None else busy_s / elapsed
     if bar is not None:
         bar.close()

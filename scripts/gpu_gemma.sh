@@ -23,7 +23,7 @@ stage=${1:?usage: gpu_gemma.sh split|keep K|run|bench PATH}
 case $stage in
 split)
   src=$(.venv/bin/python -c "from models.gemma3_loader import find_gemma3_gguf; print(find_gemma3_gguf())")
-  rm -rf .gemma[1-5] /tmp/gemma-split && mkdir -p /tmp/gemma-split
+  rm -rf .gemma[1-5]
   # part sizes in bytes (the last part takes the rest): the first one is small so that it can ride along
   # with a call that already carries ~50 MB (the SmolLM2 half in scripts/gpu_run.sh cb2)
   sizes=(${GEMMA_PART_SIZES:-13000000 60000000 60000000 60000000})

@@ -1,0 +1,68 @@
+"""The memory warpgroup of the Mosaic GPU paged kernels: K/V pages by TMA through the block table.
+
+Shared by :mod:`pallas_kernels.paged_attention_mgpu` (decode) and
+:mod:`pallas_kernels.paged_prefill_attention_mgpu` (prefill). Both walk a program's keys ``block_kv``
+tokens per step; step ``i`` of the program covers tokens ``[step_token(i), step_token(i) + block_kv)``
+and lands in slot ``i % num_stages`` of a shared-memory ring of K tiles and one of V tiles
+(``[num_stages, block_kv, head_size]``), one TMA copy per page (or page slice of ``tokens_per_copy``
+tokens) arriving on the slot's barrier. A slot is refilled once the consumers have arrived on its
+"consumed" barrier.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+
+def produce_kv_ring(kv_ref, tables_ref, s, h, *, step_token: Callable, num_steps, num_pages, block_kv: int,
+                    tokens_per_copy: int, num_stages: int, k_smem, v_smem, k_bars, v_bars, k_consumed,
+                    v_consumed) -> None:
+    """Issue the TMA copies of ``num_steps`` K/V steps of sequence ``s``, KV head ``h``.
+
+    Args:
+        kv_ref: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` cache in global memory.
+        tables_ref: ``int32[num_seqs, >= num_pages]`` block tables in global memory.
+        s, h: sequence row and KV head (traced scalars).
+        step_token: ``i -> `` the first token position of the program's step ``i`` (traced).
+        num_steps: steps to copy (traced, may be 0).
+        num_pages: pages the sequence owns; pages past it are read from block 0 (the kernels mask or zero
+            their slots, so any finite or NaN content is harmless).
+        block_kv, tokens_per_copy, num_stages: static; ``tokens_per_copy`` divides ``block_kv`` and is at
+            most the block size.
+        k_smem, v_smem: the rings; k_bars, v_bars: one barrier per slot (``block_kv // tokens_per_copy``
+            arrivals); k_consumed, v_consumed: the consumers' barriers per slot.
+    """
+    num_blocks, block_size = kv_ref.shape[1], kv_ref.shape[3]
+    copies = block_kv // tokens_per_copy
+
+    def issue(i, slot, cache, tiles, bars):
+        t0 = step_token(i)
+        for c in range(copies):
+            token = t0 + c * tokens_per_copy
+            page = token // block_size
+            page_id = tables_ref[s, page]
+            page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
+            offset = token % block_size if tokens_per_copy < block_size else 0
+            plgpu.copy_gmem_to_smem(
+                kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
+                tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
+                bars.at[slot])
+
+    for i in range(num_stages):                              # fill the ring
+        @pl.when(i < num_steps)
+        def _prologue():
+            issue(i, i, 0, k_smem, k_bars)
+            issue(i, i, 1, v_smem, v_bars)
+
+    @pl.loop(0, jnp.maximum(num_steps - num_stages, 0))
+    def _steady(i):
+        slot = lax.rem(i, num_stages)
+        plgpu.barrier_wait(k_consumed.at[slot])
+        issue(i + num_stages, slot, 0, k_smem, k_bars)
+        plgpu.barrier_wait(v_consumed.at[slot])
+        issue(i + num_stages, slot, 1, v_smem, v_bars)
