@@ -40,6 +40,7 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels import _checks, tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
 from pallas_kernels._reference import kv_scales, paged_attention_dense
+from pallas_kernels._tiles import query_tiles
 from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
 from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_head_size, _check_q_and_cache
 
@@ -90,18 +91,9 @@ def _query_tiles(query_start_loc, seq_lens, *, block_q: int, max_query_len: int,
     same way), so the grid grows with the tokens of the batch, not with ``num_seqs x max_query_len``: a
     mixed batch of 256 rows in a 4096-token bucket launches ~400 tiles per KV head instead of 32,768
     mostly empty ones. Within a sequence the last tile (the most keys, causal) comes first."""
-    num_seqs = seq_lens.shape[0]
-    num_tiles = num_query_tiles(num_tokens, num_seqs, block_q=block_q, max_query_len=max_query_len)
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    per_seq = (q_lens + block_q - 1) // block_q
-    ends = jnp.cumsum(per_seq)
-    t = jnp.arange(num_tiles, dtype=jnp.int32)
-    seq = jnp.sum(t[:, None] >= ends[None, :], axis=1, dtype=jnp.int32)   # the sequence owning tile t
-    real = seq < num_seqs
-    seq = jnp.minimum(seq, num_seqs - 1)
-    local = ends[seq] - 1 - t                                              # last tile first
-    return QueryTiles(seq=seq, q_start=query_start_loc[seq], q_len=jnp.where(real, q_lens[seq], 0),
-                      seq_len=seq_lens[seq], row0=jnp.where(real, local * block_q, 0).astype(jnp.int32),
+    num_tiles = num_query_tiles(num_tokens, seq_lens.shape[0], block_q=block_q, max_query_len=max_query_len)
+    seq, row0, q_len, _ = query_tiles(query_start_loc, num_tiles, block_q, last_first=True)
+    return QueryTiles(seq=seq, q_start=query_start_loc[seq], q_len=q_len, seq_len=seq_lens[seq], row0=row0,
                       num_tiles=num_tiles)
 
 

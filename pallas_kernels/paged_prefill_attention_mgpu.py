@@ -76,6 +76,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from pallas_kernels import _checks, tuning
 from pallas_kernels._mgpu_paging import produce_kv_ring
 from pallas_kernels._reference import kv_scales
+from pallas_kernels._tiles import query_tiles
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size
 from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
 from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
@@ -253,26 +254,6 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
                         k_consumed=k_consumed, v_consumed=v_consumed)
 
 
-def _tile_map(query_start_loc, num_tokens: int, tokens_per_program: int, num_programs: int):
-    """Which sequence and rows each program handles: every sequence's new tokens split into programs of
-    ``tokens_per_program`` tokens, sequences back to back.
-
-    Returns ``(tile_seq, tile_row0, tile_q_len, first_program)``: ``int32[num_programs]`` sequence, first
-    new-token index and ``query_len`` of the sequence (0 for programs past the last sequence), and
-    ``int32[num_seqs]`` each sequence's first program."""
-    num_seqs = query_start_loc.shape[0] - 1
-    q_lens = query_start_loc[1:] - query_start_loc[:-1]
-    programs = (q_lens + tokens_per_program - 1) // tokens_per_program
-    first_program = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(programs).astype(jnp.int32)])
-    j = jnp.arange(num_programs, dtype=jnp.int32)
-    tile_seq = jnp.clip(jnp.searchsorted(first_program, j, side="right") - 1, 0, num_seqs - 1)
-    tile_seq = tile_seq.astype(jnp.int32)
-    owned = j < first_program[-1]
-    tile_row0 = jnp.where(owned, (j - first_program[tile_seq]) * tokens_per_program, 0)
-    tile_q_len = jnp.where(owned, q_lens[tile_seq], 0)
-    return tile_seq, tile_row0.astype(jnp.int32), tile_q_len.astype(jnp.int32), first_program[:-1]
-
-
 def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_start_loc, scales, *, scale,
                                   sliding_window, logits_soft_cap, block_kv, num_stages, num_consumers,
                                   pv_from_smem, interpret):
@@ -287,8 +268,8 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     num_programs = pl.cdiv(num_tokens, tokens_per_program) + num_seqs
     tokens_per_copy = min(block_size, block_kv)
 
-    tile_seq, tile_row0, tile_q_len, first_program = _tile_map(query_start_loc, num_tokens,
-                                                               tokens_per_program, num_programs)
+    tile_seq, tile_row0, tile_q_len, first_program = query_tiles(query_start_loc, num_programs,
+                                                               tokens_per_program)
 
     # Pad the block table so the last step of a sequence (up to block_kv - 1 keys past its end) reads
     # entries inside the table (they are redirected to block 0 anyway).

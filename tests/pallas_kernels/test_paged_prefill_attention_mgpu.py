@@ -30,7 +30,8 @@ import jaxkv
 from pallas_kernels import paged_prefill_attention as triton_mod
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_mod
 from pallas_kernels import tuning
-from pallas_kernels.paged_prefill_attention_mgpu import _tile_map, paged_prefill_attention_mgpu, unsupported_reason
+from pallas_kernels._tiles import query_tiles
+from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu, unsupported_reason
 from tests.pallas_kernels import fuzz
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -132,7 +133,7 @@ def test_tile_map_splits_sequences_into_programs():
     """Host side: each sequence's new tokens in programs of ``tokens_per_program`` tokens, back to back;
     zero-length sequences take none; programs past the last one have no rows."""
     qsl = jnp.asarray([0, 5, 5, 37, 38], jnp.int32)            # query lens 5, 0, 32, 1
-    seq, row0, q_len, first = (np.asarray(x) for x in _tile_map(qsl, 41, 16, 8))
+    seq, row0, q_len, first = (np.asarray(x) for x in query_tiles(qsl, 8, 16))
     np.testing.assert_array_equal(first, [0, 1, 1, 3])
     np.testing.assert_array_equal(seq[:4], [0, 2, 2, 3])
     np.testing.assert_array_equal(row0[:4], [0, 0, 16, 0])
