@@ -29,7 +29,9 @@ dispatch that found the device with nothing queued, over the wall time). With ``
 GPU's busy share is also measured: the timed run is traced by JAX's profiler (XLA's CUPTI tracer; the
 trace is parsed in C++ by ``jax.profiler.ProfileData``), and ``busy`` is the union of the intervals in
 which a GPU stream ran a kernel or copy, over the wall time (idle = 1 - busy). Tracing costs time, so
-report throughput from a run without it. jaxkv's prefix cache is reset between backends so no run
+report throughput from a run without it. With ``--nvml-busy`` (column ``nvml``) the busy share comes from
+the driver's utilization samples (NVML through ``nvidia-ml-py``: the share of each 1/6-1 s sampling period
+in which a kernel ran), averaged over the timed run; it costs the run nothing. jaxkv's prefix cache is reset between backends so no run
 reuses another's blocks.
 """
 
@@ -45,6 +47,7 @@ import random
 import shutil
 import sys
 import tempfile
+import threading
 import time
 
 import jax
@@ -157,6 +160,7 @@ class Result:
     num_buckets: int | None = None
     gpu_idle_share: float | None = None
     gpu_busy_share_trace: float | None = None
+    gpu_busy_share_nvml: float | None = None
 
     @property
     def requests_per_s(self) -> float:
@@ -225,8 +229,76 @@ def device_busy_seconds(trace_dir: str | pathlib.Path) -> float | None:
     return union_seconds(spans)
 
 
+def mean_utilization(samples: list[tuple[int, float]], t0_us: int, t1_us: int) -> float | None:
+    """Busy share in [0, 1] from NVML utilization samples ``(timestamp in us, percent)``: the mean of the
+    samples taken inside ``(t0_us, t1_us]`` (each sample is the share of its own sampling period, 1/6 s
+    to 1 s, in which a kernel ran). ``None`` when no sample falls inside."""
+    vals = [v for t, v in samples if t0_us < t <= t1_us]
+    return sum(vals) / len(vals) / 100.0 if vals else None
+
+
+class NvmlBusySampler:
+    """GPU busy share of a code block from NVML's utilization samples (``nvidia-ml-py``, on the GPU
+    machine; no jaxkv dependency): the driver records, every 1/6 s to 1 s, the percentage of that
+    period in which one or more kernels ran on the device. A thread drains the sample buffer every
+    0.2 s (it holds only the latest samples); ``share`` is their mean over the block. Independent of
+    JAX and of the engine's own bookkeeping, and costs the run nothing measurable. ``share`` is
+    ``None`` where NVML is missing (``reason`` says why)."""
+
+    def __init__(self, device_index: int = 0, period_s: float = 0.2):
+        self.share: float | None = None
+        self.reason = ""
+        self._samples: list[tuple[int, float]] = []
+        self._period = period_s
+        self._stop = threading.Event()
+        try:
+            import pynvml
+            pynvml.nvmlInit()
+            self._nvml = pynvml
+            self._handle = pynvml.nvmlDeviceGetHandleByIndex(device_index)
+        except Exception as e:  # no nvidia-ml-py, no driver (a CPU machine)
+            self._nvml = None
+            self.reason = f"NVML unavailable ({type(e).__name__}: {e})"
+
+    def _drain(self, last_us: int) -> int:
+        nv = self._nvml
+        try:
+            _, samples = nv.nvmlDeviceGetSamples(self._handle, nv.NVML_GPU_UTILIZATION_SAMPLES, last_us)
+        except nv.NVMLError:  # NVML_ERROR_NOT_FOUND: no sample since last_us
+            return last_us
+        for smp in samples:
+            self._samples.append((int(smp.timeStamp), float(smp.sampleValue.uiVal)))
+            last_us = max(last_us, int(smp.timeStamp))
+        return last_us
+
+    def _loop(self, last_us: int) -> None:
+        while not self._stop.wait(self._period):
+            last_us = self._drain(last_us)
+        self._drain(last_us)
+
+    def __enter__(self):
+        if self._nvml is not None:
+            self._t0_us = int(time.time() * 1e6)
+            self._thread = threading.Thread(target=self._loop, args=(self._t0_us,), daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        if self._nvml is None:
+            return False
+        t1_us = int(time.time() * 1e6)
+        time.sleep(1.1)  # let the driver close the sampling period that holds the block's end
+        self._stop.set()
+        self._thread.join()
+        self.share = mean_utilization(self._samples, self._t0_us, t1_us + 1_000_000)
+        if self.share is None:
+            self.reason = f"no NVML utilization sample in the run ({len(self._samples)} read)"
+        self._nvml.nvmlShutdown()
+        return False
+
+
 def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
-              progress: bool, profile_busy: bool = False) -> Result:
+              progress: bool, profile_busy: bool = False, nvml_busy: bool = False) -> Result:
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.stats
@@ -238,7 +310,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
         prof = jax.profiler.trace(trace_dir)
     else:
         prof = contextlib.nullcontext()
-    with prof:
+    nvml = NvmlBusySampler() if nvml_busy else contextlib.nullcontext()
+    with prof, nvml:
         t0 = time.perf_counter()
         outs = []
         if static:
@@ -256,6 +329,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
         busy_s = device_busy_seconds(trace_dir)
         shutil.rmtree(trace_dir, ignore_errors=True)  # a whole run's trace grows with its kernel count
     busy_share = None if busy_s is None else busy_s / elapsed
+    if nvml_busy and nvml.share is None:
+        print(f"--nvml-busy: {nvml.reason}")
     if bar is not None:
         bar.close()
     after = engine.stats
@@ -270,7 +345,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
                   num_buckets=after.num_buckets,
                   gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None,
-                  gpu_busy_share_trace=busy_share)
+                  gpu_busy_share_trace=busy_share,
+                  gpu_busy_share_nvml=nvml.share if nvml_busy else None)
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -360,6 +436,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-busy", action="store_true",
                    help="measure the GPU's busy share of the jaxkv runs from a JAX profiler trace (XLA's CUPTI "
                         "tracer); tracing slows the run, so take throughput from a run without it")
+    p.add_argument("--nvml-busy", action="store_true",
+                   help="measure the GPU's busy share of the jaxkv runs from NVML's utilization samples "
+                        "(nvidia-ml-py; no slowdown)")
     return p.parse_args(argv)
 
 
@@ -375,8 +454,9 @@ def main(argv=None) -> int:
 def _print_partial(r: Result) -> None:
     """One line per finished backend, at once (a later backend that dies does not take it along)."""
     print(f"done: {r.backend}: {r.output_tokens_per_s:.1f} output tok/s, {r.requests_per_s:.2f} req/s, "
-          f"{r.elapsed_s:.2f} s" + ("" if r.gpu_busy_share_trace is None
-                                    else f", GPU busy {r.gpu_busy_share_trace:.1%} (profiler trace)"), flush=True)
+          f"{r.elapsed_s:.2f} s"
+          + ("" if r.gpu_busy_share_trace is None else f", GPU busy {r.gpu_busy_share_trace:.1%} (profiler trace)")
+          + ("" if r.gpu_busy_share_nvml is None else f", GPU busy {r.gpu_busy_share_nvml:.1%} (NVML)"), flush=True)
 
 
 def run(args) -> int:
@@ -451,13 +531,14 @@ def run(args) -> int:
                 llm.engine.warmup()
                 print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s")
         results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
-                                 progress=not args.no_progress, profile_busy=args.profile_busy))
+                                 progress=not args.no_progress, profile_busy=args.profile_busy,
+                                 nvml_busy=args.nvml_busy))
         _print_partial(results[-1])
 
     print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "
           f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
     head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
-            f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'time s':>8}")
+            f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'nvml':>6} {'time s':>8}")
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
@@ -466,7 +547,8 @@ def run(args) -> int:
         print(f"{r.backend:<13} {r.requests_per_s:>8.2f} {r.output_tokens_per_s:>10.1f} "
               f"{r.total_tokens_per_s:>11.1f} {r.generated_tokens:>10} {fmt(r.num_preemptions, 'd'):>7} "
               f"{fmt(r.prefix_cache_hit_rate, '.1%'):>10} {compiles or '-':>9} "
-              f"{fmt(r.gpu_idle_share, '.1%'):>6} {fmt(r.gpu_busy_share_trace, '.1%'):>6} {r.elapsed_s:>8.2f}")
+              f"{fmt(r.gpu_idle_share, '.1%'):>6} {fmt(r.gpu_busy_share_trace, '.1%'):>6} "
+              f"{fmt(r.gpu_busy_share_nvml, '.1%'):>6} {r.elapsed_s:>8.2f}")
     by = {r.backend: r for r in results}
     if "jaxkv" in by:
         for other in ("jaxkv-static", "hf"):

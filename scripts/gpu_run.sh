@@ -31,6 +31,7 @@ cb1)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
   # -v through tee (not tail): a run cut short still leaves every finished test's line in $OUT, and
   # faulthandler prints the stacks of a test that takes over 120 s
+  [ -n "${MIXED_BENCH:-}" ] && timeout 150 python scripts/bench_mixed_attention.py 2>&1 | quiet | tee $OUT/bench-mixed.txt
   [ -n "${KERNEL_TESTS:-}" ] && timeout ${KERNEL_TESTS_TIMEOUT:-400} python -m pytest -v -p no:cacheprovider \
       -o faulthandler_timeout=120 --durations=10 ${KERNEL_TESTS_PATHS:-tests/pallas_kernels} \
       -k "not fuzz_compiled and not lower_for" 2>&1 | tee $OUT/kernel-tests.txt | tail -15
@@ -42,7 +43,7 @@ cb2)
   echo '$ python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-tokens 32' > $OUT/generate.txt
   timeout 90 python scripts/generate.py --model $G --prompt "The capital of France is" --max-tokens 32 2>&1 | quiet | tee -a $OUT/generate.txt
   echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress" | tee $OUT/bench-throughput.txt
-  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache ${CB2_EXTRA:-} --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
   ;;
 cb3)  # after cb2 on the same warm machine (compilation cache in /tmp/jaxcache): the admission-delay variant
   # and the GPU busy share from a JAX profiler trace (bench_throughput --profile-busy)

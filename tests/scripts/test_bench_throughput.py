@@ -123,3 +123,44 @@ def test_device_busy_counts_gpu_stream_lines_only(tmp_path, monkeypatch):
                         types.SimpleNamespace(from_file=lambda path: types.SimpleNamespace(planes=planes)))
     assert mod.device_busy_seconds(tmp_path) == pytest.approx(80e-9)
     assert mod.device_busy_seconds(tmp_path / "x" / "none") is None
+
+
+def test_mean_utilization_averages_the_samples_inside_the_window():
+    mod = _module()
+    samples = [(100, 90.0), (200, 50.0), (300, 100.0), (400, 0.0)]
+    assert mod.mean_utilization(samples, 100, 300) == pytest.approx(0.75)  # 200 and 300 only
+    assert mod.mean_utilization(samples, 400, 500) is None
+
+
+def test_nvml_sampler_reads_the_driver_samples_of_the_block(monkeypatch):
+    """A fake ``pynvml`` hands out samples stamped with the wall clock; the sampler keeps those taken during
+    the block (and its closing period), and says why when NVML is missing."""
+    import sys
+    import time
+    import types
+    mod = _module()
+
+    class NVMLError(Exception):
+        pass
+
+    state = {"t": []}
+
+    def get_samples(handle, kind, last_us):
+        now = int(time.time() * 1e6)
+        state["t"].append(now)
+        if now <= last_us:
+            raise NVMLError("not found")
+        smp = types.SimpleNamespace(timeStamp=now, sampleValue=types.SimpleNamespace(uiVal=80))
+        return 0, [smp]
+
+    fake = types.SimpleNamespace(nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                                 nvmlDeviceGetHandleByIndex=lambda i: "h", NVMLError=NVMLError,
+                                 NVML_GPU_UTILIZATION_SAMPLES=1, nvmlDeviceGetSamples=get_samples)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    with mod.NvmlBusySampler(period_s=0.05) as s:
+        time.sleep(0.2)
+    assert s.share == pytest.approx(0.8) and len(state["t"]) >= 3
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails
+    with mod.NvmlBusySampler() as s:
+        pass
+    assert s.share is None and "NVML unavailable" in s.reason
