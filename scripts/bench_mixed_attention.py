@@ -26,7 +26,7 @@ from pallas_kernels.paged_prefill_attention import paged_prefill_attention, page
 
 ROWS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_LAYERS = 256, 16, 9, 3, 64, 30
 # (token bucket, new tokens of the prefill chunks, decode rows)
-SHAPES = [(512, [200], 250), (1024, [800], 250), (2048, [1000, 700], 240), (4096, [3800], 200), (512, [], 250)]
+SHAPES = [(512, [200], 250), (1024, [700], 250), (2048, [1000, 700], 240), (4096, [3800], 200), (512, [], 250)]
 
 
 def make_inputs(rng, bucket: int, chunks: list[int], num_decodes: int):

@@ -203,18 +203,21 @@ def union_seconds(spans) -> float:
     return busy_ns * 1e-9
 
 
-def device_busy_seconds(trace_dir: str | pathlib.Path) -> float | None:
+def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = 12) -> float | None:
     """Seconds in which a GPU stream ran a kernel or copy in the newest ``*.xplane.pb`` under
     ``trace_dir`` (written by ``jax.profiler.start_trace``): the union of the events on the ``Stream ...``
     lines of the ``/device:GPU:*`` planes. ``None`` (with the plane and line names printed) when the
-    trace has no such line, e.g. on a CPU."""
+    trace has no such line, e.g. on a CPU. Also prints where the rest of the time went: the union of the
+    ``XLA Modules`` spans (an XLA program on the device; time outside them is the host's gap between
+    programs, time inside them but outside kernels is launch and dependency gaps within a program) and
+    the ``top`` kernels by summed device time."""
     from jax.profiler import ProfileData
     files = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
     if not files:
         print(f"--profile-busy: no trace under {trace_dir}")
         return None
     data = ProfileData.from_file(str(files[-1]))
-    spans, seen = [], []
+    spans, modules, seen, by_name = [], [], [], {}
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             seen.append(plane.name)
@@ -222,11 +225,24 @@ def device_busy_seconds(trace_dir: str | pathlib.Path) -> float | None:
         for line in plane.lines:
             seen.append(f"{plane.name}/{line.name}")
             if line.name.startswith("Stream"):
-                spans += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events if e.duration_ns > 0]
+                for e in line.events:
+                    if e.duration_ns > 0:
+                        spans.append((e.start_ns, e.start_ns + e.duration_ns))
+                        name = getattr(e, "name", "?")
+                        t, n = by_name.get(name, (0.0, 0))
+                        by_name[name] = (t + e.duration_ns, n + 1)
+            elif line.name == "XLA Modules":
+                modules += [(e.start_ns, e.start_ns + e.duration_ns) for e in line.events if e.duration_ns > 0]
     if not spans:
         print(f"--profile-busy: no GPU stream events in {files[-1]} (planes/lines: {seen[:20]})")
         return None
-    return union_seconds(spans)
+    busy = union_seconds(spans)
+    first, last = min(a for a, _ in spans + modules), max(b for _, b in spans + modules)
+    print(f"--profile-busy: trace span {(last - first) * 1e-9:.3f} s, kernels/copies busy {busy:.3f} s, "
+          f"XLA programs on the device {union_seconds(modules):.3f} s, {len(spans)} kernel/copy events")
+    for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
+        print(f"  {t * 1e-9:8.3f} s  {n:8d} x  {t / n * 1e-3:8.1f} us  {name[:100]}")
+    return busy
 
 
 def mean_utilization(samples: list[tuple[int, float]], t0_us: int, t1_us: int) -> float | None:
