@@ -203,7 +203,7 @@ def union_seconds(spans) -> float:
     return busy_ns * 1e-9
 
 
-def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = 12) -> float | None:
+def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = int(__import__("os").environ.get("JAXKV_PROFILE_TOP", 12))) -> float | None:
     """Seconds in which a GPU stream ran a kernel or copy in the newest ``*.xplane.pb`` under
     ``trace_dir`` (written by ``jax.profiler.start_trace``): the union of the events on the ``Stream ...``
     lines of the ``/device:GPU:*`` planes. ``None`` (with the plane and line names printed) when the

@@ -42,7 +42,7 @@ cb2)
   sha256sum $G | cut -c1-16 | tee $OUT/sha256.txt
   echo '$ python scripts/generate.py --gguf $G --prompt "The capital of France is" --max-tokens 32' > $OUT/generate.txt
   timeout 90 python scripts/generate.py --model $G --prompt "The capital of France is" --max-tokens 32 2>&1 | quiet | tee -a $OUT/generate.txt
-  echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress" | tee $OUT/bench-throughput.txt
+  echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress ${CB2_EXTRA:-}" | tee $OUT/bench-throughput.txt
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-420} python scripts/bench_throughput.py --model $G --requests .gguf2/requests-1000.json --num-prompts ${NUM_PROMPTS:-1000} ${BACKENDS:---backend jaxkv --backend jaxkv-static} --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache ${CB2_EXTRA:-} --output-json $OUT/bench-throughput.json 2>&1 | quiet | tee -a $OUT/bench-throughput.txt
   ;;
 cb3)  # after cb2 on the same warm machine (compilation cache in /tmp/jaxcache): the admission-delay variant
