@@ -13,6 +13,8 @@ import os
 import pathlib
 
 import gguf
+import jax.numpy as jnp
+from flax import nnx
 
 import jaxkv
 from models import gemma3_runner, runner
@@ -21,6 +23,7 @@ from models.gemma3 import from_weights as gemma3_from_weights
 from models.gemma3_config import Gemma3Config
 from models.gemma3_loader import find_gemma3_gguf, load_gemma3_gguf
 from models.gguf_loader import find_smollm2_gguf, load_llama_gguf
+from models.llama import LlamaForCausalLM
 from models.llama import from_weights as llama_from_weights
 from models.tokenizer import GGUFTokenizer
 
@@ -77,9 +80,25 @@ def architecture(reader: gguf.GGUFReader) -> str:
     return arch
 
 
-def load_checkpoint(path, *, progress: bool = False):
-    """``(config, float32 weights, tokenizer)`` of a GGUF of any supported architecture."""
+LOAD_FORMATS = ("auto", "dummy")
+
+
+def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto"):
+    """``(config, float32 weights, tokenizer)`` of a GGUF of any supported architecture.
+
+    ``load_format="dummy"`` (vLLM's ``--load-format dummy``) reads only the metadata (config and
+    tokenizer) and returns ``weights=None``: :func:`build_model` then initialises random weights. The
+    GGUF may then be a header-only copy (``scripts/make_header_gguf.py``): what a benchmark of speed,
+    which does not depend on the weights' values, needs to carry to a GPU machine.
+
+    Raises:
+        ValueError: ``load_format`` not one of :data:`LOAD_FORMATS`; what the loaders raise.
+    """
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     reader = open_gguf(path)
+    if load_format == "dummy":
+        return load_config(path), None, GGUFTokenizer.from_gguf(reader)
     if architecture(reader) == "gemma3":
         config, weights = load_gemma3_gguf(reader, progress=progress)
     else:
@@ -99,8 +118,12 @@ def load_config(path):
                                 {t.name for t in reader.tensors})
 
 
-def build_model(config, weights, *, dtype):
-    """The NNX model of ``config``'s family with ``weights``."""
+def build_model(config, weights, *, dtype, seed: int = 0):
+    """The NNX model of ``config``'s family with ``weights`` (``None``: random weights from ``seed``, the
+    modules' own initialisers; see ``load_format="dummy"`` of :func:`load_checkpoint`)."""
+    if weights is None:
+        cls = Gemma3ForCausalLM if isinstance(config, Gemma3Config) else LlamaForCausalLM
+        return cls(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
     if isinstance(config, Gemma3Config):
         return gemma3_from_weights(config, weights, dtype=dtype)
     return llama_from_weights(config, weights, dtype=dtype)

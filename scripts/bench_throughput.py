@@ -203,6 +203,21 @@ def union_seconds(spans) -> float:
     return busy_ns * 1e-9
 
 
+def gap_histogram(spans: list[tuple[int, int]], edges_us=(0, 2, 5, 20, 100, 1000, float("inf"))
+                  ) -> list[tuple[float, float, float]]:
+    """The idle time between the merged ``spans`` (ns), split by gap length: ``(lo_us, hi_us, seconds)``
+    per bin of ``edges_us``. Short gaps sit between the kernels of one program (launch and dependency
+    latency); long ones are the host's (between programs, or a program waiting for its inputs)."""
+    merged: list[list[int]] = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    gaps = [(merged[i + 1][0] - merged[i][1]) * 1e-3 for i in range(len(merged) - 1)]
+    return [(lo, hi, sum(g for g in gaps if lo < g <= hi) * 1e-6) for lo, hi in zip(edges_us, edges_us[1:])]
+
+
 def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = int(__import__("os").environ.get("JAXKV_PROFILE_TOP", 12))) -> float | None:
     """Seconds in which a GPU stream ran a kernel or copy in the newest ``*.xplane.pb`` under
     ``trace_dir`` (written by ``jax.profiler.start_trace``): the union of the events on the ``Stream ...``
@@ -240,6 +255,8 @@ def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = int(__import__
     first, last = min(a for a, _ in spans + modules), max(b for _, b in spans + modules)
     print(f"--profile-busy: trace span {(last - first) * 1e-9:.3f} s, kernels/copies busy {busy:.3f} s, "
           f"XLA programs on the device {union_seconds(modules):.3f} s, {len(spans)} kernel/copy events")
+    for lo, hi, share in gap_histogram(spans):
+        print(f"  idle gaps {lo:>6.0f}-{hi:<6.0f} us: {share:.3f} s")
     for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t * 1e-9:8.3f} s  {n:8d} x  {t / n * 1e-3:8.1f} us  {name[:100]}")
     return busy
@@ -416,6 +433,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="repeatable; default jaxkv")
     p.add_argument("--compare", action="store_true", help="run every backend (hf only where torch is)")
     p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a GGUF path")
+    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
+                   help="dummy: random weights, config and tokenizer from the GGUF's metadata (a header-only "
+                        "GGUF from scripts/make_header_gguf.py will do); speed only, the text is noise")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -506,6 +526,8 @@ def run(args) -> int:
     print(f"requests: {len(requests)}, prompt tokens {sum(len(r.prompt_token_ids) for r in requests)}, "
           f"output tokens {sum(r.output_len for r in requests)} (seed {args.seed})")
     batch_size = args.static_batch_size or args.max_num_seqs
+    if args.load_format == "dummy" and "hf" in backends:
+        raise ValueError("--backend hf needs the checkpoint's weights; it cannot run with --load-format dummy")
     results = []
     llm = None
     for backend in backends:
@@ -527,7 +549,7 @@ def run(args) -> int:
                 print(f"hf: failed ({type(e).__name__}: {e})")
             continue
         if llm is None:
-            llm = models.LLM(gguf, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            llm = models.LLM(gguf, load_format=args.load_format, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
                              block_size=args.block_size, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,

@@ -9,10 +9,11 @@ vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``: schedule → execute → 
 4. :meth:`Scheduler.update_from_output` appends them, checks stops, frees finished requests' blocks.
 
 Timing: ``stats.device_wait_s`` sums the host's blocking waits for results; ``stats.device_idle_s``
-bounds from above the time the device had nothing queued: from the moment a result was fetched (the
-device was busy until then) to the next dispatch, counted only when that dispatch finds the device with
-nothing left to run (always in synchronous mode; with ``async_scheduling`` only when the step queued
-behind is already done).
+bounds from above the time the device had no program queued: from the moment a result was fetched (the
+device was busy until then) to the end of the next dispatch, counted only when at that moment the device
+has nothing left to run (always in synchronous mode; with ``async_scheduling`` only when the step queued
+behind is already done). It does not see gaps between the kernels of one program (launch overhead), which
+a profiler or the driver's utilization counter does (``scripts/bench_throughput.py --nvml-busy``).
 """
 
 from __future__ import annotations
@@ -308,15 +309,15 @@ class LLMEngine:
             if sched.is_empty:
                 self._busy_until = None
                 return [self._output(r) for r in aborted]
-            self._note_idle(None)  # nothing was queued: the device idled since the last result
             self._inflight = (sched, self._execute(sched, None))
+            self._note_idle(None)  # nothing was queued: the device idled from the last result to now
         sched, result = self._inflight
         self._inflight = None
         if self.async_scheduling:
             nxt = self.scheduler.schedule()
             if not nxt.is_empty:
-                self._note_idle(result)
                 self._inflight = (nxt, self._execute(nxt, (sched, result)))
+                self._note_idle(result)
         t_wait = time.perf_counter()
         tokens = np.asarray(result.tokens)  # the one blocking wait per step
         logits = None if result.logits is None else np.asarray(result.logits)
@@ -354,8 +355,9 @@ class LLMEngine:
         return outputs
 
     def _note_idle(self, queued) -> None:
-        """Before a dispatch: if the device has nothing left to run (no ``queued`` result, or it is
-        ready), it has been idle at most since the last moment it was known busy (a fetched result)."""
+        """Right after a dispatch (input preparation included): if the device had nothing else to run
+        (no ``queued`` result, or it is ready by now), it has been idle at most since the last moment it
+        was known busy (a fetched result). Gaps between kernels inside one program are not counted."""
         if self._busy_until is not None and (queued is None or queued.tokens.is_ready()):
             self._counters["device_idle_s"] += time.perf_counter() - self._busy_until
 

@@ -58,6 +58,9 @@ class LLM:
             :func:`jaxkv.parallel.make_mesh` mesh of ``dp * tp`` devices; ``num_gpu_blocks`` is then per
             ``dp`` rank, while ``max_num_seqs`` / ``max_num_batched_tokens`` stay engine-wide (all ranks;
             vLLM sets them per rank).
+        load_format: ``"auto"`` (the GGUF's weights) or ``"dummy"`` (vLLM's ``--load-format dummy``:
+            config and tokenizer from the GGUF's metadata, random weights from ``seed``; for speed
+            measurements, with a header-only GGUF from ``scripts/make_header_gguf.py``).
 
     Raises:
         ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block, too few
@@ -72,7 +75,8 @@ class LLM:
                  enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
                  num_scheduler_steps: int = 8, max_admission_delay_steps: int = 0,
                  async_scheduling: bool = False, attention_impl: str | None = None, seed: int = 0,
-                 return_logits: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1):
+                 return_logits: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
+                 load_format: str = "auto"):
         path = resolve_model(model)
         self.mesh = jaxkv.parallel.make_mesh(tensor_parallel_size, data_parallel_size)
         if tensor_parallel_size * data_parallel_size == 1:
@@ -88,11 +92,12 @@ class LLM:
         snapshot = None
         if num_gpu_blocks is None and _has_memory_stats():
             snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
-        self.config, weights, self.tokenizer = registry.load_checkpoint(path, progress=False)
+        self.config, weights, self.tokenizer = registry.load_checkpoint(path, progress=False,
+                                                                        load_format=load_format)
         if self.mesh is not None:
             registry.check_mesh_support(self.config)
             check_llama_tensor_parallel(self.config, tensor_parallel_size)
-        self.model = registry.build_model(self.config, weights, dtype=self.dtype)
+        self.model = registry.build_model(self.config, weights, dtype=self.dtype, seed=seed)
         del weights
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         if self.max_model_len > self.config.max_position_embeddings:

@@ -164,3 +164,14 @@ def test_nvml_sampler_reads_the_driver_samples_of_the_block(monkeypatch):
     with mod.NvmlBusySampler() as s:
         pass
     assert s.share is None and "NVML unavailable" in s.reason
+
+
+def test_gap_histogram_bins_the_idle_time_between_merged_spans():
+    mod = _module()
+    # kernels at 0-1000 ns and 500-2000 (overlap), then a 3 us gap, a 50 us gap, a 1 ms gap
+    spans = [(0, 1000), (500, 2000), (5000, 6000), (56000, 57000), (1_057_000, 1_058_000)]
+    bins = {(lo, hi): s for lo, hi, s in mod.gap_histogram(spans)}
+    assert bins[(2, 5)] == pytest.approx(3e-6)
+    assert bins[(20, 100)] == pytest.approx(50e-6)
+    assert bins[(100, 1000)] == pytest.approx(1e-3)
+    assert sum(bins.values()) == pytest.approx((1_058_000 - 0) * 1e-9 - mod.union_seconds(spans))

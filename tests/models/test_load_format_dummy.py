@@ -1,0 +1,62 @@
+"""``load_format="dummy"`` (vLLM's ``--load-format dummy``) from a header-only GGUF
+(``scripts/make_header_gguf.py``): same config, tokenizer and cache geometry as the real checkpoint,
+random weights; what GPU speed runs use instead of carrying the checkpoint."""
+
+from __future__ import annotations
+
+import importlib.util
+import pathlib
+
+import gguf
+import pytest
+
+import models
+from jaxkv import SamplingParams
+from models import registry
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _script():
+    spec = importlib.util.spec_from_file_location("make_header_gguf", ROOT / "scripts" / "make_header_gguf.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def header(gguf_path, tmp_path_factory):
+    dst = tmp_path_factory.mktemp("hdr") / "smollm2-header.gguf"
+    _script().write_header_gguf(str(gguf_path), str(dst))
+    return dst
+
+
+def test_header_copy_keeps_every_key_and_no_tensor(gguf_path, header):
+    src, dst = gguf.GGUFReader(str(gguf_path)), gguf.GGUFReader(str(header))
+    keys = lambda r: {k for k in r.fields if not k.startswith("GGUF.")}  # noqa: E731
+    assert keys(dst) == keys(src)
+    for k in ("general.architecture", "llama.block_count", "tokenizer.ggml.tokens"):
+        assert dst.fields[k].contents() == src.fields[k].contents(), k
+    assert len(dst.tensors) == 0 and len(src.tensors) > 0
+    assert header.stat().st_size < gguf_path.stat().st_size / 10
+
+
+def test_dummy_llm_has_the_real_geometry_and_generates(gguf_path, header):
+    real = registry.load_config(gguf_path)
+    llm = models.LLM(header, load_format="dummy", dtype="float32", attention_impl="reference",
+                     max_model_len=64, num_gpu_blocks=16, max_num_seqs=2, max_num_batched_tokens=64)
+    assert llm.config == real
+    assert llm.tokenizer.encode("The capital of France is") == \
+        models.GGUFTokenizer.from_gguf(gguf_path).encode("The capital of France is")
+    outs = llm.generate(["The capital of France is", "Hi"], SamplingParams(max_tokens=5, ignore_eos=True),
+                        use_tqdm=False)
+    assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
+    assert all(0 <= t < real.vocab_size for o in outs for t in o.outputs[0].token_ids)
+    assert llm.model.embed_tokens.embedding[...].shape == (real.vocab_size, real.hidden_size)
+
+
+def test_unknown_load_format_is_refused(gguf_path):
+    with pytest.raises(ValueError, match="load_format='safetensors'"):
+        registry.load_checkpoint(gguf_path, load_format="safetensors")
+    with pytest.raises(ValueError, match="load_format='safetensors'"):
+        models.LLM(gguf_path, load_format="safetensors", dtype="float32", num_gpu_blocks=4)
