@@ -91,23 +91,25 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
         return _prefill.paged_prefill_attention_reference(
             *args, scale=scale, max_query_len=metadata.max_query_len, **extras)
-    if _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None):
+    if _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
+                   max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0]):
         return _prefill_mgpu.paged_prefill_attention_mgpu(
             *args, scale=scale, max_query_len=metadata.max_query_len, interpret=interpret, **extras)
     return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,
                                             interpret=interpret, **extras)
 
 
-def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: bool) -> bool:
+def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: bool, *,
+                max_query_len: int = 1, num_seqs: int = 1) -> bool:
     """Whether a ``kind`` (``"decode"`` / ``"prefill"``) batch runs on the Mosaic GPU kernel: asked for
     (``pallas_mosaic*``) and supported (else a one-time warning with the reason, and the Triton kernel), or
-    ``impl="pallas"`` on an sm_90 GPU with the shape in the measured table
-    ``pallas_kernels.tuning.MGPU_DECODE_FASTER`` / ``MGPU_PREFILL_FASTER`` (empty until measured, so the
-    Triton kernels stay the default)."""
+    ``impl="pallas"`` on an sm_90 GPU where the measured tables of :mod:`pallas_kernels.tuning` say it is
+    faster: ``MGPU_DECODE_FASTER`` (``(head_size, kv dtype)``; empty: no decode shape wins throughout) and
+    ``MGPU_PREFILL_MIN_QUERY_LEN`` (``(head_size, kv dtype)`` -> smallest static ``max_query_len``, for
+    batches of at least ``MGPU_PREFILL_MIN_TOKENS_PER_SEQ`` token slots per sequence (``num_seqs`` rows))."""
     _, num_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
-    module, faster = ((_decode_mgpu, _tuning.MGPU_DECODE_FASTER) if kind == "decode"
-                      else (_prefill_mgpu, _tuning.MGPU_PREFILL_FASTER))
+    module = _decode_mgpu if kind == "decode" else _prefill_mgpu
     reason = module.unsupported_reason(q.dtype, kv_cache.dtype, num_heads, num_kv_heads, head_size,
                                        block_size, alibi=alibi)
     if impl in _MOSAIC_IMPLS:
@@ -117,7 +119,16 @@ def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: 
             warnings.warn(f"attention_impl={impl!r}: {kind} falls back to the Triton kernel: {reason}",
                           stacklevel=3)
         return reason is None
-    if impl != "pallas" or reason or (head_size, str(kv_cache.dtype)) not in faster:
+    if impl != "pallas" or reason:
+        return False
+    shape = (head_size, str(kv_cache.dtype))
+    if kind == "decode":
+        faster = shape in _tuning.MGPU_DECODE_FASTER
+    else:
+        min_len = _tuning.MGPU_PREFILL_MIN_QUERY_LEN.get(shape)
+        faster = (min_len is not None and max_query_len >= min_len
+                  and q.shape[0] >= _tuning.MGPU_PREFILL_MIN_TOKENS_PER_SEQ * max(1, num_seqs))
+    if not faster:
         return False
     device = jax.devices()[0]
     return device.platform == "gpu" and getattr(device, "compute_capability", "") == "9.0"

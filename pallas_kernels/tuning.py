@@ -148,5 +148,12 @@ def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int
     return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
 
 
-# (head_size, kv dtype name) -> prefill is faster on Mosaic GPU than Triton on sm_90: empty until measured.
-MGPU_PREFILL_FASTER: frozenset[tuple[int, str]] = frozenset()
+# (head_size, kv dtype name) -> the smallest ``max_query_len`` (static bound, tokens) from which prefill runs
+# faster on Mosaic GPU than on Triton on sm_90. Measured on the H100 (docs/benchmarks.md, "H100, Mosaic GPU
+# prefill kernel"; bench_attention.py --mode prefill --quick, 32q/8kv heads, D 128, bf16, block 16): at 512
+# tokens Mosaic is 0.81-0.90x Triton, at 2048 1.10-1.29x, at 8192 1.56-1.64x. Shapes not measured (other
+# head sizes, fp8) are not listed and stay on Triton. The measured batches were whole prompts, so a batch
+# must also hold at least MGPU_PREFILL_MIN_TOKENS_PER_SEQ token slots per sequence: the engine's mixed steps
+# (256 rows in a 4096-token bucket, mostly decodes: 16 per row) are not measured and stay on Triton.
+MGPU_PREFILL_MIN_QUERY_LEN: dict[tuple[int, str], int] = {(128, "bfloat16"): 2048}
+MGPU_PREFILL_MIN_TOKENS_PER_SEQ = 512

@@ -262,3 +262,30 @@ def test_random_classes_interpreted():
         if not err <= fuzz.TOLERANCE[cls.dtype]:
             failed.append((cls.describe(), lengths, err))
     assert not failed, failed
+
+
+def test_automatic_selection_follows_the_measured_table(monkeypatch):
+    """``impl="pallas"`` picks the Mosaic prefill kernel only where ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``
+    says it was measured faster (sm_90, head size 128, bf16 cache, ``max_query_len`` >= 2048, whole-prompt
+    batches); the engine's mixed steps, short prompts, other head sizes, fp8 and other GPUs stay on Triton,
+    and decode (an empty table) never moves."""
+    import types
+    from jaxkv.attention import _use_mosaic
+    sds = jax.ShapeDtypeStruct
+    sm90 = [types.SimpleNamespace(platform="gpu", compute_capability="9.0")]
+    monkeypatch.setattr(jax, "devices", lambda *a: sm90)
+
+    def pick(tokens, seqs, max_query_len, head=128, dtype=jnp.bfloat16, heads=(32, 8)):
+        q = sds((tokens, heads[0], head), jnp.bfloat16)
+        kv = sds((2, 64, heads[1], 16, head), dtype)
+        return _use_mosaic("prefill", q, kv, "pallas", False, max_query_len=max_query_len, num_seqs=seqs)
+
+    assert pick(2048, 1, 2048) and pick(8 * 8192, 8, 8192)
+    assert not pick(512, 1, 512)                      # measured slower at 512 tokens
+    assert not pick(4096, 256, 4096)                  # an engine mixed step: 16 token slots per row
+    assert not pick(2048, 1, 2048, head=64, heads=(9, 3))          # not measured
+    assert not pick(2048, 1, 2048, dtype=jnp.float8_e4m3fn)        # unsupported: fp8 cache
+    q, kv = sds((2048, 32, 128), jnp.bfloat16), sds((2, 64, 8, 16, 128), jnp.bfloat16)
+    assert not _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv, "pallas", False)
+    monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="gpu", compute_capability="8.0")])
+    assert not _use_mosaic("prefill", q, kv, "pallas", False, max_query_len=2048, num_seqs=1)
