@@ -11,6 +11,11 @@
 #                   ShareGPT throughput benchmark: jaxkv continuous vs jaxkv static vs HF static.
 #   stage cb3     : (after cb2 on the same machine, carries nothing) jaxkv continuous with --max-admission-delay-steps 8, and a
 #                   --profile-busy run (GPU busy share from a JAX profiler trace).
+#   stage idle1   : (carries .dummy: header-only GGUF + requests + gguf wheel, 3 MB; no checkpoint) random-weight
+#                   SmolLM2 at 1000 requests (continuous + static, NVML busy), a profiled 300-request run
+#                   (gap histogram, top kernels) and the optimized HLO of the decode programs.
+#   stage idle2   : (after idle1) max_num_seqs 512 and 1024 (vLLM's offline default on 80 GB GPUs), then
+#                   XLA command buffers off.
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
@@ -50,6 +55,28 @@ cb3)  # after cb2 on the same warm machine (compilation cache in /tmp/jaxcache):
   for extra in ${CB3_RUNS:-"--max-admission-delay-steps 8" "--profile-busy"}; do
     echo "\$ python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress $extra" | tee -a $OUT/bench-throughput-cb3.txt
     timeout 280 python scripts/bench_throughput.py --model $G --requests /tmp/requests-1000.json --num-prompts 1000 --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache $extra 2>&1 | quiet | tail -8 | tee -a $OUT/bench-throughput-cb3.txt
+  done
+  ;;
+idle1)  # carries .dummy (header-only SmolLM2 GGUF, requests-1000.json, gguf wheel; no checkpoint): where the
+  # GPU's idle time goes. Random weights (--load-format dummy) give the same kernels and schedule.
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dummy/*.whl
+  D="python scripts/bench_throughput.py --model .dummy/smollm2-header.gguf --load-format dummy --requests .dummy/requests-1000.json --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache"
+  nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
+  echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 $D --num-prompts 1000 --backend jaxkv-static --nvml-busy" | tee $OUT/idle-bench.txt
+  XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 330 $D --num-prompts 1000 --backend jaxkv-static --nvml-busy 2>&1 | quiet | tail -8 | tee -a $OUT/idle-bench.txt
+  echo "\$ JAXKV_PROFILE_TOP=60 $D --num-prompts 300 --profile-busy --nvml-busy" | tee $OUT/idle-profile.txt
+  JAXKV_PROFILE_TOP=60 timeout 150 $D --num-prompts 300 --profile-busy --nvml-busy 2>&1 | quiet | tail -80 | tee -a $OUT/idle-profile.txt
+  # the optimized HLO of the decode-loop programs of a short run (the kernels one step launches)
+  XLA_FLAGS="--xla_dump_to=/tmp/xla --xla_dump_hlo_module_re=.*decode.* --xla_dump_hlo_as_text" timeout 100 \
+    $D --num-prompts 8 --no-warmup 2>&1 | quiet | tail -2
+  ls /tmp/xla | grep -c after_optimizations > $OUT/xla-files.txt; tar czf $OUT/xla-decode.tgz -C /tmp xla 2>/dev/null
+  ;;
+idle2)  # after idle1 on the same machine (or carrying .dummy again): command buffers off, and larger batches
+  D="python scripts/bench_throughput.py --model .dummy/smollm2-header.gguf --load-format dummy --requests .dummy/requests-1000.json --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache --nvml-busy"
+  for run in "--max-num-seqs 512 --max-num-batched-tokens 8192" "--max-num-seqs 1024 --max-num-batched-tokens 16384" "CMDBUF_OFF"; do
+    if [ "$run" = CMDBUF_OFF ]; then flags="--xla_gpu_enable_command_buffer="; run=""; else flags=""; fi
+    echo "\$ XLA_FLAGS='$flags' $D --num-prompts 1000 $run" | tee -a $OUT/idle2.txt
+    XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 190 $D --num-prompts 1000 $run 2>&1 | quiet | tail -6 | tee -a $OUT/idle2.txt
   done
   ;;
 serve)  # after cb1 (carrying .serve too) and cb2 on the same warm machine: the three-rate serving table

@@ -5,7 +5,9 @@
 
 ``--workload FILE`` (token ids and output lengths, as ``bench_throughput.py --save-requests`` writes them)
 runs that whole workload through ``LLM.generate``'s path instead and prints its host wall and CPU time,
-host round trips and model steps (no profile): what the engine's host side costs for a real workload.
+host round trips and model steps (no profile): what the engine's host side costs for a real workload,
+and how many decode model steps ran with how many requests (the tail of a few long requests is most of
+the steps and little of the tokens).
 
 The model is a table lookup (logits = a random ``[vocab, vocab]`` row of the last token), so the time per
 step is almost all host Python: scheduling, input preparation, output processing. Prints ms per step and
@@ -36,10 +38,36 @@ def _engine(args, model_fn, vocab: int, num_blocks: int) -> jaxkv.LLMEngine:
                            max_admission_delay_steps=args.max_admission_delay_steps)
 
 
+def _record_decode_rows(engine: jaxkv.LLMEngine) -> list[tuple[int, int]]:
+    """``(running rows, model steps)`` of every decode loop the engine dispatches from now on."""
+    rows: list[tuple[int, int]] = []
+    execute = engine.runner.execute_decode
+
+    def recording(sched, *a, **k):
+        rows.append((len(sched.scheduled), sched.num_decode_steps))
+        return execute(sched, *a, **k)
+    engine.runner.execute_decode = recording
+    return rows
+
+
+def print_decode_census(rows: list[tuple[int, int]], bins=((1, 8), (9, 32), (33, 64), (65, 128), (129, 256),
+                                                           (257, 1 << 30))) -> None:
+    """Decode model steps by running rows: how much of the run is the tail, where a few long requests
+    decode alone and every kernel is small."""
+    total = sum(n for _, n in rows) or 1
+    print(f"decode-loop model steps by running rows ({total} steps in {len(rows)} loops):")
+    for lo, hi in bins:
+        steps = sum(n for r, n in rows if lo <= r <= hi)
+        tokens = sum(n * r for r, n in rows if lo <= r <= hi)
+        if steps:
+            print(f"  {lo:4d}-{min(hi, 9999):<4d} rows: {steps:6d} steps ({steps / total:6.1%}), {tokens:8d} tokens")
+
+
 def run_workload(args, model_fn, vocab: int) -> int:
     pairs = json.loads(pathlib.Path(args.workload).read_text())
     engine = _engine(args, model_fn, vocab, args.num_blocks or 16384)
     engine.warmup()
+    rows = _record_decode_rows(engine)
     t0, c0 = time.perf_counter(), time.process_time()
     engine.generate([p for p, _ in pairs], [jaxkv.SamplingParams(max_tokens=n, ignore_eos=True, temperature=1.0,
                                                                  seed=i) for i, (_, n) in enumerate(pairs)])
@@ -49,6 +77,7 @@ def run_workload(args, model_fn, vocab: int) -> int:
           f"{cpu:.2f} s, {st.steps} host round trips, {st.model_steps} model steps ({st.decode_steps} in decode "
           f"loops), {1e6 * wall / st.num_generated_tokens:.1f} us wall per output token, "
           f"max_admission_delay_steps {args.max_admission_delay_steps}")
+    print_decode_census(rows)
     return 0
 
 
