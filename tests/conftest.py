@@ -96,3 +96,22 @@ def gguf_path():
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` imported as module ``name`` (scripts are not a package); registered in
+    ``sys.modules`` first, since dataclasses look their module up."""
+    import importlib.util
+    import pathlib
+    import sys
+    if name not in sys.modules:
+        path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        spec = importlib.util.spec_from_file_location(name, path)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        try:
+            spec.loader.exec_module(mod)
+        except BaseException:
+            del sys.modules[name]
+            raise
+    return sys.modules[name]

@@ -4,24 +4,17 @@ random weights; what GPU speed runs use instead of carrying the checkpoint."""
 
 from __future__ import annotations
 
-import importlib.util
-import pathlib
-
 import gguf
 import pytest
 
 import models
 from jaxkv import SamplingParams
 from models import registry
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
+from tests.conftest import load_script
 
 
 def _script():
-    spec = importlib.util.spec_from_file_location("make_header_gguf", ROOT / "scripts" / "make_header_gguf.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("make_header_gguf")
 
 
 @pytest.fixture(scope="module")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 import random
@@ -12,15 +11,13 @@ import sys
 import numpy as np
 import pytest
 
+from tests.conftest import load_script
+
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "bench_throughput.py"
 
 
 def _module():
-    spec = importlib.util.spec_from_file_location("bench_throughput", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules.setdefault("bench_throughput", mod)  # dataclasses look their module up
-    spec.loader.exec_module(sys.modules["bench_throughput"])
-    return sys.modules["bench_throughput"]
+    return load_script("bench_throughput")
 
 
 def fake_sharegpt(path: pathlib.Path, n: int = 40, *, truncate: bool = True) -> pathlib.Path:

@@ -2,19 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import re
 
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
+from tests.conftest import load_script
 
 def _module():
-    spec = importlib.util.spec_from_file_location("profile_engine_host", ROOT / "scripts" / "profile_engine_host.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script("profile_engine_host")
 
 
 def test_decode_census_bins_rows_and_steps(capsys):
