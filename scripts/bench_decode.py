@@ -80,9 +80,12 @@ def main(argv=None) -> int:
     add_workload_args(p, batches="1,8,64")
     p.add_argument("--steps-per-sync", default="1,16")
     p.add_argument("--attention-impl", default=None)
+    p.add_argument("--load-format", default="auto", choices=models.registry.LOAD_FORMATS,
+                   help="dummy: random weights, config and tokenizer from the GGUF's metadata (speed only)")
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
-    config, weights, tok = models.registry.load_checkpoint(models.resolve_model(args.gguf or args.model))
+    config, weights, tok = models.registry.load_checkpoint(models.resolve_model(args.gguf or args.model),
+                                                           load_format=args.load_format)
     model = models.registry.build_model(config, weights, dtype=jnp.bfloat16)
     del weights
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  attention={impl}  bf16  "

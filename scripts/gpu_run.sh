@@ -16,6 +16,7 @@
 #                   (gap histogram, top kernels) and the optimized HLO of the decode programs.
 #   stage idle2   : (after idle1) max_num_seqs 512 and 1024 (vLLM's offline default on 80 GB GPUs), then
 #                   XLA command buffers off.
+#   stage mgpu-step: (carries .dummy) the SmolLM2 decode step, Triton vs Mosaic GPU kernels (issue 13).
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
@@ -77,6 +78,14 @@ idle2)  # after idle1 on the same machine (or carrying .dummy again): command bu
     if [ "$run" = CMDBUF_OFF ]; then flags="--xla_gpu_enable_command_buffer="; run=""; else flags=""; fi
     echo "\$ XLA_FLAGS='$flags' $D --num-prompts 1000 $run" | tee -a $OUT/idle2.txt
     XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 190 $D --num-prompts 1000 $run 2>&1 | quiet | tail -6 | tee -a $OUT/idle2.txt
+  done
+  ;;
+mgpu-step)  # carries .dummy (or after idle1): the SmolLM2 decode step on the Triton vs the Mosaic GPU kernels
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dummy/*.whl
+  for impl in pallas pallas_mosaic; do
+    echo "\$ python scripts/bench_decode.py --gguf .dummy/smollm2-header.gguf --load-format dummy --batches 1,64,256 --steps-per-sync 16 --attention-impl $impl" | tee -a $OUT/mgpu-step.txt
+    timeout 250 python scripts/bench_decode.py --gguf .dummy/smollm2-header.gguf --load-format dummy --batches 1,64,256 \
+      --steps-per-sync 16 --attention-impl $impl 2>&1 | quiet | head -12 | tee -a $OUT/mgpu-step.txt
   done
   ;;
 serve)  # after cb1 (carrying .serve too) and cb2 on the same warm machine: the three-rate serving table
