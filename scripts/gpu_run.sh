@@ -14,8 +14,8 @@
 #   stage idle1   : (carries .dummy: header-only GGUF + requests + gguf wheel, 3 MB; no checkpoint) random-weight
 #                   SmolLM2 at 1000 requests (continuous + static, NVML busy), a profiled 300-request run
 #                   (gap histogram, top kernels) and the optimized HLO of the decode programs.
-#   stage idle2   : (after idle1) max_num_seqs 512 and 1024 (vLLM's offline default on 80 GB GPUs), then
-#                   XLA command buffers off.
+#   stage idle2   : (after idle1) 32 decode steps per round trip (the tail decodes alone: nothing waits),
+#                   max_num_seqs 1024 (vLLM's offline default on 80 GB GPUs), then XLA command buffers off.
 #   stage mgpu-step: (carries .dummy) the SmolLM2 decode step, Triton vs Mosaic GPU kernels (issue 13).
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
@@ -72,9 +72,10 @@ idle1)  # carries .dummy (header-only SmolLM2 GGUF, requests-1000.json, gguf whe
     $D --num-prompts 8 --no-warmup 2>&1 | quiet | tail -2
   ls /tmp/xla | grep -c after_optimizations > $OUT/xla-files.txt; tar czf $OUT/xla-decode.tgz -C /tmp xla 2>/dev/null
   ;;
-idle2)  # after idle1 on the same machine (or carrying .dummy again): command buffers off, and larger batches
+idle2)  # after idle1 on the same machine (or carrying .dummy again): longer decode loops, larger batches,
+  # command buffers off
   D="python scripts/bench_throughput.py --model .dummy/smollm2-header.gguf --load-format dummy --requests .dummy/requests-1000.json --backend jaxkv --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache --nvml-busy"
-  for run in "--max-num-seqs 512 --max-num-batched-tokens 8192" "--max-num-seqs 1024 --max-num-batched-tokens 16384" "CMDBUF_OFF"; do
+  for run in "--num-scheduler-steps 32" "--max-num-seqs 1024 --max-num-batched-tokens 16384" "CMDBUF_OFF"; do
     if [ "$run" = CMDBUF_OFF ]; then flags="--xla_gpu_enable_command_buffer="; run=""; else flags=""; fi
     echo "\$ XLA_FLAGS='$flags' $D --num-prompts 1000 $run" | tee -a $OUT/idle2.txt
     XLA_FLAGS="$flags" XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 190 $D --num-prompts 1000 $run 2>&1 | quiet | tail -6 | tee -a $OUT/idle2.txt
