@@ -35,7 +35,8 @@ def _engine(args, model_fn, vocab: int, num_blocks: int) -> jaxkv.LLMEngine:
     return jaxkv.LLMEngine(model_fn, jax.random.normal(jax.random.key(0), (vocab, vocab)),
                            [jnp.zeros((2, num_blocks, 1, 16, 8))], block_size=16, max_model_len=2048,
                            max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
-                           max_admission_delay_steps=args.max_admission_delay_steps)
+                           max_admission_delay_steps=args.max_admission_delay_steps,
+                           num_scheduler_steps=args.num_scheduler_steps)
 
 
 def _record_decode_rows(engine: jaxkv.LLMEngine) -> list[tuple[int, int]]:
@@ -76,7 +77,7 @@ def run_workload(args, model_fn, vocab: int) -> int:
     print(f"{len(pairs)} requests, {st.num_generated_tokens} output tokens: host wall {wall:.2f} s, process CPU "
           f"{cpu:.2f} s, {st.steps} host round trips, {st.model_steps} model steps ({st.decode_steps} in decode "
           f"loops), {1e6 * wall / st.num_generated_tokens:.1f} us wall per output token, "
-          f"max_admission_delay_steps {args.max_admission_delay_steps}")
+          f"max_admission_delay_steps {args.max_admission_delay_steps}, num_scheduler_steps {args.num_scheduler_steps}")
     print_decode_census(rows)
     return 0
 
@@ -90,6 +91,7 @@ def main(argv=None) -> int:
     p.add_argument("--top", type=int, default=15)
     p.add_argument("--workload", default=None, help="run these requests to the end (see above)")
     p.add_argument("--max-admission-delay-steps", type=int, default=0)
+    p.add_argument("--num-scheduler-steps", type=int, default=8, help="most decode steps per host round trip")
     p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default 4096; 16384 with --workload)")
     args = p.parse_args(argv)
     vocab = 128
