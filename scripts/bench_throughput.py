@@ -262,12 +262,54 @@ def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = int(__import__
     return busy
 
 
+def _sample_weights(samples: list[tuple[int, float]], t0_us: int, t1_us: int
+                    ) -> list[tuple[float, float, float]]:
+    """``(midpoint of the sample's period inside [t0, t1], percent, us of that part)`` per NVML sample. A
+    sample is
+    the utilization over the period since the previous sample (the first one: the median spacing), so
+    a sample taken after ``t1`` still counts for the part of its period before ``t1``, and no more."""
+    samples = sorted(samples)
+    if not samples:
+        return []
+    gaps = sorted(b[0] - a[0] for a, b in zip(samples, samples[1:]))
+    typical = gaps[len(gaps) // 2] if gaps else 0
+    out, prev = [], samples[0][0] - typical
+    for t, v in samples:
+        a, b = max(prev, t0_us), min(t, t1_us)
+        out.append(((a + b) / 2, v, max(0, b - a)))
+        prev = t
+    return out
+
+
 def mean_utilization(samples: list[tuple[int, float]], t0_us: int, t1_us: int) -> float | None:
-    """Busy share in [0, 1] from NVML utilization samples ``(timestamp in us, percent)``: the mean of the
-    samples taken inside ``(t0_us, t1_us]`` (each sample is the share of its own sampling period, 1/6 s
-    to 1 s, in which a kernel ran). ``None`` when no sample falls inside."""
-    vals = [v for t, v in samples if t0_us < t <= t1_us]
-    return sum(vals) / len(vals) / 100.0 if vals else None
+    """Busy share in [0, 1] over ``[t0_us, t1_us]`` from NVML utilization samples ``(timestamp in us,
+    percent)``: each sample is the share of its own sampling period (1/6 s to 1 s, ending at its
+    timestamp) in which a kernel ran, weighted by how much of that period lies inside the window.
+    ``None`` when no sample period overlaps it."""
+    w = _sample_weights(samples, t0_us, t1_us)
+    total = sum(x for *_, x in w)
+    return sum(v * x for _, v, x in w) / total / 100.0 if total > 0 else None
+
+
+def busy_by_unfinished(samples: list[tuple[int, float]], finish_times_us: list[int], num_requests: int,
+                       t0_us: int, t1_us: int, edges=(0, 32, 255)) -> list[tuple[str, float, float | None]]:
+    """NVML busy share per phase of an offline run, the phase given by how many requests are unfinished
+    in the middle of a sample's period (every request is added at ``t0_us``; ``finish_times_us`` as they
+    end).
+    Returns ``(label, share of the run's time, busy share or None)`` per bin of ``edges`` (``1-32``:
+    the tail of a few long requests; ``> 255``: the queue still holds requests)."""
+    finish = sorted(finish_times_us)
+    w = _sample_weights(samples, t0_us, t1_us)
+    total = sum(x for *_, x in w) or 1
+    bins = [(lo + 1, hi) for lo, hi in zip(edges, edges[1:])] + [(edges[-1] + 1, None)]
+    out = []
+    for lo, hi in bins:
+        part = [(v, x) for t, v, x in w
+                if lo <= num_requests - sum(1 for f in finish if f <= t) <= (hi if hi is not None else 1 << 60)]
+        time_in = sum(x for _, x in part)
+        label = f"{lo}-{hi}" if hi is not None else f"> {lo - 1}"
+        out.append((label, time_in / total, sum(v * x for v, x in part) / time_in / 100.0 if time_in else None))
+    return out
 
 
 class NvmlBusySampler:
@@ -276,12 +318,14 @@ class NvmlBusySampler:
     period in which one or more kernels ran on the device. A thread drains the sample buffer every
     0.2 s (it holds only the latest samples); ``share`` is their mean over the block. Independent of
     JAX and of the engine's own bookkeeping, and costs the run nothing measurable. ``share`` is
-    ``None`` where NVML is missing (``reason`` says why)."""
+    ``None`` where NVML is missing (``reason`` says why). Each sample counts only for the part of its
+    period inside the block (before session 6's fix the mean also took the samples of the second after
+    the block, when the GPU was idle, which biased it low)."""
 
     def __init__(self, device_index: int = 0, period_s: float = 0.2):
         self.share: float | None = None
         self.reason = ""
-        self._samples: list[tuple[int, float]] = []
+        self.samples: list[tuple[int, float]] = []  # (timestamp us, percent), as read
         self._period = period_s
         self._stop = threading.Event()
         try:
@@ -300,7 +344,7 @@ class NvmlBusySampler:
         except nv.NVMLError:  # NVML_ERROR_NOT_FOUND: no sample since last_us
             return last_us
         for smp in samples:
-            self._samples.append((int(smp.timeStamp), float(smp.sampleValue.uiVal)))
+            self.samples.append((int(smp.timeStamp), float(smp.sampleValue.uiVal)))
             last_us = max(last_us, int(smp.timeStamp))
         return last_us
 
@@ -311,8 +355,8 @@ class NvmlBusySampler:
 
     def __enter__(self):
         if self._nvml is not None:
-            self._t0_us = int(time.time() * 1e6)
-            self._thread = threading.Thread(target=self._loop, args=(self._t0_us,), daemon=True)
+            self.t0_us = int(time.time() * 1e6)
+            self._thread = threading.Thread(target=self._loop, args=(self.t0_us,), daemon=True)
             self._thread.start()
         return self
 
@@ -320,12 +364,15 @@ class NvmlBusySampler:
         if self._nvml is None:
             return False
         t1_us = int(time.time() * 1e6)
-        time.sleep(1.1)  # let the driver close the sampling period that holds the block's end
+        deadline = time.time() + 2.0  # the sampling period holding the block's end must close first
+        while time.time() < deadline and not any(t >= t1_us for t, _ in self.samples):
+            time.sleep(0.05)
         self._stop.set()
         self._thread.join()
-        self.share = mean_utilization(self._samples, self._t0_us, t1_us + 1_000_000)
+        self.t1_us = t1_us
+        self.share = mean_utilization(self.samples, self.t0_us, t1_us)
         if self.share is None:
-            self.reason = f"no NVML utilization sample in the run ({len(self._samples)} read)"
+            self.reason = f"no NVML utilization sample in the run ({len(self.samples)} read)"
         self._nvml.nvmlShutdown()
         return False
 
@@ -337,6 +384,11 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     before = engine.stats
     name = "jaxkv-static" if static else "jaxkv"
     bar, update = _progress(len(requests), name, progress)
+    finish_times_us: list[int] = []
+
+    def on_finish(out, _update=update):  # when each request ends, for --nvml-busy's phases
+        finish_times_us.append(int(time.time() * 1e6))
+        _update(out)
     trace_dir = None
     if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run
         trace_dir = tempfile.mkdtemp(prefix=f"bench-{name}-trace-")
@@ -355,7 +407,7 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                                         [_params(longest, start + i) for i in range(len(batch))], progress=update)
         else:
             outs = engine.generate([r.prompt_token_ids for r in requests],
-                                   [_params(r.output_len, i) for i, r in enumerate(requests)], progress=update)
+                                   [_params(r.output_len, i) for i, r in enumerate(requests)], progress=on_finish)
         elapsed = time.perf_counter() - t0
     busy_s = None
     if profile_busy:
@@ -364,6 +416,11 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     busy_share = None if busy_s is None else busy_s / elapsed
     if nvml_busy and nvml.share is None:
         print(f"--nvml-busy: {nvml.reason}")
+    elif nvml_busy and not static:
+        phases = busy_by_unfinished(nvml.samples, finish_times_us, len(requests), nvml.t0_us, nvml.t1_us)
+        print("--nvml-busy by unfinished requests: " + "; ".join(
+            f"{label}: {share:.0%} of the samples, busy {'-' if busy is None else format(busy, '.1%')}"
+            for label, share, busy in phases))
     if bar is not None:
         bar.close()
     after = engine.stats

@@ -122,11 +122,29 @@ def test_device_busy_counts_gpu_stream_lines_only(tmp_path, monkeypatch):
     assert mod.device_busy_seconds(tmp_path / "x" / "none") is None
 
 
-def test_mean_utilization_averages_the_samples_inside_the_window():
+def test_mean_utilization_weights_each_sample_by_its_period_inside_the_window():
+    """A sample is the utilization of the period ending at its timestamp: the time average over the
+    window counts each period's overlap, so samples of the idle time after a run weigh nothing."""
     mod = _module()
-    samples = [(100, 90.0), (200, 50.0), (300, 100.0), (400, 0.0)]
-    assert mod.mean_utilization(samples, 100, 300) == pytest.approx(0.75)  # 200 and 300 only
-    assert mod.mean_utilization(samples, 400, 500) is None
+    samples = [(100, 90.0), (200, 50.0), (300, 100.0), (400, 0.0), (500, 0.0)]
+    assert mod.mean_utilization(samples, 100, 300) == pytest.approx(0.75)  # periods (100,200], (200,300]
+    assert mod.mean_utilization(samples, 150, 300) == pytest.approx((50 * 50 + 100 * 100) / 150 / 100)
+    assert mod.mean_utilization(samples, 250, 260) == pytest.approx(1.0)  # inside one period
+    assert mod.mean_utilization(samples, 600, 700) is None
+    # the first sample's period is the median spacing: (0, 100]
+    assert mod.mean_utilization(samples, 50, 100) == pytest.approx(0.9)
+
+
+def test_busy_by_unfinished_splits_the_run_into_phases():
+    """4 requests; two end at t=300, one at 500. Each sample is placed at its period's midpoint: the
+    periods ending at 100-300 fall while 4 are left ('> 3'), 400-500 while 2 are, 600-700 while 1 is."""
+    mod = _module()
+    samples = [(100 * i, v) for i, v in enumerate([0, 80, 80, 80, 40, 40, 20, 20], start=0)]
+    phases = mod.busy_by_unfinished(samples, [300, 300, 500], 4, 0, 700, edges=(0, 1, 3))
+    by = {label: (share, busy) for label, share, busy in phases}
+    assert by["> 3"] == (pytest.approx(3 / 7), pytest.approx(0.8))
+    assert by["2-3"] == (pytest.approx(2 / 7), pytest.approx(0.4))
+    assert by["1-1"] == (pytest.approx(2 / 7), pytest.approx(0.2))
 
 
 def test_nvml_sampler_reads_the_driver_samples_of_the_block(monkeypatch):
