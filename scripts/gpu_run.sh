@@ -67,10 +67,12 @@ idle1)  # carries .dummy (header-only SmolLM2 GGUF, requests-1000.json, gguf whe
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 330 $D --num-prompts 1000 --backend jaxkv-static --nvml-busy 2>&1 | quiet | tail -8 | tee -a $OUT/idle-bench.txt
   echo "\$ JAXKV_PROFILE_TOP=60 $D --num-prompts 300 --profile-busy --nvml-busy" | tee $OUT/idle-profile.txt
   JAXKV_PROFILE_TOP=60 timeout 150 $D --num-prompts 300 --profile-busy --nvml-busy 2>&1 | quiet | tail -80 | tee -a $OUT/idle-profile.txt
-  # the optimized HLO of the decode-loop programs of a short run (the kernels one step launches)
-  XLA_FLAGS="--xla_dump_to=/tmp/xla --xla_dump_hlo_module_re=.*decode.* --xla_dump_hlo_as_text" timeout 100 \
-    $D --num-prompts 8 --no-warmup 2>&1 | quiet | tail -2
-  ls /tmp/xla | grep -c after_optimizations > $OUT/xla-files.txt; tar czf $OUT/xla-decode.tgz -C /tmp xla 2>/dev/null
+  # the optimized HLO of every decode-loop and mixed-step program (the warm-up compiles all buckets; the
+  # flags change the cache key, so this compiles again): the kernels one step launches
+  XLA_FLAGS="--xla_dump_to=/tmp/xla --xla_dump_hlo_module_re=.*(decode|mixed).* --xla_dump_hlo_as_text" \
+    timeout 240 $D --num-prompts 1 2>&1 | quiet | tail -2
+  (cd /tmp/xla && ls | grep after_optimizations.txt | grep -v -e buffer -e memory > /tmp/xla-list.txt;
+   wc -l < /tmp/xla-list.txt > $OUT/xla-files.txt; tar czf $OUT/xla-after-opt.tgz -T /tmp/xla-list.txt)
   ;;
 idle2)  # after idle1 on the same machine (or carrying .dummy again): longer decode loops, larger batches,
   # command buffers off
