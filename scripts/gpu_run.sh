@@ -13,7 +13,8 @@
 #                   --profile-busy run (GPU busy share from a JAX profiler trace).
 #   stage idle1   : (carries .dummy: header-only GGUF + requests + gguf wheel, 3 MB; no checkpoint) random-weight
 #                   SmolLM2 at 1000 requests (continuous + static, NVML busy), a profiled 300-request run
-#                   (gap histogram, top kernels) and the optimized HLO of the decode programs.
+#                   (gap histogram, top kernels) and the optimized HLO of the decode and mixed programs
+#                   (read it with scripts/count_hlo_kernels.py: kernels per step by kind).
 #   stage idle2   : (after idle1) 32 decode steps per round trip (the tail decodes alone: nothing waits),
 #                   max_num_seqs 1024 (vLLM's offline default on 80 GB GPUs), then XLA command buffers off.
 #   stage mgpu-step: (carries .dummy) the SmolLM2 decode step, Triton vs Mosaic GPU kernels (issue 13).
