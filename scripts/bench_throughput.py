@@ -31,8 +31,9 @@ trace is parsed in C++ by ``jax.profiler.ProfileData``), and ``busy`` is the uni
 which a GPU stream ran a kernel or copy, over the wall time (idle = 1 - busy). Tracing costs time, so
 report throughput from a run without it. With ``--nvml-busy`` (column ``nvml``) the busy share comes from
 the driver's utilization samples (NVML through ``nvidia-ml-py``: the share of each 1/6-1 s sampling period
-in which a kernel ran), averaged over the timed run; it costs the run nothing. jaxkv's prefix cache is reset between backends so no run
-reuses another's blocks.
+in which a kernel ran), averaged over the timed run, and by phase of the run (how many requests are
+unfinished); it costs the run nothing. jaxkv's prefix cache is reset between backends so no run reuses
+another's blocks.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import pathlib
 import random
 import shutil
@@ -218,15 +220,16 @@ def gap_histogram(spans: list[tuple[int, int]], edges_us=(0, 2, 5, 20, 100, 1000
     return [(lo, hi, sum(g for g in gaps if lo < g <= hi) * 1e-6) for lo, hi in zip(edges_us, edges_us[1:])]
 
 
-def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = int(__import__("os").environ.get("JAXKV_PROFILE_TOP", 12))) -> float | None:
+def device_busy_seconds(trace_dir: str | pathlib.Path, top: int | None = None) -> float | None:
     """Seconds in which a GPU stream ran a kernel or copy in the newest ``*.xplane.pb`` under
     ``trace_dir`` (written by ``jax.profiler.start_trace``): the union of the events on the ``Stream ...``
     lines of the ``/device:GPU:*`` planes. ``None`` (with the plane and line names printed) when the
     trace has no such line, e.g. on a CPU. Also prints where the rest of the time went: the union of the
     ``XLA Modules`` spans (an XLA program on the device; time outside them is the host's gap between
     programs, time inside them but outside kernels is launch and dependency gaps within a program) and
-    the ``top`` kernels by summed device time."""
+    the ``top`` kernels by summed device time (default: ``$JAXKV_PROFILE_TOP`` or 12)."""
     from jax.profiler import ProfileData
+    top = int(os.environ.get("JAXKV_PROFILE_TOP", 12)) if top is None else top
     files = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
     if not files:
         print(f"--profile-busy: no trace under {trace_dir}")
@@ -265,9 +268,9 @@ def device_busy_seconds(trace_dir: str | pathlib.Path, top: int = int(__import__
 def _sample_weights(samples: list[tuple[int, float]], t0_us: int, t1_us: int
                     ) -> list[tuple[float, float, float]]:
     """``(midpoint of the sample's period inside [t0, t1], percent, us of that part)`` per NVML sample. A
-    sample is
-    the utilization over the period since the previous sample (the first one: the median spacing), so
-    a sample taken after ``t1`` still counts for the part of its period before ``t1``, and no more."""
+    sample is the utilization over the period since the previous sample (the first one: the median
+    spacing), so a sample taken after ``t1`` still counts for the part of its period before ``t1``, and
+    no more."""
     samples = sorted(samples)
     if not samples:
         return []
@@ -295,8 +298,7 @@ def busy_by_unfinished(samples: list[tuple[int, float]], finish_times_us: list[i
                        t0_us: int, t1_us: int, edges=(0, 32, 255)) -> list[tuple[str, float, float | None]]:
     """NVML busy share per phase of an offline run, the phase given by how many requests are unfinished
     in the middle of a sample's period (every request is added at ``t0_us``; ``finish_times_us`` as they
-    end).
-    Returns ``(label, share of the run's time, busy share or None)`` per bin of ``edges`` (``1-32``:
+    end). Returns ``(label, share of the run's time, busy share or None)`` per bin of ``edges`` (``1-32``:
     the tail of a few long requests; ``> 255``: the queue still holds requests)."""
     finish = sorted(finish_times_us)
     w = _sample_weights(samples, t0_us, t1_us)
@@ -419,7 +421,7 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     elif nvml_busy and not static:
         phases = busy_by_unfinished(nvml.samples, finish_times_us, len(requests), nvml.t0_us, nvml.t1_us)
         print("--nvml-busy by unfinished requests: " + "; ".join(
-            f"{label}: {share:.0%} of the samples, busy {'-' if busy is None else format(busy, '.1%')}"
+            f"{label}: {share:.0%} of the time, busy {'-' if busy is None else format(busy, '.1%')}"
             for label, share, busy in phases))
     if bar is not None:
         bar.close()
@@ -606,7 +608,8 @@ def run(args) -> int:
                 print(f"hf: failed ({type(e).__name__}: {e})")
             continue
         if llm is None:
-            llm = models.LLM(gguf, load_format=args.load_format, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+            llm = models.LLM(gguf, load_format=args.load_format, dtype=args.dtype,
+                             kv_cache_dtype=args.kv_cache_dtype,
                              block_size=args.block_size, max_model_len=args.max_model_len,
                              max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                              num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
