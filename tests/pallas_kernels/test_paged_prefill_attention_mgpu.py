@@ -64,6 +64,7 @@ CASES = [
     ([(300, 70), (40, 1), (129, 64)], dict(group=1, head=128, block=16), 2),         # chunks over a context
     ([(200, 129)], dict(group=1, head=256, block=128), 2),                           # page sliced over steps
     ([(17, 5), (0, 2)], dict(group=64, head=64, block=16), 1),                       # the full 64-row tile
+    ([(0, 130), (70, 64)], dict(kv_heads=2, group=4, head=128, block=64), 2),         # pages of 64 (bench p64)
 ]
 DEFAULT = [0, 2, 3, 4]  # the cases of a plain CPU run (~5 s each in the interpreter); the rest with SLOW
 IDS = [f"{_cls(l, **kw).describe()} {l} c{nc}" for l, kw, nc in CASES]
