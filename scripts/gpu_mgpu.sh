@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 13 on an H100 (jax 0.11.2): the Mosaic GPU paged decode kernel (pallas_kernels/paged_attention_mgpu.py)
 # and prefill kernel (pallas_kernels/paged_prefill_attention_mgpu.py) compiled for the first time. Two sections,
-# decode (< 8 minutes) and prefill (< 4.2 minutes); both run by default, SECTIONS=decode or SECTIONS=prefill runs
+# decode (< 8 minutes) and prefill (< 6.5 minutes); both run by default, SECTIONS=decode or SECTIONS=prefill runs
 # one (one device-tool command is at most 10 minutes: run them as two commands). Logs under $OUT:
 #   device.txt            GPU, driver, jax version
 #   mgpu-tests.txt        tests/pallas_kernels/test_paged_attention_mgpu.py compiled (vs the float64 fuzz
@@ -11,7 +11,8 @@
 #   bench-decode-mgpu.txt/.json  scripts/bench_attention.py --mode decode --quick: Mosaic vs Triton vs JAX's
 #                         Pallas paged_attention on the issue-4 grid, bf16 and fp8 (% of copy bandwidth)
 #   mgpu-prefill-tests.txt  tests/pallas_kernels/test_paged_prefill_attention_mgpu.py compiled (P from registers,
-#                         and P through shared memory; one and two consumer warpgroups; dispatch + fallback)
+#                         and P through shared memory; one and two consumer warpgroups; dispatch + fallback;
+#                         JAXKV_MGPU_FUZZ random fuzz classes, default 24)
 #   bench-prefill-mgpu.txt  scripts/bench_attention.py --mode prefill --quick: Triton vs Mosaic vs cuDNN TF/s
 #                         (batch 1/8 x 512/2048/8192), then a 512-token chunk over a 4k / 16k cached context
 # Each stage has its own timeout, so a hang or a compile failure in one still leaves the others' logs.
@@ -47,11 +48,13 @@ fi
 if [[ " $SECTIONS " == *" prefill "* ]]; then
 # Prefill (~4 min): the compiled tests first (a failure there is the first thing to read), then the bench;
 # the bench reports a failing or wrong Mosaic variant and goes on with the others.
-echo '$ pytest -q tests/pallas_kernels/test_paged_prefill_attention_mgpu.py' | tee "$OUT/mgpu-prefill-tests.txt"
-timeout 110 python -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_paged_prefill_attention_mgpu.py \
+echo "\$ JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} pytest -q tests/pallas_kernels/test_paged_prefill_attention_mgpu.py" \
+  | tee "$OUT/mgpu-prefill-tests.txt"
+JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} timeout 200 python -m pytest -q -p no:cacheprovider \
+  tests/pallas_kernels/test_paged_prefill_attention_mgpu.py \
   2>&1 | quiet | tail -80 | tee -a "$OUT/mgpu-prefill-tests.txt"
 
 echo '$ python scripts/bench_attention.py --mode prefill --quick' | tee "$OUT/bench-prefill-mgpu.txt"
-timeout 130 python scripts/bench_attention.py --mode prefill --quick --iters 10 \
+timeout 180 python scripts/bench_attention.py --mode prefill --quick --iters 10 \
   2>&1 | quiet | tee -a "$OUT/bench-prefill-mgpu.txt"
 fi

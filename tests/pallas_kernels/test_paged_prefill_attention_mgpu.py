@@ -249,7 +249,10 @@ def test_lowers_for_sm90(pv_from_smem):
 
 
 @pytest.mark.skipif(not SLOW, reason="set JAXKV_MGPU_FUZZ=N (slow, ~5 s a case)")
-def test_random_classes_interpreted():
+def test_random_classes_match_float64():
+    """``JAXKV_MGPU_FUZZ`` random shape classes of the shared fuzz (bf16/f16, the kernel's head sizes,
+    NaN in unowned slots) against the float64 reference: in the interpreter on CPU, compiled on a GPU
+    (``scripts/gpu_mgpu.sh`` sets it)."""
     rng = np.random.default_rng(13)
     failed = []
     for cls in fuzz.shape_classes(rng, "prefill", int(os.environ["JAXKV_MGPU_FUZZ"])):
