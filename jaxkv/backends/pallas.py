@@ -23,7 +23,9 @@ class PallasAttentionBackend:
     """
 
     name = "PALLAS"
-    supported_block_sizes = (8, 16, 32)
+    # Every block size the compiled float64 fuzz of both kernels covered on the H100 (tests/pallas_kernels/
+    # fuzz.py BLOCK_SIZES; README): larger pages mean fewer, larger copies per step (the Mosaic kernels' TMA).
+    supported_block_sizes = (8, 16, 32, 64, 128)
     supported_head_sizes = _pa.SUPPORTED_HEAD_SIZES
     supported_dtypes = _pa.SUPPORTED_DTYPES + _pa.FP8_DTYPES  # fp8: dequantised in-kernel
 

@@ -66,12 +66,14 @@ def reference_select(manager, backends):
 
 @pytest.mark.parametrize("manager,backends,want", [
     (32, [PallasAttentionBackend], 32),           # supported as is
-    (64, [PallasAttentionBackend], 32),           # largest supported divisor of 64
+    (256, [PallasAttentionBackend], 128),         # largest supported divisor of 256
+    (64, [PallasAttentionBackend], 64),
     (16, [PallasAttentionBackend], 16),
     (32, [FLASH], 32),                             # multiple of 16
     (256, [FLASH, ONLY_16_32], 32),                # 256 not in ONLY_16_32; 32 | 256 and 32 % 16 == 0
     (48, [FLASH, ONLY_16_32], 16),                 # 32 does not divide 48
-    (64, [PallasAttentionBackend, FLASH], 32),     # 32: Pallas int entry and a multiple of 16
+    (64, [PallasAttentionBackend, FLASH], 64),     # 64: Pallas int entry and a multiple of 16
+    (256, [PallasAttentionBackend, FLASH], 128),
     (64, [VllmStyleBackend], 32),
     (24, [ONLY_8, PallasAttentionBackend], 8),
 ])
@@ -80,7 +82,7 @@ def test_select_hand_cases(manager, backends, want):
 
 
 @pytest.mark.parametrize("manager,backends,want", [
-    (128, [FlashInferBackend, PallasAttentionBackend], 32),  # (16, 32, 64) and (8, 16, 32)
+    (128, [FlashInferBackend, PallasAttentionBackend], 64),  # (16, 32, 64) and (8, 16, 32, 64, 128)
     (128, [FlashAttentionBackend, FlashInferBackend], 64),   # MultipleOf(16) and (16, 32, 64)
     (32, [FlashAttentionBackend, FlashInferBackend, PallasAttentionBackend], 32),
     (64, [FlashAttentionBackend], 64),
@@ -139,7 +141,7 @@ def test_select_bad_manager_size():
 
 
 def test_supported_sizes_and_multiple_of():
-    assert supported_kernel_block_sizes(PallasAttentionBackend) == (8, 16, 32)
+    assert supported_kernel_block_sizes(PallasAttentionBackend) == (8, 16, 32, 64, 128)
     assert supported_kernel_block_sizes(VllmStyleBackend) == (16, 32)
     assert MultipleOf(16) == MultipleOf(16) and hash(MultipleOf(16)) == hash(MultipleOf(16))
     with pytest.raises(ValueError, match="base=0"):
@@ -157,7 +159,7 @@ def test_prepare_per_group():
     cfg = get_kv_cache_config({"f0": full, "s0": sw, "s1": sw}, full.page_size_bytes * 10)
     assert len(cfg.kv_cache_groups) == 3
     got = prepare_kernel_block_sizes(cfg, [[PallasAttentionBackend], FLASH, [FLASH, ONLY_16_32]])
-    assert got == [32, 64, 32]
+    assert got == [64, 64, 32]
 
 
 def test_prepare_non_attention_cache_keeps_its_block_size():

@@ -53,3 +53,17 @@ def test_unknown_load_format_is_refused(gguf_path):
         registry.load_checkpoint(gguf_path, load_format="safetensors")
     with pytest.raises(ValueError, match="load_format='safetensors'"):
         models.LLM(gguf_path, load_format="safetensors", dtype="float32", num_gpu_blocks=4)
+
+
+def test_block_size_64_gives_the_tokens_of_block_size_16(header):
+    """The Pallas backend's larger pages (64, 128: covered by the kernels' compiled fuzz) through the whole
+    engine: greedy tokens of a small batch equal those with 16-token blocks (same random weights)."""
+    prompts = [list(range(5, 75)), list(range(100, 103)), list(range(7, 40))]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    got = {}
+    for block_size in (16, 64):
+        llm = models.LLM(header, load_format="dummy", dtype="float32", attention_impl="reference",
+                         max_model_len=128, num_gpu_blocks=2048 // block_size, max_num_seqs=4,
+                         max_num_batched_tokens=64, block_size=block_size)
+        got[block_size] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    assert got[64] == got[16] and all(len(t) == 6 for t in got[16])
