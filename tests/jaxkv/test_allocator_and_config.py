@@ -247,7 +247,7 @@ def test_pallas_layout_and_stride_order():
 
 
 @pytest.mark.parametrize("field,value,needle", [("block_size", 12, "block_size=12"),
-                                                ("block_size", 64, "block_size=64"),
+                                                ("block_size", 256, "block_size=256"),
                                                 ("head_size", 72, "head_size=72"),  # 80 is served since 641e5a5
                                                 ("dtype", jnp.int8, "dtype=int8")])
 def test_allocate_unsupported_raises(field, value, needle):

@@ -113,7 +113,7 @@ def test_multiple_of():
 
 
 @pytest.mark.parametrize("backend,block_size,ok", [
-    (PallasAttentionBackend, 16, True), (PallasAttentionBackend, 64, False),
+    (PallasAttentionBackend, 16, True), (PallasAttentionBackend, 64, True), (PallasAttentionBackend, 256, False),
     (PagedAttentionLegacyBackend, 8, True), (PagedAttentionLegacyBackend, 64, False),
     (FlashAttentionBackend, 16, True), (FlashAttentionBackend, 272, True), (FlashAttentionBackend, 8, False),
     (FlashInferBackend, 64, True), (FlashInferBackend, 128, False), (MLAAttentionBackend, 64, True),
