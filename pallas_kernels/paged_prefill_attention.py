@@ -303,6 +303,18 @@ def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_le
     _check_extras(num_heads, scale, alibi_slopes, sliding_window, logits_soft_cap)
 
 
+def check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, *, max_query_len, k_scale,
+                       v_scale, alibi_slopes, sliding_window, logits_soft_cap, scale) -> None:
+    """The checks every paged prefill kernel (Triton, Mosaic GPU) runs on entry: shapes, dtypes and static
+    arguments (:func:`_validate`), the metadata values when concrete
+    (:func:`pallas_kernels._checks.check_paged_metadata`) and the head size. Raises ``ValueError``."""
+    _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
+              alibi_slopes, sliding_window, logits_soft_cap, scale)
+    _checks.check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc, num_tokens=q.shape[0],
+                                 max_query_len=max_query_len)
+    _check_head_size(q.shape[-1])
+
+
 def _is_int(x) -> bool:
     return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
 
@@ -389,12 +401,10 @@ def paged_prefill_attention(
             table too narrow for a ``seq_len`` or holding a block id outside the cache among the blocks
             a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`, shared with decode).
     """
-    _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
-              alibi_slopes, sliding_window, logits_soft_cap, scale)
-    _checks.check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc, num_tokens=q.shape[0],
-                                 max_query_len=max_query_len)
+    check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
+                       k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale)
     head_size, block_size = q.shape[-1], kv_cache.shape[3]
-    _check_head_size(head_size)
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
     max_query_len = int(max_query_len)

@@ -73,15 +73,15 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels import _checks, tuning
+from pallas_kernels import tuning
 from pallas_kernels._mgpu_paging import produce_kv_ring
 from pallas_kernels._reference import kv_scales
 from pallas_kernels._tiles import query_tiles
-from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size
+from pallas_kernels.paged_attention import FP8_DTYPES
 from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
 from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
 from pallas_kernels.paged_attention_mgpu import unsupported_reason as decode_unsupported_reason
-from pallas_kernels.paged_prefill_attention import _is_int, _validate
+from pallas_kernels.paged_prefill_attention import _is_int, check_prefill_call
 
 MAX_CONSUMERS = 2
 
@@ -397,11 +397,9 @@ def paged_prefill_attention_mgpu(
             that is not a positive multiple of 64, ``num_stages`` < 1, ``num_consumers`` not 1 or 2.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
-    _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
-              alibi_slopes, sliding_window, logits_soft_cap, scale)
-    _checks.check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc, num_tokens=q.shape[0],
-                                 max_query_len=max_query_len)
-    _check_head_size(q.shape[-1])
+    check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
+                       k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale)
     _, num_heads, head_size = q.shape
     _, _, num_kv_heads, block_size, _ = kv_cache.shape
     reason = unsupported_reason(q.dtype, kv_cache.dtype, num_heads, num_kv_heads, head_size, block_size,
