@@ -276,12 +276,10 @@ def _mosaic_prefill_try(name, fn, args, want_fn, iters, time_calls, flops):
     return flops / statistics.median(time_calls(fn, [args], iters)) / 1e12
 
 
-def _paged_dense(rng, batch, length, key, block_size=BLOCK_SIZE):
-    """Dense [batch, length, heads, D] q/k/v and the same K/V scattered into shuffled pages of
-    ``block_size`` tokens (q/k/v depend on ``key`` only)."""
-    q = jax.random.normal(key, (batch, length, NUM_HEADS, HEAD_SIZE), DTYPE)
-    k = jax.random.normal(jax.random.fold_in(key, 1), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
-    v = jax.random.normal(jax.random.fold_in(key, 2), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
+def _pages(rng, k, v, block_size):
+    """Dense ``[batch, length, kv_heads, D]`` K/V scattered into shuffled pages of ``block_size`` tokens:
+    ``(kv_cache, block_tables)``."""
+    batch, length = k.shape[:2]
     pages = length // block_size
     tables = rng.permutation(batch * pages).reshape(batch, pages).astype(np.int32)
     # scatter the dense K/V into pages: token t of sequence b → block tables[b, t // block_size]
@@ -289,7 +287,15 @@ def _paged_dense(rng, batch, length, key, block_size=BLOCK_SIZE):
     dense = jnp.stack([k, v]).reshape(2, batch, pages, block_size, NUM_KV_HEADS, HEAD_SIZE)
     kv = kv.at[:, tables.reshape(-1)].set(
         dense.transpose(0, 1, 2, 4, 3, 5).reshape(2, batch * pages, NUM_KV_HEADS, block_size, HEAD_SIZE))
-    return q, k, v, kv, jnp.asarray(tables)
+    return kv, jnp.asarray(tables)
+
+
+def _paged_dense(rng, batch, length, key):
+    """Dense [batch, length, heads, D] q/k/v and the same K/V in shuffled pages of ``BLOCK_SIZE`` tokens."""
+    q = jax.random.normal(key, (batch, length, NUM_HEADS, HEAD_SIZE), DTYPE)
+    k = jax.random.normal(jax.random.fold_in(key, 1), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
+    v = jax.random.normal(jax.random.fold_in(key, 2), (batch, length, NUM_KV_HEADS, HEAD_SIZE), DTYPE)
+    return (q, k, v, *_pages(rng, k, v, BLOCK_SIZE))
 
 
 def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
@@ -334,8 +340,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
             for name, kw in variants.items():
                 kw, vargs = dict(kw), args
                 if "block_size" in kw:  # the same K/V in larger pages
-                    _, _, _, kv_b, tables_b = _paged_dense(rng, batch, length, key, kw.pop("block_size"))
-                    vargs = (qs, kv_b, tables_b, lens, qsl)
+                    vargs = (qs, *_pages(rng, k, v, kw.pop("block_size")), lens, qsl)
                 fn = jax.jit(functools.partial(paged_prefill_attention_mgpu, scale=scale, max_query_len=length,
                                                **kw))
                 tfs = _mosaic_prefill_try(name, fn, vargs, diff, iters, time_calls, flops)
@@ -360,7 +365,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
     print(f"{'ctx':>6} {'ours TF/s':>10}" + "".join(f" {n + ' TF/s':>16} {'vs ours':>7}" for n in variants))
     for ctx in (4096, 16384):
         total = ctx + chunk
-        q, _, _, kv, tables = _paged_dense(rng, 1, total, jax.random.key(ctx))
+        q, k, v, kv, tables = _paged_dense(rng, 1, total, jax.random.key(ctx))
         qs = q[0, ctx:]
         args = (qs, kv, tables, jnp.asarray([total], jnp.int32), jnp.asarray([0, chunk], jnp.int32))
         kw = dict(scale=scale, max_query_len=chunk)
@@ -378,8 +383,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
         for name, vkw in variants.items():
             vkw, vargs = dict(vkw), args
             if "block_size" in vkw:  # the same K/V in larger pages
-                _, _, _, kv_b, tables_b = _paged_dense(rng, 1, total, jax.random.key(ctx), vkw.pop("block_size"))
-                vargs = (qs, kv_b, tables_b, *args[3:])
+                vargs = (qs, *_pages(rng, k, v, vkw.pop("block_size")), *args[3:])
             fn = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw, **vkw))
             tfs = _mosaic_prefill_try(name, fn, vargs, diff, iters, time_calls, flops)
             row += f" {tfs:>16.1f} {tfs / ours_tfs:>7.2f}" if tfs else f" {'-':>16} {'-':>7}"
