@@ -32,7 +32,9 @@ def query_tiles(query_start_loc, num_tiles: int, tokens_per_tile: int, *, last_f
     tiles = (q_lens + tokens_per_tile - 1) // tokens_per_tile
     first_tile = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(tiles).astype(jnp.int32)])
     j = jnp.arange(num_tiles, dtype=jnp.int32)
-    tile_seq = jnp.clip(jnp.searchsorted(first_tile, j, side="right", method="compare_all") - 1, 0, num_seqs - 1).astype(jnp.int32)
+    # compare_all: one fused compare-and-sum; the default method is a loop (an XLA while on the device)
+    after = jnp.searchsorted(first_tile, j, side="right", method="compare_all")
+    tile_seq = jnp.clip(after - 1, 0, num_seqs - 1).astype(jnp.int32)
     owned = j < first_tile[-1]
     local = first_tile[tile_seq + 1] - 1 - j if last_first else j - first_tile[tile_seq]
     tile_row0 = jnp.where(owned, local * tokens_per_tile, 0)

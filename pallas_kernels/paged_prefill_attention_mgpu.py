@@ -327,7 +327,8 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     # Back to [num_tokens, num_heads, head_size]: token t of sequence s sits at padded token
     # first_program[s] * TT + (t - query_start_loc[s]).
     t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="compare_all") - 1, 0, num_seqs - 1)
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="compare_all") - 1, 0,
+                   num_seqs - 1)
     owned = t < query_start_loc[-1]
     u = jnp.where(owned, first_program[seq] * tokens_per_program + t - query_start_loc[seq], 0)
     out = op_out.reshape(num_kv_heads, -1, group_p, head_size)[:, u, :group]   # [kv, tokens, group, D]

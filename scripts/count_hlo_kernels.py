@@ -23,6 +23,7 @@ FREE = {"parameter", "constant", "tuple", "get-tuple-element", "bitcast", "while
         "after-all", "partition-id", "replica-id", "opt-barrier", "add-dependency", "domain"}
 _COMP = re.compile(r"^(ENTRY\s+)?%?([\w.\-]+)\s*(\(.*\))?.*\{\s*$")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([\w\-]+)\((.*)$")
+_INNER_REF = re.compile(r"(?:calls|to_apply|comparator)=%?([\w.\-]+)")  # computations run inside a kernel
 
 
 def _computations(text: str) -> dict[str, list[tuple[str, str, str]]]:
@@ -54,15 +55,14 @@ def _inside_kernels(comps) -> set[str]:
         for _, op, rest in instrs:
             if op == "call":
                 continue  # a call's computation runs its own kernels
-            for ref in re.findall(r"(?:calls|to_apply|comparator)=%?([\w.\-]+)", rest):
-                todo.append(ref)
+            todo += _INNER_REF.findall(rest)
     while todo:
         c = todo.pop()
         if c in inner or c not in comps:
             continue
         inner.add(c)
         for _, _, rest in comps[c]:
-            todo += re.findall(r"(?:calls|to_apply|comparator)=%?([\w.\-]+)", rest)
+            todo += _INNER_REF.findall(rest)
     return inner
 
 
