@@ -258,3 +258,30 @@ def random_lengths(rng: np.random.Generator, cls: ShapeClass) -> list[tuple[int,
         budget_blocks -= -(-n // cls.block_size)
         out.append((n - ql, ql))
     return out
+
+
+# Calls the Mosaic GPU kernels refuse by their shared rules (``paged_attention_mgpu.unsupported_reason``,
+# which the prefill kernel applies too): (change to the base call of ``mgpu_unsupported_call``, text the
+# reason names).
+MGPU_UNSUPPORTED = [
+    (dict(dtype=jnp.float32), "q.dtype=float32"),
+    (dict(head=80), "head_size=80"),
+    (dict(alibi=True), "alibi"),
+    (dict(heads=(130, 2)), "at most 64"),
+    (dict(block=4), "block_size=4"),
+]
+
+
+def mgpu_unsupported_call(change: dict, num_tokens: int):
+    """The base call (bf16, head size 64, 8 query / 2 KV heads, block 16, no ALiBi) with ``change``:
+    ``(args, q, kv_cache, extras)``, where ``args`` holds ``dtype, kv_dtype, heads, head, block, alibi``
+    (for ``unsupported_reason``) and ``extras`` the ALiBi slopes and fp8 scales the call needs."""
+    args = dict(dtype=jnp.bfloat16, head=64, heads=(8, 2), block=16, alibi=False) | change
+    args.setdefault("kv_dtype", args["dtype"])
+    num_heads, num_kv_heads = args["heads"]
+    q = jnp.zeros((num_tokens, num_heads, args["head"]), args["dtype"])
+    kv = jnp.zeros((2, 4, num_kv_heads, args["block"], args["head"]), args["kv_dtype"])
+    extras = dict(alibi_slopes=jnp.ones((num_heads,))) if args["alibi"] else {}
+    if jnp.dtype(args["kv_dtype"]).itemsize == 1:
+        extras.update(k_scale=1.0, v_scale=1.0)
+    return args, q, kv, extras

@@ -78,23 +78,13 @@ def test_zero_length_sequence_gives_zeros():
     assert np.isfinite(np.asarray(out, np.float32)).all()
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(dtype=jnp.float32), "q.dtype=float32"),
-    (dict(head=80), "head_size=80"),
-    (dict(alibi=True), "alibi"),
-    (dict(heads=(130, 2)), "at most 64"),
-    (dict(block=4), "block_size=4"),
-])
+@pytest.mark.parametrize("change,match", fuzz.MGPU_UNSUPPORTED)
 def test_unsupported_calls_say_why(change, match):
     """The kernel refuses what it does not implement, naming the field (the dispatch falls back)."""
-    args = dict(dtype=jnp.bfloat16, head=64, heads=(8, 2), block=16, alibi=False) | change
-    reason = unsupported_reason(args["dtype"], args["dtype"], *args["heads"], args["head"], args["block"],
+    args, q, kv, extra = fuzz.mgpu_unsupported_call(change, num_tokens=1)
+    reason = unsupported_reason(args["dtype"], args["kv_dtype"], *args["heads"], args["head"], args["block"],
                                 alibi=args["alibi"])
     assert reason is not None and match in reason
-    num_heads, num_kv_heads = args["heads"]
-    q = jnp.zeros((1, num_heads, args["head"]), args["dtype"])
-    kv = jnp.zeros((2, 4, num_kv_heads, args["block"], args["head"]), args["dtype"])
-    extra = dict(alibi_slopes=jnp.ones((num_heads,))) if args["alibi"] else {}
     with pytest.raises(NotImplementedError, match=match):
         paged_attention_mgpu(q, kv, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32), scale=0.1,
                              interpret=True, **extra)

@@ -141,27 +141,14 @@ def test_tile_map_splits_sequences_into_programs():
     np.testing.assert_array_equal(q_len, [5, 32, 32, 1, 0, 0, 0, 0])
 
 
-@pytest.mark.parametrize("change,match", [
-    (dict(dtype=jnp.float32), "q.dtype=float32"),
-    (dict(kv_dtype=jnp.float8_e4m3fn), "fp8"),
-    (dict(head=80), "head_size=80"),
-    (dict(alibi=True), "alibi"),
-    (dict(heads=(130, 2)), "at most 64"),
-    (dict(block=4), "block_size=4"),
-])
+@pytest.mark.parametrize("change,match", fuzz.MGPU_UNSUPPORTED + [(dict(kv_dtype=jnp.float8_e4m3fn), "fp8")])
 def test_unsupported_calls_say_why(change, match):
-    """The kernel refuses what it does not implement, naming the field (the dispatch falls back)."""
-    args = dict(dtype=jnp.bfloat16, head=64, heads=(8, 2), block=16, alibi=False) | change
-    kv_dtype = args.get("kv_dtype", args["dtype"])
-    reason = unsupported_reason(args["dtype"], kv_dtype, *args["heads"], args["head"], args["block"],
+    """The kernel refuses what it does not implement, naming the field (the dispatch falls back): the decode
+    kernel's rules, and an fp8 cache."""
+    args, q, kv, extra = fuzz.mgpu_unsupported_call(change, num_tokens=2)
+    reason = unsupported_reason(args["dtype"], args["kv_dtype"], *args["heads"], args["head"], args["block"],
                                 alibi=args["alibi"])
     assert reason is not None and match in reason
-    num_heads, num_kv_heads = args["heads"]
-    q = jnp.zeros((2, num_heads, args["head"]), args["dtype"])
-    kv = jnp.zeros((2, 4, num_kv_heads, args["block"], args["head"]), kv_dtype)
-    extra = dict(alibi_slopes=jnp.ones((num_heads,))) if args["alibi"] else {}
-    if "kv_dtype" in change:
-        extra.update(k_scale=1.0, v_scale=1.0)
     with pytest.raises(NotImplementedError, match=match):
         paged_prefill_attention_mgpu(q, kv, jnp.zeros((1, 2), jnp.int32), jnp.full((1,), 2, jnp.int32),
                                      jnp.asarray([0, 2], jnp.int32), scale=0.1, max_query_len=2,
