@@ -519,6 +519,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
     p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before timing")
+    p.add_argument("--warmup-workers", type=int, default=None,
+                   help="buckets compiled at once by the warm-up (default: one per CPU core; 1: one by one)")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (a second run on the machine skips compiles)")
     p.add_argument("--no-progress", action="store_true")
@@ -626,8 +628,9 @@ def run(args) -> int:
                   f"{llm.engine.num_buckets} buckets, attention={llm.attention_impl}, dtype={llm.dtype}")
             if not args.no_warmup:
                 t0 = time.perf_counter()
-                llm.engine.warmup()
-                print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s")
+                llm.engine.warmup(args.warmup_workers)
+                print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s "
+                      f"({args.warmup_workers or os.cpu_count()} at a time)")
         results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
                                  progress=not args.no_progress, profile_busy=args.profile_busy,
                                  nvml_busy=args.nvml_busy))

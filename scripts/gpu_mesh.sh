@@ -1,34 +1,42 @@
 #!/usr/bin/env bash
-# Mesh (issue 14) evidence runs for the device tool on nvidia-h200-x2 (2 x H200, one host). Not run yet:
-# multi-GPU machines were withheld when this was written. Logs go to $OUT. Each stage fits one call.
+# Mesh (issue 14) evidence runs for the device tool on nvidia-h200-x2 (2 x H200, one host). Logs go to
+# $OUT. Each stage fits one call.
 #
 # NVLink multicast must stay off (the machine's KINDS.md): NCCL_NVLS_ENABLE=0 is exported below for every
 # program (XLA's collectives go through NCCL). Never unset it.
 #
-# GGUF and the ShareGPT sample travel as in scripts/gpu_run.sh (carry .gguf1 = first half + gguf wheel,
-# .gguf2 = second half + requests-1000.json); stage `prep` joins them into $G and installs gguf.
-#   bash scripts/gpu_mesh.sh prep    (carry .gguf1, .gguf2)
-#   bash scripts/gpu_mesh.sh text    greedy SmolLM2 text with dp=2 and dp=1 (must be identical; f32 and
-#                                    bf16), tp=2 tokens vs tp=1 of a random-weight Llama (SmolLM2's 9 heads
-#                                    do not split over 2 GPUs; Gemma 3 270M, 4q/1kv heads, once the gemma3
-#                                    branch is merged and calls jaxkv.parallel.paged_attention_layer)
-#   bash scripts/gpu_mesh.sh bench   ShareGPT throughput, 1000 requests: dp=1 (one GPU) then dp=2 (both);
-#                                    dp=2 doubles max-num-seqs / max-num-batched-tokens (engine-wide
-#                                    limits) so each GPU gets the single-GPU batch; target >= 1.8x
-#   bash scripts/gpu_mesh.sh step    decode step time tp=1 vs tp=2 (Llama-3.2-1B shapes, random bf16
-#                                    weights), collectives' share of the device time from CUPTI
-#   bash scripts/gpu_mesh.sh hlo     the collectives in the compiled tp=2 / dp=2 steps (XLA dump)
+# Two calls. The throughput runs use random weights (--load-format dummy: the same kernels and schedule;
+# the outputs have the dataset's lengths through ignore_eos), so the first call carries only .dummy (the
+# header-only GGUF, the request samples, the gguf wheel) and the checkpoint's first half; the second call
+# carries the second half for the greedy text.
+#   call 1, carry [.dummy, .gguf1]:  bash scripts/gpu_mesh.sh prep1 && bash scripts/gpu_mesh.sh bench
+#   call 2, carry [.gguf2]:          bash scripts/gpu_mesh.sh prep2 && bash scripts/gpu_mesh.sh text \
+#                                      && bash scripts/gpu_mesh.sh step
+# Stages:
+#   bench   ShareGPT throughput, dp=1 (one GPU) then dp=2 (both), on $N requests (N=4000 then 1000 by
+#           default: the 1000-request sample ends in a long tail of few requests that a second replica
+#           cannot shorten); dp=2 doubles max-num-seqs / max-num-batched-tokens (engine-wide limits) so
+#           each GPU gets the single-GPU batch; target >= 1.8x
+#   text    greedy SmolLM2 text with dp=2 and dp=1 (must be identical; f32 and bf16). SmolLM2's 9 query
+#           heads do not split over 2 GPUs: tp=2's tokens are compared in `step` (random-weight Llama)
+#   step    decode step time tp=1 vs tp=2 (Llama-3.2-1B shapes, random bf16 weights), collectives' share
+#           of the device time from CUPTI, tp=2 tokens vs tp=1
+#   hlo     the collectives in the compiled tp=2 step (XLA dump)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
 G=/tmp/smollm2.gguf
 stage=$1
 quiet() { grep -v -e "loading weights" -e "DeprecationWarning" -e "warnings.warn" -e "deprecations.warn"; }
 case $stage in
-prep)
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .gguf1/*.whl
-  cat .gguf1/gg.part.aa .gguf2/gg.part.ab > $G && cp .gguf2/requests-1000.json /tmp/
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
+prep1)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dummy/*.whl
+  cp .gguf1/gg.part.aa /tmp/ && cp .dummy/requests-*.json .dummy/smollm2-header.gguf /tmp/
+  python3 -c 'import jax, torch; print(jax.devices(), torch.cuda.device_count())' 2>&1 | tail -1 | tee $OUT/device.txt
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a $OUT/device.txt
   nvidia-smi topo -m | tee -a $OUT/device.txt
+  ;;
+prep2)
+  cat /tmp/gg.part.aa .gguf2/gg.part.ab > $G && ls -la $G
   ;;
 text)
   for dt in float32 bfloat16; do
@@ -38,21 +46,19 @@ text)
         --prompt "Water is" --prompt "Once upon a time" --max-tokens 32 2>&1 | quiet | tee -a $OUT/mesh-text.txt
     done
   done
-  echo '$ python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches 8 --new-tokens 32 --dtype float32 --no-profile' | tee -a $OUT/mesh-text.txt
-  timeout 240 python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches 8 --new-tokens 32 --dtype float32 --no-profile 2>&1 | quiet | tee -a $OUT/mesh-text.txt
   ;;
 bench)
-  for dp in 1 2; do
-    echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 python scripts/bench_throughput.py --model \$G --requests requests-1000.json --num-prompts 1000 --backend jaxkv --data-parallel-size $dp --max-num-seqs $((256 * dp)) --max-num-batched-tokens $((4096 * dp)) --num-gpu-blocks 16384 --no-progress" | tee -a $OUT/mesh-bench.txt
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 280 python scripts/bench_throughput.py --model $G --requests /tmp/requests-1000.json \
-      --num-prompts 1000 --backend jaxkv --data-parallel-size $dp --max-num-seqs $((256 * dp)) \
-      --max-num-batched-tokens $((4096 * dp)) --num-gpu-blocks 16384 --no-progress \
-      --output-json $OUT/mesh-bench-dp$dp.json 2>&1 | quiet | tee -a $OUT/mesh-bench.txt
+  for n in ${N:-4000 1000}; do
+    for dp in 1 2; do
+      D="python scripts/bench_throughput.py --model /tmp/smollm2-header.gguf --load-format dummy --requests /tmp/requests-$n.json --num-prompts $n --backend jaxkv --data-parallel-size $dp --max-num-seqs $((256 * dp)) --max-num-batched-tokens $((4096 * dp)) --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache"
+      echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 $D" | tee -a $OUT/mesh-bench.txt
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-200} $D --output-json $OUT/mesh-bench-n$n-dp$dp.json 2>&1 | quiet | tail -12 | tee -a $OUT/mesh-bench.txt
+    done
   done
   ;;
 step)
-  echo '$ python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches 1,8,64 --new-tokens 64' | tee $OUT/mesh-step.txt
-  timeout 500 python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches 1,8,64 --new-tokens 64 2>&1 | quiet | tee -a $OUT/mesh-step.txt
+  echo '$ python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64' | tee $OUT/mesh-step.txt
+  timeout ${STEP_TIMEOUT:-300} python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64 2>&1 | quiet | tee -a $OUT/mesh-step.txt
   ;;
 hlo)
   rm -rf /tmp/hlo && mkdir -p /tmp/hlo

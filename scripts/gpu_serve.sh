@@ -21,7 +21,7 @@ python3 -c "import starlette, pydantic, uvicorn, aiohttp" || { echo "missing ser
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null | tee "$OUT/device.txt"
 # the benchmark's requests are greedy: compile that sampling mode's buckets before serving
 SERVE_ARGS=(--model smollm2-135m --gguf "$G" --port "$PORT" --max-model-len 2048 --compile-ahead on
-            --compile-ahead-modes greedy --log-stats-interval 5 "$@")
+            --log-stats-interval 5 "$@")
 echo "\$ python scripts/serve.py ${SERVE_ARGS[*]}" | tee "$OUT/server.log"
 python3 scripts/serve.py "${SERVE_ARGS[@]}" >> "$OUT/server.log" 2>&1 &
 SERVER=$!

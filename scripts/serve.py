@@ -49,8 +49,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-ahead", choices=("auto", "on", "off"), default="auto",
                    help="compile every step bucket before serving, as vLLM captures its CUDA graphs at "
                         "start-up (auto: on GPU only; on CPU it takes minutes)")
-    p.add_argument("--compile-ahead-modes", default="greedy,random,sort",
-                   help="sampling modes to compile ahead: greedy (temperature 0), random, sort (top-p/top-k)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     return p.parse_args(argv)
@@ -135,20 +133,16 @@ def describe(llm, args: argparse.Namespace) -> dict:
 
 
 def compile_ahead(engine, args: argparse.Namespace) -> None:
-    """``engine.warmup`` (for the sampling modes of ``--compile-ahead-modes`` where it takes modes)."""
-    import inspect
-
+    """``engine.warmup``: every bucket compiled (concurrently) before the first request; one program per
+    bucket serves every sampling mode (parameters are per-row arrays)."""
     import jax
 
     on = args.compile_ahead == "on" or (args.compile_ahead == "auto" and jax.default_backend() == "gpu")
     if not on or not hasattr(engine, "warmup"):
         return
     t0 = time.perf_counter()
-    modes = tuple(m.strip() for m in args.compile_ahead_modes.split(",") if m.strip())
-    takes_modes = bool(inspect.signature(engine.warmup).parameters)
-    compiles = engine.warmup(modes) if takes_modes else engine.warmup()
-    if not isinstance(compiles, int):
-        compiles = _attr(engine, "num_compiles", default="?")
+    engine.warmup()
+    compiles = _attr(engine, "num_compiles", default="?")
     log.info("compiled %s step shapes ahead in %.1f s", compiles, time.perf_counter() - t0)
 
 
@@ -160,9 +154,6 @@ def build_server(args: argparse.Namespace):
     from models.entrypoints.llm import LLM
     from models.entrypoints.openai.api_server import build_app
 
-    bad = set(args.compile_ahead_modes.split(",")) - {"greedy", "random", "sort"}
-    if bad:
-        raise ValueError(f"--compile-ahead-modes: {sorted(bad)} not among greedy, random, sort")
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
     llm = LLM(**llm_kwargs(args))

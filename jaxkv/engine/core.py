@@ -196,10 +196,10 @@ class LLMEngine:
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
                            num_buckets=self.num_buckets, **self._counters)
 
-    def warmup(self) -> None:
-        """Compile every bucket before serving (so no request pays for a compile); afterwards
-        ``num_compiles == num_buckets``."""
-        self.runner.warmup()
+    def warmup(self, max_workers: int | None = None) -> None:
+        """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
+        compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``."""
+        self.runner.warmup(max_workers)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).

@@ -20,12 +20,16 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import os
+from concurrent.futures import ThreadPoolExecutor
 from typing import Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 from jax.experimental import checkify
 
 from jaxkv.checks import checked, checks_are_enabled, raise_if_error
@@ -127,7 +131,27 @@ def _raising(step):
         err, out = step(*args, **kwargs)
         raise_if_error(err)
         return out
+    run.jitted = step
     return run
+
+
+class _LowerOnly:
+    """Stands in for a jitted step during :meth:`ModelRunner.warmup`'s first pass: lowers the call
+    (tracing it; nothing runs), keeps the ``Lowered`` and returns the outputs' shapes
+    (``jax.ShapeDtypeStruct``), so the warm-up code runs unchanged. The step's last output, the
+    caches, is returned as the caches it was given (argument 1): lowering the next bucket with the
+    real arrays keeps its input shardings those of the real calls, whose executables it must match."""
+
+    def __init__(self, step, sink: list):
+        self.jitted = getattr(step, "jitted", step)  # a _raising wrapper's jitted (err, out) step
+        self.checked = hasattr(step, "jitted")
+        self.sink = sink
+
+    def __call__(self, *args, **kwargs):
+        lowered = self.jitted.lower(*args, **kwargs)
+        self.sink.append(lowered)
+        out = lowered.out_info[1] if self.checked else lowered.out_info
+        return (*out[:-1], args[1])
 
 
 @dataclasses.dataclass
@@ -337,11 +361,18 @@ class ModelRunner:
         return SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
 
     def _prev(self, prev_tokens):
+        """The previous step's last tokens (``int32[prev_len]``; all -1 when there is none). On a mesh
+        (caches with a ``NamedSharding``) they are replicated over it, so the placeholder of the warm-up
+        and a step's output are one input type and share one executable (a single-device placeholder
+        made each bucket's first real step after the warm-up compile again)."""
+        mesh = getattr(self.kv_caches[0].sharding, "mesh", None)
         if prev_tokens is None:
             if self._no_prev is None:
                 self._no_prev = jnp.full(self.prev_len, -1, jnp.int32)
+                if mesh is not None:
+                    self._no_prev = jax.device_put(self._no_prev, NamedSharding(mesh, P()))
             return self._no_prev
-        return prev_tokens
+        return prev_tokens if mesh is None else jax.device_put(prev_tokens, NamedSharding(mesh, P()))
 
     def execute_mixed(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
         """One step of prefill chunks and decodes (``sched``: a committed
@@ -400,9 +431,30 @@ class ModelRunner:
                                                          self._prev(prev_tokens), layout=layout)
         return out, last, logits
 
-    def warmup(self) -> None:
-        """Compile every bucket now (vLLM captures its CUDA graphs at start-up) with dummy batches whose
-        tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the outputs are discarded)."""
+    def warmup(self, max_workers: int | None = None) -> None:
+        """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then run each once
+        with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
+        outputs are discarded).
+
+        The buckets are traced and lowered one after another, then compiled by ``max_workers`` threads
+        at once (default: one per CPU core; XLA's compiler releases the GIL), so start-up takes about
+        the longest compile instead of their sum on a many-core host. The dummy runs then find each
+        executable compiled. Afterwards ``num_compiles == num_buckets``."""
+        lowered: list = []
+        saved = self._mixed, self._decode, self.kv_caches
+        self._mixed, self._decode = _LowerOnly(self._mixed, lowered), _LowerOnly(self._decode, lowered)
+        try:
+            self._warmup_batches()
+        finally:
+            self._mixed, self._decode, self.kv_caches = saved
+        workers = max_workers or min(len(lowered), os.cpu_count() or 1)
+        with ThreadPoolExecutor(max(1, workers)) as pool:
+            list(pool.map(lambda low: low.compile(), lowered))
+        self._warmup_batches()
+
+    def _warmup_batches(self) -> None:
+        """One all-padding call per bucket: every token bucket's mixed step, then every request
+        bucket's decode loop."""
         num_rows = self.request_buckets[-1]
         width = self.max_num_blocks_per_seq
         for t in self.token_buckets:
@@ -416,13 +468,13 @@ class ModelRunner:
                           block_tables=self._empty_tables(num_rows),
                           logits_indices=np.zeros(num_rows, np.int32))
             tokens, _ = self._run_mixed(inputs, self._sampling_arrays([], num_rows), None, max_query_len=t)
-            tokens.block_until_ready()
+            jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             zeros = np.zeros(rows, np.int32)
             arrays = dict(tokens=zeros, src_rows=np.full(rows, -1, np.int32), positions=zeros, steps=zeros,
                           block_tables=self._empty_tables(rows), num_steps=np.int32(1))
             out, _, _ = self._run_decode(arrays, self._sampling_arrays([], rows), None)
-            out.block_until_ready()
+            jax.block_until_ready(out)
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
         """``sched.num_decode_steps`` decode steps; request ``r`` runs ``sched.scheduled[r][1]`` of them

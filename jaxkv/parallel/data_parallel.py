@@ -259,8 +259,9 @@ class DataParallelModelRunner(ModelRunner):
             arrays["positions"], arrays["steps"], arrays["block_tables"], sampling, num_steps, order)
         return out, last, logits
 
-    def warmup(self) -> None:
-        """Compile every bucket with all-padding batches (nothing is written)."""
+    def _warmup_batches(self) -> None:
+        """One all-padding call per bucket (nothing is written); :meth:`ModelRunner.warmup` lowers
+        them, compiles them concurrently, then runs them."""
         from jaxkv.core.scheduler import SchedulerOutput
         empty = SchedulerOutput([])
         for t in self.token_buckets:
@@ -270,9 +271,9 @@ class DataParallelModelRunner(ModelRunner):
             inputs["out_rows"] = jax.device_put(np.arange(self.prev_len, dtype=np.int32), self._replicated)
             tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
                                                     self._prev(None), max_query_len=t)
-            tokens.block_until_ready()
+            jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             parts = [self.prepare_decode(SchedulerOutput([], 1), None, rows) for _ in range(self.dp)]
             order = jax.device_put(np.arange(self.dp * rows, dtype=np.int32), self._replicated)
             out, _, _ = self._dispatch_decode(parts, order, np.int32(1), None)
-            out.block_until_ready()
+            jax.block_until_ready(out)

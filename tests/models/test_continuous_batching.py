@@ -183,6 +183,42 @@ def test_warmup_compiles_every_bucket_once_and_changes_nothing():
     assert eng.num_compiles == eng.num_buckets
 
 
+def step_compiles(fn):
+    """Backend compiles of the engine's jitted steps while ``fn()`` runs (JAX's monitoring events)."""
+    from jax._src import monitoring
+    names = []
+
+    def listen(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration" and any(k in kwargs.get("fun_name", "") for k in ("mixed_step", "decode_loop")):
+            names.append(kwargs["fun_name"])
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    return names
+
+
+def test_warmup_compiles_concurrently_each_bucket_once():
+    """warmup lowers every bucket, compiles them on threads, then runs them: each executable is built
+    once (the dummy runs and later steps reuse it), nothing compiles while serving."""
+    eng = models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
+                             max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                             num_scheduler_steps=2)
+    compiled = step_compiles(lambda: eng.warmup(max_workers=2))
+    assert len(compiled) == eng.num_buckets == eng.num_compiles == 5  # request buckets 1, 2, 4; tokens 16, 32
+    assert compiled.count("jit(_packed_mixed_step)") == 2
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], list(range(1, 30))]
+    outs = []
+    assert step_compiles(lambda: outs.extend(eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0)))) == []
+    solo = models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
+                              max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32)
+    for p, o in zip(prompts, outs):
+        ref = solo.generate([p], SamplingParams(max_tokens=6, temperature=0))[0].outputs[0].token_ids
+        assert o.outputs[0].token_ids == ref
+    assert eng.num_compiles == eng.num_buckets
+
+
 def test_admission_delay_runs_decode_loops_and_keeps_tokens(engine):
     """max_admission_delay_steps=3: admissible requests may wait up to 3 decode steps (fewer round
     trips); the tokens are still each request's solo tokens."""

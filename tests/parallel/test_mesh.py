@@ -128,6 +128,22 @@ def test_greedy_tokens_equal_single_device(num_kv_heads, tp, dp, options):
         assert engine.stats.num_preemptions > 0
 
 
+@needs_mesh
+@pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)])
+def test_warmup_on_a_mesh_compiles_each_bucket_once(tp, dp):
+    """tp=2 (one runner) and tp=2 x dp=2 (the data-parallel runner), async scheduling: the warm-up's concurrent compiles serve the dummy runs and the
+    real steps (no compile while serving; before, every bucket compiled again at its first real step,
+    its previous tokens being sharded where the warm-up's were not); the tokens stay the
+    single-device ones."""
+    from tests.models.test_continuous_batching import step_compiles
+    engine = _engine(2, make_mesh(tp, dp), async_scheduling=True)  # steps read the last step's tokens
+    names = step_compiles(engine.warmup)
+    assert len(names) == engine.num_buckets == engine.num_compiles, names
+    tokens = []
+    assert step_compiles(lambda: tokens.extend(_tokens(engine))) == []
+    assert tokens == _single_device_tokens(2)
+
+
 def _attention_case(rng, mesh, poisoned_rank: int, decode: bool):
     """Rows of both dp ranks over a global cache whose ``poisoned_rank`` pool is NaN."""
     dp, heads, kv_heads, d, nb = 2, 4, 2, 16, 6
