@@ -16,7 +16,8 @@
 #   bench   ShareGPT throughput, dp=1 (one GPU) then dp=2 (both), on $N requests (N=4000 then 1000 by
 #           default: the 1000-request sample ends in a long tail of few requests that a second replica
 #           cannot shorten); dp=2 doubles max-num-seqs / max-num-batched-tokens (engine-wide limits) so
-#           each GPU gets the single-GPU batch; target >= 1.8x
+#           each GPU gets the single-GPU batch; target >= 1.8x. BENCH_EXTRA: more bench_throughput flags
+#           (e.g. --max-admission-delay-steps 8 --nvml-busy), TAG: a suffix for the JSON names
 #   text    greedy SmolLM2 text with dp=2 and dp=1 (must be identical; f32 and bf16). SmolLM2's 9 query
 #           heads do not split over 2 GPUs: tp=2's tokens are compared in `step` (random-weight Llama)
 #   step    decode step time tp=1 vs tp=2 (Llama-3.2-1B shapes, random bf16 weights), collectives' share
@@ -50,9 +51,9 @@ text)
 bench)
   for n in ${N:-4000 1000}; do
     for dp in 1 2; do
-      D="python scripts/bench_throughput.py --model /tmp/smollm2-header.gguf --load-format dummy --requests /tmp/requests-$n.json --num-prompts $n --backend jaxkv --data-parallel-size $dp --max-num-seqs $((256 * dp)) --max-num-batched-tokens $((4096 * dp)) --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache"
+      D="python scripts/bench_throughput.py --model /tmp/smollm2-header.gguf --load-format dummy --requests /tmp/requests-$n.json --num-prompts $n --backend jaxkv --data-parallel-size $dp --max-num-seqs $((256 * dp)) --max-num-batched-tokens $((4096 * dp)) --num-gpu-blocks 16384 --no-progress --compilation-cache-dir /tmp/jaxcache ${BENCH_EXTRA:-}"
       echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 $D" | tee -a $OUT/mesh-bench.txt
-      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-200} $D --output-json $OUT/mesh-bench-n$n-dp$dp.json 2>&1 | quiet | tail -12 | tee -a $OUT/mesh-bench.txt
+      XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout ${BENCH_TIMEOUT:-200} $D --output-json $OUT/mesh-bench-n$n-dp$dp${TAG:-}.json 2>&1 | quiet | tail -12 | tee -a $OUT/mesh-bench.txt
     done
   done
   ;;
