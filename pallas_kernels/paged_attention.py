@@ -243,7 +243,6 @@ def _merge_partitions_xla(acc, m, l, *, group: int, head_size: int, dtype) -> ja
     return o[:, :, :group, :head_size].astype(dtype)
 
 
-
 def _paged_attention_pallas(
     q: jax.Array,            # [num_seqs, num_heads, head_size]
     kv_cache: jax.Array,     # [2, num_blocks, num_kv_heads, block_size, head_size]
@@ -476,9 +475,9 @@ def paged_attention(
             metadata, an fp8 cache without scales, a bad window or cap, an unknown ``merge_impl``;
             with concrete (non-traced) metadata also, before launch (a host sync), a ``seq_lens``
             entry outside ``[0, max_num_blocks_per_seq * block_size]`` or a block id outside ``[0,
-            num_blocks)`` among the blocks a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`). Under
-            ``jax.jit`` these value checks are skipped, unless staged by the check mode
-            (``jaxkv.checks``).
+            num_blocks)`` among the blocks a sequence reads
+            (:func:`pallas_kernels._checks.check_paged_metadata`). Under ``jax.jit`` these value
+            checks are skipped, unless staged by the check mode (``jaxkv.checks``).
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
               logits_soft_cap, scale)

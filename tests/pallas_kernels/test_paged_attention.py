@@ -80,7 +80,8 @@ def test_unowned_pages_do_not_matter(rng, num_splits, ppcb, merge_impl):
     filled = np.where(np.isnan(batch.kv_cache), rng.standard_normal(batch.kv_cache.shape) * 100, batch.kv_cache)
     with_noise = paged_attention(q, jnp.asarray(filled, jnp.float32), *meta, **kwargs)
     np.testing.assert_array_equal(np.asarray(with_nan), np.asarray(with_noise))
-    assert rel_err(with_nan, decode_attention_loop(np.asarray(q, np.float64), batch, 0.125)) < TOLERANCE["float32"]
+    expected = decode_attention_loop(np.asarray(q, np.float64), batch, 0.125)
+    assert rel_err(with_nan, expected) < TOLERANCE["float32"]
 
 
 @pytest.mark.parametrize("num_splits,merge_impl", [(1, "pallas"), (2, "pallas"), (2, "xla")])
@@ -198,7 +199,8 @@ def test_decode_call_is_only_pallas_kernels(num_splits, launches):
     counts = _ops_outside_pallas(jaxpr.jaxpr, collections.Counter())
     assert counts.pop("pallas_call") == launches
     # reshape: a bitcast; the rest builds the f32[2] (k_scale, v_scale) = (1, 1) constant
-    assert set(counts) <= {"reshape", "stack", "concatenate", "broadcast_in_dim", "convert_element_type"}, counts
+    allowed = {"reshape", "stack", "concatenate", "broadcast_in_dim", "convert_element_type"}
+    assert set(counts) <= allowed, counts
 
 
 def test_bad_merge_impl_raises():
