@@ -10,11 +10,16 @@ One program handles one (sequence, KV head, context partition). It loads the que
 head of the KV head's group at once (padded to the 16 rows a Triton dot needs), streams the sequence's
 blocks through the block table one step at a time (``pallas_kernels._paging``: whole pages, at least 16
 keys per step, or slices of pages too large for one tile), and keeps an online softmax in float32. Head
-sizes that are not powers of two are computed padded to the next one (q and the output are zero-padded
-in the wrapper, K/V channels masked on load). Each K/V tile is therefore read from memory once per KV
-head and used by the whole group.
+sizes that are not powers of two are computed padded to the next one. q is read and the output written
+in their own layout (``[num_seqs, num_heads, head_size]`` seen as ``[num_seqs, num_kv_heads, group,
+head_size]``, a free reshape): the padding rows and lanes exist only in registers, by masked loads and
+stores, so no XLA pad, slice or cast runs around the kernel. Each K/V tile is read from memory once per
+KV head and used by the whole group.
 With ``num_splits > 1`` (vLLM's v2) the context is cut into partitions whose partial outputs, maxima and
-sums are written in float32 and merged by a small XLA reduction.
+sums are written in float32 and merged by a second Pallas kernel (``_merge_partitions_kernel``, vLLM's
+``paged_attention_v2_reduce_kernel``), which writes the output in q's dtype and layout: one call is two
+kernel launches. The former XLA merge (``merge_impl="xla"``: a max, the weights, two weighted sums, a
+divide, a slice and a cast, several small kernels on a GPU) is kept as the reference path.
 
 File shape (design.md §5): ``_paged_attention_kernel`` (refs) → ``_paged_attention_pallas`` (grid,
 BlockSpecs, split merge) → ``paged_attention`` (public, validated, jitted) and
@@ -44,28 +49,34 @@ SUPPORTED_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(j
 SUPPORTED_HEAD_SIZES = (16, 32, 64, 80, 96, 112, 120, 128, 192, 256)
 MAX_HEAD_SIZE = 256
 MIN_DOT_ROWS = 16  # a Triton dot needs at least 16 rows
+MERGE_IMPLS = ("pallas", "xla")  # how split partitions are merged (``paged_attention(merge_impl=...)``)
+# Launch parameters of the merge kernel: it moves num_splits x block_h x head_p floats per program; not
+# tuned (nothing measured yet).
+MERGE_NUM_WARPS = 4
+MERGE_NUM_STAGES = 2
 
 
 def _paged_attention_kernel(
     seq_lens_ref,      # i32[1]                          this sequence's length in tokens
     block_table_ref,   # i32[pages_per_partition]        this sequence's blocks in this partition
-    q_ref,             # [block_h, head_p]               the group's query heads, zero-padded rows/lanes
+    q_ref,             # [group, head_size]              the group's query heads (unpadded)
     k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
     v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
     kv_scales_ref,     # f32[2]                          k_scale, v_scale (fp8 dequantisation)
     alibi_ref,         # f32[block_h] | None             ALiBi slope of each query head
-    o_ref,             # [block_h, head_p]               output (normalised) or f32 partial
+    o_ref,             # [group, head_size] q.dtype (num_splits == 1) | f32[block_h, head_p] partial
     *stats_refs,       # ([block_h] f32 max, [block_h] f32 sum) when num_splits > 1
     scale: float,
     step: KVStep,
+    block_h: int,
     normalize: bool,
     sliding_window: int | None,
     logits_soft_cap: float | None,
     masked_loads: bool,
 ):
     partition = pl.program_id(2)
-    block_h, head_p = q_ref.shape
     num_blocks, block_size, head_size = k_cache_ref.shape
+    head_p = padded_head_size(head_size)
     pages_per_partition = block_table_ref.shape[0]
     block_k = step.block_k
 
@@ -79,7 +90,7 @@ def _paged_attention_kernel(
     num_steps = pl.cdiv(jnp.maximum(local_end, 0), block_k)
     first_step = jnp.minimum(jnp.maximum(window_start - origin, 0) // block_k, num_steps)
 
-    q = q_ref[...]
+    q = _load_group_rows(q_ref, block_h, head_p)   # [block_h, head_p], padding rows/lanes 0
     k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
 
     def body(i, carry):
@@ -115,12 +126,121 @@ def _paged_attention_kernel(
 
     if normalize:
         l_safe = jnp.where(l == 0.0, 1.0, l)  # an empty sequence gives 0, not NaN
-        o_ref[...] = (acc / l_safe[:, None]).astype(o_ref.dtype)
+        _store_group_rows(o_ref, (acc / l_safe[:, None]).astype(o_ref.dtype))
     else:
         m_ref, l_ref = stats_refs
         o_ref[...] = acc
         m_ref[...] = m
         l_ref[...] = l
+
+
+def _group_rows_index(block_h: int, head_p: int, group: int, head_size: int, *, clip: bool):
+    """Index arrays and mask addressing a ``[group, head_size]`` ref as a ``[block_h, head_p]`` tile.
+
+    ``clip``: clip the row index into the ref (loads, so that the interpreter's gather stays in range).
+    The channel index is never clipped: masked lanes are not accessed, and a clip would hide the
+    index's contiguity from Triton (scalar instead of vector accesses; see paged_prefill_attention).
+    """
+    g, d = jnp.arange(block_h), jnp.arange(head_p)
+    mask = (g < group)[:, None] & (d < head_size)[None, :]
+    rows = jnp.minimum(g, group - 1) if clip else g
+    return (rows[:, None], d[None, :]), mask
+
+
+def _load_group_rows(ref, block_h: int, head_p: int):
+    """``[group, head_size]`` ref → ``[block_h, head_p]`` value, rows ``>= group`` and lanes
+    ``>= head_size`` 0 (masked loads, so nothing outside the ref is read)."""
+    group, head_size = ref.shape
+    if (group, head_size) == (block_h, head_p):
+        return ref[...]
+    index, mask = _group_rows_index(block_h, head_p, group, head_size, clip=True)
+    value = plgpu.load(ref.at[index], mask=mask)
+    return jnp.where(mask, value, jnp.zeros((), value.dtype))  # masked lanes are undefined
+
+
+def _store_group_rows(ref, value):
+    """Store the ``[group, head_size]`` corner of a ``[block_h, head_p]`` value into ``ref`` (masked
+    stores: nothing outside the ref is written)."""
+    group, head_size = ref.shape
+    block_h, head_p = value.shape
+    if (group, head_size) == (block_h, head_p):
+        ref[...] = value
+        return
+    index, mask = _group_rows_index(block_h, head_p, group, head_size, clip=False)
+    plgpu.store(ref.at[index], value, mask=mask)
+
+
+def _merge_partitions_kernel(
+    acc_ref,   # f32[num_splits, block_h, head_p]  partial outputs (scaled to each partition's max)
+    m_ref,     # f32[num_splits, block_h]          partition maxima, -inf for a partition with no key
+    l_ref,     # f32[num_splits, block_h]          partition sums of exp(logit - max)
+    o_ref,     # [group, head_size] q.dtype        the normalised output of this (sequence, KV head)
+):
+    """vLLM's ``paged_attention_v2_reduce_kernel``: ``sum_p w_p acc_p / sum_p w_p l_p`` with ``w_p =
+    exp(m_p - max_p m_p)``, ``w_p = 0`` for an empty partition, and 0 (not NaN) for an empty sequence.
+
+    Same float32 arithmetic as :func:`_merge_partitions_xla`, one partition at a time (two passes: the
+    maximum, then the weighted sums), so any split count works and no more than one ``[block_h, head_p]``
+    tile is held at once.
+    """
+    num_splits, block_h, head_p = acc_ref.shape
+
+    m_max = lax.fori_loop(1, num_splits, lambda p, mx: jnp.maximum(mx, m_ref[p]), m_ref[0])
+    m_safe = jnp.where(jnp.isneginf(m_max), 0.0, m_max)  # no partition saw a key: every weight is 0
+
+    def fold(p, carry):
+        acc, l_sum = carry
+        m = m_ref[p]
+        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_safe))
+        return acc + acc_ref[p] * weight[:, None], l_sum + l_ref[p] * weight
+
+    acc, l_sum = lax.fori_loop(0, num_splits, fold, (jnp.zeros((block_h, head_p), jnp.float32),
+                                                     jnp.zeros((block_h,), jnp.float32)))
+    out = acc / jnp.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    _store_group_rows(o_ref, out.astype(o_ref.dtype))
+
+
+def _merge_partitions_pallas(acc, m, l, *, group: int, head_size: int, dtype, interpret: bool,
+                             debug: bool = False) -> jax.Array:
+    """Merge the partitions in one Pallas kernel, grid ``(num_seqs, num_kv_heads)``.
+
+    Args:
+        acc: ``f32[num_splits, num_seqs, num_kv_heads, block_h, head_p]`` partial outputs.
+        m, l: ``f32[num_splits, num_seqs, num_kv_heads, block_h]`` partition maxima and sums.
+        group, head_size: the real rows and channels (``<= block_h``, ``<= head_p``).
+        dtype: the output dtype (q's).
+
+    Returns:
+        ``[num_seqs, num_kv_heads, group, head_size]`` in ``dtype`` (reshapes freely to
+        ``[num_seqs, num_heads, head_size]``).
+    """
+    num_splits, num_seqs, num_kv_heads, block_h, head_p = acc.shape
+    return pl.pallas_call(
+        _merge_partitions_kernel,
+        grid=(num_seqs, num_kv_heads),
+        in_specs=[
+            pl.BlockSpec((num_splits, None, None, block_h, head_p), lambda s, h: (0, s, h, 0, 0)),
+            pl.BlockSpec((num_splits, None, None, block_h), lambda s, h: (0, s, h, 0)),
+            pl.BlockSpec((num_splits, None, None, block_h), lambda s, h: (0, s, h, 0)),
+        ],
+        out_specs=pl.BlockSpec((None, None, group, head_size), lambda s, h: (s, h, 0, 0)),
+        out_shape=jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group, head_size), dtype),
+        compiler_params=plgpu.CompilerParams(num_warps=MERGE_NUM_WARPS, num_stages=MERGE_NUM_STAGES),
+        interpret=interpret,
+        debug=debug,
+        name=f"paged_attention_merge_bh{block_h}_d{head_p}_s{num_splits}",
+    )(acc, m, l)
+
+
+def _merge_partitions_xla(acc, m, l, *, group: int, head_size: int, dtype) -> jax.Array:
+    """The reference merge in plain XLA ops (same arguments and result as
+    :func:`_merge_partitions_pallas`); on a GPU it runs as several small kernels."""
+    m_max = m.max(axis=0)
+    weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_max[None]))
+    l_sum = (l * weight).sum(axis=0)
+    o = (acc * weight[..., None]).sum(axis=0)
+    o = o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
+    return o[:, :, :group, :head_size].astype(dtype)
 
 
 def _paged_attention_pallas(
@@ -141,6 +261,7 @@ def _paged_attention_pallas(
     num_stages: int,
     interpret: bool,
     debug: bool,
+    merge_impl: str = "pallas",
 ) -> jax.Array:
     num_seqs, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -152,13 +273,14 @@ def _paged_attention_pallas(
     max_pages = block_tables.shape[1]
     pages_per_partition = pl.cdiv(pl.cdiv(max_pages, num_splits), step.pages) * step.pages
     padded_pages = pages_per_partition * num_splits
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))
+    if padded_pages != max_pages:
+        block_tables = jnp.pad(block_tables, ((0, 0), (0, padded_pages - max_pages)))
     block_tables = block_tables.reshape(num_seqs, num_splits, pages_per_partition)
 
-    # q and the output are small: pad them to block_h rows and head_p lanes here (zeros), so the kernel
-    # masks only the K/V gathers.
-    q = q.reshape(num_seqs, num_kv_heads, group, head_size)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, block_h - group), (0, head_p - head_size)))
+    # q and the output keep their layout (a free reshape): the kernels pad the group's rows to block_h
+    # and the channels to head_p in registers only (masked loads and stores).
+    q4 = q.reshape(num_seqs, num_kv_heads, group, head_size)
+    group_block = (None, None, group, head_size)
     alibi_spec = None
     if alibi_slopes is not None:
         alibi_slopes = alibi_slopes.astype(jnp.float32).reshape(num_kv_heads, group)
@@ -166,22 +288,22 @@ def _paged_attention_pallas(
         alibi_spec = pl.BlockSpec((None, block_h), lambda s, h, p: (h, 0))
 
     normalize = num_splits == 1
-    kernel = functools.partial(_paged_attention_kernel, scale=scale, step=step, normalize=normalize,
-                               sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-                               masked_loads=masked_loads)
+    kernel = functools.partial(_paged_attention_kernel, scale=scale, step=step, block_h=block_h,
+                               normalize=normalize, sliding_window=sliding_window,
+                               logits_soft_cap=logits_soft_cap, masked_loads=masked_loads)
     cache_block = (None, num_blocks, None, block_size, head_size)
     in_specs = [
         pl.BlockSpec((1,), lambda s, h, p: (s,)),                                 # seq_lens
         pl.BlockSpec((None, None, pages_per_partition), lambda s, h, p: (s, p, 0)),  # block_tables
-        pl.BlockSpec((None, None, block_h, head_p), lambda s, h, p: (s, h, 0, 0)),  # q
+        pl.BlockSpec(group_block, lambda s, h, p: (s, h, 0, 0)),                  # q
         pl.BlockSpec(cache_block, lambda s, h, p: (0, 0, h, 0, 0)),               # key pages
         pl.BlockSpec(cache_block, lambda s, h, p: (1, 0, h, 0, 0)),               # value pages
         pl.BlockSpec((2,), lambda s, h, p: (0,)),                                 # kv_scales
         alibi_spec,                                                               # alibi slopes
     ]
     if normalize:
-        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, block_h, head_p), q.dtype)
-        out_specs = pl.BlockSpec((None, None, block_h, head_p), lambda s, h, p: (s, h, 0, 0))
+        out_shape = jax.ShapeDtypeStruct((num_seqs, num_kv_heads, group, head_size), q.dtype)
+        out_specs = pl.BlockSpec(group_block, lambda s, h, p: (s, h, 0, 0))
     else:
         part = (num_splits, num_seqs, num_kv_heads, block_h)
         out_shape = [jax.ShapeDtypeStruct((*part, head_p), jnp.float32),
@@ -201,18 +323,16 @@ def _paged_attention_pallas(
         interpret=interpret,
         debug=debug,
         name=f"paged_attention_bh{block_h}_d{head_p}_p{step.pages}x{step.tokens}_s{num_splits}",
-    )(seq_lens, block_tables, q, kv_cache, kv_cache, kv_scales, alibi_slopes)
+    )(seq_lens, block_tables, q4, kv_cache, kv_cache, kv_scales, alibi_slopes)
 
     if normalize:
         o = out
-    else:  # merge the partitions (vLLM v2's reduce kernel), all in float32
-        acc, m, l = out
-        m_max = m.max(axis=0)
-        weight = jnp.where(jnp.isneginf(m), 0.0, jnp.exp(m - m_max[None]))
-        l_sum = (l * weight).sum(axis=0)
-        o = (acc * weight[..., None]).sum(axis=0)
-        o = o / jnp.where(l_sum == 0.0, 1.0, l_sum)[..., None]
-    return o[:, :, :group, :head_size].reshape(num_seqs, num_heads, head_size).astype(q.dtype)
+    elif merge_impl == "pallas":  # merge the partitions (vLLM v2's reduce kernel), all in float32
+        o = _merge_partitions_pallas(*out, group=group, head_size=head_size, dtype=q.dtype,
+                                     interpret=interpret, debug=debug)
+    else:
+        o = _merge_partitions_xla(*out, group=group, head_size=head_size, dtype=q.dtype)
+    return o.reshape(num_seqs, num_heads, head_size)
 
 
 FP8_DTYPES = (jnp.dtype(jnp.float8_e4m3fn), jnp.dtype(jnp.float8_e5m2))
@@ -282,8 +402,8 @@ _STATIC = ("scale", "sliding_window", "logits_soft_cap")
 
 @_checks.host_checked(_checks.check_decode_args)
 @functools.partial(jax.jit, static_argnames=_STATIC + (
-    "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "masked_loads", "interpret",
-    "debug"))
+    "pages_per_compute_block", "num_splits", "num_warps", "num_stages", "masked_loads", "merge_impl",
+    "interpret", "debug"))
 def paged_attention(
     q: jax.Array,
     kv_cache: jax.Array,
@@ -301,6 +421,7 @@ def paged_attention(
     num_warps: int = 4,
     num_stages: int = 2,
     masked_loads: bool | None = None,
+    merge_impl: str = "pallas",
     interpret: bool = False,
     debug: bool = False,
 ) -> jax.Array:
@@ -340,6 +461,9 @@ def paged_attention(
             ``False`` they are read (from block 0 for pages the sequence does not own) and discarded.
             ``None``: masked only with a sliding window (so blocks outside it are not read); plain
             gathers measured 1-11 % faster otherwise (docs/perf-notes.md).
+        merge_impl: how ``num_splits > 1`` partitions are merged (static): ``"pallas"``, one kernel
+            writing the output (vLLM's v2 reduce kernel), or ``"xla"``, the former reduction in XLA
+            ops (kept as a reference; several small kernels on a GPU). Same float32 arithmetic.
         interpret: run the kernel in the Pallas interpreter (CPU).
         debug: print the kernel's jaxpr and Triton IR.
 
@@ -348,12 +472,12 @@ def paged_attention(
 
     Raises:
         ValueError: inconsistent shapes, unsupported dtype, a head size above 256, non-int32
-            metadata, an fp8 cache without scales, a bad window or cap; with concrete (non-traced)
-            metadata also, before launch (a host sync), a ``seq_lens`` entry outside ``[0,
-            max_num_blocks_per_seq * block_size]`` or a block id outside ``[0, num_blocks)`` among the
-            blocks a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`). Under
-            ``jax.jit`` these value checks are skipped, unless staged by the check mode
-            (``jaxkv.checks``).
+            metadata, an fp8 cache without scales, a bad window or cap, an unknown ``merge_impl``;
+            with concrete (non-traced) metadata also, before launch (a host sync), a ``seq_lens``
+            entry outside ``[0, max_num_blocks_per_seq * block_size]`` or a block id outside ``[0,
+            num_blocks)`` among the blocks a sequence reads
+            (:func:`pallas_kernels._checks.check_paged_metadata`). Under ``jax.jit`` these value
+            checks are skipped, unless staged by the check mode (``jaxkv.checks``).
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
               logits_soft_cap, scale)
@@ -361,6 +485,8 @@ def paged_attention(
     block_size = kv_cache.shape[3]
     if block_size < 1 or block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")
+    if merge_impl not in MERGE_IMPLS:
+        raise ValueError(f"merge_impl={merge_impl!r} must be one of {MERGE_IMPLS}")
     if masked_loads is None:
         masked_loads = sliding_window is not None
     if pages_per_compute_block is None:
@@ -382,7 +508,7 @@ def paged_attention(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), alibi_slopes, scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, masked_loads=masked_loads,
         step=step, num_splits=num_splits, num_warps=num_warps, num_stages=num_stages,
-        interpret=interpret, debug=debug)
+        interpret=interpret, debug=debug, merge_impl=merge_impl)
 
 
 @functools.partial(jax.jit, static_argnames=_STATIC)

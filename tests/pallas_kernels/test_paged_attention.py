@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -9,6 +10,8 @@ import pytest
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
 from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
+
+ON_GPU = jax.default_backend() == "gpu"  # the tests marked "compiled on a GPU" run interpreted elsewhere
 
 CASES = [
     # (num_heads, num_kv_heads, head_size, block_size, dtype, num_splits, pages_per_compute_block)
@@ -20,6 +23,8 @@ CASES = [
     (32, 8, 128, 16, "bfloat16", 2, 8),  # Llama-3 style group of 4
     (4, 2, 256, 16, "float32", 1, 1),
     (12, 4, 32, 32, "float16", 1, 4),
+    (9, 3, 64, 16, "bfloat16", 8, 1),    # SmolLM2 at the tuned 8 splits: most partitions empty (m = -inf)
+    (6, 2, 80, 16, "float32", 4, 1),     # 80 channels computed as 128, group of 3: masked rows and lanes
 ]
 
 
@@ -58,27 +63,150 @@ def test_plain_gather_variant_matches_loop(rng, masked_loads):
     assert rel_err(out, decode_attention_loop(q, batch, 0.125)) < TOLERANCE["float32"]
 
 
-def test_unowned_pages_do_not_matter(rng):
+@pytest.mark.parametrize("num_splits,ppcb,merge_impl", [
+    (None, None, "pallas"),  # the tuned choice here: 1 split
+    (3, 1, "pallas"),        # partitions of 2 pages: the last ones of the short sequences are empty
+    (3, 1, "xla"),
+])
+def test_unowned_pages_do_not_matter(rng, num_splits, ppcb, merge_impl):
     """Changing every page no sequence owns (NaN ↔ random) leaves the output bit-identical."""
     batch = PagedBatch(rng, seq_lens=[3, 17, 40], num_kv_heads=3, head_size=64, block_size=16,
                        extra_blocks=5)
     q = jnp.asarray(rng.standard_normal((3, 9, 64)), jnp.float32)
     meta = (jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens))
-    with_nan = paged_attention(q, jnp.asarray(batch.kv_cache, jnp.float32), *meta, scale=0.125,
-                               interpret=True)
+    kwargs = dict(scale=0.125, interpret=True, num_splits=num_splits, pages_per_compute_block=ppcb,
+                  merge_impl=merge_impl)
+    with_nan = paged_attention(q, jnp.asarray(batch.kv_cache, jnp.float32), *meta, **kwargs)
     filled = np.where(np.isnan(batch.kv_cache), rng.standard_normal(batch.kv_cache.shape) * 100, batch.kv_cache)
-    with_noise = paged_attention(q, jnp.asarray(filled, jnp.float32), *meta, scale=0.125, interpret=True)
+    with_noise = paged_attention(q, jnp.asarray(filled, jnp.float32), *meta, **kwargs)
     np.testing.assert_array_equal(np.asarray(with_nan), np.asarray(with_noise))
+    expected = decode_attention_loop(np.asarray(q, np.float64), batch, 0.125)
+    assert rel_err(with_nan, expected) < TOLERANCE["float32"]
 
 
-def test_zero_length_sequence_gives_zeros(rng):
+@pytest.mark.parametrize("num_splits,merge_impl", [(1, "pallas"), (2, "pallas"), (2, "xla")])
+def test_zero_length_sequence_gives_zeros(rng, num_splits, merge_impl):
     batch = PagedBatch(rng, seq_lens=[5, 1], num_kv_heads=1, head_size=64, block_size=16)
     seq_lens = np.array([5, 0], np.int32)
     q = jnp.asarray(rng.standard_normal((2, 4, 64)), jnp.float32)
     out = paged_attention(q, jnp.asarray(batch.kv_cache, jnp.float32), jnp.asarray(batch.block_tables),
-                          jnp.asarray(seq_lens), scale=0.125, interpret=True, num_splits=2)
+                          jnp.asarray(seq_lens), scale=0.125, interpret=True, num_splits=num_splits,
+                          merge_impl=merge_impl)
     np.testing.assert_array_equal(np.asarray(out[1]), 0.0)
     assert np.isfinite(np.asarray(out)).all()
+
+
+def _merge_float64(acc, m, l, group, head_size):
+    """vLLM v2's reduce, one (partition, sequence, KV head, row) at a time in float64."""
+    num_splits, num_seqs, num_kv_heads = m.shape[:3]
+    out = np.zeros((num_seqs, num_kv_heads, group, head_size))
+    for s in range(num_seqs):
+        for h in range(num_kv_heads):
+            for r in range(group):
+                ms = [float(m[p, s, h, r]) for p in range(num_splits)]
+                top = max(ms)
+                if top == -np.inf:
+                    continue  # an empty sequence: 0
+                num, den = np.zeros(head_size), 0.0
+                for p in range(num_splits):
+                    if ms[p] == -np.inf:
+                        continue  # an empty partition weighs nothing
+                    w = np.exp(ms[p] - top)
+                    num += w * np.asarray(acc[p, s, h, r, :head_size], np.float64)
+                    den += w * float(l[p, s, h, r])
+                out[s, h, r] = num / den
+    return out
+
+
+@pytest.mark.parametrize("num_splits,group,head_size,dtype", [
+    (3, 3, 80, "float32"),    # SmolLM2's group, padded rows (16) and lanes (128), a split count not 2^k
+    (8, 16, 64, "bfloat16"),  # a full tile: unmasked loads and stores
+])
+def test_merge_kernel_matches_xla_merge_and_float64(rng, num_splits, group, head_size, dtype):
+    """The one-kernel merge vs the XLA merge vs a float64 loop, on random partials with empty partitions
+    (m = -inf, acc = l = 0, as the decode kernel writes them), one all-empty sequence and NaN in the
+    padding rows/lanes (never read into the output). Compiled on a GPU, interpreted on CPU."""
+    from pallas_kernels.paged_attention import _merge_partitions_pallas, _merge_partitions_xla
+    num_seqs, num_kv_heads, block_h, head_p = 4, 2, 16, 1 << (head_size - 1).bit_length()
+    part = (num_splits, num_seqs, num_kv_heads, block_h)
+    m = rng.standard_normal(part) * 4
+    l = rng.uniform(1.0, 30.0, part)  # the partition's max contributes exp(0) = 1
+    acc = rng.standard_normal((*part, head_p)) * l[..., None]
+    empty = rng.random(part[:3]) < 0.4
+    empty[:, 1] = True  # sequence 1 saw no key in any partition (seq_len 0)
+    empty[0, 2] = empty[1:, 3] = False
+    m[empty], l[empty], acc[empty] = -np.inf, 0.0, 0.0
+    acc[..., group:, :] = acc[..., head_size:] = np.nan
+    m[..., group:] = l[..., group:] = np.nan
+    expected = _merge_float64(acc, m, l, group, head_size)
+    args = [jnp.asarray(x, jnp.float32) for x in (acc, m, l)]
+    kw = dict(group=group, head_size=head_size, dtype=jnp.dtype(dtype))
+
+    got = _merge_partitions_pallas(*args, **kw, interpret=not ON_GPU)
+    ref = _merge_partitions_xla(*args, **kw)
+    assert got.shape == ref.shape == (num_seqs, num_kv_heads, group, head_size)
+    assert got.dtype == ref.dtype == jnp.dtype(dtype)
+    assert np.isfinite(np.asarray(got, np.float64)).all()
+    np.testing.assert_array_equal(np.asarray(got[1], np.float64), 0.0)
+    tol = 1e-6 if dtype == "float32" else TOLERANCE[dtype]
+    assert rel_err(got, expected) < tol
+    assert rel_err(ref, expected) < tol
+    assert rel_err(got, np.asarray(ref, np.float64)) < tol
+
+
+@pytest.mark.parametrize("merge_impl", ["pallas", "xla"])
+def test_smollm2_split_decode_matches_loop(rng, merge_impl):
+    """SmolLM2's heads (9 q / 3 KV, D 64, bf16, block 16) with the tuned small-batch 8 splits over a
+    40-page table: a 1-token sequence (7 empty partitions), a partial and a full table, NaN in unowned
+    pages; both merges vs the float64 loop. Compiled on a GPU, interpreted on CPU."""
+    batch = PagedBatch(rng, seq_lens=[1, 300, 640], num_kv_heads=3, head_size=64, block_size=16,
+                       extra_table_cols=0)
+    q = jnp.asarray(rng.standard_normal((3, 9, 64)), jnp.bfloat16)
+    kv = jnp.asarray(batch.kv_cache, jnp.bfloat16)
+    rounded = PagedBatch.__new__(PagedBatch)
+    rounded.__dict__.update(batch.__dict__, kv_cache=np.asarray(kv, np.float64))
+    expected = decode_attention_loop(np.asarray(q, np.float64), rounded, 0.125)
+    out = paged_attention(q, kv, jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens),
+                          scale=0.125, num_splits=8, pages_per_compute_block=4, merge_impl=merge_impl,
+                          interpret=not ON_GPU)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    assert np.isfinite(np.asarray(out, np.float64)).all()
+    assert rel_err(out, expected) < TOLERANCE["bfloat16"]
+
+
+def _ops_outside_pallas(jaxpr, counts):
+    for eqn in jaxpr.eqns:
+        if eqn.primitive.name == "pallas_call":
+            counts["pallas_call"] += 1
+        elif "jaxpr" in eqn.params and eqn.primitive.name in ("pjit", "jit", "closed_call"):
+            _ops_outside_pallas(eqn.params["jaxpr"].jaxpr, counts)
+        else:
+            counts[eqn.primitive.name] += 1
+    return counts
+
+
+@pytest.mark.parametrize("num_splits,launches", [(1, 1), (8, 2)])
+def test_decode_call_is_only_pallas_kernels(num_splits, launches):
+    """At SmolLM2's decode shape (9 q / 3 KV heads, D 64, block 16, bf16, batch 8, 128 pages) the traced
+    call is the decode kernel (and the merge kernel when split) plus free reshapes and the constant
+    fp8 scales: no pad, slice, cast or reduction left to run as its own small XLA kernel."""
+    import collections
+    import jax
+    shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((8, 9, 64), jnp.bfloat16),
+                                                      ((2, 1025, 3, 16, 64), jnp.bfloat16),
+                                                      ((8, 128), jnp.int32), ((8,), jnp.int32))]
+    jaxpr = jax.make_jaxpr(lambda *a: paged_attention(*a, scale=0.125, num_splits=num_splits))(*shapes)
+    counts = _ops_outside_pallas(jaxpr.jaxpr, collections.Counter())
+    assert counts.pop("pallas_call") == launches
+    # reshape: a bitcast; the rest builds the f32[2] (k_scale, v_scale) = (1, 1) constant
+    allowed = {"reshape", "stack", "concatenate", "broadcast_in_dim", "convert_element_type"}
+    assert set(counts) <= allowed, counts
+
+
+def test_bad_merge_impl_raises():
+    with pytest.raises(ValueError, match="merge_impl='triton'"):
+        paged_attention(jnp.ones((1, 4, 64)), jnp.ones((2, 2, 1, 16, 64)), jnp.zeros((1, 1), jnp.int32),
+                        jnp.ones((1,), jnp.int32), scale=1.0, merge_impl="triton", interpret=True)
 
 
 @pytest.mark.parametrize("change,match", [
