@@ -504,8 +504,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-scheduler-steps", type=int, default=8)
-    p.add_argument("--max-admission-delay-steps", type=int, default=0,
-                   help="decode steps an admissible waiting request may wait for a device loop (0 = vLLM)")
+    p.add_argument("--max-admission-delay-steps", type=int, default=8,
+                   help="decode steps an admissible waiting request may wait for a device loop (0 = vLLM; "
+                        "8 = LLM's default)")
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step N+1 before fetching step N's tokens (default on)")
