@@ -95,8 +95,10 @@ def main(argv=None) -> int:
                 if after.decode_steps > before.decode_steps:
                     times.append(1e3 * (after.decode_s - before.decode_s) / (after.decode_steps - before.decode_steps))
             tokens = [o.outputs[0].token_ids for o in outs]
-            ref.setdefault(batch, tokens)
-            same = np.mean([a == b for x, y in zip(tokens, ref[batch]) for a, b in zip(x, y)])
+            if tp == 1:
+                ref[batch] = tokens
+            same = (np.mean([a == b for x, y in zip(tokens, ref[batch]) for a, b in zip(x, y)])
+                    if batch in ref else float("nan"))  # nan: tp=1 not run in this process
             prof = None if args.no_profile else collective_share(engine, prompts, sampling, args.new_tokens)
             ms = statistics.median(times) if times else float("nan")
             rows.append((batch, tp, ms, same, prof))

@@ -10,6 +10,7 @@
 # header-only GGUF, the request samples, the gguf wheel) and the checkpoint's first half; the second call
 # carries the second half for the greedy text.
 #   call 1, carry [.dummy, .gguf1]:  bash scripts/gpu_mesh.sh prep1 && bash scripts/gpu_mesh.sh bench
+#                                    (prep1 installs the gguf wheel every stage needs: models imports gguf)
 #   call 2, carry [.gguf2]:          bash scripts/gpu_mesh.sh prep2 && bash scripts/gpu_mesh.sh text \
 #                                      && bash scripts/gpu_mesh.sh step
 # Stages:
@@ -21,7 +22,9 @@
 #   text    greedy SmolLM2 text with dp=2 and dp=1 (must be identical; f32 and bf16). SmolLM2's 9 query
 #           heads do not split over 2 GPUs: tp=2's tokens are compared in `step` (random-weight Llama)
 #   step    decode step time tp=1 vs tp=2 (Llama-3.2-1B shapes, random bf16 weights), collectives' share
-#           of the device time from CUPTI, tp=2 tokens vs tp=1
+#           of the device time from CUPTI, tp=2 tokens vs tp=1. Session 7: tp 1,2 x batches 8,64 x 64
+#           tokens x 3 repeats ran 420 s and printed one row; BATCHES=64 with --new-tokens 32 --repeats 1
+#           took 40 s (docs/benchmarks.md)
 #   hlo     the collectives in the compiled tp=2 step (XLA dump)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0
@@ -58,7 +61,7 @@ bench)
   done
   ;;
 step)
-  echo '$ python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64' | tee $OUT/mesh-step.txt
+  echo "\$ python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64" | tee $OUT/mesh-step.txt
   timeout ${STEP_TIMEOUT:-300} python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64 2>&1 | quiet | tee -a $OUT/mesh-step.txt
   ;;
 hlo)
