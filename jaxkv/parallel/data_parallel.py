@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxkv.core.request import Request
-from jaxkv.engine.model_runner import ModelRunner, StepResult, _bucket, pow2_buckets
+from jaxkv.engine.model_runner import (ModelRunner, StepResult, _bucket, _pack, _sampling_dict, _split_sampling,
+                                       pow2_buckets)
 from jaxkv.parallel.mesh import DP, mesh_sizes
 from jaxkv.sampling import sample_tokens_per_row
 from jaxkv.slot_mapping import slot_mapping_from_positions
@@ -156,8 +158,11 @@ class DataParallelModelRunner(ModelRunner):
         mesh: the ``(dp, tp)`` mesh.
         rank_of: ``{request_id: rank}`` (the :class:`DataParallelKVCacheManager`'s), read at each step.
 
-    The step's inputs travel as separate arrays, each sharded over ``dp`` (not as the single-device
-    runner's two packed buffers, whose layout mixes every array).
+    The step's inputs travel as two buffers, as the single-device runner's: every rank packs its own
+    arrays into one ``int32`` and one ``float32`` row (one layout for all ranks, since they share the
+    step's buckets), the rows are stacked to ``[dp, n]`` and sharded over ``dp``, and the jitted step
+    unpacks them into ``dp``-sharded arrays (two transfers per step instead of one per array; on the
+    CPU dev box, a 2-device mesh: 16 arrays 598 us, two packed buffers 88 us).
 
     Raises:
         ValueError: what :class:`ModelRunner` raises, a block count not divisible by ``dp``, or
@@ -168,8 +173,9 @@ class DataParallelModelRunner(ModelRunner):
         if options.get("check_kernel_inputs"):
             raise ValueError("check_kernel_inputs=True is not supported with data_parallel_size > 1")
         super().__init__(model_fn, params, kv_caches, max_num_seqs=max_num_seqs, **options)
-        self._mixed = jax.jit(self._mixed_step, donate_argnums=(1,), static_argnames=("max_query_len",))
-        self._decode = jax.jit(self._decode_loop, donate_argnums=(1,))
+        self._mixed = jax.jit(self._packed_mixed_step_dp, donate_argnums=(1,),
+                              static_argnames=("layout", "max_query_len"))
+        self._decode = jax.jit(self._packed_decode_loop_dp, donate_argnums=(1,), static_argnames=("layout",))
         self.mesh = mesh
         self.dp, _ = mesh_sizes(mesh)
         if self.num_blocks % self.dp:
@@ -181,7 +187,45 @@ class DataParallelModelRunner(ModelRunner):
         self.prev_len = self.dp * self.request_buckets[-1]
         self.rank_of: dict[str, int] = {}
         self._rows = NamedSharding(mesh, P(DP))
+        self._rank_rows = NamedSharding(mesh, P(DP, None))
         self._replicated = NamedSharding(mesh, P())
+
+    # -- packed inputs: one int32 and one float32 row per rank -----------------------------------------
+    def _pack_ranks(self, parts):
+        """``parts``: per rank, its ``(inputs, sampling)``. Returns the ``[dp, n]`` buffers on the mesh
+        and their (common) layout."""
+        packed = [_pack(inputs | _sampling_dict(sampling)) for inputs, sampling in parts]
+        layout = packed[0][2]
+        ints, floats = jax.device_put((np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed])),
+                                      self._rank_rows)
+        return ints, floats, layout
+
+    def _unpack_ranks(self, ints, floats, layout):
+        """Inverse of :meth:`_pack_ranks` in the jitted step: each array is the ranks' arrays end to end
+        along the row axis, sharded over ``dp``."""
+        out, offsets = {}, {"float32": 0, "int32": 0}
+        dp = ints.shape[0]
+        for name, shape, dtype in layout:
+            kind = "float32" if dtype == "float32" else "int32"
+            size = int(np.prod(shape, dtype=np.int64))
+            buf = floats if kind == "float32" else ints
+            a = buf[:, offsets[kind]:offsets[kind] + size].reshape((dp * shape[0],) + tuple(shape[1:]))
+            offsets[kind] += size
+            a = jax.lax.bitcast_convert_type(a, jnp.uint32) if dtype == "uint32" else a
+            out[name] = jax.lax.with_sharding_constraint(a, self._rows)
+        return _split_sampling(out)
+
+    def _packed_mixed_step_dp(self, params, kv_caches, ints, floats, prev_tokens, out_rows, *, layout,
+                              max_query_len):
+        inputs, sampling = self._unpack_ranks(ints, floats, layout)
+        inputs["out_rows"] = out_rows
+        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len)
+
+    def _packed_decode_loop_dp(self, params, kv_caches, ints, floats, prev_tokens, order, num_steps, *,
+                               layout):
+        a, sampling = self._unpack_ranks(ints, floats, layout)
+        return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
+                                 a["steps"], a["block_tables"], sampling, num_steps, order)
 
     def _slot_mapping(self, block_tables, seq_ids, positions):
         """Per ``dp`` rank, from its own block-table rows (``seq_ids`` index the global batch, and a
@@ -221,9 +265,6 @@ class DataParallelModelRunner(ModelRunner):
             order[idx] = d * rows_per_rank + np.arange(len(idx))
         return order
 
-    def _put(self, tree):
-        return jax.device_put(tree, self._rows)
-
     def execute_mixed(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
         groups = self._split(sched)
         t = _bucket(max(sum(sched.scheduled[i][1] for i in idx) for idx in groups), self.token_buckets)
@@ -234,29 +275,32 @@ class DataParallelModelRunner(ModelRunner):
             inputs["seq_ids"] = inputs["seq_ids"] + d * rows      # rows of the global batch
             inputs["logits_indices"] = inputs["logits_indices"] + d * t
             parts.append((inputs, sampling))
-        inputs, sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *parts)
-        out_rows = jax.device_put(self._order(groups, rows), self._replicated)
-        inputs, sampling = self._put((inputs, sampling))
-        inputs["out_rows"] = out_rows
-        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
-                                                     self._prev(prev_tokens), max_query_len=t)
+        tokens, logits = self._dispatch_mixed(parts, self._order(groups, rows), t, prev_tokens)
         return StepResult(tokens, logits, tokens)
+
+    def _dispatch_mixed(self, parts, out_rows, t, prev_tokens):
+        ints, floats, layout = self._pack_ranks(parts)
+        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, ints, floats,
+                                                     self._prev(prev_tokens),
+                                                     jax.device_put(out_rows, self._replicated),
+                                                     layout=layout, max_query_len=t)
+        return tokens, logits
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
         groups = self._split(sched)
         rows = _bucket(max(len(idx) for idx in groups), self.request_buckets)
         parts = [self.prepare_decode(*self._subset(sched, idx, src_rows), rows) for idx in groups]
-        order = jax.device_put(self._order(groups, rows), self._replicated)
+        order = self._order(groups, rows)
         out, last, logits = self._dispatch_decode(parts, order, np.int32(sched.num_decode_steps), prev_tokens)
         return StepResult(out, logits, last)
 
     def _dispatch_decode(self, parts, order, num_steps, prev_tokens):
         for arrays, _ in parts:
             arrays.pop("num_steps")
-        arrays, sampling = self._put(jax.tree.map(lambda *xs: np.concatenate(xs), *parts))
+        ints, floats, layout = self._pack_ranks(parts)
         out, last, logits, self.kv_caches = self._decode(
-            self.params, self.kv_caches, arrays["tokens"], arrays["src_rows"], self._prev(prev_tokens),
-            arrays["positions"], arrays["steps"], arrays["block_tables"], sampling, num_steps, order)
+            self.params, self.kv_caches, ints, floats, self._prev(prev_tokens),
+            jax.device_put(order, self._replicated), num_steps, layout=layout)
         return out, last, logits
 
     def _warmup_batches(self) -> None:
@@ -265,15 +309,10 @@ class DataParallelModelRunner(ModelRunner):
         from jaxkv.core.scheduler import SchedulerOutput
         empty = SchedulerOutput([])
         for t in self.token_buckets:
-            inputs, sampling = self.prepare_mixed(empty, None, self.request_buckets[-1], t)
-            inputs, sampling = jax.tree.map(lambda *xs: np.concatenate(xs), *[(inputs, sampling)] * self.dp)
-            inputs, sampling = self._put((inputs, sampling))
-            inputs["out_rows"] = jax.device_put(np.arange(self.prev_len, dtype=np.int32), self._replicated)
-            tokens, _, self.kv_caches = self._mixed(self.params, self.kv_caches, inputs, sampling,
-                                                    self._prev(None), max_query_len=t)
+            parts = [self.prepare_mixed(empty, None, self.request_buckets[-1], t) for _ in range(self.dp)]
+            tokens, _ = self._dispatch_mixed(parts, np.arange(self.prev_len, dtype=np.int32), t, None)
             jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             parts = [self.prepare_decode(SchedulerOutput([], 1), None, rows) for _ in range(self.dp)]
-            order = jax.device_put(np.arange(self.dp * rows, dtype=np.int32), self._replicated)
-            out, _, _ = self._dispatch_decode(parts, order, np.int32(1), None)
+            out, _, _ = self._dispatch_decode(parts, np.arange(self.dp * rows, dtype=np.int32), np.int32(1), None)
             jax.block_until_ready(out)
