@@ -163,6 +163,10 @@ class Result:
     gpu_idle_share: float | None = None
     gpu_busy_share_trace: float | None = None
     gpu_busy_share_nvml: float | None = None
+    round_trips: int | None = None      # jaxkv: step() calls that ran the model
+    model_steps: int | None = None      # jaxkv: model steps (a decode loop counts its steps)
+    host_s: float | None = None         # jaxkv: step() time not spent waiting for a result
+    wait_s: float | None = None         # jaxkv: step() time blocked on the device's result
 
     @property
     def requests_per_s(self) -> float:
@@ -438,7 +442,10 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   num_buckets=after.num_buckets,
                   gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None,
                   gpu_busy_share_trace=busy_share,
-                  gpu_busy_share_nvml=nvml.share if nvml_busy else None)
+                  gpu_busy_share_nvml=nvml.share if nvml_busy else None,
+                  round_trips=after.steps - before.steps, model_steps=after.model_steps - before.model_steps,
+                  host_s=(after.step_s - after.device_wait_s) - (before.step_s - before.device_wait_s),
+                  wait_s=after.device_wait_s - before.device_wait_s)
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -555,6 +562,12 @@ def _print_partial(r: Result) -> None:
           f"{r.elapsed_s:.2f} s"
           + ("" if r.gpu_busy_share_trace is None else f", GPU busy {r.gpu_busy_share_trace:.1%} (profiler trace)")
           + ("" if r.gpu_busy_share_nvml is None else f", GPU busy {r.gpu_busy_share_nvml:.1%} (NVML)"), flush=True)
+    if r.round_trips:
+        # with async scheduling the host prepares step N+1 before waiting for step N: a wait near 0
+        # means the device had finished before the host asked (host-bound); a long wait, device-bound
+        print(f"host loop: {r.round_trips} round trips, {r.model_steps} model steps; per round trip "
+              f"{1e3 * r.host_s / r.round_trips:.2f} ms host work + {1e3 * r.wait_s / r.round_trips:.2f} ms "
+              f"waiting for the device ({r.wait_s / (r.host_s + r.wait_s):.0%} of step() time)", flush=True)
 
 
 def run(args) -> int:

@@ -87,6 +87,11 @@ def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
     assert by["jaxkv"]["output_tokens"] == 30 and by["jaxkv"]["generated_tokens"] == 30
     assert by["jaxkv"]["num_compiles"] <= by["jaxkv"]["num_buckets"]
     assert by["jaxkv-static"]["output_tokens"] == 30
+    # the host loop's split: every round trip is host work or a wait, and ran at least one model step
+    j = by["jaxkv"]
+    assert 0 < j["round_trips"] <= j["model_steps"] and j["host_s"] > 0 and j["wait_s"] >= 0
+    assert j["host_s"] + j["wait_s"] <= j["elapsed_s"]
+    assert f"host loop: {j['round_trips']} round trips, {j['model_steps']} model steps" in proc.stdout
     # a CPU trace has no GPU plane: the busy share is absent, and the script says why
     assert "--profile-busy: no GPU stream events" in proc.stdout
     assert by["jaxkv"]["gpu_busy_share_trace"] is None
