@@ -19,8 +19,8 @@
 #                   max_num_seqs 1024 (vLLM's offline default on 80 GB GPUs), then XLA command buffers off.
 #   stage mgpu-step: (carries .dummy) the SmolLM2 decode step, Triton vs Mosaic GPU kernels (issue 13).
 #   stage host1   : (carries .dummy with requests-4000.json) is the engine host-bound? 4000 requests with
-#                   max_admission_delay_steps 0 and 8, each printing its host loop split (host work vs
-#                   waiting per round trip) and NVML busy; then the warm-up one bucket at a time
+#                   max_admission_delay_steps 0 and 8, then 16- and 32-step decode loops, each printing its host
+#                   loop split (host work vs waiting per round trip) and NVML busy; then the warm-up one bucket at a time
 #                   (--warmup-workers 1, no persistent cache) against the first run's concurrent warm-up.
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
@@ -92,10 +92,13 @@ host1)  # carries .dummy (header GGUF, requests-1000/4000.json, gguf wheel)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dummy/*.whl
   D="python scripts/bench_throughput.py --model .dummy/smollm2-header.gguf --load-format dummy --requests .dummy/requests-4000.json --backend jaxkv --num-gpu-blocks 16384 --no-progress --nvml-busy"
   nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
-  for delay in 0 8; do
-    echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 $D --num-prompts 4000 --max-admission-delay-steps $delay --compilation-cache-dir /tmp/jaxcache" | tee -a $OUT/host1.txt
-    XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 240 $D --num-prompts 4000 --max-admission-delay-steps $delay \
-      --compilation-cache-dir /tmp/jaxcache --output-json $OUT/host1-d$delay.json 2>&1 | quiet | grep -v -e "^W1" | tail -9 | tee -a $OUT/host1.txt
+  # delay 0 and 8 with 8-step loops; then 16- and 32-step loops (on the CPU dev box the host wall of this
+  # workload fell 9.6 -> 6.9 -> 5.1 s, the model steps rose 4533 -> 4582 -> 4696: docs/perf-notes.md)
+  for run in "0 8" "8 8" "16 16" "32 32"; do
+    set -- $run
+    echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 $D --num-prompts 4000 --max-admission-delay-steps $1 --num-scheduler-steps $2 --compilation-cache-dir /tmp/jaxcache" | tee -a $OUT/host1.txt
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 $D --num-prompts 4000 --max-admission-delay-steps $1 --num-scheduler-steps $2 \
+      --compilation-cache-dir /tmp/jaxcache --output-json $OUT/host1-d$1-k$2.json 2>&1 | quiet | grep -v -e "^W1" | tail -9 | tee -a $OUT/host1.txt
   done
   echo "\$ $D --num-prompts 16 --warmup-workers 1   # no persistent cache: every bucket compiles, one at a time" | tee -a $OUT/host1.txt
   XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 240 $D --num-prompts 16 --warmup-workers 1 2>&1 | grep "warm-up" | tee -a $OUT/host1.txt
