@@ -86,8 +86,8 @@ class KVCacheManager(BlockPool):
         return blocks, len(blocks) * self.block_size
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
-        return self._num_needed(request, num_new_tokens, new_computed_blocks) <= self._available(
-            new_computed_blocks)
+        need = self._num_needed(request, num_new_tokens, new_computed_blocks)
+        return need == 0 or need <= self._available(new_computed_blocks)
 
     def _num_needed(self, request, num_new_tokens, new_computed_blocks) -> int:
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
@@ -107,7 +107,8 @@ class KVCacheManager(BlockPool):
         count as free). vLLM: ``KVCacheManager.allocate_slots`` (returning ``None`` there).
         """
         need = self._num_needed(request, num_new_tokens, new_computed_blocks)
-        if need > self._available(new_computed_blocks):
+        # most decode steps fit in the last block: no free count (the prefix cache's evictable blocks)
+        if need and need > self._available(new_computed_blocks):
             return False
         if new_computed_blocks:
             self.prefix_cache.acquire(new_computed_blocks)
