@@ -324,7 +324,8 @@ class LLMEngine:
         t_back = time.perf_counter()
         self._busy_until = t_back  # the device was busy until this result came back
         loop = sched.num_decode_steps
-        sampled = [tokens[:, r] for r in range(len(sched.scheduled))] if loop else tokens[:, None]
+        # Python ints per row in one conversion (not one int() per token in the scheduler)
+        sampled = tokens.T.tolist() if loop else tokens[:, None].tolist()
         lens_before = [req.num_output_tokens for req, _ in sched.scheduled]
         touched = self.scheduler.update_from_output(sched, sampled)
         generated = 0
