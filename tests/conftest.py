@@ -115,3 +115,20 @@ def load_script(name: str):
             del sys.modules[name]
             raise
     return sys.modules[name]
+
+
+def step_compiles(fn):
+    """Backend compiles of the engine's jitted steps while ``fn()`` runs (JAX's monitoring events)."""
+    from jax._src import monitoring
+    names = []
+
+    def listen(event, duration, **kwargs):
+        name = kwargs.get("fun_name", "")
+        if event == "/jax/core/compile/backend_compile_duration" and ("mixed_step" in name or "decode_loop" in name):
+            names.append(name)
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    return names

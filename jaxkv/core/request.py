@@ -85,7 +85,6 @@ class Request:
         self.max_tokens = room if wanted is None else min(wanted, room)
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
-        self.min_tokens = sampling_params.min_tokens  # cached: read per generated token
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.num_cached_prompt_tokens: int | None = None

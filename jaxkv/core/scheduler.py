@@ -139,20 +139,17 @@ class Scheduler:
     def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
         """Advance every scheduled request as if its step already ran (vLLM V1 advances
         ``num_computed_tokens`` at scheduling); the tokens it will sample become placeholders."""
-        loop = out.num_decode_steps
-        context_lens, gen_idx, pending, samples_of = out.context_lens, out.gen_idx, out.pending_input, out.samples
-        for req, n in out.scheduled:  # hot: plain attributes, no property chains
-            placeholders = req.num_output_placeholders
-            context_lens.append(req.num_computed_tokens)
-            gen_idx.append(len(req.output_token_ids) + placeholders)
-            pending.append(placeholders > 0)
+        for req, n in out.scheduled:
+            out.context_lens.append(req.num_computed_tokens)
+            out.gen_idx.append(req.num_output_tokens + req.num_output_placeholders)
+            out.pending_input.append(req.num_output_placeholders > 0)
             req.num_computed_tokens += n
-            if loop:
+            if out.num_decode_steps:
                 samples = n
             else:
-                samples = int(req.num_computed_tokens >= len(req.all_token_ids) + placeholders)
-            req.num_output_placeholders = placeholders + samples
-            samples_of.append(samples)
+                samples = int(req.num_computed_tokens >= req.num_tokens_with_placeholders)
+            req.num_output_placeholders += samples
+            out.samples.append(samples)
         return out
 
     def _schedule_mixed(self) -> SchedulerOutput:
@@ -164,8 +161,7 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.max_tokens - len(req.output_token_ids) - req.num_output_placeholders <= 0:
-                # remaining_tokens <= 0: only waits for its last (dispatched) token
+            if req.remaining_tokens <= 0:  # only waits for its last (dispatched) token
                 i += 1
                 continue
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
@@ -223,17 +219,10 @@ class Scheduler:
         """A pure-decode device loop when every running request decodes and no waiting request can be
         admitted (or may still be held back by ``max_admission_delay_steps``)."""
         cfg = self.config
-        live, remaining = [], []
-        for r in self.running:  # remaining_tokens, inlined (hot)
-            placeholders = r.num_output_placeholders
-            rem = r.max_tokens - len(r.output_token_ids) - placeholders
-            if rem > 0:
-                if len(r.all_token_ids) + placeholders - r.num_computed_tokens != 1:
-                    return None  # someone prefills: a mixed step
-                live.append(r)
-                remaining.append(rem)
-        if not live:
+        live = [r for r in self.running if r.remaining_tokens > 0]
+        if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
+        remaining = [r.remaining_tokens for r in live]
         if not self.waiting:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
         else:
@@ -304,18 +293,16 @@ class Scheduler:
 
     def _append(self, req: Request, token: int, new: list[int]) -> bool:
         """vLLM ``check_stop``: stop tokens (not kept, per jaxkv's contract), then the length cap."""
-        output = req.output_token_ids
-        if len(output) >= req.min_tokens:
+        if req.num_output_tokens >= req.sampling_params.min_tokens:
             if token in req.stop_token_ids:
                 req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
                 return True
             if token in req.eos_token_ids:
                 req.status = RequestStatus.FINISHED_STOPPED
                 return True
-        output.append(token)  # Request.append_output_token, inlined (hot)
-        req.all_token_ids.append(token)
+        req.append_output_token(token)
         new.append(token)
-        if len(output) >= req.max_tokens:
+        if req.num_output_tokens >= req.max_tokens:
             req.status = RequestStatus.FINISHED_LENGTH_CAPPED
             return True
         return False

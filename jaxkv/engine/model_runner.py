@@ -94,13 +94,15 @@ def _pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, tuple]
 
 
 def _unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.Array]:
-    """Inverse of :func:`_pack` on the device (static slices, no copies after fusion)."""
+    """Inverse of :func:`_pack` on the device (static slices, no copies after fusion). Buffers with
+    leading axes (``[dp, n]``: one packed row per data-parallel rank) give arrays with the same leading
+    axes, ``[dp, *shape]``."""
     out, offsets = {}, {"float32": 0, "int32": 0}
     for name, shape, dtype in layout:
         kind = "float32" if dtype == "float32" else "int32"
         size = int(np.prod(shape, dtype=np.int64))
         buf = floats if kind == "float32" else ints
-        a = buf[offsets[kind]:offsets[kind] + size].reshape(shape)
+        a = buf[..., offsets[kind]:offsets[kind] + size].reshape(buf.shape[:-1] + tuple(shape))
         offsets[kind] += size
         out[name] = lax.bitcast_convert_type(a, jnp.uint32) if dtype == "uint32" else a
     return out
@@ -220,6 +222,9 @@ class ModelRunner:
         self.prev_len = self.request_buckets[-1]  # length of a step's per-row last tokens
         self.num_compiles = 0
         self._no_prev = None
+        # on a mesh (caches with a NamedSharding): the previous step's tokens are replicated over it
+        mesh = getattr(self.kv_caches[0].sharding, "mesh", None)
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
         wrap = checked if check_kernel_inputs else (lambda fn: fn)
         self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1,),
                               static_argnames=("layout", "max_query_len"))
@@ -369,14 +374,13 @@ class ModelRunner:
         (caches with a ``NamedSharding``) they are replicated over it, so the placeholder of the warm-up
         and a step's output are one input type and share one executable (a single-device placeholder
         made each bucket's first real step after the warm-up compile again)."""
-        mesh = getattr(self.kv_caches[0].sharding, "mesh", None)
         if prev_tokens is None:
             if self._no_prev is None:
                 self._no_prev = jnp.full(self.prev_len, -1, jnp.int32)
-                if mesh is not None:
-                    self._no_prev = jax.device_put(self._no_prev, NamedSharding(mesh, P()))
+                if self._replicated is not None:
+                    self._no_prev = jax.device_put(self._no_prev, self._replicated)
             return self._no_prev
-        return prev_tokens if mesh is None else jax.device_put(prev_tokens, NamedSharding(mesh, P()))
+        return prev_tokens if self._replicated is None else jax.device_put(prev_tokens, self._replicated)
 
     def execute_mixed(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
         """One step of prefill chunks and decodes (``sched``: a committed

@@ -21,14 +21,13 @@ from __future__ import annotations
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxkv.core.request import Request
 from jaxkv.engine.model_runner import (ModelRunner, StepResult, _bucket, _pack, _sampling_dict, _split_sampling,
-                                       pow2_buckets)
+                                       _unpack, pow2_buckets)
 from jaxkv.parallel.mesh import DP, mesh_sizes
 from jaxkv.sampling import sample_tokens_per_row
 from jaxkv.slot_mapping import slot_mapping_from_positions
@@ -188,7 +187,6 @@ class DataParallelModelRunner(ModelRunner):
         self.rank_of: dict[str, int] = {}
         self._rows = NamedSharding(mesh, P(DP))
         self._rank_rows = NamedSharding(mesh, P(DP, None))
-        self._replicated = NamedSharding(mesh, P())
 
     # -- packed inputs: one int32 and one float32 row per rank -----------------------------------------
     def _pack_ranks(self, parts):
@@ -203,17 +201,9 @@ class DataParallelModelRunner(ModelRunner):
     def _unpack_ranks(self, ints, floats, layout):
         """Inverse of :meth:`_pack_ranks` in the jitted step: each array is the ranks' arrays end to end
         along the row axis, sharded over ``dp``."""
-        out, offsets = {}, {"float32": 0, "int32": 0}
-        dp = ints.shape[0]
-        for name, shape, dtype in layout:
-            kind = "float32" if dtype == "float32" else "int32"
-            size = int(np.prod(shape, dtype=np.int64))
-            buf = floats if kind == "float32" else ints
-            a = buf[:, offsets[kind]:offsets[kind] + size].reshape((dp * shape[0],) + tuple(shape[1:]))
-            offsets[kind] += size
-            a = jax.lax.bitcast_convert_type(a, jnp.uint32) if dtype == "uint32" else a
-            out[name] = jax.lax.with_sharding_constraint(a, self._rows)
-        return _split_sampling(out)
+        def merge(a):  # [dp, rows, ...] -> [dp * rows, ...]
+            return jax.lax.with_sharding_constraint(a.reshape((-1,) + a.shape[2:]), self._rows)
+        return _split_sampling({name: merge(a) for name, a in _unpack(ints, floats, layout).items()})
 
     def _packed_mixed_step_dp(self, params, kv_caches, ints, floats, prev_tokens, out_rows, *, layout,
                               max_query_len):

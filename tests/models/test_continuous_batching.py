@@ -9,6 +9,7 @@ import pytest
 import jaxkv
 import models
 from jaxkv import SamplingParams
+from tests.conftest import step_compiles
 from tests.models.test_llama_paged import TINY, _tiny_model  # noqa: F401  (the chaos test imports them from here)
 
 BLOCK = 8
@@ -181,22 +182,6 @@ def test_warmup_compiles_every_bucket_once_and_changes_nothing():
     after = eng.generate([prompt], SamplingParams(max_tokens=5, temperature=0))
     assert after[0].outputs[0].token_ids == before and after[0].num_cached_tokens == 0
     assert eng.num_compiles == eng.num_buckets
-
-
-def step_compiles(fn):
-    """Backend compiles of the engine's jitted steps while ``fn()`` runs (JAX's monitoring events)."""
-    from jax._src import monitoring
-    names = []
-
-    def listen(event, duration, **kwargs):
-        if event == "/jax/core/compile/backend_compile_duration" and any(k in kwargs.get("fun_name", "") for k in ("mixed_step", "decode_loop")):
-            names.append(kwargs["fun_name"])
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
-        fn()
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
-    return names
 
 
 def test_warmup_compiles_concurrently_each_bucket_once():

@@ -30,6 +30,7 @@ from jaxkv.parallel import make_mesh, paged_attention_layer
 from models.config import LlamaConfig
 from models.llama import LlamaForCausalLM
 from models.runner import init_kv_caches, make_model_fn
+from tests.conftest import step_compiles
 
 NUM_DEVICES = 4
 needs_mesh = pytest.mark.skipif(jax.device_count() < NUM_DEVICES,
@@ -135,7 +136,6 @@ def test_warmup_on_a_mesh_compiles_each_bucket_once(tp, dp):
     real steps (no compile while serving; before, every bucket compiled again at its first real step,
     its previous tokens being sharded where the warm-up's were not); the tokens stay the
     single-device ones."""
-    from tests.models.test_continuous_batching import step_compiles
     engine = _engine(2, make_mesh(tp, dp), async_scheduling=True)  # steps read the last step's tokens
     names = step_compiles(engine.warmup)
     assert len(names) == engine.num_buckets == engine.num_compiles, names
