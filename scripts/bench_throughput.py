@@ -40,6 +40,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import cProfile
+import pstats
 import dataclasses
 import json
 import logging
@@ -167,6 +169,9 @@ class Result:
     model_steps: int | None = None      # jaxkv: model steps (a decode loop counts its steps)
     host_s: float | None = None         # jaxkv: step() time not spent waiting for a result
     wait_s: float | None = None         # jaxkv: step() time blocked on the device's result
+    schedule_s: float | None = None     # jaxkv: of host_s, scheduling
+    execute_s: float | None = None      # jaxkv: of host_s, building and dispatching the inputs
+    update_s: float | None = None       # jaxkv: of host_s, applying the sampled tokens
 
     @property
     def requests_per_s(self) -> float:
@@ -384,7 +389,8 @@ class NvmlBusySampler:
 
 
 def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
-              progress: bool, profile_busy: bool = False, nvml_busy: bool = False) -> Result:
+              progress: bool, profile_busy: bool = False, nvml_busy: bool = False,
+              cprofile: str | None = None) -> Result:
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.stats
@@ -402,7 +408,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     else:
         prof = contextlib.nullcontext()
     nvml = NvmlBusySampler() if nvml_busy else contextlib.nullcontext()
-    with prof, nvml:
+    pyprof = cProfile.Profile() if cprofile and not static else None
+    with prof, nvml, (pyprof or contextlib.nullcontext()):
         t0 = time.perf_counter()
         outs = []
         if static:
@@ -415,6 +422,10 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
             outs = engine.generate([r.prompt_token_ids for r in requests],
                                    [_params(r.output_len, i) for i, r in enumerate(requests)], progress=on_finish)
         elapsed = time.perf_counter() - t0
+    if pyprof is not None:  # the host's Python, by function (cProfile slows it: read shares, not times)
+        pyprof.dump_stats(cprofile)
+        for key in ("tottime", "cumulative"):
+            pstats.Stats(pyprof, stream=sys.stdout).sort_stats(key).print_stats(30)
     busy_s = None
     if profile_busy:
         busy_s = device_busy_seconds(trace_dir)
@@ -445,7 +456,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   gpu_busy_share_nvml=nvml.share if nvml_busy else None,
                   round_trips=after.steps - before.steps, model_steps=after.model_steps - before.model_steps,
                   host_s=(after.step_s - after.device_wait_s) - (before.step_s - before.device_wait_s),
-                  wait_s=after.device_wait_s - before.device_wait_s)
+                  wait_s=after.device_wait_s - before.device_wait_s,
+                  **{k: getattr(after, k) - getattr(before, k) for k in ("schedule_s", "execute_s", "update_s")})
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -544,7 +556,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--nvml-busy", action="store_true",
                    help="measure the GPU's busy share of the jaxkv runs from NVML's utilization samples "
                         "(nvidia-ml-py; no slowdown)")
-    return p.parse_args(argv)
+    p.add_argument("--cprofile", default=None, metavar="FILE",
+                   help="profile the host's Python during the continuous jaxkv run with cProfile: pstats to "
+                        "FILE, the top functions printed (slows the run: read shares, not times)")
+    args = p.parse_args(argv)
+    if args.cprofile and args.profile_busy:
+        p.error("--cprofile and --profile-busy both install the interpreter's profiler hook; use one")
+    return args
 
 
 def main(argv=None) -> int:
@@ -567,7 +585,9 @@ def _print_partial(r: Result) -> None:
         # means the device had finished before the host asked (host-bound); a long wait, device-bound
         print(f"host loop: {r.round_trips} round trips, {r.model_steps} model steps; per round trip "
               f"{1e3 * r.host_s / r.round_trips:.2f} ms host work + {1e3 * r.wait_s / r.round_trips:.2f} ms "
-              f"waiting for the device ({r.wait_s / (r.host_s + r.wait_s):.0%} of step() time)", flush=True)
+              f"waiting for the device ({r.wait_s / (r.host_s + r.wait_s):.0%} of step() time); host work = "
+              f"{1e3 * r.schedule_s / r.round_trips:.2f} schedule + {1e3 * r.execute_s / r.round_trips:.2f} "
+              f"inputs and dispatch + {1e3 * r.update_s / r.round_trips:.2f} token update", flush=True)
 
 
 def run(args) -> int:
@@ -647,7 +667,7 @@ def run(args) -> int:
                       f"({args.warmup_workers or os.cpu_count()} at a time)")
         results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
                                  progress=not args.no_progress, profile_busy=args.profile_busy,
-                                 nvml_busy=args.nvml_busy))
+                                 nvml_busy=args.nvml_busy, cprofile=args.cprofile))
         _print_partial(results[-1])
 
     print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "

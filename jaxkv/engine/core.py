@@ -53,6 +53,8 @@ class EngineStats:
             queued step already done).
         decode_s, decode_steps, decode_tokens: the same for pure-decode loops only, excluding calls that
             compiled.
+        schedule_s, execute_s, update_s: the host's part of ``step_s`` by phase: scheduling, building and
+            dispatching the step's inputs, applying the sampled tokens (outputs included).
     """
 
     num_running: int
@@ -72,6 +74,9 @@ class EngineStats:
     decode_s: float
     decode_steps: int
     decode_tokens: int
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    update_s: float = 0.0
 
     @property
     def gpu_idle_share(self) -> float:
@@ -173,7 +178,8 @@ class LLMEngine:
         self._arrivals = 0
         self._seed_rng = np.random.default_rng(seed)
         self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
-                              step_s=0.0, device_wait_s=0.0, device_idle_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0)
+                              step_s=0.0, device_wait_s=0.0, device_idle_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0,
+                              schedule_s=0.0, execute_s=0.0, update_s=0.0)
 
     # -- properties ------------------------------------------------------------------------------------
     @property
@@ -304,19 +310,27 @@ class LLMEngine:
         aborted, self._aborted = self._aborted, []
         compiles = self.num_compiles
         c = self._counters
+        t_sched = t_exec = 0.0
         if self._inflight is None:
             sched = self.scheduler.schedule()
+            t_sched = time.perf_counter() - t0
             if sched.is_empty:
                 self._busy_until = None
                 return [self._output(r) for r in aborted]
+            t = time.perf_counter()
             self._inflight = (sched, self._execute(sched, None))
+            t_exec = time.perf_counter() - t
             self._note_idle(None)  # nothing was queued: the device idled from the last result to now
         sched, result = self._inflight
         self._inflight = None
         if self.async_scheduling:
+            t = time.perf_counter()
             nxt = self.scheduler.schedule()
+            t_mid = time.perf_counter()
+            t_sched += t_mid - t
             if not nxt.is_empty:
                 self._inflight = (nxt, self._execute(nxt, (sched, result)))
+                t_exec += time.perf_counter() - t_mid
                 self._note_idle(result)
         t_wait = time.perf_counter()
         tokens = np.asarray(result.tokens)  # the one blocking wait per step
@@ -349,6 +363,9 @@ class LLMEngine:
         t1 = time.perf_counter()
         c["step_s"] += t1 - t0
         c["device_wait_s"] += t_back - t_wait
+        c["schedule_s"] += t_sched
+        c["execute_s"] += t_exec
+        c["update_s"] += t1 - t_back
         if loop and self.num_compiles == compiles:
             c["decode_s"] += t1 - t0
             c["decode_steps"] += loop

@@ -92,9 +92,30 @@ def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
     assert 0 < j["round_trips"] <= j["model_steps"] and j["host_s"] > 0 and j["wait_s"] >= 0
     assert j["host_s"] + j["wait_s"] <= j["elapsed_s"]
     assert f"host loop: {j['round_trips']} round trips, {j['model_steps']} model steps" in proc.stdout
+    # the host work by phase adds up to at most the host work (the rest is step()'s own bookkeeping)
+    phases = j["schedule_s"] + j["execute_s"] + j["update_s"]
+    assert min(j["schedule_s"], j["execute_s"], j["update_s"]) > 0 and phases <= j["host_s"]
     # a CPU trace has no GPU plane: the busy share is absent, and the script says why
     assert "--profile-busy: no GPU stream events" in proc.stdout
     assert by["jaxkv"]["gpu_busy_share_trace"] is None
+
+
+def test_cprofile_saves_the_host_profile(tmp_path, gguf_path):
+    """``--cprofile``: the continuous run's host Python by function, saved and printed."""
+    import pstats
+    data = fake_sharegpt(tmp_path / "sharegpt.json")
+    prof = tmp_path / "host.prof"
+    proc = subprocess.run(
+        [sys.executable, str(SCRIPT), "--dataset", str(data), "--num-prompts", "4", "--backend", "jaxkv",
+         "--max-model-len", "96", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+         "--num-gpu-blocks", "24", "--output-len", "5", "--no-progress", "--no-warmup", "--cprofile", str(prof)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    names = {fn for _, _, fn in pstats.Stats(str(prof)).stats}
+    assert {"schedule", "update_from_output"} <= names and "Ordered by: cumulative time" in proc.stdout
+    both = subprocess.run([sys.executable, str(SCRIPT), "--cprofile", str(prof), "--profile-busy"],
+                          capture_output=True, text=True, timeout=120)
+    assert both.returncode == 2 and "--cprofile" in both.stderr and "--profile-busy" in both.stderr
 
 
 def test_union_seconds_matches_a_brute_force_count():
