@@ -94,9 +94,9 @@ host1)  # carries .dummy (header GGUF, requests-1000/4000.json, gguf wheel)
   nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
   # delay 0 and 8 with 8-step loops; then 16- and 32-step loops (on the CPU dev box the host wall of this
   # workload fell 9.6 -> 6.9 -> 5.1 s, the model steps rose 4533 -> 4582 -> 4696: docs/perf-notes.md)
-  # HOST1_RUNS: "requests delay loop" triples (default: the session-8 run's five)
-  for run in ${HOST1_RUNS:-"1000 8 8" "1000 8 32" "4000 0 8" "4000 8 8" "4000 32 32"}; do
-    set -- $run
+  # HOST1_RUNS: requests,delay,loop triples (default: the session-8 run's five)
+  for run in ${HOST1_RUNS:-1000,8,8 1000,8,32 4000,0,8 4000,8,8 4000,32,32}; do
+    set -- ${run//,/ }
     echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 ${D/requests-4000/requests-$1} --num-prompts $1 --max-admission-delay-steps $2 --num-scheduler-steps $3 --compilation-cache-dir /tmp/jaxcache" | tee -a $OUT/host1.txt
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 timeout 150 ${D/requests-4000/requests-$1} --num-prompts $1 --max-admission-delay-steps $2 --num-scheduler-steps $3 \
       --compilation-cache-dir /tmp/jaxcache ${HOST1_EXTRA:-} --output-json $OUT/host1-n$1-d$2-k$3.json 2>&1 | quiet | grep -v -e "^W1" | tail -9 | tee -a $OUT/host1.txt
