@@ -172,6 +172,8 @@ class Result:
     schedule_s: float | None = None     # jaxkv: of host_s, scheduling
     execute_s: float | None = None      # jaxkv: of host_s, building and dispatching the inputs
     update_s: float | None = None       # jaxkv: of host_s, applying the sampled tokens
+    transfer_s: float | None = None     # jaxkv: of execute_s, the input transfer (jax.device_put)
+    call_s: float | None = None         # jaxkv: of execute_s, inside the jitted calls (their dispatch)
 
     @property
     def requests_per_s(self) -> float:
@@ -394,6 +396,7 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.stats
+    runner_before = (engine.runner.transfer_s, engine.runner.call_s)
     name = "jaxkv-static" if static else "jaxkv"
     bar, update = _progress(len(requests), name, progress)
     finish_times_us: list[int] = []
@@ -457,7 +460,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   round_trips=after.steps - before.steps, model_steps=after.model_steps - before.model_steps,
                   host_s=(after.step_s - after.device_wait_s) - (before.step_s - before.device_wait_s),
                   wait_s=after.device_wait_s - before.device_wait_s,
-                  **{k: getattr(after, k) - getattr(before, k) for k in ("schedule_s", "execute_s", "update_s")})
+                  **{k: getattr(after, k) - getattr(before, k) for k in ("schedule_s", "execute_s", "update_s")},
+                  transfer_s=engine.runner.transfer_s - runner_before[0], call_s=engine.runner.call_s - runner_before[1])
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -529,6 +533,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step N+1 before fetching step N's tokens (default on)")
+    p.add_argument("--cuda-graph-control-flow", action=argparse.BooleanOptionalAction, default=True,
+                   help="record the steps' lax.cond/scan into CUDA graphs so dispatch does not wait for the "
+                        "device (XLA command buffer types CONDITIONAL, WHILE)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -587,7 +594,9 @@ def _print_partial(r: Result) -> None:
               f"{1e3 * r.host_s / r.round_trips:.2f} ms host work + {1e3 * r.wait_s / r.round_trips:.2f} ms "
               f"waiting for the device ({r.wait_s / (r.host_s + r.wait_s):.0%} of step() time); host work = "
               f"{1e3 * r.schedule_s / r.round_trips:.2f} schedule + {1e3 * r.execute_s / r.round_trips:.2f} "
-              f"inputs and dispatch + {1e3 * r.update_s / r.round_trips:.2f} token update", flush=True)
+              f"inputs and dispatch + {1e3 * r.update_s / r.round_trips:.2f} token update; of the dispatch, "
+              f"{1e3 * r.transfer_s / r.round_trips:.2f} ms input transfer + {1e3 * r.call_s / r.round_trips:.2f} ms "
+              f"in the jitted call", flush=True)
 
 
 def run(args) -> int:
@@ -656,7 +665,8 @@ def run(args) -> int:
                              async_scheduling=args.async_scheduling,
                              attention_impl=args.attention_impl,
                              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                             data_parallel_size=args.data_parallel_size)
+                             data_parallel_size=args.data_parallel_size,
+                             cuda_graph_control_flow=args.cuda_graph_control_flow)
             print(f"jaxkv: tp={args.tensor_parallel_size} dp={args.data_parallel_size}, "
                   f"{llm.num_gpu_blocks} blocks of {args.block_size} tokens (per dp rank), "
                   f"{llm.engine.num_buckets} buckets, attention={llm.attention_impl}, dtype={llm.dtype}")

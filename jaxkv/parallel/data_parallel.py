@@ -173,8 +173,9 @@ class DataParallelModelRunner(ModelRunner):
             raise ValueError("check_kernel_inputs=True is not supported with data_parallel_size > 1")
         super().__init__(model_fn, params, kv_caches, max_num_seqs=max_num_seqs, **options)
         self._mixed = jax.jit(self._packed_mixed_step_dp, donate_argnums=(1,),
-                              static_argnames=("layout", "max_query_len"))
-        self._decode = jax.jit(self._packed_decode_loop_dp, donate_argnums=(1,), static_argnames=("layout",))
+                              static_argnames=("layout", "max_query_len"), compiler_options=self.compiler_options)
+        self._decode = jax.jit(self._packed_decode_loop_dp, donate_argnums=(1,), static_argnames=("layout",),
+                               compiler_options=self.compiler_options)
         self.mesh = mesh
         self.dp, _ = mesh_sizes(mesh)
         if self.num_blocks % self.dp:
