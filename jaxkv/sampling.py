@@ -6,6 +6,7 @@ import dataclasses
 import functools
 
 import jax
+import numpy as np
 import jax.numpy as jnp
 
 
@@ -84,7 +85,15 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
 
 
-def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays) -> jax.Array:
+def needs_top_k_top_p(temperature, top_p, top_k) -> bool:
+    """Host (NumPy) check: does any sampled row (``temperature > 0``) filter by top-p or top-k? The
+    engine passes the answer to :func:`sample_tokens_per_row` as a static flag."""
+    return bool(np.any((np.asarray(temperature) > 0)
+                       & ((np.asarray(top_p) < 1) | (np.asarray(top_k) > 0))))
+
+
+def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
+                          top_k_top_p: bool | None = None) -> jax.Array:
     """One token per row, each row with its own temperature, top-p, top-k and PRNG key.
 
     vLLM: the V1 ``Sampler`` (min-tokens logits processor, top-k/top-p, greedy rows by argmax). A row's
@@ -93,6 +102,11 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays) -> jax.Arra
     Args:
         logits: ``f32[R, vocab]``.
         params: :class:`SamplingArrays` with ``R`` rows.
+        top_k_top_p: static: whether any row filters by top-k/top-p (:func:`needs_top_k_top_p`);
+            ``False`` skips the filter's full-vocabulary sort, ``True`` applies it (rows with
+            ``top_p == 1`` and ``top_k <= 0`` keep every token). ``None``: decided on the device with a
+            ``lax.cond``, which on GPU makes the call wait on the host for the predicate (the engine
+            never uses it).
 
     Returns:
         ``int32[R]``.
@@ -105,9 +119,12 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays) -> jax.Arra
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    needs_filter = jnp.any((params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0)))
-    scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k,
-                          params.top_p)
+    if top_k_top_p is None:
+        needs_filter = jnp.any((params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0)))
+        scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k,
+                              params.top_p)
+    elif top_k_top_p:
+        scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.gen_idx)
     sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
     return jnp.where(params.temperature > 0, sampled, greedy)

@@ -54,7 +54,26 @@ def programs():
             return jnp.where(i < num_steps, heavy(c, 2), c), None
         return lax.scan(body, x, jnp.arange(4))[0][0, 0]
 
-    return dict(plain=plain, cond_after=cond_after, scan_cond=scan_cond, scan_select=scan_select)
+    def cond_sort(x):  # a branch with a sort (the sampler's top-k/top-p filter)
+        y = heavy(x)
+        return lax.cond(y[0, 0] > 0, lambda v: -jnp.sort(-v, axis=-1), lambda v: v, y)[0, 0]
+
+    def scan_cond_sort(x, num_steps):
+        def body(c, i):
+            c = lax.cond(i < num_steps, lambda v: heavy(v, 2), lambda v: v, c)
+            return lax.cond(c[0, 0] > 0, lambda v: -jnp.sort(-v, axis=-1), lambda v: v, c), None
+        return lax.scan(body, x, jnp.arange(4))[0][0, 0]
+
+    def scan_rng(x, num_steps):  # the sampler's per-row keys and categorical draw
+        def body(c, i):
+            c = lax.cond(i < num_steps, lambda v: heavy(v, 2), lambda v: v, c)
+            keys = jax.vmap(lambda s: jax.random.fold_in(jax.random.key(s), i))(jnp.arange(c.shape[0], dtype=jnp.uint32))
+            tok = jax.vmap(jax.random.categorical)(keys, c.astype(jnp.float32))
+            return c + tok[:, None].astype(c.dtype) * 0, None
+        return lax.scan(body, x, jnp.arange(4))[0][0, 0]
+
+    return dict(plain=plain, cond_after=cond_after, scan_cond=scan_cond, scan_select=scan_select,
+                cond_sort=cond_sort, scan_cond_sort=scan_cond_sort, scan_rng=scan_rng)
 
 
 def measure(fn, args, repeats):
@@ -114,7 +133,7 @@ def main(argv=None) -> int:
     for types in (None, WITH_CONTROL_FLOW):
         opts = None if types is None else {"xla_gpu_enable_command_buffer": types}
         for name, fn in programs().items():
-            call_args = (x,) if name in ("plain", "cond_after") else (x, jnp.int32(3))
+            call_args = (x,) if name in ("plain", "cond_after", "cond_sort") else (x, jnp.int32(3))
             try:
                 jitted = jax.jit(fn, compiler_options=opts)
                 d, t = measure(jitted, call_args, args.repeats)

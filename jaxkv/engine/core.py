@@ -206,10 +206,12 @@ class LLMEngine:
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
                            num_buckets=self.num_buckets, **self._counters)
 
-    def warmup(self, max_workers: int | None = None) -> None:
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
-        compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``."""
-        self.runner.warmup(max_workers)
+        compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``.
+        ``top_k_top_p``: also the buckets' programs for batches with a top-k/top-p request (otherwise
+        compiled when first needed; ``num_compiles == 2 * num_buckets`` then)."""
+        self.runner.warmup(max_workers, top_k_top_p)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).

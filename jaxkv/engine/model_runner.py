@@ -8,10 +8,17 @@ Two jitted functions, each compiled once per bucket (their argument shapes are t
   rows own no token, ``seq_len`` 0); the attention metadata's static ``max_query_len`` is the token
   bucket, so the prefill kernel serves it;
 * **decode loop** — only decodes: one token per request, requests padded to a request bucket (powers of
-  two up to ``max_num_seqs``, dummy rows write to ``PAD_SLOT_ID``), up to ``num_scheduler_steps`` steps in
-  one ``lax.scan`` whose iterations past the dynamic step count are skipped (``lax.cond``), so the step
+  two up to ``max_num_seqs``, dummy rows write to ``PAD_SLOT_ID``), ``num_scheduler_steps`` steps in one
+  ``lax.scan``; a row runs its own number of steps and writes to ``PAD_SLOT_ID`` after them, so the step
   count is not part of the shape; slot mapping, sequence lengths and sampling stay on the device and only
   the sampled tokens come back. The decode kernel serves it (``max_query_len == 1``).
+
+Neither program holds control flow with a device-side predicate: on GPU, XLA runs a ``lax.cond`` by
+copying its predicate to the host and waiting for it, which made each jitted call block until the device
+had nearly finished the step (11.8 of 15.7 ms of host work per round trip on an H100, docs/perf-notes.md,
+session 8). So the scan runs all its iterations (those past every row's steps compute and discard), and
+whether the sampler filters by top-k/top-p is a static argument decided on the host: a bucket has two
+programs, the filtering one compiled when a batch first needs it.
 
 The caches are donated to each call (updated in place).
 """
@@ -36,7 +43,7 @@ from jax.experimental import checkify
 from jaxkv.checks import checked, checks_are_enabled, raise_if_error
 from jaxkv.core.request import Request
 from jaxkv.metadata import AttentionMetadata
-from jaxkv.sampling import SamplingArrays, sample_tokens_per_row
+from jaxkv.sampling import SamplingArrays, needs_top_k_top_p, sample_tokens_per_row
 from jaxkv.slot_mapping import slot_mapping_from_positions
 
 ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
@@ -130,6 +137,11 @@ def _unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.
 
 def _sampling_dict(sampling: SamplingArrays) -> dict[str, np.ndarray]:
     return {f"sampling.{name}": getattr(sampling, name) for name in _SAMPLING_FIELDS}
+
+
+def _filters(sampling: SamplingArrays) -> bool:
+    """The static top-k/top-p flag of a step, from its host (NumPy) sampling arrays."""
+    return needs_top_k_top_p(sampling.temperature, sampling.top_p, sampling.top_k)
 
 
 def _split_sampling(arrays: dict) -> tuple[dict, SamplingArrays]:
@@ -254,36 +266,41 @@ class ModelRunner:
         wrap = checked if check_kernel_inputs else (lambda fn: fn)
         self.compiler_options = step_compiler_options(self.kv_caches, cuda_graph_control_flow)
         self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1,),
-                              static_argnames=("layout", "max_query_len"), compiler_options=self.compiler_options)
-        self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1,), static_argnames=("layout",),
-                               compiler_options=self.compiler_options)
+                              static_argnames=("layout", "max_query_len", "top_k_top_p"),
+                              compiler_options=self.compiler_options)
+        self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1,),
+                               static_argnames=("layout", "top_k_top_p"), compiler_options=self.compiler_options)
         if check_kernel_inputs:
             self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
 
     @property
     def num_buckets(self) -> int:
         """Distinct compiled shapes the engine can need: request buckets (decode loop) + token buckets
-        (mixed step)."""
+        (mixed step). Each has a second program for batches with a top-k/top-p row, compiled on first use
+        (or by ``warmup(top_k_top_p=True)``), so ``num_compiles <= 2 * num_buckets``, and
+        ``<= num_buckets`` while no request filters."""
         return len(self.request_buckets) + len(self.token_buckets)
 
     # -- device functions (traced once per bucket) --------------------------------------------------
     def _slot_mapping(self, block_tables, seq_ids, positions):
         return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
 
-    def _sample(self, logits, sampling: SamplingArrays):
-        return sample_tokens_per_row(logits, sampling)
+    def _sample(self, logits, sampling: SamplingArrays, top_k_top_p: bool):
+        return sample_tokens_per_row(logits, sampling, top_k_top_p=top_k_top_p)
 
-    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, *, layout, max_query_len):
+    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, *, layout, max_query_len,
+                           top_k_top_p):
         inputs, sampling = _split_sampling(_unpack(ints, floats, layout))
-        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len)
+        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len,
+                                top_k_top_p=top_k_top_p)
 
-    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, *, layout):
+    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, *, layout, top_k_top_p):
         a, sampling = _split_sampling(_unpack(ints, floats, layout))
         return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
-                                 a["steps"], a["block_tables"], sampling, a["num_steps"])
+                                 a["steps"], a["block_tables"], sampling, top_k_top_p=top_k_top_p)
 
     def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, prev_tokens, *,
-                    max_query_len):
+                    max_query_len, top_k_top_p):
         """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
         padding token; ``src_rows >= 0``: the id is ``prev_tokens[src_rows]``, a token the previous step
         sampled), ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
@@ -301,14 +318,16 @@ class ModelRunner:
             max_seq_len=block_tables.shape[1] * self.block_size))
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
-        tokens = self._sample(logits, sampling)
+        tokens = self._sample(logits, sampling, top_k_top_p)
         if "out_rows" in inputs:  # rows laid out per data-parallel rank: back to the schedule's order
             tokens, logits = tokens[inputs["out_rows"]], logits[inputs["out_rows"]]
         return tokens, (logits if self.return_logits else None), kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, num_steps, order=None):
-        """Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
+                     sampling: SamplingArrays, order=None, *, top_k_top_p):
+        """Runs ``num_scheduler_steps`` steps; row ``r`` decodes in the first ``steps[r]`` and writes
+        nothing after them (every iteration computes: no ``lax.cond``, see the module docstring).
+        Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
         token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches. ``order``
         (``int32[R]``, optional): row ``order[r]`` holds the schedule's request ``r`` (rows laid out per
         data-parallel rank); the outputs come back in the schedule's order."""
@@ -331,22 +350,15 @@ class ModelRunner:
             _check_fed_tokens(toks, fed)
             logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
                                            rows)
-            new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen))
+            new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), top_k_top_p)
             new = jnp.where(active, new, -1)
             step = active.astype(jnp.int32)
             return ((jnp.where(active, new, toks), pos + step, gen + step, caches),
                     (new, logits if self.return_logits else None))
 
         carry0 = (tokens, positions, sampling.gen_idx, kv_caches)
-        out_shape = jax.eval_shape(lambda c: run(jnp.int32(0), c)[1], carry0)
-
-        def body(carry, i):
-            def skip(c):
-                return c, jax.tree.map(lambda s: jnp.full(s.shape, -1, s.dtype), out_shape)
-            return lax.cond(i < num_steps, lambda c: run(i, c), skip, carry)
-
         (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
-            body, carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
+            lambda carry, i: run(i, carry), carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
         if order is not None:
             last, out_tokens = last[order], out_tokens[:, order]
@@ -373,10 +385,15 @@ class ModelRunner:
         lead = (self.num_kv_cache_groups,) if self.num_kv_cache_groups > 1 else ()
         return np.zeros((*lead, num_rows, self.max_num_blocks_per_seq), np.int32)
 
-    def _sampling_arrays(self, reqs: list[Request], num_rows: int, gen_idx_rows=()) -> SamplingArrays:
-        """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer."""
+    def _sampling_arrays(self, reqs: list[Request], num_rows: int, gen_idx_rows=(), *,
+                         top_k_top_p: bool = False) -> SamplingArrays:
+        """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer.
+        ``top_k_top_p`` (warm-up): padding rows that select the filtering program."""
         temperature = np.zeros(num_rows, np.float32)
         top_p = np.ones(num_rows, np.float32)
+        if top_k_top_p:
+            temperature[:] = 1.0
+            top_p[:] = 0.5
         top_k = np.full(num_rows, -1, np.int32)
         seeds = np.zeros(num_rows, np.uint32)
         gen_idx = np.zeros(num_rows, np.int32)
@@ -459,7 +476,8 @@ class ModelRunner:
         t1 = time.perf_counter()
         tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, ints, floats,
                                                      self._prev(prev_tokens), layout=layout,
-                                                     max_query_len=max_query_len)
+                                                     max_query_len=max_query_len,
+                                                     top_k_top_p=_filters(sampling))
         self._note_dispatch(t0, t1)
         return tokens, logits
 
@@ -469,7 +487,8 @@ class ModelRunner:
         ints, floats = jax.device_put((ints, floats))
         t1 = time.perf_counter()
         out, last, logits, self.kv_caches = self._decode(self.params, self.kv_caches, ints, floats,
-                                                         self._prev(prev_tokens), layout=layout)
+                                                         self._prev(prev_tokens), layout=layout,
+                                                         top_k_top_p=_filters(sampling))
         self._note_dispatch(t0, t1)
         return out, last, logits
 
@@ -478,7 +497,7 @@ class ModelRunner:
         self.transfer_s += t1 - t0
         self.call_s += time.perf_counter() - t1
 
-    def warmup(self, max_workers: int | None = None) -> None:
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
         """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then run each once
         with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
         outputs are discarded).
@@ -486,22 +505,26 @@ class ModelRunner:
         The buckets are traced and lowered one after another, then compiled by ``max_workers`` threads
         at once (default: one per CPU core; XLA's compiler releases the GIL), so start-up takes about
         the longest compile instead of their sum on a many-core host. The dummy runs then find each
-        executable compiled. Afterwards ``num_compiles == num_buckets``."""
+        executable compiled. Afterwards ``num_compiles == num_buckets``; with ``top_k_top_p`` the
+        programs for batches with a top-k/top-p row are compiled too (``2 * num_buckets``)."""
+        variants = (False, True) if top_k_top_p else (False,)
         lowered: list = []
         saved = self._mixed, self._decode, self.kv_caches
         self._mixed, self._decode = _LowerOnly(self._mixed, lowered), _LowerOnly(self._decode, lowered)
         try:
-            self._warmup_batches()
+            for flag in variants:
+                self._warmup_batches(flag)
         finally:
             self._mixed, self._decode, self.kv_caches = saved
         workers = max_workers or min(len(lowered), os.cpu_count() or 1)
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
-        self._warmup_batches()
+        for flag in variants:
+            self._warmup_batches(flag)
 
-    def _warmup_batches(self) -> None:
+    def _warmup_batches(self, top_k_top_p: bool = False) -> None:
         """One all-padding call per bucket: every token bucket's mixed step, then every request
-        bucket's decode loop."""
+        bucket's decode loop (their top-k/top-p programs if ``top_k_top_p``)."""
         num_rows = self.request_buckets[-1]
         width = self.max_num_blocks_per_seq
         for t in self.token_buckets:
@@ -514,13 +537,14 @@ class ModelRunner:
                           seq_lens=seq_lens, query_start_loc=qsl,
                           block_tables=self._empty_tables(num_rows),
                           logits_indices=np.zeros(num_rows, np.int32))
-            tokens, _ = self._run_mixed(inputs, self._sampling_arrays([], num_rows), None, max_query_len=t)
+            tokens, _ = self._run_mixed(inputs, self._sampling_arrays([], num_rows, top_k_top_p=top_k_top_p),
+                                        None, max_query_len=t)
             jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             zeros = np.zeros(rows, np.int32)
             arrays = dict(tokens=zeros, src_rows=np.full(rows, -1, np.int32), positions=zeros, steps=zeros,
-                          block_tables=self._empty_tables(rows), num_steps=np.int32(1))
-            out, _, _ = self._run_decode(arrays, self._sampling_arrays([], rows), None)
+                          block_tables=self._empty_tables(rows))
+            out, _, _ = self._run_decode(arrays, self._sampling_arrays([], rows, top_k_top_p=top_k_top_p), None)
             jax.block_until_ready(out)
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
@@ -534,7 +558,7 @@ class ModelRunner:
 
     def prepare_decode(self, sched, src_rows, num_rows: int) -> tuple[dict, SamplingArrays]:
         """Host (NumPy) inputs of a decode loop over ``num_rows`` rows: ``tokens``, ``src_rows``,
-        ``positions``, ``steps``, ``block_tables``, ``num_steps``, and the sampling arrays."""
+        ``positions``, ``steps``, ``block_tables``, and the sampling arrays."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         tokens = np.zeros(num_rows, np.int32)
@@ -550,5 +574,5 @@ class ModelRunner:
         positions[:n] = sched.context_lens
         steps[:n] = [s for _, s in scheduled]
         arrays = dict(tokens=tokens, src_rows=src, positions=positions, steps=steps,
-                      block_tables=self._block_table(reqs, num_rows), num_steps=np.int32(sched.num_decode_steps))
+                      block_tables=self._block_table(reqs, num_rows))
         return arrays, self._sampling_arrays(reqs, num_rows, sched.gen_idx)

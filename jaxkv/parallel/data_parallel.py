@@ -19,6 +19,7 @@ and one jitted step for all ranks instead:
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import numpy as np
@@ -26,8 +27,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.core.kv_cache_manager import KVCacheManager, cdiv
 from jaxkv.core.request import Request
-from jaxkv.engine.model_runner import (ModelRunner, StepResult, _bucket, _pack, _sampling_dict, _split_sampling,
-                                       _unpack, pow2_buckets)
+from jaxkv.engine.model_runner import (ModelRunner, StepResult, _bucket, _filters, _pack, _sampling_dict,
+                                       _split_sampling, _unpack, pow2_buckets)
 from jaxkv.parallel.mesh import DP, mesh_sizes
 from jaxkv.sampling import sample_tokens_per_row
 from jaxkv.slot_mapping import slot_mapping_from_positions
@@ -173,9 +174,10 @@ class DataParallelModelRunner(ModelRunner):
             raise ValueError("check_kernel_inputs=True is not supported with data_parallel_size > 1")
         super().__init__(model_fn, params, kv_caches, max_num_seqs=max_num_seqs, **options)
         self._mixed = jax.jit(self._packed_mixed_step_dp, donate_argnums=(1,),
-                              static_argnames=("layout", "max_query_len"), compiler_options=self.compiler_options)
-        self._decode = jax.jit(self._packed_decode_loop_dp, donate_argnums=(1,), static_argnames=("layout",),
-                               compiler_options=self.compiler_options)
+                              static_argnames=("layout", "max_query_len", "top_k_top_p"),
+                              compiler_options=self.compiler_options)
+        self._decode = jax.jit(self._packed_decode_loop_dp, donate_argnums=(1,),
+                               static_argnames=("layout", "top_k_top_p"), compiler_options=self.compiler_options)
         self.mesh = mesh
         self.dp, _ = mesh_sizes(mesh)
         if self.num_blocks % self.dp:
@@ -207,16 +209,17 @@ class DataParallelModelRunner(ModelRunner):
         return _split_sampling({name: merge(a) for name, a in _unpack(ints, floats, layout).items()})
 
     def _packed_mixed_step_dp(self, params, kv_caches, ints, floats, prev_tokens, out_rows, *, layout,
-                              max_query_len):
+                              max_query_len, top_k_top_p):
         inputs, sampling = self._unpack_ranks(ints, floats, layout)
         inputs["out_rows"] = out_rows
-        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len)
+        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len,
+                                top_k_top_p=top_k_top_p)
 
-    def _packed_decode_loop_dp(self, params, kv_caches, ints, floats, prev_tokens, order, num_steps, *,
-                               layout):
+    def _packed_decode_loop_dp(self, params, kv_caches, ints, floats, prev_tokens, order, *, layout,
+                               top_k_top_p):
         a, sampling = self._unpack_ranks(ints, floats, layout)
         return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
-                                 a["steps"], a["block_tables"], sampling, num_steps, order)
+                                 a["steps"], a["block_tables"], sampling, order, top_k_top_p=top_k_top_p)
 
     def _slot_mapping(self, block_tables, seq_ids, positions):
         """Per ``dp`` rank, from its own block-table rows (``seq_ids`` index the global batch, and a
@@ -228,10 +231,10 @@ class DataParallelModelRunner(ModelRunner):
         return jax.shard_map(local, mesh=self.mesh, in_specs=(P(DP, None), P(DP), P(DP)), out_specs=P(DP),
                              axis_names={DP}, check_vma=False)(block_tables, seq_ids, positions)
 
-    def _sample(self, logits, sampling):
+    def _sample(self, logits, sampling, top_k_top_p):
         """Per ``dp`` rank (sampling is row-wise): its rows' logits, parameters and stop-id masks stay
         on it."""
-        return jax.shard_map(sample_tokens_per_row, mesh=self.mesh, in_specs=(P(DP, None), P(DP)),
+        return jax.shard_map(functools.partial(sample_tokens_per_row, top_k_top_p=top_k_top_p), mesh=self.mesh, in_specs=(P(DP, None), P(DP)),
                              out_specs=P(DP), axis_names={DP}, check_vma=False)(logits, sampling)
 
     def _split(self, sched):
@@ -274,7 +277,8 @@ class DataParallelModelRunner(ModelRunner):
         tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, ints, floats,
                                                      self._prev(prev_tokens),
                                                      jax.device_put(out_rows, self._replicated),
-                                                     layout=layout, max_query_len=t)
+                                                     layout=layout, max_query_len=t,
+                                                     top_k_top_p=any(_filters(sp) for _, sp in parts))
         return tokens, logits
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
@@ -282,28 +286,30 @@ class DataParallelModelRunner(ModelRunner):
         rows = _bucket(max(len(idx) for idx in groups), self.request_buckets)
         parts = [self.prepare_decode(*self._subset(sched, idx, src_rows), rows) for idx in groups]
         order = self._order(groups, rows)
-        out, last, logits = self._dispatch_decode(parts, order, np.int32(sched.num_decode_steps), prev_tokens)
+        out, last, logits = self._dispatch_decode(parts, order, prev_tokens)
         return StepResult(out, logits, last)
 
-    def _dispatch_decode(self, parts, order, num_steps, prev_tokens):
-        for arrays, _ in parts:
-            arrays.pop("num_steps")
+    def _dispatch_decode(self, parts, order, prev_tokens):
         ints, floats, layout = self._pack_ranks(parts)
         out, last, logits, self.kv_caches = self._decode(
             self.params, self.kv_caches, ints, floats, self._prev(prev_tokens),
-            jax.device_put(order, self._replicated), num_steps, layout=layout)
+            jax.device_put(order, self._replicated), layout=layout,
+            top_k_top_p=any(_filters(sp) for _, sp in parts))
         return out, last, logits
 
-    def _warmup_batches(self) -> None:
+    def _warmup_batches(self, top_k_top_p: bool = False) -> None:
         """One all-padding call per bucket (nothing is written); :meth:`ModelRunner.warmup` lowers
         them, compiles them concurrently, then runs them."""
         from jaxkv.core.scheduler import SchedulerOutput
         empty = SchedulerOutput([])
+        num_rows = self.request_buckets[-1]
         for t in self.token_buckets:
-            parts = [self.prepare_mixed(empty, None, self.request_buckets[-1], t) for _ in range(self.dp)]
+            parts = [(self.prepare_mixed(empty, None, num_rows, t)[0],
+                      self._sampling_arrays([], num_rows, top_k_top_p=top_k_top_p)) for _ in range(self.dp)]
             tokens, _ = self._dispatch_mixed(parts, np.arange(self.prev_len, dtype=np.int32), t, None)
             jax.block_until_ready(tokens)
         for rows in self.request_buckets:
-            parts = [self.prepare_decode(SchedulerOutput([], 1), None, rows) for _ in range(self.dp)]
-            out, _, _ = self._dispatch_decode(parts, np.arange(self.dp * rows, dtype=np.int32), np.int32(1), None)
+            parts = [(self.prepare_decode(SchedulerOutput([], 1), None, rows)[0],
+                      self._sampling_arrays([], rows, top_k_top_p=top_k_top_p)) for _ in range(self.dp)]
+            out, _, _ = self._dispatch_decode(parts, np.arange(self.dp * rows, dtype=np.int32), None)
             jax.block_until_ready(out)

@@ -240,3 +240,33 @@ def test_min_tokens_masks_stop_ids_until_reached():
               gen_idx=np.array([2, 3], np.int32), stop_ids=np.array([[4, -1], [4, -1]], np.int32))
     got = np.asarray(jax.jit(sample_tokens_per_row)(logits, _rows(logits, **kw)))
     assert got[0] != 4 and got[1] == 4
+
+
+def test_static_filter_flag_gives_the_device_decided_tokens():
+    """``top_k_top_p`` decided on the host (a static flag: no ``lax.cond``, which blocks the host on GPU)
+    samples what the ``lax.cond`` version samples: the filter when a row asks for it, none otherwise."""
+    import functools
+    import jax
+    from jaxkv.sampling import needs_top_k_top_p, sample_tokens_per_row
+    rng = np.random.default_rng(2)
+    logits = np.asarray(3 * rng.standard_normal((5, 80)), np.float32)
+    plain = dict(temperature=np.array([0, 1, 0.7, 1, 1], np.float32), seeds=np.arange(5, dtype=np.uint32))
+    filtered = plain | dict(top_p=np.array([1, 0.8, 1, 1, 0.3], np.float32),
+                            top_k=np.array([-1, -1, 5, -1, 2], np.int32))
+    greedy_filter = dict(temperature=np.zeros(5, np.float32), top_k=np.full(5, 3, np.int32))
+    flag = lambda kw: needs_top_k_top_p(**(dict(temperature=np.ones(5), top_p=np.ones(5), top_k=np.full(5, -1))  # noqa: E731
+                                           | {k: v for k, v in kw.items() if k != "seeds"}))
+    assert not flag(plain) and flag(filtered)
+    assert not flag(greedy_filter)  # top-k on greedy rows changes nothing: no filter needed
+    by_cond = jax.jit(sample_tokens_per_row)
+    for kw, flag in ((plain, False), (filtered, True)):
+        static = jax.jit(functools.partial(sample_tokens_per_row, top_k_top_p=flag))
+        for step in range(8):
+            rows = _rows(logits, gen_idx=np.full(5, step, np.int32), **kw)
+            np.testing.assert_array_equal(np.asarray(static(logits, rows)), np.asarray(by_cond(logits, rows)))
+    # rows that do not filter keep every token in the filtering program too
+    both = jax.jit(functools.partial(sample_tokens_per_row, top_k_top_p=True))
+    off = jax.jit(functools.partial(sample_tokens_per_row, top_k_top_p=False))
+    for step in range(8):
+        rows = _rows(logits, gen_idx=np.full(5, step, np.int32), **plain)
+        np.testing.assert_array_equal(np.asarray(both(logits, rows)), np.asarray(off(logits, rows)))
