@@ -533,9 +533,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--long-prefill-token-threshold", type=int, default=0)
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step N+1 before fetching step N's tokens (default on)")
-    p.add_argument("--cuda-graph-control-flow", action=argparse.BooleanOptionalAction, default=True,
-                   help="record the steps' lax.cond/scan into CUDA graphs so dispatch does not wait for the "
-                        "device (XLA command buffer types CONDITIONAL, WHILE)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
@@ -665,8 +662,7 @@ def run(args) -> int:
                              async_scheduling=args.async_scheduling,
                              attention_impl=args.attention_impl,
                              seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                             data_parallel_size=args.data_parallel_size,
-                             cuda_graph_control_flow=args.cuda_graph_control_flow)
+                             data_parallel_size=args.data_parallel_size)
             print(f"jaxkv: tp={args.tensor_parallel_size} dp={args.data_parallel_size}, "
                   f"{llm.num_gpu_blocks} blocks of {args.block_size} tokens (per dp rank), "
                   f"{llm.engine.num_buckets} buckets, attention={llm.attention_impl}, dtype={llm.dtype}")

@@ -122,8 +122,6 @@ class LLMEngine:
             config's tensors (shared by one layer of each group). ``None``: one group.
         check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
             device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
-        cuda_graph_control_flow: on a GPU, record the steps' ``lax.cond``/``lax.scan`` into CUDA graphs so
-            that dispatching a step does not block the host (:class:`ModelRunner`); ``False``: XLA's defaults.
         mesh: a ``(dp, tp)`` :func:`jaxkv.parallel.make_mesh` mesh the model and caches are sharded over
             (``model_fn`` attends through it); with ``dp > 1`` each rank has its own block pool of
             ``num_blocks / dp`` blocks and every request runs on one rank (:mod:`jaxkv.parallel`).
@@ -139,8 +137,7 @@ class LLMEngine:
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
-                 check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
-                 cuda_graph_control_flow: bool = True):
+                 check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -157,7 +154,6 @@ class LLMEngine:
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
                                   check_kernel_inputs=check_kernel_inputs,
-                                  cuda_graph_control_flow=cuda_graph_control_flow,
                                   num_kv_cache_groups=len(kv_cache_groups or ()) or 1, **extra)
         self.block_size = block_size
         self.max_model_len = max_model_len

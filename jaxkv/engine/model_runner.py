@@ -48,25 +48,6 @@ from jaxkv.slot_mapping import slot_mapping_from_positions
 
 ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
 
-# XLA's default command-buffer (CUDA graph) op types plus CONDITIONAL and WHILE. Without the last two,
-# XLA runs a ``lax.cond`` (the decode loop's skip, the sampler's top-k/top-p filter) by copying its
-# predicate to the host and waiting for it, so the jitted call blocks the Python thread until the device
-# has nearly run the step (measured on an H100: 11.8 of 15.7 ms of host work per round trip was inside
-# the call, docs/perf-notes.md session 8). As CUDA graph conditional nodes the branch is taken on the
-# device and the call returns at once.
-GRAPH_COMMAND_TYPES = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,CONDITIONAL,WHILE"
-
-
-def step_compiler_options(kv_caches, cuda_graph_control_flow: bool) -> dict | None:
-    """``jax.jit`` compiler options of the step functions: :data:`GRAPH_COMMAND_TYPES` on a GPU when
-    ``cuda_graph_control_flow`` and the user's ``XLA_FLAGS`` do not choose the command-buffer types
-    themselves; ``None`` otherwise (XLA's defaults)."""
-    if not cuda_graph_control_flow or "xla_gpu_enable_command_buffer" in os.environ.get("XLA_FLAGS", ""):
-        return None
-    if {d.platform for d in kv_caches[0].devices()} != {"gpu"}:
-        return None
-    return {"xla_gpu_enable_command_buffer": GRAPH_COMMAND_TYPES}
-
 
 def pow2_buckets(low: int, high: int) -> tuple[int, ...]:
     """``low, 2*low, 4*low, ...`` up to the first size ``>= high``."""
@@ -216,10 +197,6 @@ class ModelRunner:
         num_kv_cache_groups: KV-cache groups of the model; with more than one, block tables are
             ``int32[num_kv_cache_groups, R, max_num_blocks_per_seq]`` (from ``Request.group_block_ids``) and
             ``model_fn`` gets a tuple of metadata, one per group (vLLM: one metadata per group).
-        cuda_graph_control_flow: on a GPU, compile the steps with ``lax.cond``/``lax.scan`` recorded into
-            CUDA graphs (XLA command buffer types ``CONDITIONAL``/``WHILE``, :data:`GRAPH_COMMAND_TYPES`),
-            so that dispatching a step does not wait for the device; ``False``: XLA's defaults. Ignored
-            when ``XLA_FLAGS`` sets ``--xla_gpu_enable_command_buffer``.
         check_kernel_inputs: debug mode: both step functions run under ``checkify`` with jaxkv's value
             checks on (:mod:`jaxkv.checks`): every attention call's block table, sequence lengths and
             ``query_start_loc`` and every written slot are checked on the device, and a violation raises
@@ -232,8 +209,7 @@ class ModelRunner:
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
-                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1,
-                 cuda_graph_control_flow: bool = True):
+                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -264,12 +240,10 @@ class ModelRunner:
         mesh = getattr(self.kv_caches[0].sharding, "mesh", None)
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         wrap = checked if check_kernel_inputs else (lambda fn: fn)
-        self.compiler_options = step_compiler_options(self.kv_caches, cuda_graph_control_flow)
         self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1,),
-                              static_argnames=("layout", "max_query_len", "top_k_top_p"),
-                              compiler_options=self.compiler_options)
+                              static_argnames=("layout", "max_query_len", "top_k_top_p"))
         self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1,),
-                               static_argnames=("layout", "top_k_top_p"), compiler_options=self.compiler_options)
+                               static_argnames=("layout", "top_k_top_p"))
         if check_kernel_inputs:
             self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
 

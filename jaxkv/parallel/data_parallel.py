@@ -174,10 +174,9 @@ class DataParallelModelRunner(ModelRunner):
             raise ValueError("check_kernel_inputs=True is not supported with data_parallel_size > 1")
         super().__init__(model_fn, params, kv_caches, max_num_seqs=max_num_seqs, **options)
         self._mixed = jax.jit(self._packed_mixed_step_dp, donate_argnums=(1,),
-                              static_argnames=("layout", "max_query_len", "top_k_top_p"),
-                              compiler_options=self.compiler_options)
+                              static_argnames=("layout", "max_query_len", "top_k_top_p"))
         self._decode = jax.jit(self._packed_decode_loop_dp, donate_argnums=(1,),
-                               static_argnames=("layout", "top_k_top_p"), compiler_options=self.compiler_options)
+                               static_argnames=("layout", "top_k_top_p"))
         self.mesh = mesh
         self.dp, _ = mesh_sizes(mesh)
         if self.num_blocks % self.dp:

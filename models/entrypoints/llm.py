@@ -61,8 +61,6 @@ class LLM:
             :func:`jaxkv.parallel.make_mesh` mesh of ``dp * tp`` devices; ``num_gpu_blocks`` is then per
             ``dp`` rank, while ``max_num_seqs`` / ``max_num_batched_tokens`` stay engine-wide (all ranks;
             vLLM sets them per rank).
-        cuda_graph_control_flow: see :class:`jaxkv.LLMEngine` (on by default; ``False`` gives XLA's
-            default command buffers, whose ``lax.cond`` waits for the device on the host).
         load_format: ``"auto"`` (the GGUF's weights) or ``"dummy"`` (vLLM's ``--load-format dummy``:
             config and tokenizer from the GGUF's metadata, random weights from ``seed``; for speed
             measurements, with a header-only GGUF from ``scripts/make_header_gguf.py``).
@@ -81,7 +79,7 @@ class LLM:
                  num_scheduler_steps: int = 8, max_admission_delay_steps: int = 8,
                  async_scheduling: bool = False, attention_impl: str | None = None, seed: int = 0,
                  return_logits: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 load_format: str = "auto", cuda_graph_control_flow: bool = True):
+                 load_format: str = "auto"):
         path = resolve_model(model)
         self.mesh = jaxkv.parallel.make_mesh(tensor_parallel_size, data_parallel_size)
         if tensor_parallel_size * data_parallel_size == 1:
@@ -128,8 +126,7 @@ class LLM:
             long_prefill_token_threshold=long_prefill_token_threshold,
             num_scheduler_steps=num_scheduler_steps, max_admission_delay_steps=max_admission_delay_steps,
             async_scheduling=async_scheduling,
-            seed=seed, return_logits=return_logits, mesh=self.mesh,
-            cuda_graph_control_flow=cuda_graph_control_flow)
+            seed=seed, return_logits=return_logits, mesh=self.mesh)
         self.last_summary: dict[str, float] = {}
         log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens%s, attention=%s, mesh=%s",
                  path.name, self.dtype, cache_dtype, num_gpu_blocks, block_size,
