@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import time
 
 import jax
 import numpy as np
@@ -192,13 +193,14 @@ class DataParallelModelRunner(ModelRunner):
 
     # -- packed inputs: one int32 and one float32 row per rank -----------------------------------------
     def _pack_ranks(self, parts):
-        """``parts``: per rank, its ``(inputs, sampling)``. Returns the ``[dp, n]`` buffers on the mesh
-        and their (common) layout."""
+        """``parts``: per rank, its ``(inputs, sampling)``. Returns the ``[dp, n]`` host buffers and
+        their (common) layout; :meth:`_put_ranks` moves them to the mesh."""
         packed = [_pack(inputs | _sampling_dict(sampling)) for inputs, sampling in parts]
-        layout = packed[0][2]
-        ints, floats = jax.device_put((np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed])),
-                                      self._rank_rows)
-        return ints, floats, layout
+        return np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), packed[0][2]
+
+    def _put_ranks(self, ints, floats):
+        """The packed buffers on the mesh, row ``d`` on rank ``d``."""
+        return jax.device_put((ints, floats), self._rank_rows)
 
     def _unpack_ranks(self, ints, floats, layout):
         """Inverse of :meth:`_pack_ranks` in the jitted step: each array is the ranks' arrays end to end
@@ -273,11 +275,15 @@ class DataParallelModelRunner(ModelRunner):
 
     def _dispatch_mixed(self, parts, out_rows, t, prev_tokens):
         ints, floats, layout = self._pack_ranks(parts)
+        top_k_top_p = any(_filters(sp) for _, sp in parts)
+        t0 = time.perf_counter()
+        ints, floats = self._put_ranks(ints, floats)
+        t1 = time.perf_counter()
         tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, ints, floats,
                                                      self._prev(prev_tokens),
                                                      jax.device_put(out_rows, self._replicated),
-                                                     layout=layout, max_query_len=t,
-                                                     top_k_top_p=any(_filters(sp) for _, sp in parts))
+                                                     layout=layout, max_query_len=t, top_k_top_p=top_k_top_p)
+        self._note_dispatch(t0, t1)
         return tokens, logits
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
@@ -290,10 +296,14 @@ class DataParallelModelRunner(ModelRunner):
 
     def _dispatch_decode(self, parts, order, prev_tokens):
         ints, floats, layout = self._pack_ranks(parts)
+        top_k_top_p = any(_filters(sp) for _, sp in parts)
+        t0 = time.perf_counter()
+        ints, floats = self._put_ranks(ints, floats)
+        t1 = time.perf_counter()
         out, last, logits, self.kv_caches = self._decode(
             self.params, self.kv_caches, ints, floats, self._prev(prev_tokens),
-            jax.device_put(order, self._replicated), layout=layout,
-            top_k_top_p=any(_filters(sp) for _, sp in parts))
+            jax.device_put(order, self._replicated), layout=layout, top_k_top_p=top_k_top_p)
+        self._note_dispatch(t0, t1)
         return out, last, logits
 
     def _warmup_batches(self, top_k_top_p: bool = False) -> None:
