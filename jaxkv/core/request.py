@@ -60,6 +60,9 @@ class Request:
         arrival_index: order of ``add_request`` calls.
         seed: the PRNG seed its tokens are sampled with (the params' seed or one drawn by the engine).
         max_tokens: the tokens it may generate (``sampling_params.max_tokens`` capped by the model length).
+        stop_ids_for_min_tokens: every token that would end it (EOS unless ``ignore_eos``, and
+            ``stop_token_ids``; both fixed at construction): masked while fewer than ``min_tokens`` were
+            generated.
         stop_reason: the stop token that ended it, if any.
         num_cached_prompt_tokens: prompt tokens served from the prefix cache at its first admission.
     """
@@ -85,6 +88,7 @@ class Request:
         self.max_tokens = room if wanted is None else min(wanted, room)
         self.eos_token_ids = frozenset() if sampling_params.ignore_eos else frozenset(eos_token_ids)
         self.stop_token_ids = frozenset(sampling_params.stop_token_ids)
+        self.stop_ids_for_min_tokens = self.eos_token_ids | self.stop_token_ids
         self.stop_reason: int | None = None
         self.num_preemptions = 0
         self.num_cached_prompt_tokens: int | None = None
@@ -117,12 +121,6 @@ class Request:
     @property
     def num_tokens_with_placeholders(self) -> int:
         return len(self.all_token_ids) + self.num_output_placeholders
-
-    @property
-    def stop_ids_for_min_tokens(self) -> frozenset[int]:
-        """Tokens that would end it (EOS unless ``ignore_eos``, and ``stop_token_ids``): masked while
-        fewer than ``min_tokens`` were generated."""
-        return self.eos_token_ids | self.stop_token_ids
 
     def hashes_of_full_blocks(self, num_tokens: int, block_size: int) -> list[int]:
         """Chained hashes of the full blocks of ``all_token_ids[:num_tokens]``, extended incrementally;

@@ -259,18 +259,26 @@ class Scheduler:
 
         Args:
             output: the plan the step ran (already committed by :meth:`schedule`).
-            sampled: per scheduled row, its sampled tokens (one per decode step in a device loop, else
-                one); only the first ``output.samples[row]`` count.
+            sampled: per scheduled row, its sampled tokens as a list of Python ints (one per decode step
+                in a device loop, else one); only the first ``output.samples[row]`` count.
         """
         touched = []
         for (req, _), tokens, expected in zip(output.scheduled, sampled, output.samples):
             if req.is_finished:  # stopped by an earlier step's token, or aborted: a wasted token
                 continue
             req.num_output_placeholders -= expected
-            new: list[int] = []
-            for t in tokens[:expected]:
-                if self._append(req, int(t), new):
-                    break
+            chunk = tokens[:expected]
+            if req.stop_ids_for_min_tokens.isdisjoint(chunk):  # no stop token: only the length cap
+                new = chunk[:req.max_tokens - req.num_output_tokens]
+                req.output_token_ids.extend(new)
+                req.all_token_ids.extend(new)
+                if req.num_output_tokens >= req.max_tokens:
+                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+            else:
+                new = []
+                for t in chunk:
+                    if self._append(req, t, new):
+                        break
             req.new_token_ids = new
             if req.is_finished:
                 self._remove(req)
