@@ -49,6 +49,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--compile-ahead", choices=("auto", "on", "off"), default="auto",
                    help="compile every step bucket before serving, as vLLM captures its CUDA graphs at "
                         "start-up (auto: on GPU only; on CPU it takes minutes)")
+    p.add_argument("--compile-top-k-top-p", action=argparse.BooleanOptionalAction, default=True,
+                   help="with --compile-ahead, also compile each bucket's program for batches with a top-k/"
+                        "top-p request (about doubles start-up; off: compiled when first needed, a stall of "
+                        "seconds for the requests of that step)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     return p.parse_args(argv)
@@ -133,15 +137,17 @@ def describe(llm, args: argparse.Namespace) -> dict:
 
 
 def compile_ahead(engine, args: argparse.Namespace) -> None:
-    """``engine.warmup``: every bucket compiled (concurrently) before the first request; one program per
-    bucket serves every sampling mode (parameters are per-row arrays)."""
+    """``engine.warmup``: every bucket compiled (concurrently) before the first request. Sampling
+    parameters are per-row arrays, but whether a batch filters by top-k/top-p is static (no device-side
+    ``lax.cond``, which would make each step's dispatch wait for the GPU), so each bucket has a plain and a
+    filtering program; ``--compile-top-k-top-p`` compiles both."""
     import jax
 
     on = args.compile_ahead == "on" or (args.compile_ahead == "auto" and jax.default_backend() == "gpu")
     if not on or not hasattr(engine, "warmup"):
         return
     t0 = time.perf_counter()
-    engine.warmup()
+    engine.warmup(top_k_top_p=args.compile_top_k_top_p)
     compiles = _attr(engine, "num_compiles", default="?")
     log.info("compiled %s step shapes ahead in %.1f s", compiles, time.perf_counter() - t0)
 
