@@ -70,15 +70,20 @@ def test_sampling_rule_drops_short_and_long_pairs(tmp_path):
     assert [r.prompt for r in again] == [r.prompt for r in reqs[:5]]  # fixed seed, same order
 
 
-def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
+def _run_small(tmp_path, num_prompts: int, *extra: str) -> subprocess.CompletedProcess:
+    """The script on a fake ShareGPT file with a tiny engine (CPU, no warm-up)."""
     data = fake_sharegpt(tmp_path / "sharegpt.json")
-    out = tmp_path / "bench.json"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset", str(data), "--num-prompts", "6", "--backend", "jaxkv",
-         "--backend", "jaxkv-static", "--max-model-len", "96", "--max-num-seqs", "2",
-         "--max-num-batched-tokens", "16", "--num-gpu-blocks", "24", "--output-len", "5",
-         "--no-progress", "--no-warmup", "--output-json", str(out), "--profile-busy"],
+    return subprocess.run(
+        [sys.executable, str(SCRIPT), "--dataset", str(data), "--num-prompts", str(num_prompts),
+         "--max-model-len", "96", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
+         "--num-gpu-blocks", "24", "--output-len", "5", "--no-progress", "--no-warmup", *extra],
         capture_output=True, text=True, timeout=600)
+
+
+def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
+    out = tmp_path / "bench.json"
+    proc = _run_small(tmp_path, 6, "--backend", "jaxkv", "--backend", "jaxkv-static", "--output-json", str(out),
+                      "--profile-busy")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "39 complete records (the file is truncated" in proc.stdout
     assert "jaxkv-static" in proc.stdout and "out tok/s" in proc.stdout
@@ -103,13 +108,8 @@ def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
 def test_cprofile_saves_the_host_profile(tmp_path, gguf_path):
     """``--cprofile``: the continuous run's host Python by function, saved and printed."""
     import pstats
-    data = fake_sharegpt(tmp_path / "sharegpt.json")
     prof = tmp_path / "host.prof"
-    proc = subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset", str(data), "--num-prompts", "4", "--backend", "jaxkv",
-         "--max-model-len", "96", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-         "--num-gpu-blocks", "24", "--output-len", "5", "--no-progress", "--no-warmup", "--cprofile", str(prof)],
-        capture_output=True, text=True, timeout=600)
+    proc = _run_small(tmp_path, 4, "--backend", "jaxkv", "--cprofile", str(prof))
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {fn for _, _, fn in pstats.Stats(str(prof)).stats}
     assert {"schedule", "update_from_output"} <= names and "Ordered by: cumulative time" in proc.stdout
