@@ -66,12 +66,16 @@ def _record_decode_rows(engine: jaxkv.LLMEngine) -> list[tuple[int, int]]:
     return rows
 
 
-def print_decode_census(rows: list[tuple[int, int]], bins=((1, 8), (9, 32), (33, 64), (65, 128), (129, 256),
-                                                           (257, 1 << 30))) -> None:
+def print_decode_census(rows: list[tuple[int, int]], loop_len: int,
+                        bins=((1, 8), (9, 32), (33, 64), (65, 128), (129, 256), (257, 1 << 30))) -> None:
     """Decode model steps by running rows: how much of the run is the tail, where a few long requests
-    decode alone and every kernel is small."""
+    decode alone and every kernel is small. Every loop computes ``loop_len`` iterations (the scan has no
+    skip), so iterations past a loop's own step count are wasted device work: printed too."""
     total = sum(n for _, n in rows) or 1
-    print(f"decode-loop model steps by running rows ({total} steps in {len(rows)} loops):")
+    computed = loop_len * len(rows)
+    print(f"decode-loop model steps by running rows ({total} steps in {len(rows)} loops; the loops compute "
+          f"{computed} iterations, {computed - total} ({(computed - total) / max(computed, 1):.1%}) past every "
+          f"row's steps):")
     for lo, hi in bins:
         steps = sum(n for r, n in rows if lo <= r <= hi)
         tokens = sum(n * r for r, n in rows if lo <= r <= hi)
@@ -93,7 +97,7 @@ def run_workload(args, model_fn, vocab: int) -> int:
           f"{cpu:.2f} s, {st.steps} host round trips, {st.model_steps} model steps ({st.decode_steps} in decode "
           f"loops), {1e6 * wall / st.num_generated_tokens:.1f} us wall per output token, "
           f"max_admission_delay_steps {args.max_admission_delay_steps}, num_scheduler_steps {args.num_scheduler_steps}")
-    print_decode_census(rows)
+    print_decode_census(rows, args.num_scheduler_steps)
     return 0
 
 

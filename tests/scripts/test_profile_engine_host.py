@@ -13,9 +13,10 @@ def _module():
 
 def test_decode_census_bins_rows_and_steps(capsys):
     mod = _module()
-    mod.print_decode_census([(3, 8), (3, 2), (40, 8), (300, 1)])
+    mod.print_decode_census([(3, 8), (3, 2), (40, 8), (300, 1)], 8)
     out = capsys.readouterr().out
-    assert "(19 steps in 4 loops)" in out
+    # 4 loops of 8 iterations compute 32; 19 ran a row
+    assert "(19 steps in 4 loops; the loops compute 32 iterations, 13 (40.6%) past every row's steps)" in out
     assert re.search(r"1-8\s+rows:\s+10 steps \(\s*52.6%\),\s+30 tokens", out), out
     assert re.search(r"33-64\s+rows:\s+8 steps .*\s320 tokens", out), out
     assert re.search(r"257-9999 rows:\s+1 steps .*\s300 tokens", out), out
@@ -30,7 +31,7 @@ def test_workload_census_matches_the_engine_step_count(tmp_path, capsys):
     assert mod.main(["--workload", str(path), "--num-blocks", "64", "--max-num-seqs", "4"]) == 0
     out = capsys.readouterr().out
     decode_steps = int(re.search(r"\((\d+) in decode loops\)", out).group(1))
-    census = int(re.search(r"\((\d+) steps in \d+ loops\)", out).group(1))
+    census = int(re.search(r"\((\d+) steps in \d+ loops;", out).group(1))
     assert census == decode_steps > 0
     assert f"{sum(n for _, n in pairs)} output tokens" in out
 
