@@ -133,9 +133,9 @@ class Request:
                 self.block_hashes.append(prev)
         return self.block_hashes[:full]
 
-    def append_output_token(self, token: int) -> None:
-        self.output_token_ids.append(token)
-        self.all_token_ids.append(token)
+    def append_output_tokens(self, tokens: list[int]) -> None:
+        self.output_token_ids.extend(tokens)
+        self.all_token_ids.extend(tokens)
 
     def __repr__(self) -> str:
         return (f"Request({self.request_id!r}, {self.status.name}, prompt={self.num_prompt_tokens}, "

@@ -267,19 +267,7 @@ class Scheduler:
             if req.is_finished:  # stopped by an earlier step's token, or aborted: a wasted token
                 continue
             req.num_output_placeholders -= expected
-            chunk = tokens[:expected]
-            if req.stop_ids_for_min_tokens.isdisjoint(chunk):  # no stop token: only the length cap
-                new = chunk[:req.max_tokens - req.num_output_tokens]
-                req.output_token_ids.extend(new)
-                req.all_token_ids.extend(new)
-                if req.num_output_tokens >= req.max_tokens:
-                    req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            else:
-                new = []
-                for t in chunk:
-                    if self._append(req, t, new):
-                        break
-            req.new_token_ids = new
+            req.new_token_ids = new = self._append(req, tokens[:expected])
             if req.is_finished:
                 self._remove(req)
             else:
@@ -299,18 +287,26 @@ class Scheduler:
             self.kv_cache_manager.cache_blocks(req)
         self.kv_cache_manager.free(req)
 
-    def _append(self, req: Request, token: int, new: list[int]) -> bool:
-        """vLLM ``check_stop``: stop tokens (not kept, per jaxkv's contract), then the length cap."""
-        if req.num_output_tokens >= req.sampling_params.min_tokens:
-            if token in req.stop_token_ids:
-                req.status, req.stop_reason = RequestStatus.FINISHED_STOPPED, token
-                return True
-            if token in req.eos_token_ids:
-                req.status = RequestStatus.FINISHED_STOPPED
-                return True
-        req.append_output_token(token)
-        new.append(token)
-        if req.num_output_tokens >= req.max_tokens:
-            req.status = RequestStatus.FINISHED_LENGTH_CAPPED
-            return True
-        return False
+    @staticmethod
+    def _append(req: Request, tokens: list[int]) -> list[int]:
+        """vLLM ``check_stop`` over one row's sampled ``tokens``, in order: a stop token (counted only once
+        ``min_tokens`` are generated; not kept, per jaxkv's contract) ends the request, then the length
+        cap. Appends the kept tokens (one list extend; the per-token scan runs only when a token could
+        stop it) and returns them."""
+        room = req.max_tokens - req.num_output_tokens
+        stop_at = None
+        if not req.stop_ids_for_min_tokens.isdisjoint(tokens):
+            first_counted = req.sampling_params.min_tokens - req.num_output_tokens
+            stop_at = next((i for i, t in enumerate(tokens)
+                            if i >= first_counted and t in req.stop_ids_for_min_tokens), None)
+        if stop_at is not None and stop_at < room:  # reached before the length cap
+            kept = tokens[:stop_at]
+            token = tokens[stop_at]
+            req.status = RequestStatus.FINISHED_STOPPED
+            req.stop_reason = token if token in req.stop_token_ids else None  # EOS: no stop reason
+        else:
+            kept = tokens[:room]
+            if len(kept) == room:
+                req.status = RequestStatus.FINISHED_LENGTH_CAPPED
+        req.append_output_tokens(kept)
+        return kept

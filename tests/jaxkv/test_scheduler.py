@@ -109,6 +109,43 @@ def test_stop_checks_eos_stop_tokens_min_tokens():
     assert s.kv_cache_manager.num_free_blocks == 16 - 2  # finished requests freed their blocks
 
 
+def test_a_rows_tokens_stop_as_a_per_token_check_would():
+    """A device loop hands back several tokens per row: the first stop token counted after
+    ``min_tokens`` ends the request before the length cap, as vLLM's ``check_stop`` token by token."""
+    import random
+
+    def per_token(req, tokens):  # the reference: vLLM's check_stop, one token at a time
+        kept, status, reason = [], RequestStatus.RUNNING, None
+        for t in tokens:
+            if len(req.output_token_ids) + len(kept) >= req.sampling_params.min_tokens:
+                if t in req.stop_token_ids:
+                    status, reason = RequestStatus.FINISHED_STOPPED, t
+                    break
+                if t in req.eos_token_ids:
+                    status = RequestStatus.FINISHED_STOPPED
+                    break
+            kept.append(t)
+            if len(req.output_token_ids) + len(kept) >= req.max_tokens:
+                status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+        return kept, status, reason
+
+    rng = random.Random(0)
+    for i in range(400):
+        max_tokens = rng.randint(1, 10)
+        req = _req(i, 3, max_tokens=max_tokens, min_tokens=rng.randint(0, max_tokens),
+                   stop_token_ids=rng.choice([[], [9], [7, 9]]), ignore_eos=rng.random() < 0.3)
+        done = rng.randint(0, req.max_tokens - 1)  # tokens generated before this step
+        req.append_output_tokens([1] * done)
+        req.status = RequestStatus.RUNNING
+        # the scheduler never hands back more than the room left; longer rows check the cap's order too
+        tokens = [rng.choice([1, 2, 7, 9]) for _ in range(rng.randint(0, req.max_tokens - done + 2))]
+        want = per_token(req, tokens)
+        got = Scheduler._append(req, tokens)
+        assert (got, req.status, req.stop_reason) == want, (i, tokens)
+        assert req.output_token_ids == [1] * done + got
+
+
 def test_prefix_hits_and_cached_blocks_become_evictable():
     s = _scheduler(prefix=True)
     a = _req(1, 10, max_tokens=1)
