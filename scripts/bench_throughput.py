@@ -396,7 +396,6 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     engine = llm.engine
     engine.reset_prefix_cache()
     before = engine.stats
-    runner_before = (engine.runner.transfer_s, engine.runner.call_s)
     name = "jaxkv-static" if static else "jaxkv"
     bar, update = _progress(len(requests), name, progress)
     finish_times_us: list[int] = []
@@ -460,8 +459,8 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                   round_trips=after.steps - before.steps, model_steps=after.model_steps - before.model_steps,
                   host_s=(after.step_s - after.device_wait_s) - (before.step_s - before.device_wait_s),
                   wait_s=after.device_wait_s - before.device_wait_s,
-                  **{k: getattr(after, k) - getattr(before, k) for k in ("schedule_s", "execute_s", "update_s")},
-                  transfer_s=engine.runner.transfer_s - runner_before[0], call_s=engine.runner.call_s - runner_before[1])
+                  **{k: getattr(after, k) - getattr(before, k)
+                     for k in ("schedule_s", "execute_s", "update_s", "transfer_s", "call_s")})
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,

@@ -55,6 +55,8 @@ class EngineStats:
             compiled.
         schedule_s, execute_s, update_s: the host's part of ``step_s`` by phase: scheduling, building and
             dispatching the step's inputs, applying the sampled tokens (outputs included).
+        transfer_s, call_s: of ``execute_s`` (warm-up included), the input transfers and the time inside
+            the jitted calls (which return at once unless the program makes the host wait).
     """
 
     num_running: int
@@ -77,6 +79,8 @@ class EngineStats:
     schedule_s: float = 0.0
     execute_s: float = 0.0
     update_s: float = 0.0
+    transfer_s: float = 0.0
+    call_s: float = 0.0
 
     @property
     def gpu_idle_share(self) -> float:
@@ -200,7 +204,8 @@ class LLMEngine:
         return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
                            kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
-                           num_buckets=self.num_buckets, **self._counters)
+                           num_buckets=self.num_buckets, transfer_s=self.runner.transfer_s,
+                           call_s=self.runner.call_s, **self._counters)
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``

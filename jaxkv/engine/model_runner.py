@@ -445,31 +445,30 @@ class ModelRunner:
 
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, prev_tokens, *, max_query_len: int):
         ints, floats, layout = _pack(inputs | _sampling_dict(sampling))
-        t0 = time.perf_counter()
-        ints, floats = jax.device_put((ints, floats))
-        t1 = time.perf_counter()
-        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, ints, floats,
-                                                     self._prev(prev_tokens), layout=layout,
-                                                     max_query_len=max_query_len,
-                                                     top_k_top_p=_filters(sampling))
-        self._note_dispatch(t0, t1)
+        tokens, logits = self._dispatch(self._mixed, ints, floats, self._prev(prev_tokens), layout=layout,
+                                        max_query_len=max_query_len, top_k_top_p=_filters(sampling))
         return tokens, logits
 
     def _run_decode(self, arrays: dict, sampling: SamplingArrays, prev_tokens):
         ints, floats, layout = _pack(arrays | _sampling_dict(sampling))
-        t0 = time.perf_counter()
-        ints, floats = jax.device_put((ints, floats))
-        t1 = time.perf_counter()
-        out, last, logits, self.kv_caches = self._decode(self.params, self.kv_caches, ints, floats,
-                                                         self._prev(prev_tokens), layout=layout,
-                                                         top_k_top_p=_filters(sampling))
-        self._note_dispatch(t0, t1)
-        return out, last, logits
+        return self._dispatch(self._decode, ints, floats, self._prev(prev_tokens), layout=layout,
+                              top_k_top_p=_filters(sampling))
 
-    def _note_dispatch(self, t0: float, t1: float) -> None:
-        """Host seconds in the input transfer (``t0..t1``) and in the jitted call (``t1..now``)."""
+    def _put_packed(self, ints: np.ndarray, floats: np.ndarray):
+        """The packed host buffers on the device (one batched transfer)."""
+        return jax.device_put((ints, floats))
+
+    def _dispatch(self, step, ints, floats, *args, **static):
+        """Transfer the packed buffers and call the jitted ``step`` (caches donated and replaced);
+        returns its outputs but the caches. Adds the host seconds of the transfer to ``transfer_s`` and
+        of the call to ``call_s``."""
+        t0 = time.perf_counter()
+        ints, floats = self._put_packed(ints, floats)
+        t1 = time.perf_counter()
+        *out, self.kv_caches = step(self.params, self.kv_caches, ints, floats, *args, **static)
         self.transfer_s += t1 - t0
         self.call_s += time.perf_counter() - t1
+        return out
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
         """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then run each once

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import time
 
 import jax
 import numpy as np
@@ -194,12 +193,12 @@ class DataParallelModelRunner(ModelRunner):
     # -- packed inputs: one int32 and one float32 row per rank -----------------------------------------
     def _pack_ranks(self, parts):
         """``parts``: per rank, its ``(inputs, sampling)``. Returns the ``[dp, n]`` host buffers and
-        their (common) layout; :meth:`_put_ranks` moves them to the mesh."""
+        their (common) layout; :meth:`_put_packed` moves them to the mesh."""
         packed = [_pack(inputs | _sampling_dict(sampling)) for inputs, sampling in parts]
         return np.stack([p[0] for p in packed]), np.stack([p[1] for p in packed]), packed[0][2]
 
-    def _put_ranks(self, ints, floats):
-        """The packed buffers on the mesh, row ``d`` on rank ``d``."""
+    def _put_packed(self, ints, floats):
+        """The ``[dp, n]`` packed buffers on the mesh, row ``d`` on rank ``d``."""
         return jax.device_put((ints, floats), self._rank_rows)
 
     def _unpack_ranks(self, ints, floats, layout):
@@ -235,7 +234,8 @@ class DataParallelModelRunner(ModelRunner):
     def _sample(self, logits, sampling, top_k_top_p):
         """Per ``dp`` rank (sampling is row-wise): its rows' logits, parameters and stop-id masks stay
         on it."""
-        return jax.shard_map(functools.partial(sample_tokens_per_row, top_k_top_p=top_k_top_p), mesh=self.mesh, in_specs=(P(DP, None), P(DP)),
+        sample = functools.partial(sample_tokens_per_row, top_k_top_p=top_k_top_p)
+        return jax.shard_map(sample, mesh=self.mesh, in_specs=(P(DP, None), P(DP)),
                              out_specs=P(DP), axis_names={DP}, check_vma=False)(logits, sampling)
 
     def _split(self, sched):
@@ -275,15 +275,9 @@ class DataParallelModelRunner(ModelRunner):
 
     def _dispatch_mixed(self, parts, out_rows, t, prev_tokens):
         ints, floats, layout = self._pack_ranks(parts)
-        top_k_top_p = any(_filters(sp) for _, sp in parts)
-        t0 = time.perf_counter()
-        ints, floats = self._put_ranks(ints, floats)
-        t1 = time.perf_counter()
-        tokens, logits, self.kv_caches = self._mixed(self.params, self.kv_caches, ints, floats,
-                                                     self._prev(prev_tokens),
-                                                     jax.device_put(out_rows, self._replicated),
-                                                     layout=layout, max_query_len=t, top_k_top_p=top_k_top_p)
-        self._note_dispatch(t0, t1)
+        tokens, logits = self._dispatch(self._mixed, ints, floats, self._prev(prev_tokens),
+                                        jax.device_put(out_rows, self._replicated), layout=layout,
+                                        max_query_len=t, top_k_top_p=any(_filters(sp) for _, sp in parts))
         return tokens, logits
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
@@ -296,15 +290,9 @@ class DataParallelModelRunner(ModelRunner):
 
     def _dispatch_decode(self, parts, order, prev_tokens):
         ints, floats, layout = self._pack_ranks(parts)
-        top_k_top_p = any(_filters(sp) for _, sp in parts)
-        t0 = time.perf_counter()
-        ints, floats = self._put_ranks(ints, floats)
-        t1 = time.perf_counter()
-        out, last, logits, self.kv_caches = self._decode(
-            self.params, self.kv_caches, ints, floats, self._prev(prev_tokens),
-            jax.device_put(order, self._replicated), layout=layout, top_k_top_p=top_k_top_p)
-        self._note_dispatch(t0, t1)
-        return out, last, logits
+        return self._dispatch(self._decode, ints, floats, self._prev(prev_tokens),
+                              jax.device_put(order, self._replicated), layout=layout,
+                              top_k_top_p=any(_filters(sp) for _, sp in parts))
 
     def _warmup_batches(self, top_k_top_p: bool = False) -> None:
         """One all-padding call per bucket (nothing is written); :meth:`ModelRunner.warmup` lowers

@@ -100,6 +100,8 @@ def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
     # the host work by phase adds up to at most the host work (the rest is step()'s own bookkeeping)
     phases = j["schedule_s"] + j["execute_s"] + j["update_s"]
     assert min(j["schedule_s"], j["execute_s"], j["update_s"]) > 0 and phases <= j["host_s"]
+    # the dispatch's own split: the input transfer and the jitted call are part of execute_s
+    assert j["transfer_s"] > 0 and j["call_s"] > 0 and j["transfer_s"] + j["call_s"] <= j["execute_s"]
     # a CPU trace has no GPU plane: the busy share is absent, and the script says why
     assert "--profile-busy: no GPU stream events" in proc.stdout
     assert by["jaxkv"]["gpu_busy_share_trace"] is None
