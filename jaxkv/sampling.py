@@ -85,11 +85,15 @@ def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -
     return jnp.where(logits >= cutoff[:, None], logits, -jnp.inf)
 
 
+def _rows_filter(temperature, top_p, top_k):
+    """Per row (NumPy or JAX arrays): sampled (``temperature > 0``) and filtered by top-p or top-k."""
+    return (temperature > 0) & ((top_p < 1) | (top_k > 0))
+
+
 def needs_top_k_top_p(temperature, top_p, top_k) -> bool:
-    """Host (NumPy) check: does any sampled row (``temperature > 0``) filter by top-p or top-k? The
-    engine passes the answer to :func:`sample_tokens_per_row` as a static flag."""
-    return bool(np.any((np.asarray(temperature) > 0)
-                       & ((np.asarray(top_p) < 1) | (np.asarray(top_k) > 0))))
+    """Host (NumPy) check: does any sampled row filter by top-p or top-k? The engine passes the answer
+    to :func:`sample_tokens_per_row` as a static flag."""
+    return bool(np.any(_rows_filter(np.asarray(temperature), np.asarray(top_p), np.asarray(top_k))))
 
 
 def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
@@ -120,7 +124,7 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
     if top_k_top_p is None:
-        needs_filter = jnp.any((params.temperature > 0) & ((params.top_p < 1) | (params.top_k > 0)))
+        needs_filter = jnp.any(_rows_filter(params.temperature, params.top_p, params.top_k))
         scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k,
                               params.top_p)
     elif top_k_top_p:
