@@ -18,10 +18,11 @@
 #   stage idle2   : (after idle1) 32 decode steps per round trip (the tail decodes alone: nothing waits),
 #                   max_num_seqs 1024 (vLLM's offline default on 80 GB GPUs), then XLA command buffers off.
 #   stage mgpu-step: (carries .dummy) the SmolLM2 decode step, Triton vs Mosaic GPU kernels (issue 13).
-#   stage host1   : (carries .dummy with requests-4000.json) is the engine host-bound? 4000 requests with
-#                   max_admission_delay_steps 0 and 8, then 16- and 32-step decode loops, each printing its host
-#                   loop split (host work vs waiting per round trip) and NVML busy; then the warm-up one bucket at a time
-#                   (--warmup-workers 1, no persistent cache) against the first run's concurrent warm-up.
+#   stage host1   : (carries .dummy with requests-1000/4000.json) is the engine host-bound? HOST1_RUNS (default:
+#                   1000 requests with 8- and 32-step loops, 4000 with admission delay 0 and 8, and 32-step loops),
+#                   each printing its host loop split (host work by phase vs waiting per round trip) and NVML busy;
+#                   with HOST1_WARMUP_AB=1 also the warm-up one bucket at a time (--warmup-workers 1, no
+#                   persistent cache) against the first run's concurrent warm-up.
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
 #                   serving benchmark at three rates through scripts/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
@@ -92,9 +93,8 @@ host1)  # carries .dummy (header GGUF, requests-1000/4000.json, gguf wheel)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dummy/*.whl
   D="python scripts/bench_throughput.py --model .dummy/smollm2-header.gguf --load-format dummy --requests .dummy/requests-4000.json --backend jaxkv --num-gpu-blocks 16384 --no-progress --nvml-busy"
   nvidia-smi --query-gpu=name --format=csv,noheader | tee $OUT/device.txt
-  # delay 0 and 8 with 8-step loops; then 16- and 32-step loops (on the CPU dev box the host wall of this
-  # workload fell 9.6 -> 6.9 -> 5.1 s, the model steps rose 4533 -> 4582 -> 4696: docs/perf-notes.md)
-  # HOST1_RUNS: requests,delay,loop triples (default: the session-8 run's five)
+  # HOST1_RUNS: requests,delay,loop triples (default: the five of session 8's first run,
+  # docs/logs/host1-before-h100.txt)
   for run in ${HOST1_RUNS:-1000,8,8 1000,8,32 4000,0,8 4000,8,8 4000,32,32}; do
     set -- ${run//,/ }
     echo "\$ XLA_PYTHON_CLIENT_MEM_FRACTION=0.5 ${D/requests-4000/requests-$1} --num-prompts $1 --max-admission-delay-steps $2 --num-scheduler-steps $3 --compilation-cache-dir /tmp/jaxcache" | tee -a $OUT/host1.txt

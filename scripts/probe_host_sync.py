@@ -8,11 +8,14 @@ waits. Control flow whose predicate lives on the device can break that on GPU: X
 branch, unless the conditional is recorded into a CUDA graph with conditional nodes (command buffer type
 ``CONDITIONAL``). Then the call itself returns only after the work that computes the predicate is done.
 
-For four programs (heavy work alone, heavy work then a ``lax.cond``, a ``lax.scan`` whose body holds a
-``lax.cond`` as the engine's decode loop does, and the same with the body's cond replaced by a select)
-this prints the time until the call returns ("dispatch") and until the result is ready ("total"), with
+For seven small programs (heavy work alone; then a ``lax.cond`` with trivial branches; a ``lax.scan``
+whose body holds a ``lax.cond`` as the engine's decode loop did; the same with a select; a cond whose
+branch sorts, as the sampler's top-k/top-p filter did; both in one scan; a scan drawing per-row random
+tokens) this prints the time until the call returns ("dispatch") and until the result is ready ("total"), with
 XLA's default command buffers and with ``CONDITIONAL``/``WHILE`` added through ``jax.jit``'s
-``compiler_options``. A dispatch close to the total means the call blocked.
+``compiler_options``. A dispatch close to the total means the call blocked. Then, while a heavy program
+is queued, how long a ``device_put``, a call with a NumPy argument and a call donating a busy buffer take
+to return.
 """
 
 from __future__ import annotations
