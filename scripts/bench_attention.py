@@ -67,6 +67,29 @@ def _timer():
     return cupti, "CUPTI device time per call (all kernels of the call)"
 
 
+def kernel_breakdown(fn, args, iters=10):
+    """``[(kernel name, µs per call)]`` of one jitted call, longest first (CUPTI through torch's profiler):
+    where a call's device time goes (the kernel itself vs the XLA ops around it). Empty without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return []
+    jax.block_until_ready(fn(*args))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        outs = [fn(*args) for _ in range(iters)]
+        jax.block_until_ready(outs[-1])
+    rows = [(e.key, e.device_time_total / iters) for e in prof.key_averages() if e.device_time_total > 0]
+    return sorted(rows, key=lambda r: -r[1])
+
+
+def print_breakdown(label, fn, args):
+    rows = kernel_breakdown(fn, args)
+    if rows:
+        total = sum(t for _, t in rows)
+        print(f"      {label} kernels ({total:.1f} µs per call): "
+              + "; ".join(f"{name[:48]} {t:.1f}" for name, t in rows[:6]), flush=True)
+
+
 def _make_inputs(rng, batch, ctx, num_sets):
     pages_per_seq = ctx // BLOCK_SIZE
     num_blocks = batch * pages_per_seq
@@ -91,6 +114,9 @@ def main(argv=None) -> int:
     p.add_argument("--quick", action="store_true", help="fewer variants")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="also write the GB/s table here (for plots)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="prefill: also print each kernel's device time per call (the kernel vs the XLA ops "
+                        "around it) for cuDNN and the Mosaic variants")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
                         "paged_prefill_attention_mgpu)")
@@ -115,7 +141,8 @@ def main(argv=None) -> int:
     if args.mode == "write":
         return bench_write(time_calls, copy_gbs)
     if args.mode == "prefill":
-        return bench_prefill(time_calls, args.iters, sweep=not args.quick, mosaic=not args.no_mosaic)
+        return bench_prefill(time_calls, args.iters, sweep=not args.quick, mosaic=not args.no_mosaic,
+                             breakdown=args.breakdown)
 
     ours = {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
@@ -298,7 +325,7 @@ def _paged_dense(rng, batch, length, key):
     return (q, k, v, *_pages(rng, k, v, BLOCK_SIZE))
 
 
-def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
+def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False) -> int:
     """Paged prefill kernels (Triton; Mosaic GPU) vs cuDNN dense causal attention on the same Q/K/V
     (TFLOP/s, causal FLOPs), then chunked prefill (a 512-token chunk over a cached context)."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
@@ -337,6 +364,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
             t_cudnn = statistics.median(time_calls(cudnn, [(q, k, v)], iters))
             cudnn_tfs = flops / t_cudnn / 1e12
             row = f"{batch:>5} {length:>5} {flops / t_ours / 1e12:>10.1f} {cudnn_tfs:>11.1f} {t_cudnn / t_ours:>6.2f}"
+            breakdowns = []
             for name, kw in variants.items():
                 kw, vargs = dict(kw), args
                 if "block_size" in kw:  # the same K/V in larger pages
@@ -345,7 +373,14 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True) -> int:
                                                **kw))
                 tfs = _mosaic_prefill_try(name, fn, vargs, diff, iters, time_calls, flops)
                 row += f" {tfs:>16.1f} {tfs / cudnn_tfs:>6.2f}" if tfs else f" {'-':>16} {'-':>6}"
+                if breakdown and tfs:
+                    breakdowns.append((name, fn, vargs))
             print(row, flush=True)
+            if breakdown:
+                print_breakdown("cudnn", cudnn, (q, k, v))
+                print_breakdown("ours (Triton)", ours, args)
+                for bd in breakdowns:
+                    print_breakdown(*bd)
             if sweep and (batch, length) in ((1, 8192), (8, 2048)):
                 for kw in PREFILL_SWEEP:
                     fn = jax.jit(functools.partial(paged_prefill_attention, scale=scale, max_query_len=length,

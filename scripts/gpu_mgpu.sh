@@ -16,6 +16,7 @@
 #   bench-prefill-mgpu.txt  scripts/bench_attention.py --mode prefill --quick: Triton vs Mosaic vs cuDNN TF/s
 #                         (batch 1/8 x 512/2048/8192), then a 512-token chunk over a 4k / 16k cached context
 # Each stage has its own timeout, so a hang or a compile failure in one still leaves the others' logs.
+# PREFILL_BENCH_ARGS adds bench_attention.py flags (e.g. --breakdown: each kernel's time per call).
 # Usage (device tool, repository root): SECTIONS=prefill OUT=... bash scripts/gpu_mgpu.sh
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -55,6 +56,6 @@ JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} timeout 200 python -m pytest -q -p no:cac
   2>&1 | quiet | tail -80 | tee -a "$OUT/mgpu-prefill-tests.txt"
 
 echo '$ python scripts/bench_attention.py --mode prefill --quick' | tee "$OUT/bench-prefill-mgpu.txt"
-timeout 180 python scripts/bench_attention.py --mode prefill --quick --iters 10 \
+timeout 180 python scripts/bench_attention.py --mode prefill --quick --iters 10 ${PREFILL_BENCH_ARGS:-} \
   2>&1 | quiet | tee -a "$OUT/bench-prefill-mgpu.txt"
 fi
