@@ -37,21 +37,9 @@ def produce_kv_ring(kv_ref, tables_ref, s, h, *, step_token: Callable, num_steps
         k_smem, v_smem: the rings; k_bars, v_bars: one barrier per slot (``block_kv // tokens_per_copy``
             arrivals); k_consumed, v_consumed: the consumers' barriers per slot.
     """
-    num_blocks, block_size = kv_ref.shape[1], kv_ref.shape[3]
-    copies = block_kv // tokens_per_copy
-
     def issue(i, slot, cache, tiles, bars):
-        t0 = step_token(i)
-        for c in range(copies):
-            token = t0 + c * tokens_per_copy
-            page = token // block_size
-            page_id = tables_ref[s, page]
-            page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
-            offset = token % block_size if tokens_per_copy < block_size else 0
-            plgpu.copy_gmem_to_smem(
-                kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
-                tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
-                bars.at[slot])
+        issue_kv_step(kv_ref, tables_ref, s, h, step_token(i), slot, cache, tiles, bars, num_pages=num_pages,
+                      block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
     for i in range(num_stages):                              # fill the ring
         @pl.when(i < num_steps)
@@ -66,3 +54,21 @@ def produce_kv_ring(kv_ref, tables_ref, s, h, *, step_token: Callable, num_steps
         issue(i + num_stages, slot, 0, k_smem, k_bars)
         plgpu.barrier_wait(v_consumed.at[slot])
         issue(i + num_stages, slot, 1, v_smem, v_bars)
+
+
+def issue_kv_step(kv_ref, tables_ref, s, h, t0, slot, cache: int, tiles, bars, *, num_pages, block_kv: int,
+                  tokens_per_copy: int) -> None:
+    """The TMA copies of one step: K (``cache`` 0) or V (1) of tokens ``[t0, t0 + block_kv)`` of sequence
+    ``s``, KV head ``h``, into ``tiles[slot]``, arriving on ``bars[slot]`` (``block_kv // tokens_per_copy``
+    copies, one per page or page slice). Pages at or past ``num_pages`` are read from block 0."""
+    num_blocks, block_size = kv_ref.shape[1], kv_ref.shape[3]
+    for c in range(block_kv // tokens_per_copy):
+        token = t0 + c * tokens_per_copy
+        page = token // block_size
+        page_id = tables_ref[s, page]
+        page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
+        offset = token % block_size if tokens_per_copy < block_size else 0
+        plgpu.copy_gmem_to_smem(
+            kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
+            tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
+            bars.at[slot])

@@ -1,9 +1,10 @@
-"""Query tiles of a varlen batch, flattened: the grid of the paged prefill kernels (Triton and Mosaic GPU).
+"""Query tiles of a varlen batch, flattened: the grid of the Triton paged prefill kernel.
 
 Every sequence's new tokens (``query_start_loc``) are split into tiles of ``tokens_per_tile`` tokens,
 sequences back to back, so a kernel launches one program per tile that holds a query row instead of
 ``num_seqs x cdiv(max_query_len, tokens_per_tile)`` (vLLM's unified attention walks its "q blocks" the
-same way). Host-side XLA ops on ``int32`` vectors, run once per call before the kernel.
+same way). Host-side XLA ops on ``int32`` vectors, run once per call before the kernel. (The Mosaic GPU
+prefill kernel tiles the flat token range instead and finds a tile's sequences inside the kernel.)
 """
 
 from __future__ import annotations

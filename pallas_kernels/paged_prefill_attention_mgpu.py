@@ -8,40 +8,41 @@ sends everything else to the Triton-lowered kernel with that reason.
 
 Layout. The cache is the Pallas backend's ``[2, num_blocks, num_kv_heads, block_size, head_size]``
 unchanged: one page of one KV head is a contiguous ``block_size x head_size`` tile, one 2-D TMA box.
-Queries are re-packed on the host (one XLA gather) into ``[num_kv_heads, num_programs * TT * group_p,
-head_size]``: row ``(tile_token * group_p + g)``, i.e. query tokens x the KV group's query heads (padded to
-``group_p``, a power of two <= 64) packed into the rows of 64-row ``wgmma`` tiles of ``T = 64 / group_p``
-tokens; every sequence's tokens start at a program boundary (``TT = num_consumers * T`` tokens per program),
-so a program never straddles two sequences and its output tile never overwrites another sequence's rows.
-The output comes back in the same packed layout and one gather returns it to ``[num_tokens, num_heads,
-head_size]`` (tokens past ``query_start_loc[-1]`` give 0).
+``q`` and the output keep their ``[num_tokens, num_heads, head_size]`` layout: a consumer's 64 query rows
+are 64 consecutive tokens of one query head, one strided 2-D TMA box in and one out (FlashAttention-3's
+and JAX's ``attention_mgpu`` tiling), so no XLA pass packs or unpacks them. ``q`` is padded with zero rows
+to a whole number of programs only when ``num_tokens`` is not one.
 
-Grid ``(num_kv_heads, num_programs)``, ``num_programs = cdiv(num_tokens, TT) + num_seqs`` (a static bound
-on the sum of ``cdiv(query_len, TT)``; the extra programs find no rows and exit), run in reverse order so
-that a sequence's last tiles, which see the most keys, start first. Each program has ``num_consumers + 1``
-warpgroups:
+Grid ``(num_tiles, num_heads)``, ``num_tiles = cdiv(num_tokens, TT)``, ``TT = num_consumers * 64`` tokens:
+one program is one query head (the fastest grid axis, so the query heads of one KV head, which read the
+same pages, run side by side and share them through L2) over ``TT`` consecutive tokens of the flattened
+batch, last tiles first (a sequence's last tokens see the most keys). A program's tokens may belong to
+several sequences (and past ``query_start_loc[-1]``, to none): it finds the first and last by binary
+search over ``query_start_loc`` and walks, sequence by sequence, the keys its rows of that sequence see
+(from the sliding-window start of the first row to the causal end of the last: pages outside are never
+read). Each program has ``num_consumers + 1`` warpgroups:
 
-* the *memory* warpgroup walks the program's key range ``block_kv`` tokens a step (from the sliding-window
-  start of its first token to the causal end of its last: pages outside are never read) and issues one TMA
-  copy per page (or page slice) into slot ``step % num_stages`` of a shared-memory ring of K and of V
-  tiles, the page ids read from the block table. A slot is refilled once every consumer arrived on its
-  "consumed" barrier.
-* each *consumer* warpgroup owns one 64-row query tile (its own Q tile in shared memory), computes
-  ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma`` and keeps an online softmax in float32 with ``exp2``
-  (``log2 e`` folded into the logit scale). Steps wholly below its first query (and no window) run without
-  a mask; the diagonal and window steps are masked; steps of the program outside its own range (the other
-  consumer's diagonal, an earlier window start) are only waited on and released, so every warpgroup sees
-  every barrier phase.
+* the *memory* warpgroup issues one TMA copy per page (or page slice) of each ``block_kv``-token step
+  into slot ``step % num_stages`` of a shared-memory ring of K and of V tiles, the page ids read from the
+  block table; the step counter runs on across sequences. A slot is refilled once every consumer arrived
+  on its "consumed" barrier.
+* each *consumer* warpgroup owns 64 tokens (its own Q tile in shared memory), computes ``S = Q Kᵀ`` and
+  ``O += P V`` with ``wgmma`` and keeps an online softmax in float32 with ``exp2`` (``log2 e`` folded into
+  the logit scale). Steps wholly below its first query, with all 64 rows in the step's sequence and no
+  window, run without a mask; the others are masked; steps of the program it has no rows for are only
+  waited on and released, so every warpgroup sees every barrier phase. With two consumers a scheduling
+  barrier makes them take turns on the tensor cores (one's softmax runs during the other's ``wgmma``:
+  FA3's ping-pong, as in JAX's ``attention_mgpu``).
 
 What is masked and why. A masked step gives ``-inf`` logits to keys after the row's token (causal), at or
-before ``token - sliding_window`` (window), and to every key of rows past the sequence's new tokens (their
-output is never gathered back; padded head rows hold zero queries and are dropped the same way). Keys at or past ``seq_len`` (the tail of the last page, pages past
-the sequence's end, redirected to block 0) and, with a window, keys before the program's window start
-(pages a sliding-window model may have freed, read because they share a step with visible keys) may hold
-NaN, and ``0 * NaN`` is NaN in ``P V``: in the steps that hold such keys the consumers zero those V rows
-in shared memory before ``P V`` (both consumers may write the same values to the shared tile: a race of
-identical values), and their logits are ``-inf`` so NaN keys never reach the softmax. Unmasked steps lie
-wholly below the tile's first query, inside the owned pages, with no window.
+before ``token - sliding_window`` (window), and to every key of rows of another sequence or past
+``query_start_loc[-1]`` (their softmax state is untouched: ``p = 0``, ``alpha = 1``). Keys at or past
+``seq_len`` (the tail of the last page, pages past the sequence's end, redirected to block 0) and, with a
+window, keys before the window start of the program's first row of that sequence (pages a
+sliding-window model may have freed, read because they share a step with visible keys) may hold NaN, and
+``0 * NaN`` is NaN in ``P V``: in the steps that hold such keys the consumers zero those V rows in shared
+memory before ``P V`` (both consumers may write the same values to the shared tile: a race of identical
+values), and their logits are ``-inf`` so NaN keys never reach the softmax. Rows that see no key give 0.
 
 ``P`` goes from registers straight into the ``P V`` ``wgmma`` with the running accumulator updated in
 place (FA3) in the compiled kernel; the Mosaic GPU interpreter runs ``wgmma`` only from shared memory and
@@ -51,7 +52,7 @@ sm_90 in the tests.
 
 Falls back (``unsupported_reason``): float32 queries (``wgmma`` has no f32 path), an fp8 cache (not yet
 here: the Triton kernel dequantises it), head sizes other than 64/128/256, more than 64 query heads per KV
-head, block sizes that are not a power of two >= 8, ALiBi.
+head (the decode kernel's rule, shared), block sizes that are not a power of two >= 8, ALiBi.
 
 In the interpreter the default is one consumer: with three warpgroups (three CPU threads each running an
 XLA computation that blocks in barrier callbacks) the interpreter intermittently deadlocks on the 2-core CPU
@@ -74,9 +75,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._mgpu_paging import produce_kv_ring
+from pallas_kernels._mgpu_paging import issue_kv_step
 from pallas_kernels._reference import kv_scales
-from pallas_kernels._tiles import query_tiles
 from pallas_kernels.paged_attention import FP8_DTYPES
 from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
 from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
@@ -100,81 +100,96 @@ def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, hea
                                      alibi=alibi)
 
 
-def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, tables_ref, q_ref, kv_ref,
-                    scales_ref, o_ref, scratch, *, scale: float, block_kv: int, tokens_per_copy: int,
-                    num_stages: int, num_consumers: int, group_p: int, num_programs: int,
-                    sliding_window: int | None,
-                    logits_soft_cap: float | None, pv_from_smem: bool, set_registers: bool):
-    (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed) = scratch
+def _seq_of(qsl_ref, token, num_seqs: int):
+    """The sequence that owns flat token ``token``: the largest ``s < num_seqs`` with
+    ``query_start_loc[s] <= token`` (0 when there is none), by binary search (scalar loads)."""
+    lo, hi = jnp.int32(0), jnp.int32(num_seqs)         # the answer lies in [lo, hi)
+    for _ in range(max(1, num_seqs.bit_length())):
+        mid = lax.div(lo + hi, 2)
+        ok = qsl_ref[mid] <= token
+        lo, hi = jnp.where(ok, mid, lo), jnp.where(ok, hi, mid)
+    return lo
+
+
+class _Segment:
+    """The rows ``[r0, r1)`` (flat token indices) of a program that belong to sequence ``s``, and the key
+    steps ``[first, end)`` they see (empty when there are none)."""
+
+    def __init__(self, qsl_ref, seq_lens_ref, s, r0, r1, *, block_kv: int, sliding_window: int | None):
+        self.q_start, self.q_next = qsl_ref[s], qsl_ref[s + 1]
+        self.seq_len = seq_lens_ref[s]
+        self.context_len = self.seq_len - (self.q_next - self.q_start)
+        a, b = jnp.maximum(self.q_start, r0), jnp.minimum(self.q_next, r1)
+        self.has_rows = b > a
+        self.pos_first = self.context_len + a - self.q_start          # position of its first row
+        kv_end = self.context_len + b - self.q_start                  # causal end of its last row (excl.)
+        self.kv_start = (0 if sliding_window is None
+                         else jnp.maximum(self.pos_first - sliding_window + 1, 0))
+        self.first = self.kv_start // block_kv
+        self.end = jnp.where(self.has_rows, (kv_end + block_kv - 1) // block_kv, self.first)
+
+
+def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, scratch, *,
+                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int, num_consumers: int,
+                    group: int, num_tiles: int, num_seqs: int, sliding_window: int | None,
+                    logits_soft_cap: float | None, pv_from_smem: bool, pingpong: bool, set_registers: bool):
+    (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed), schedule = scratch
     block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
-    tile_tokens = ROWS // group_p                        # T: query tokens of one consumer's 64-row tile
-    log2_group = group_p.bit_length() - 1
+    tile_tokens = num_consumers * ROWS
 
-    h = lax.axis_index("h")
-    tile = lax.axis_index("t")
-    tile = num_programs - 1 - tile                       # heaviest (last) tiles of each sequence first
+    qh = lax.axis_index("h")
+    h = lax.div(qh, group)                               # the KV head
+    tile = num_tiles - 1 - lax.axis_index("t")           # last tiles (most keys) first
     wg = lax.axis_index("wg")
+    tok0 = tile * tile_tokens
+    tok_end = jnp.minimum(tok0 + tile_tokens, qsl_ref[num_seqs])    # <= tok0: no rows (padding only)
+    s_first = _seq_of(qsl_ref, tok0, num_seqs)
+    s_end = jnp.where(tok_end > tok0, _seq_of(qsl_ref, tok_end - 1, num_seqs) + 1, s_first)
+    segment = functools.partial(_Segment, qsl_ref, seq_lens_ref, block_kv=block_kv,
+                                sliding_window=sliding_window)
 
-    s = tile_seq_ref[tile]
-    row0 = tile_row0_ref[tile]                           # first new token of the program (in its sequence)
-    q_len = tile_q_len_ref[tile]                         # 0: a program with no rows (nothing to do)
-    seq_len = seq_lens_ref[s]
-    context_len = seq_len - q_len
-    num_pages = (seq_len + block_size - 1) // block_size
-
-    def key_range(first_row, last_row_excl):
-        """Steps ``[first, end)`` a run of rows (new-token indices) sees; empty when it has no rows."""
-        rows_here = jnp.clip(jnp.minimum(last_row_excl, q_len) - first_row, 0, None)
-        kv_end = context_len + first_row + rows_here                         # exclusive
-        kv_start = 0 if sliding_window is None else jnp.maximum(context_len + first_row - sliding_window + 1, 0)
-        first = kv_start // block_kv
-        end = jnp.where(rows_here > 0, (kv_end + block_kv - 1) // block_kv, first)
-        return first, end, rows_here
-
-    prog_first, prog_end, _ = key_range(row0, row0 + num_consumers * tile_tokens)
-    prog_kv_start = 0 if sliding_window is None else jnp.maximum(context_len + row0 - sliding_window + 1, 0)
-    n = prog_end - prog_first                            # steps the memory warpgroup issues (may be 0)
+    def schedule_barrier():
+        if pingpong:
+            plgpu.barrier_arrive(schedule)
+            plgpu.barrier_wait(schedule)
 
     @pl.when(wg < num_consumers)
     def _consumer():
         if set_registers:
             plgpu.set_max_registers(232 if num_consumers == 2 else 240, action="increase")
-        first_row = row0 + wg * tile_tokens
-        my_first, my_end, rows_here = key_range(first_row, first_row + tile_tokens)
-        my_first = jnp.where(rows_here > 0, my_first, prog_end)
-        my_end = jnp.where(rows_here > 0, my_end, prog_end)
-        if sliding_window is None:                       # steps wholly below the tile's first query
-            my_full = jnp.clip((context_len + first_row) // block_kv, my_first, my_end)
-        else:
-            my_full = my_first
+        c0 = tok0 + wg * ROWS                            # the consumer's first token
         q_tile = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[h, pl.ds((tile * num_consumers + wg) * ROWS, ROWS)], q_tile,
-                                q_bars.at[wg])
+        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(c0, ROWS), qh], q_tile, q_bars.at[wg])
         plgpu.barrier_wait(q_bars.at[wg])
         k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
         v_scale = scales_ref[1]
         m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
         acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
+        if pingpong:
+            pl.when(wg == 1)(schedule_barrier)           # consumer 1 starts half a step behind
 
-        def skip(j, carry):
-            # A step of the program outside this tile's range: keep the barrier phases in step, release it.
-            slot = lax.rem(j - prog_first, num_stages)
+        def skip(j, g):
+            # A step of the program this consumer has no rows for: keep the barrier phases in step.
+            slot = lax.rem(g, num_stages)
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
+            schedule_barrier()
             plgpu.barrier_wait(v_bars.at[slot])
             plgpu.barrier_arrive(v_consumed.at[slot])
-            return carry
+            schedule_barrier()
+            return g + 1
 
-        def step(j, carry, *, masked: bool):
-            acc, m, l = carry
-            slot = lax.rem(j - prog_first, num_stages)
+        def step(j, carry, *, seg, prog, masked: bool):
+            g, acc, m, l = carry
+            slot = lax.rem(g, num_stages)
             t0 = j * block_kv
             plgpu.barrier_wait(k_bars.at[slot])
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+                schedule_barrier()
                 return acc_ref[...]
             logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
             plgpu.barrier_arrive(k_consumed.at[slot])
@@ -183,13 +198,12 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
                 logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
             if masked:
                 shape = (ROWS, block_kv)
-                row = plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
-                token = t0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
-                qi = first_row + lax.shift_right_logical(row, log2_group)   # new-token index of the row
-                pos = context_len + qi                                      # its position in the sequence
-                visible = (token <= pos) & (qi < q_len)
+                tok = c0 + plgpu.broadcasted_iota(jnp.int32, shape, 0, layout=plgpu.Layout.WGMMA)
+                key = t0 + plgpu.broadcasted_iota(jnp.int32, shape, 1, layout=plgpu.Layout.WGMMA)
+                pos = seg.context_len + tok - seg.q_start                 # the row's position in its sequence
+                visible = (key <= pos) & (tok >= seg.q_start) & (tok < seg.q_next)
                 if sliding_window is not None:
-                    visible &= token > pos - sliding_window
+                    visible &= key > pos - sliding_window
                 logits = jnp.where(visible, logits, -jnp.inf)
 
             m_next = jnp.maximum(m, logits.max(axis=1))
@@ -198,24 +212,30 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
             p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
             l = l * alpha + p.sum(axis=1)
             acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
+            p16 = p.astype(dtype)
+            if pingpong:
+                acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
+                plgpu.barrier_arrive(schedule)                       # softmax done
             plgpu.barrier_wait(v_bars.at[slot])
+            if pingpong:
+                plgpu.barrier_wait(schedule)                         # the tensor cores are ours
             v_tile = v_smem.at[slot]
             if masked:
                 # V rows no row of the program sees and that may hold NaN: at or past seq_len (unowned
-                # slots, block 0) and before the program's window start (pages a sliding-window model
-                # may have freed). Identical for both consumers, so their writes agree.
-                @pl.when((t0 + block_kv > seq_len) | (t0 < prog_kv_start))
+                # slots, block 0) and before the window start of the program's first row of this sequence
+                # (pages a sliding-window model may have freed). The same for both consumers.
+                @pl.when((t0 + block_kv > seg.seq_len) | (t0 < prog.kv_start))
                 def _zero_invisible_rows():
                     vrow = t0 + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
                                                        layout=plgpu.Layout.WGMMA)
                     v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
-                    v_tile[...] = jnp.where((vrow < seq_len) & (vrow >= prog_kv_start), v, jnp.zeros_like(v))
+                    v_tile[...] = jnp.where((vrow < seg.seq_len) & (vrow >= prog.kv_start), v,
+                                            jnp.zeros_like(v))
                     plgpu.commit_smem()
 
             if pv_from_smem:
                 p_tile = p_smem.at[wg]
-                p_tile[...] = p.astype(dtype)
+                p_tile[...] = p16
                 plgpu.commit_smem()
 
                 def pv(acc_ref):
@@ -223,24 +243,40 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
                     return acc_ref[...]
                 acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
             else:
-                p16 = p.astype(dtype)
-
                 def pv_in_place(acc_ref):
                     plgpu.wgmma(acc_ref, p16, v_tile)
                 acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
             plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_next, l
+            return g + 1, acc, m_next, l
 
-        lax.fori_loop(prog_first, my_first, skip, None)
-        carry = lax.fori_loop(my_first, my_full, functools.partial(step, masked=False), (acc, m, l))
-        acc, m, l = lax.fori_loop(my_full, my_end, functools.partial(step, masked=True), carry)
-        lax.fori_loop(my_end, prog_end, skip, None)
+        def over_sequence(s, carry):
+            g, acc, m, l = carry
+            prog = segment(s, tok0, tok_end)             # the program's steps of sequence s
+            mine = segment(s, c0, jnp.minimum(c0 + ROWS, tok_end))
+            my_first = jnp.where(mine.has_rows, mine.first, prog.end)
+            my_end = jnp.where(mine.has_rows, mine.end, prog.end)
+            if sliding_window is None:                   # steps wholly below the first row, all rows here
+                all_rows_here = (mine.q_start <= c0) & (mine.q_next >= c0 + ROWS)
+                my_full = jnp.where(all_rows_here,
+                                    jnp.clip((mine.pos_first + 1) // block_kv, my_first, my_end), my_first)
+            else:
+                my_full = my_first
+            run = functools.partial(step, seg=mine, prog=prog)
+            g = lax.fori_loop(prog.first, my_first, skip, g)
+            g, acc, m, l = lax.fori_loop(my_first, my_full, functools.partial(run, masked=False), (g, acc, m, l))
+            g, acc, m, l = lax.fori_loop(my_full, my_end, functools.partial(run, masked=True), (g, acc, m, l))
+            g = lax.fori_loop(my_end, prog.end, skip, g)
+            return g, acc, m, l
+
+        _, acc, m, l = lax.fori_loop(s_first, s_end, over_sequence, (jnp.int32(0), acc, m, l))
+        if pingpong:
+            pl.when(wg == 0)(schedule_barrier)           # the turn consumer 1 took at the start
 
         l_safe = jnp.where(l == 0.0, 1.0, l)                     # a row that sees nothing gives 0, not NaN
         acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
         q_tile[...] = acc.astype(dtype)                          # the query tile is no longer read
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[h, pl.ds((tile * num_consumers + wg) * ROWS, ROWS)])
+        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[pl.ds(c0, ROWS), qh])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == num_consumers)
@@ -248,43 +284,42 @@ def _prefill_kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, t
         if set_registers:
             plgpu.set_max_registers(40, action="decrease")
 
-        produce_kv_ring(kv_ref, tables_ref, s, h, step_token=lambda i: (prog_first + i) * block_kv,
-                        num_steps=n, num_pages=num_pages, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
-                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
-                        k_consumed=k_consumed, v_consumed=v_consumed)
+        def over_sequence(s, g):
+            prog = segment(s, tok0, tok_end)
+            num_pages = (prog.seq_len + block_size - 1) // block_size
+            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
+                                      block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+
+            def one_step(j, g):
+                slot = lax.rem(g, num_stages)
+                refill = g >= num_stages                 # the slot's previous step must be released
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+                issue(j * block_kv, slot, 0, k_smem, k_bars)
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                issue(j * block_kv, slot, 1, v_smem, v_bars)
+                return g + 1
+            return lax.fori_loop(prog.first, prog.end, one_step, g)
+
+        lax.fori_loop(s_first, s_end, over_sequence, jnp.int32(0))
 
 
 def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_start_loc, scales, *, scale,
                                   sliding_window, logits_soft_cap, block_kv, num_stages, num_consumers,
-                                  pv_from_smem, interpret):
+                                  pv_from_smem, pingpong, interpret):
     num_tokens, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     num_seqs = block_tables.shape[0]
-    group = num_heads // num_kv_heads
-    group_p = pl.next_power_of_2(group)
     dtype = q.dtype
-    tile_tokens = ROWS // group_p
-    tokens_per_program = num_consumers * tile_tokens
-    num_programs = pl.cdiv(num_tokens, tokens_per_program) + num_seqs
+    tile_tokens = num_consumers * ROWS
+    num_tiles = pl.cdiv(num_tokens, tile_tokens)
     tokens_per_copy = min(block_size, block_kv)
-
-    tile_seq, tile_row0, tile_q_len, first_program = query_tiles(query_start_loc, num_programs,
-                                                               tokens_per_program)
+    pad = num_tiles * tile_tokens - num_tokens
+    if pad:   # every program's TMA boxes stay inside q and the output
+        q = jnp.pad(q, ((0, pad), (0, 0), (0, 0)))
 
     # Pad the block table so the last step of a sequence (up to block_kv - 1 keys past its end) reads
     # entries inside the table (they are redirected to block 0 anyway).
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pl.cdiv(block_kv, block_size))))
-
-    # Queries into the packed layout: padded token u = program * TT + k holds new token row0 + k of the
-    # program's sequence (zeros past its query_len and for padded heads).
-    u = jnp.arange(num_programs * tokens_per_program, dtype=jnp.int32)
-    prog, k = u // tokens_per_program, u % tokens_per_program
-    i = tile_row0[prog] + k
-    src = jnp.where(i < tile_q_len[prog], query_start_loc[tile_seq[prog]] + i, num_tokens)
-    q4 = q.reshape(num_tokens, num_kv_heads, group, head_size)
-    qp = q4.at[src].get(mode="fill", fill_value=0)
-    qp = jnp.pad(qp, ((0, 0), (0, 0), (0, group_p - group), (0, 0)))
-    qp = qp.transpose(1, 0, 2, 3).reshape(num_kv_heads, -1, head_size)
 
     tile = _tile_transforms(head_size, dtype)
     stage_shape = (num_stages, block_kv, head_size)
@@ -300,44 +335,36 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages))
     consumed = (plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),) * 2
+    pingpong = pingpong and num_consumers == 2
+    schedule = plgpu.Barrier(num_arrivals=num_consumers) if pingpong else None
     kernel = functools.partial(
         _prefill_kernel, scale=scale, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
-        num_stages=num_stages, num_consumers=num_consumers, group_p=group_p, num_programs=num_programs,
-        sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, pv_from_smem=pv_from_smem, set_registers=not interpret)
+        num_stages=num_stages, num_consumers=num_consumers, group=num_heads // num_kv_heads,
+        num_tiles=num_tiles, num_seqs=num_seqs, sliding_window=sliding_window,
+        logits_soft_cap=logits_soft_cap, pv_from_smem=pv_from_smem, pingpong=pingpong,
+        set_registers=not interpret)
 
-    def entry(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref, tables_ref, q_ref, kv_ref,
-              scales_ref, o_ref):
-        pl.run_scoped(lambda *scratch: kernel(tile_seq_ref, tile_row0_ref, tile_q_len_ref, seq_lens_ref,
-                                              tables_ref, q_ref, kv_ref, scales_ref, o_ref, scratch),
-                      smem, barriers, consumed, collective_axes="wg")
+    def entry(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref):
+        pl.run_scoped(lambda *scratch: kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref,
+                                              o_ref, scratch),
+                      smem, barriers, consumed, schedule, collective_axes="wg")
 
     op = plgpu.kernel(
         entry,
-        out_type=jax.ShapeDtypeStruct(qp.shape, dtype),
-        grid=(num_kv_heads, num_programs),
-        grid_names=("h", "t"),
+        out_type=jax.ShapeDtypeStruct(q.shape, dtype),
+        grid=(num_tiles, num_heads),
+        grid_names=("t", "h"),
         num_threads=num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    op_out = op(tile_seq, tile_row0, tile_q_len, seq_lens, block_tables, qp, kv_cache, scales)
-
-    # Back to [num_tokens, num_heads, head_size]: token t of sequence s sits at padded token
-    # first_program[s] * TT + (t - query_start_loc[s]).
-    t = jnp.arange(num_tokens, dtype=jnp.int32)
-    seq = jnp.clip(jnp.searchsorted(query_start_loc, t, side="right", method="compare_all") - 1, 0,
-                   num_seqs - 1)
-    owned = t < query_start_loc[-1]
-    u = jnp.where(owned, first_program[seq] * tokens_per_program + t - query_start_loc[seq], 0)
-    out = op_out.reshape(num_kv_heads, -1, group_p, head_size)[:, u, :group]   # [kv, tokens, group, D]
-    out = out.transpose(1, 0, 2, 3).reshape(num_tokens, num_heads, head_size)
-    return jnp.where(owned[:, None, None], out, jnp.zeros((), dtype))
+    out = op(query_start_loc, seq_lens, block_tables, q, kv_cache, scales)
+    return out[:num_tokens] if pad else out
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_consumers",
-           "pv_from_smem", "interpret")
+           "pv_from_smem", "pingpong", "interpret")
 _paged_prefill_attention_mgpu_jit = jax.jit(_paged_prefill_attention_mgpu, static_argnames=_STATIC)
 
 
@@ -359,6 +386,7 @@ def paged_prefill_attention_mgpu(
     num_stages: int | None = None,
     num_consumers: int | None = None,
     pv_from_smem: bool | None = None,
+    pingpong: bool = True,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal varlen attention of new tokens over the paged cache on Pallas Mosaic GPU (Hopper).
@@ -388,6 +416,8 @@ def paged_prefill_attention_mgpu(
             :data:`pallas_kernels.tuning.MGPU_PREFILL_NUM_CONSUMERS`, 1 when interpreting.
         pv_from_smem: P through shared memory and a fresh accumulator per step (what the interpreter
             runs) instead of P from registers into the running accumulator; ``None``: ``interpret``.
+        pingpong: with two consumers, make them take turns on the tensor cores through a scheduling
+            barrier (FA3's ping-pong); ignored with one.
         interpret: run in the Mosaic GPU interpreter (CPU).
 
     Returns:
@@ -426,4 +456,5 @@ def paged_prefill_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),
         logits_soft_cap=logits_soft_cap, block_kv=int(block_kv), num_stages=int(num_stages),
-        num_consumers=int(num_consumers), pv_from_smem=bool(pv_from_smem), interpret=bool(interpret))
+        num_consumers=int(num_consumers), pv_from_smem=bool(pv_from_smem), pingpong=bool(pingpong),
+        interpret=bool(interpret))

@@ -30,7 +30,6 @@ import jaxkv
 from pallas_kernels import paged_prefill_attention as triton_mod
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_mod
 from pallas_kernels import tuning
-from pallas_kernels._tiles import query_tiles
 from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu, unsupported_reason
 from tests.pallas_kernels import fuzz
 
@@ -65,8 +64,9 @@ CASES = [
     ([(200, 129)], dict(group=1, head=256, block=128), 2),                           # page sliced over steps
     ([(17, 5), (0, 2)], dict(group=64, head=64, block=16), 1),                       # the full 64-row tile
     ([(0, 130), (70, 64)], dict(kv_heads=2, group=4, head=128, block=64), 2),         # pages of 64 (bench p64)
+    ([(0, 100), (30, 60), (0, 2), (5, 90)], dict(kv_heads=2, group=2, head=64), 2),   # across program edges
 ]
-DEFAULT = [0, 2, 3, 4]  # the cases of a plain CPU run (~5 s each in the interpreter); the rest with SLOW
+DEFAULT = [0, 2, 3, 4, 8]  # the cases of a plain CPU run (~5 s each in the interpreter); the rest with SLOW
 IDS = [f"{_cls(l, **kw).describe()} {l} c{nc}" for l, kw, nc in CASES]
 
 
@@ -103,6 +103,15 @@ def test_other_consumer_count(index):
     assert err <= fuzz.TOLERANCE[case.cls.dtype]
 
 
+@pytest.mark.skipif(not (SLOW or ON_GPU), reason="set JAXKV_MGPU_FUZZ=N (slow in the interpreter)")
+@pytest.mark.parametrize("index", [i for i, c in enumerate(CASES) if c[2] == 2], ids=lambda i: IDS[i])
+def test_two_consumers_without_pingpong(index):
+    """The scheduling barrier only orders the two consumers' turns: without it the result is as right."""
+    lengths, kw, nc = CASES[index]
+    err, case, _ = _run(lengths, kw, nc, pingpong=False)
+    assert err <= fuzz.TOLERANCE[case.cls.dtype]
+
+
 @pytest.mark.skipif(not ON_GPU, reason="GPU only: the interpreter always runs P through shared memory")
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
 def test_compiled_p_through_smem(index):
@@ -130,15 +139,18 @@ def test_unowned_and_out_of_window_slots_do_not_matter():
     assert fuzz.error(poisoned, case) <= fuzz.TOLERANCE[cls.dtype]
 
 
-def test_tile_map_splits_sequences_into_programs():
-    """Host side: each sequence's new tokens in programs of ``tokens_per_program`` tokens, back to back;
-    zero-length sequences take none; programs past the last one have no rows."""
-    qsl = jnp.asarray([0, 5, 5, 37, 38], jnp.int32)            # query lens 5, 0, 32, 1
-    seq, row0, q_len, first = (np.asarray(x) for x in query_tiles(qsl, 8, 16))
-    np.testing.assert_array_equal(first, [0, 1, 1, 3])
-    np.testing.assert_array_equal(seq[:4], [0, 2, 2, 3])
-    np.testing.assert_array_equal(row0[:4], [0, 0, 16, 0])
-    np.testing.assert_array_equal(q_len, [5, 32, 32, 1, 0, 0, 0, 0])
+def test_sequence_search_matches_searchsorted():
+    """The kernel's binary search over ``query_start_loc`` (the sequence that owns a flat token: the last
+    with ``query_start_loc[s] <= token``, so zero-length sequences own nothing) equals NumPy's
+    ``searchsorted(side="right") - 1`` for every token of random batches, tokens past the end included."""
+    rng = np.random.default_rng(5)
+    for num_seqs in [1, 2, 3, 7, 8, 9, 64, 255, 256]:
+        q_lens = rng.integers(0, 5, num_seqs) * (rng.random(num_seqs) < 0.7)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        tokens = np.arange(int(qsl[-1]) + 3, dtype=np.int32)
+        want = np.clip(np.searchsorted(qsl, tokens, side="right") - 1, 0, num_seqs - 1)
+        got = jax.vmap(lambda t: mgpu_mod._seq_of(jnp.asarray(qsl), t, num_seqs))(jnp.asarray(tokens))
+        np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{num_seqs=}")
 
 
 @pytest.mark.parametrize("change,match", fuzz.MGPU_UNSUPPORTED + [(dict(kv_dtype=jnp.float8_e4m3fn), "fp8")])
