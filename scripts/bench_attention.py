@@ -115,8 +115,9 @@ def main(argv=None) -> int:
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--json", default=None, help="also write the GB/s table here (for plots)")
     p.add_argument("--breakdown", action="store_true",
-                   help="prefill: also print each kernel's device time per call (the kernel vs the XLA ops "
-                        "around it) for cuDNN and the Mosaic variants")
+                   help="also print each kernel's device time per call (the kernel vs the XLA ops around "
+                        "it): prefill for cuDNN, Triton and the Mosaic variants; decode for ours, Mosaic "
+                        "(bf16, fp8) and JAX's kernel")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
                         "paged_prefill_attention_mgpu)")
@@ -148,7 +149,9 @@ def main(argv=None) -> int:
     if not args.quick:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
         ours.update({"ours s/2": dict(splits_factor=0.5), "ours s*2": dict(splits_factor=2),
                      "ours p8": dict(pages_per_compute_block=8), "ours st3": dict(num_stages=3)})
-    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic s=1": dict(num_splits=1)}
+    # "mosaic 2cta": 64-key steps and a 2-stage ring (88 KiB of shared memory) so two CTAs share an SM
+    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic s=1": dict(num_splits=1),
+                                        "mosaic 2cta": dict(block_kv=64, num_stages=2)}
     if mosaic and not args.quick:
         mosaic.update({"mosaic bkv64": dict(block_kv=64), "mosaic s*2": dict(splits_factor=2)})
     peers = {"jax default": dict()}
@@ -222,6 +225,12 @@ def main(argv=None) -> int:
                     print(f"  {batch=} {ctx=} mosaic fp8: WRONG, rel err {err:.2e} > 2e-2")
             except Exception as e:
                 print(f"  {batch=} {ctx=} mosaic fp8: failed ({type(e).__name__}: {str(e)[:200]})")
+        if args.breakdown:
+            for name, fn, ins in variants:
+                if name in ("ours auto", "mosaic auto", "jax default") and results.get(name):
+                    print_breakdown(name, fn, ins[0])
+            if mosaic and results.get("mosaic fp8 (fp8 bytes)"):
+                print_breakdown("mosaic fp8", m8_fn, fp8_inputs[0])
         rows.append((batch, ctx, results))
         best_ours = max((v for k, v in results.items() if k.startswith("ours") and "fp8" not in k and v),
                         default=0)

@@ -16,7 +16,8 @@
 #   bench-prefill-mgpu.txt  scripts/bench_attention.py --mode prefill --quick: Triton vs Mosaic vs cuDNN TF/s
 #                         (batch 1/8 x 512/2048/8192), then a 512-token chunk over a 4k / 16k cached context
 # Each stage has its own timeout, so a hang or a compile failure in one still leaves the others' logs.
-# PREFILL_BENCH_ARGS adds bench_attention.py flags (e.g. --breakdown: each kernel's time per call).
+# PREFILL_BENCH_ARGS / DECODE_BENCH_ARGS add bench_attention.py flags (e.g. --breakdown: each kernel's time per
+# call); DECODE_SKIP_TESTS=1 runs only the decode bench.
 # Usage (device tool, repository root): SECTIONS=prefill OUT=... bash scripts/gpu_mgpu.sh
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -30,6 +31,7 @@ quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "deprecations.wa
 
 SECTIONS=${SECTIONS:-decode prefill}
 if [[ " $SECTIONS " == *" decode "* ]]; then
+if [ -z "${DECODE_SKIP_TESTS:-}" ]; then
 echo '$ pytest -q tests/pallas_kernels/test_paged_attention_mgpu.py' | tee "$OUT/mgpu-tests.txt"
 timeout 150 python -m pytest -q -p no:cacheprovider -x tests/pallas_kernels/test_paged_attention_mgpu.py \
   2>&1 | quiet | tail -60 | tee -a "$OUT/mgpu-tests.txt"
@@ -39,10 +41,11 @@ echo "\$ JAXKV_FUZZ_CLASSES=${JAXKV_FUZZ_CLASSES:-24} pytest -m gpu tests/pallas
 JAXKV_FUZZ_CLASSES=${JAXKV_FUZZ_CLASSES:-24} JAXKV_FUZZ_REPORT="$OUT/fuzz-mgpu.json" timeout 180 \
   python -m pytest -q -s -p no:cacheprovider -m gpu tests/pallas_kernels/test_gpu_fuzz.py -k "compiled and decode_mgpu" \
   2>&1 | quiet | grep -e "\[fuzz\]" -e "passed" -e "failed" -e "Error" | tail -40 | tee -a "$OUT/fuzz-mgpu.txt"
+fi
 
 echo '$ python scripts/bench_attention.py --mode decode --quick --json bench-decode-mgpu.json' \
   | tee "$OUT/bench-decode-mgpu.txt"
-timeout 170 python scripts/bench_attention.py --mode decode --quick --json "$OUT/bench-decode-mgpu.json" \
+timeout ${DECODE_BENCH_TIMEOUT:-170} python scripts/bench_attention.py --mode decode --quick --json "$OUT/bench-decode-mgpu.json" ${DECODE_BENCH_ARGS:-} \
   2>&1 | quiet | tee -a "$OUT/bench-decode-mgpu.txt"
 fi
 
