@@ -54,11 +54,11 @@ if [[ " $SECTIONS " == *" prefill "* ]]; then
 # the bench reports a failing or wrong Mosaic variant and goes on with the others.
 echo "\$ JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} pytest -q tests/pallas_kernels/test_paged_prefill_attention_mgpu.py" \
   | tee "$OUT/mgpu-prefill-tests.txt"
-JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} timeout 200 python -m pytest -q -p no:cacheprovider \
+JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} timeout ${PREFILL_TESTS_TIMEOUT:-200} python -m pytest -q -p no:cacheprovider \
   tests/pallas_kernels/test_paged_prefill_attention_mgpu.py \
   2>&1 | quiet | tail -80 | tee -a "$OUT/mgpu-prefill-tests.txt"
 
 echo '$ python scripts/bench_attention.py --mode prefill --quick' | tee "$OUT/bench-prefill-mgpu.txt"
-timeout 180 python scripts/bench_attention.py --mode prefill --quick --iters 10 ${PREFILL_BENCH_ARGS:-} \
+timeout ${PREFILL_BENCH_TIMEOUT:-180} python scripts/bench_attention.py --mode prefill --quick --iters 10 ${PREFILL_BENCH_ARGS:-} \
   2>&1 | quiet | tee -a "$OUT/bench-prefill-mgpu.txt"
 fi
