@@ -34,6 +34,18 @@ read). Each program has ``num_consumers + 1`` warpgroups:
   barrier makes them take turns on the tensor cores (one's softmax runs during the other's ``wgmma``:
   FA3's ping-pong, as in JAX's ``attention_mgpu``).
 
+Persistent programs (``persistent=True``). One program per SM instead of one per (tile, query head) work
+item: program ``p`` takes items ``p, p + G, p + 2G, ...`` (heaviest tiles first) and keeps its K/V ring and
+step counter running from one item to the next, so the memory warpgroup fetches the next item's pages
+(and, into the second of two Q tiles per consumer, its queries) while the consumers finish the current
+one; the per-program start (launch, barrier set-up, the chain of scalar loads before the first copy, the
+ring's first fill) is paid once per SM instead of once per item. A consumer releases its Q tile (a "Q free"
+barrier) once the output store from it has read shared memory. With one Q tile per consumer (head size
+256, where two do not fit beside two ring stages) the next item's queries wait for that release. The two
+consumers' ping-pong turns are balanced within each item (consumer 1 starts it half a step behind,
+consumer 0 takes the matching turn at its end): carried across items, consumer 1's last turn would wait
+for consumer 0's first step of the next item, which with one Q tile waits for consumer 1's output.
+
 What is masked and why. A masked step gives ``-inf`` logits to keys after the row's token (causal), at or
 before ``token - sliding_window`` (window), and to every key of rows of another sequence or past
 ``query_start_loc[-1]`` (their softmax state is untouched: ``p = 0``, ``alpha = 1``). Keys at or past
@@ -131,23 +143,31 @@ class _Segment:
 
 def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, scratch, *,
                     scale: float, block_kv: int, tokens_per_copy: int, num_stages: int, num_consumers: int,
-                    group: int, num_tiles: int, num_seqs: int, sliding_window: int | None,
-                    logits_soft_cap: float | None, pv_from_smem: bool, pingpong: bool, set_registers: bool):
-    (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed), schedule = scratch
+                    group: int, num_heads: int, num_tiles: int, num_seqs: int, num_programs: int,
+                    num_q_buffers: int, sliding_window: int | None, logits_soft_cap: float | None,
+                    pv_from_smem: bool, pingpong: bool, set_registers: bool):
+    (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed, q_free), schedule = scratch
     block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
     tile_tokens = num_consumers * ROWS
-
-    qh = lax.axis_index("h")
-    h = lax.div(qh, group)                               # the KV head
-    tile = num_tiles - 1 - lax.axis_index("t")           # last tiles (most keys) first
+    num_items = num_tiles * num_heads
     wg = lax.axis_index("wg")
-    tok0 = tile * tile_tokens
-    tok_end = jnp.minimum(tok0 + tile_tokens, qsl_ref[num_seqs])    # <= tok0: no rows (padding only)
-    s_first = _seq_of(qsl_ref, tok0, num_seqs)
-    s_end = jnp.where(tok_end > tok0, _seq_of(qsl_ref, tok_end - 1, num_seqs) + 1, s_first)
+    program = lax.axis_index("p")
+    my_items = lax.div(num_items - program + num_programs - 1, num_programs)   # items p, p + G, p + 2G, ...
     segment = functools.partial(_Segment, qsl_ref, seq_lens_ref, block_kv=block_kv,
                                 sliding_window=sliding_window)
+
+    def item(k):
+        """The program's ``k``-th work item: one query head over ``TT`` tokens, last tiles first, the query
+        heads of a tile side by side."""
+        i = program + k * num_programs
+        tile = num_tiles - 1 - lax.div(i, num_heads)
+        qh = lax.rem(i, num_heads)
+        tok0 = tile * tile_tokens
+        tok_end = jnp.minimum(tok0 + tile_tokens, qsl_ref[num_seqs])   # <= tok0: no rows (padding only)
+        s_first = _seq_of(qsl_ref, tok0, num_seqs)
+        s_end = jnp.where(tok_end > tok0, _seq_of(qsl_ref, tok_end - 1, num_seqs) + 1, s_first)
+        return qh, tok0, tok_end, s_first, s_end, lax.rem(k, num_q_buffers)
 
     def schedule_barrier():
         if pingpong:
@@ -158,17 +178,8 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref
     def _consumer():
         if set_registers:
             plgpu.set_max_registers(232 if num_consumers == 2 else 240, action="increase")
-        c0 = tok0 + wg * ROWS                            # the consumer's first token
-        q_tile = q_smem.at[wg]
-        plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(c0, ROWS), qh], q_tile, q_bars.at[wg])
-        plgpu.barrier_wait(q_bars.at[wg])
         k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
         v_scale = scales_ref[1]
-        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
-        if pingpong:
-            pl.when(wg == 1)(schedule_barrier)           # consumer 1 starts half a step behind
 
         def skip(j, g):
             # A step of the program this consumer has no rows for: keep the barrier phases in step.
@@ -181,7 +192,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref
             schedule_barrier()
             return g + 1
 
-        def step(j, carry, *, seg, prog, masked: bool):
+        def step(j, carry, *, q_tile, c0, seg, prog, masked: bool):
             g, acc, m, l = carry
             slot = lax.rem(g, num_stages)
             t0 = j * block_kv
@@ -249,34 +260,54 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref
             plgpu.barrier_arrive(v_consumed.at[slot])
             return g + 1, acc, m_next, l
 
-        def over_sequence(s, carry):
-            g, acc, m, l = carry
-            prog = segment(s, tok0, tok_end)             # the program's steps of sequence s
-            mine = segment(s, c0, jnp.minimum(c0 + ROWS, tok_end))
-            my_first = jnp.where(mine.has_rows, mine.first, prog.end)
-            my_end = jnp.where(mine.has_rows, mine.end, prog.end)
-            if sliding_window is None:                   # steps wholly below the first row, all rows here
-                all_rows_here = (mine.q_start <= c0) & (mine.q_next >= c0 + ROWS)
-                my_full = jnp.where(all_rows_here,
-                                    jnp.clip((mine.pos_first + 1) // block_kv, my_first, my_end), my_first)
-            else:
-                my_full = my_first
-            run = functools.partial(step, seg=mine, prog=prog)
-            g = lax.fori_loop(prog.first, my_first, skip, g)
-            g, acc, m, l = lax.fori_loop(my_first, my_full, functools.partial(run, masked=False), (g, acc, m, l))
-            g, acc, m, l = lax.fori_loop(my_full, my_end, functools.partial(run, masked=True), (g, acc, m, l))
-            g = lax.fori_loop(my_end, prog.end, skip, g)
-            return g, acc, m, l
+        def over_item(k, g):
+            qh, tok0, tok_end, s_first, s_end, b = item(k)
+            c0 = tok0 + wg * ROWS                        # the consumer's first token
+            q_tile = q_smem.at[b, wg]
+            plgpu.barrier_wait(q_bars.at[b * num_consumers + wg])
+            if pingpong:
+                pl.when(wg == 1)(schedule_barrier)       # consumer 1 starts half a step behind
+            m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+            acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
 
-        _, acc, m, l = lax.fori_loop(s_first, s_end, over_sequence, (jnp.int32(0), acc, m, l))
-        if pingpong:
-            pl.when(wg == 0)(schedule_barrier)           # the turn consumer 1 took at the start
+            def over_sequence(s, carry):
+                g, acc, m, l = carry
+                prog = segment(s, tok0, tok_end)         # the program's steps of sequence s
+                mine = segment(s, c0, jnp.minimum(c0 + ROWS, tok_end))
+                my_first = jnp.where(mine.has_rows, mine.first, prog.end)
+                my_end = jnp.where(mine.has_rows, mine.end, prog.end)
+                if sliding_window is None:               # steps wholly below the first row, all rows here
+                    all_rows_here = (mine.q_start <= c0) & (mine.q_next >= c0 + ROWS)
+                    my_full = jnp.where(all_rows_here,
+                                        jnp.clip((mine.pos_first + 1) // block_kv, my_first, my_end), my_first)
+                else:
+                    my_full = my_first
+                run = functools.partial(step, q_tile=q_tile, c0=c0, seg=mine, prog=prog)
+                g = lax.fori_loop(prog.first, my_first, skip, g)
+                g, acc, m, l = lax.fori_loop(my_first, my_full, functools.partial(run, masked=False),
+                                             (g, acc, m, l))
+                g, acc, m, l = lax.fori_loop(my_full, my_end, functools.partial(run, masked=True),
+                                             (g, acc, m, l))
+                g = lax.fori_loop(my_end, prog.end, skip, g)
+                return g, acc, m, l
 
-        l_safe = jnp.where(l == 0.0, 1.0, l)                     # a row that sees nothing gives 0, not NaN
-        acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
-        q_tile[...] = acc.astype(dtype)                          # the query tile is no longer read
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_tile, o_ref.at[pl.ds(c0, ROWS), qh])
+            g, acc, m, l = lax.fori_loop(s_first, s_end, over_sequence, (g, acc, m, l))
+            if pingpong:
+                # The turn consumer 1 took at the start: the two leave the item in step. (Carried over
+                # to the next item, consumer 1's last turn would wait for consumer 0's first step there,
+                # which waits for its Q tile, which with one Q buffer waits for consumer 1's output.)
+                pl.when(wg == 0)(schedule_barrier)
+            l_safe = jnp.where(l == 0.0, 1.0, l)                 # a row that sees nothing gives 0, not NaN
+            acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
+            q_tile[...] = acc.astype(dtype)                      # the query tile is no longer read
+            plgpu.commit_smem()
+            plgpu.copy_smem_to_gmem(q_tile, o_ref.at[pl.ds(c0, ROWS), qh])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)      # the tile may take the next Q
+            plgpu.barrier_arrive(q_free.at[b])
+            return g
+
+        lax.fori_loop(0, my_items, over_item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == num_consumers)
@@ -284,34 +315,49 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref
         if set_registers:
             plgpu.set_max_registers(40, action="decrease")
 
-        def over_sequence(s, g):
-            prog = segment(s, tok0, tok_end)
-            num_pages = (prog.seq_len + block_size - 1) // block_size
-            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
-                                      block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+        def over_item(k, g):
+            qh, tok0, tok_end, s_first, s_end, b = item(k)
+            h = lax.div(qh, group)                       # the KV head
 
-            def one_step(j, g):
-                slot = lax.rem(g, num_stages)
-                refill = g >= num_stages                 # the slot's previous step must be released
-                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-                issue(j * block_kv, slot, 0, k_smem, k_bars)
-                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-                issue(j * block_kv, slot, 1, v_smem, v_bars)
-                return g + 1
-            return lax.fori_loop(prog.first, prog.end, one_step, g)
+            @pl.when(k >= num_q_buffers)                 # the buffer's last item has been stored
+            def _():
+                plgpu.barrier_wait(q_free.at[b])
+            for c in range(num_consumers):
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + c * ROWS, ROWS), qh], q_smem.at[b, c],
+                                        q_bars.at[b * num_consumers + c])
 
-        lax.fori_loop(s_first, s_end, over_sequence, jnp.int32(0))
+            def over_sequence(s, g):
+                prog = segment(s, tok0, tok_end)
+                num_pages = (prog.seq_len + block_size - 1) // block_size
+                issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
+                                          block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+
+                def one_step(j, g):
+                    slot = lax.rem(g, num_stages)
+                    refill = g >= num_stages             # the slot's previous step must be released
+                    pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+                    issue(j * block_kv, slot, 0, k_smem, k_bars)
+                    pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                    issue(j * block_kv, slot, 1, v_smem, v_bars)
+                    return g + 1
+                return lax.fori_loop(prog.first, prog.end, one_step, g)
+
+            return lax.fori_loop(s_first, s_end, over_sequence, g)
+
+        lax.fori_loop(0, my_items, over_item, jnp.int32(0))
 
 
 def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_start_loc, scales, *, scale,
                                   sliding_window, logits_soft_cap, block_kv, num_stages, num_consumers,
-                                  pv_from_smem, pingpong, interpret):
+                                  num_q_buffers, num_programs, pv_from_smem, pingpong, interpret):
     num_tokens, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     num_seqs = block_tables.shape[0]
     dtype = q.dtype
     tile_tokens = num_consumers * ROWS
     num_tiles = pl.cdiv(num_tokens, tile_tokens)
+    num_items = num_tiles * num_heads
+    num_programs = num_items if num_programs is None else min(num_programs, num_items)
     tokens_per_copy = min(block_size, block_kv)
     pad = num_tiles * tile_tokens - num_tokens
     if pad:   # every program's TMA boxes stay inside q and the output
@@ -324,36 +370,38 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     tile = _tile_transforms(head_size, dtype)
     stage_shape = (num_stages, block_kv, head_size)
     smem = (
-        plgpu.SMEM((num_consumers, ROWS, head_size), dtype, transforms=tile),    # q, then the output
+        plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_size), dtype, transforms=tile),  # q, then out
         plgpu.SMEM(stage_shape, dtype, transforms=tile),                         # K ring
         plgpu.SMEM(stage_shape, dtype, transforms=tile),                         # V ring
         plgpu.SMEM((num_consumers, ROWS, block_kv), dtype,
                    transforms=_tile_transforms(block_kv, dtype)) if pv_from_smem else None,  # P
     )
     copies = block_kv // tokens_per_copy
-    barriers = (plgpu.Barrier(num_barriers=num_consumers),
+    barriers = (plgpu.Barrier(num_barriers=num_q_buffers * num_consumers),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages))
-    consumed = (plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),) * 2
+    released = (plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),      # K slot consumed
+                plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),      # V slot consumed
+                plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_q_buffers))   # Q tile free
     pingpong = pingpong and num_consumers == 2
     schedule = plgpu.Barrier(num_arrivals=num_consumers) if pingpong else None
     kernel = functools.partial(
         _prefill_kernel, scale=scale, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
         num_stages=num_stages, num_consumers=num_consumers, group=num_heads // num_kv_heads,
-        num_tiles=num_tiles, num_seqs=num_seqs, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap, pv_from_smem=pv_from_smem, pingpong=pingpong,
-        set_registers=not interpret)
+        num_heads=num_heads, num_tiles=num_tiles, num_seqs=num_seqs, num_programs=num_programs,
+        num_q_buffers=num_q_buffers, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
+        pv_from_smem=pv_from_smem, pingpong=pingpong, set_registers=not interpret)
 
     def entry(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref):
         pl.run_scoped(lambda *scratch: kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref,
                                               o_ref, scratch),
-                      smem, barriers, consumed, schedule, collective_axes="wg")
+                      smem, barriers, released, schedule, collective_axes="wg")
 
     op = plgpu.kernel(
         entry,
         out_type=jax.ShapeDtypeStruct(q.shape, dtype),
-        grid=(num_tiles, num_heads),
-        grid_names=("t", "h"),
+        grid=(num_programs,),
+        grid_names=("p",),
         num_threads=num_consumers + 1,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -363,8 +411,13 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     return out[:num_tokens] if pad else out
 
 
+def _sm_count() -> int:
+    """Streaming multiprocessors of the default device (132 on an H100 SXM when it does not say)."""
+    return int(getattr(jax.devices()[0], "core_count", None) or 132)
+
+
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_consumers",
-           "pv_from_smem", "pingpong", "interpret")
+           "num_q_buffers", "num_programs", "pv_from_smem", "pingpong", "interpret")
 _paged_prefill_attention_mgpu_jit = jax.jit(_paged_prefill_attention_mgpu, static_argnames=_STATIC)
 
 
@@ -387,6 +440,8 @@ def paged_prefill_attention_mgpu(
     num_consumers: int | None = None,
     pv_from_smem: bool | None = None,
     pingpong: bool = True,
+    persistent: bool = False,
+    num_programs: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal varlen attention of new tokens over the paged cache on Pallas Mosaic GPU (Hopper).
@@ -418,6 +473,10 @@ def paged_prefill_attention_mgpu(
             runs) instead of P from registers into the running accumulator; ``None``: ``interpret``.
         pingpong: with two consumers, make them take turns on the tensor cores through a scheduling
             barrier (FA3's ping-pong); ignored with one.
+        persistent: launch one program per SM (``num_programs``), each looping over work items with
+            its K/V ring and the next item's Q already in flight, instead of one program per item.
+        num_programs: programs of the persistent grid (static); ``None``: the device's SM count (the
+            interpreter: 2). Ignored unless ``persistent``.
         interpret: run in the Mosaic GPU interpreter (CPU).
 
     Returns:
@@ -425,7 +484,8 @@ def paged_prefill_attention_mgpu(
 
     Raises:
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
-            that is not a positive multiple of 64, ``num_stages`` < 1, ``num_consumers`` not 1 or 2.
+            that is not a positive multiple of 64, ``num_stages`` or ``num_programs`` < 1, ``num_consumers``
+            not 1 or 2.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
@@ -448,13 +508,26 @@ def paged_prefill_attention_mgpu(
     if num_consumers not in (1, MAX_CONSUMERS):
         raise ValueError(f"num_consumers={num_consumers!r} must be 1 or {MAX_CONSUMERS}")
     if num_stages is None:
-        num_stages = tuning.mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers,
-                                                    pv_from_smem=pv_from_smem)
+        num_stages = tuning.mgpu_prefill_num_stages(
+            block_kv, head_size, num_consumers=num_consumers, pv_from_smem=pv_from_smem,
+            num_q_buffers=tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
+                                                        pv_from_smem=pv_from_smem) if persistent else 1)
     if not _is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be >= 1")
+    if not persistent:
+        num_programs, num_q_buffers = None, 1           # one program per item
+    else:
+        if num_programs is None:
+            num_programs = 2 if interpret else _sm_count()
+        if not _is_int(num_programs) or num_programs < 1:
+            raise ValueError(f"num_programs={num_programs!r} must be >= 1")
+        num_q_buffers = tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
+                                                      pv_from_smem=pv_from_smem)
     return _paged_prefill_attention_mgpu_jit(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),
         logits_soft_cap=logits_soft_cap, block_kv=int(block_kv), num_stages=int(num_stages),
-        num_consumers=int(num_consumers), pv_from_smem=bool(pv_from_smem), pingpong=bool(pingpong),
+        num_consumers=int(num_consumers), num_q_buffers=int(num_q_buffers),
+        num_programs=None if num_programs is None else int(num_programs), pv_from_smem=bool(pv_from_smem),
+        pingpong=bool(pingpong),
         interpret=bool(interpret))

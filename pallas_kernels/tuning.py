@@ -139,13 +139,24 @@ def mgpu_prefill_block_kv(head_size: int) -> int:
     return 64 if head_size > 128 else 128
 
 
-def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool) -> int:
+def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
+                            num_q_buffers: int = 1) -> int:
     """Ring depth: as many K+V stages (16-bit) as fit ``MGPU_SMEM_BYTES`` beside the consumers' 64-row Q
-    tiles (and their P tiles when P goes through shared memory), at most ``MGPU_PREFILL_MAX_STAGES``, at
-    least 1 (bf16, D 128, 128 keys, two consumers, P in registers: 2 stages, 160 KiB)."""
-    fixed = num_consumers * 64 * head_size * 2 + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0)
+    tiles (``num_q_buffers`` of each) and their P tiles when P goes through shared memory, at most
+    ``MGPU_PREFILL_MAX_STAGES``, at least 1 (bf16, D 128, 128 keys, two consumers, P in registers, one Q
+    buffer: 2 stages, 160 KiB; two Q buffers: 2 stages, 192 KiB)."""
+    fixed = (num_q_buffers * num_consumers * 64 * head_size * 2
+             + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0))
     per_stage = 2 * block_kv * head_size * 2
     return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
+
+
+def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool) -> int:
+    """Q tiles per consumer of the persistent Mosaic prefill kernel: 2 (the next item's Q loads while this
+    one computes) where two ring stages still fit beside them, else 1 (head size 256)."""
+    two = mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers, pv_from_smem=pv_from_smem,
+                                  num_q_buffers=2)
+    return 2 if two >= 2 else 1
 
 
 # (head_size, kv dtype name) -> the smallest ``max_query_len`` (static bound, tokens) from which prefill runs

@@ -84,15 +84,29 @@ def _run(lengths, kw, num_consumers, seed=0, **extra):
     return fuzz.error(out, case), case, out32
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-item", "persistent"])
 @pytest.mark.parametrize("index", range(len(CASES)), ids=IDS)
-def test_matches_float64_reference(index):
+def test_matches_float64_reference(index, persistent):
     """NaN in every slot no sequence owns and in garbage block-table entries; a kernel that reads or mixes
-    in one returns inf error."""
+    in one returns inf error. One program per work item, and persistent programs (the interpreter: 2
+    programs, so each loops over several items; the GPU: one per SM)."""
     if index not in DEFAULT and not SLOW and not ON_GPU:
         pytest.skip("set JAXKV_MGPU_FUZZ=N for every case in the interpreter")
     lengths, kw, nc = CASES[index]
-    err, case, _ = _run(lengths, kw, nc)
+    err, case, _ = _run(lengths, kw, nc, persistent=persistent)
     assert err <= fuzz.TOLERANCE[case.cls.dtype]
+
+
+@pytest.mark.parametrize("num_programs", [1, 3, 5])
+def test_persistent_programs_give_the_per_item_result(num_programs):
+    """A persistent program walks its items one after another with the K/V ring, the step counter and
+    the double-buffered Q tiles running on; every row's arithmetic is the per-item kernel's, so the
+    output is bit-identical for any program count (here 1, 3 and 5 programs over 4 tiles x 4 heads,
+    sequences crossing tile edges, a zero-length sequence, padding tokens)."""
+    lengths, kw, nc = CASES[8]
+    _, case, per_item = _run(lengths, kw, nc, persistent=False)
+    _, _, persistent = _run(lengths, kw, nc, persistent=True, num_programs=num_programs)
+    np.testing.assert_array_equal(persistent, per_item)
 
 
 @pytest.mark.skipif(not (SLOW or ON_GPU), reason="set JAXKV_MGPU_FUZZ=N (slow in the interpreter)")
@@ -169,6 +183,7 @@ def test_unsupported_calls_say_why(change, match):
 
 @pytest.mark.parametrize("kw,match", [(dict(block_kv=48), "block_kv=48"), (dict(num_stages=0), "num_stages=0"),
                                       (dict(num_consumers=3), "num_consumers=3"),
+                                      (dict(persistent=True, num_programs=0), "num_programs=0"),
                                       (dict(max_query_len=1), "max_query_len=1")])
 def test_bad_knobs_raise(kw, match):
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
@@ -180,16 +195,22 @@ def test_bad_knobs_raise(kw, match):
 
 
 def test_num_stages_fit_shared_memory():
-    """bf16, D 128, 128 keys, two consumers: 2 stages with P in registers; head size 256 (64 keys) too."""
+    """bf16, D 128, 128 keys, two consumers: 2 stages with P in registers, with one Q tile per consumer or
+    two (the persistent kernel); head size 256 (64 keys): 2 stages and one Q tile."""
     assert tuning.mgpu_prefill_num_stages(128, 128, num_consumers=2, pv_from_smem=False) == 2
+    assert tuning.mgpu_prefill_num_stages(128, 128, num_consumers=2, pv_from_smem=False, num_q_buffers=2) == 2
+    assert tuning.mgpu_prefill_q_buffers(128, 128, num_consumers=2, pv_from_smem=False) == 2
     assert tuning.mgpu_prefill_num_stages(64, 256, num_consumers=2, pv_from_smem=False) == 2
+    assert tuning.mgpu_prefill_q_buffers(64, 256, num_consumers=2, pv_from_smem=False) == 1
     assert tuning.mgpu_prefill_num_stages(128, 64, num_consumers=2, pv_from_smem=True) == 4
     for d in (64, 128, 256):
         bkv = tuning.mgpu_prefill_block_kv(d)
         for smem_p in (False, True):
-            st = tuning.mgpu_prefill_num_stages(bkv, d, num_consumers=2, pv_from_smem=smem_p)
-            used = 2 * 64 * d * 2 + (2 * 64 * bkv * 2 if smem_p else 0) + st * 2 * bkv * d * 2
-            assert st >= 1 and (used <= tuning.MGPU_SMEM_BYTES or st == 1)
+            for nq in (1, tuning.mgpu_prefill_q_buffers(bkv, d, num_consumers=2, pv_from_smem=smem_p)):
+                st = tuning.mgpu_prefill_num_stages(bkv, d, num_consumers=2, pv_from_smem=smem_p,
+                                                    num_q_buffers=nq)
+                used = nq * 2 * 64 * d * 2 + (2 * 64 * bkv * 2 if smem_p else 0) + st * 2 * bkv * d * 2
+                assert st >= 1 and (used <= tuning.MGPU_SMEM_BYTES or st == 1)
 
 
 def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
@@ -230,7 +251,8 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
 @pytest.mark.skipif(ON_GPU, reason="CPU-only lowering check; the GPU runs the compiled tests")
 @pytest.mark.parametrize("pv_from_smem", [False, True], ids=["p-registers", "p-smem"])
 def test_lowers_for_sm90(pv_from_smem):
-    """Every class of ``CASES`` (with its consumer count: both occur) lowers through Pallas Mosaic GPU for CUDA on CPU.
+    """Every class of ``CASES`` (with its consumer count: both occur; per item and persistent) lowers through
+    Pallas Mosaic GPU for CUDA on CPU.
 
     Export stops after Mosaic GPU has lowered the kernel to its MLIR module (serialised into the custom
     call), so unsupported ops, casts and layouts fail here; shared-memory budget, register pressure and
@@ -240,9 +262,10 @@ def test_lowers_for_sm90(pv_from_smem):
         cls = _cls(lengths, **kw)
         case = fuzz.make_case(np.random.default_rng(0), cls, lengths)
         arrays, kwargs = case.kernel_args()
-        for consumers in (nc,):
-            fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(*a, **kwargs, num_consumers=consumers,
-                                                                 pv_from_smem=pv_from_smem))
+        for persistent in ((False, True) if not pv_from_smem else (False,)):
+            fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(*a, **kwargs, num_consumers=nc,
+                                                                 pv_from_smem=pv_from_smem,
+                                                                 persistent=persistent, num_programs=132))
             exported = export.export(fn, platforms=("cuda",))(*arrays)
             assert "mosaic_gpu" in exported.mlir_module()
 
@@ -261,9 +284,11 @@ def test_random_classes_match_float64():
         lengths = fuzz.random_lengths(rng, cls)
         case = fuzz.make_case(rng, cls, lengths)
         arrays, kwargs = case.kernel_args()
-        err = fuzz.error(paged_prefill_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET), case)
+        persistent = bool(rng.integers(2))
+        err = fuzz.error(paged_prefill_attention_mgpu(*arrays, **kwargs, persistent=persistent,
+                                                      interpret=INTERPRET), case)
         if not err <= fuzz.TOLERANCE[cls.dtype]:
-            failed.append((cls.describe(), lengths, err))
+            failed.append((cls.describe(), lengths, persistent, err))
     assert not failed, failed
 
 
