@@ -141,7 +141,7 @@ class _Segment:
         self.end = jnp.where(self.has_rows, (kv_end + block_kv - 1) // block_kv, self.first)
 
 
-def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, scratch, *,
+def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, scales_ref, o_ref, scratch, *,
                     scale: float, block_kv: int, tokens_per_copy: int, num_stages: int, num_consumers: int,
                     group: int, num_heads: int, num_tiles: int, num_seqs: int, num_programs: int,
                     num_q_buffers: int, sliding_window: int | None, logits_soft_cap: float | None,
@@ -153,15 +153,23 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref
     num_items = num_tiles * num_heads
     wg = lax.axis_index("wg")
     program = lax.axis_index("p")
-    my_items = lax.div(num_items - program + num_programs - 1, num_programs)   # items p, p + G, p + 2G, ...
+    persistent = num_programs < num_items
+    # Round r hands item r * G + p to program p, in reverse (G - 1 - p) in odd rounds: with the items
+    # heaviest first, each program's heavy and light items even out ("snake" order).
+    last_round = (num_items - 1) // num_programs
+    last_index = last_round * num_programs + (program if last_round % 2 == 0 else num_programs - 1 - program)
+    my_items = last_round + (last_index < num_items).astype(jnp.int32)
     segment = functools.partial(_Segment, qsl_ref, seq_lens_ref, block_kv=block_kv,
                                 sliding_window=sliding_window)
 
     def item(k):
         """The program's ``k``-th work item: one query head over ``TT`` tokens, last tiles first, the query
         heads of a tile side by side."""
-        i = program + k * num_programs
-        tile = num_tiles - 1 - lax.div(i, num_heads)
+        i = k * num_programs + jnp.where(lax.rem(k, 2) == 0, program, num_programs - 1 - program)
+        if persistent:   # tiles by decreasing key count (computed before the kernel)
+            tile = tile_order_ref[lax.div(i, num_heads)]
+        else:            # one item per program, the hardware hands them out in order: last tiles first
+            tile = num_tiles - 1 - lax.div(i, num_heads)
         qh = lax.rem(i, num_heads)
         tok0 = tile * tile_tokens
         tok_end = jnp.minimum(tok0 + tile_tokens, qsl_ref[num_seqs])   # <= tok0: no rows (padding only)
@@ -392,9 +400,9 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
         num_q_buffers=num_q_buffers, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         pv_from_smem=pv_from_smem, pingpong=pingpong, set_registers=not interpret)
 
-    def entry(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref):
-        pl.run_scoped(lambda *scratch: kernel(qsl_ref, seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref,
-                                              o_ref, scratch),
+    def entry(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, scales_ref, o_ref):
+        pl.run_scoped(lambda *scratch: kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref,
+                                              scales_ref, o_ref, scratch),
                       smem, barriers, released, schedule, collective_axes="wg")
 
     op = plgpu.kernel(
@@ -407,8 +415,21 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
         compiler_params=plgpu.CompilerParams(approx_math=True),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
-    out = op(query_start_loc, seq_lens, block_tables, q, kv_cache, scales)
+    out = op(query_start_loc, seq_lens, block_tables, _tile_order(query_start_loc, seq_lens, num_tiles, tile_tokens)
+             if num_programs < num_items else jnp.zeros((1,), jnp.int32), q, kv_cache, scales)
     return out[:num_tokens] if pad else out
+
+
+def _tile_order(query_start_loc, seq_lens, num_tiles: int, tile_tokens: int):
+    """``int32[num_tiles]``: the tiles by decreasing key count of their last row (the work of a causal
+    tile), ties in reverse tile order; the persistent programs take them in this order."""
+    num_seqs = seq_lens.shape[0]
+    tile = jnp.arange(num_tiles, dtype=jnp.int32)
+    last = jnp.minimum((tile + 1) * tile_tokens, query_start_loc[-1]) - 1     # the tile's last new token
+    seq = jnp.clip(jnp.searchsorted(query_start_loc, last, side="right", method="compare_all") - 1, 0,
+                   num_seqs - 1)
+    keys = jnp.where(last >= tile * tile_tokens, seq_lens[seq] - (query_start_loc[seq + 1] - 1 - last), 0)
+    return (num_tiles - 1 - jnp.argsort(keys[::-1], descending=True, stable=True)).astype(jnp.int32)
 
 
 def _sm_count() -> int:

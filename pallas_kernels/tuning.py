@@ -161,10 +161,12 @@ def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int,
 
 # (head_size, kv dtype name) -> the smallest ``max_query_len`` (static bound, tokens) from which prefill runs
 # faster on Mosaic GPU than on Triton on sm_90. Measured on the H100 (docs/benchmarks.md, "H100, Mosaic GPU
-# prefill kernel"; bench_attention.py --mode prefill --quick, 32q/8kv heads, D 128, bf16, block 16): at 512
-# tokens Mosaic is 0.81-0.90x Triton, at 2048 1.10-1.29x, at 8192 1.56-1.64x. Shapes not measured (other
-# head sizes, fp8) are not listed and stay on Triton. The measured batches were whole prompts, so a batch
-# must also hold at least MGPU_PREFILL_MIN_TOKENS_PER_SEQ token slots per sequence: the engine's mixed steps
-# (256 rows in a 4096-token bucket, mostly decodes: 16 per row) are not measured and stay on Triton.
-MGPU_PREFILL_MIN_QUERY_LEN: dict[tuple[int, str], int] = {(128, "bfloat16"): 2048}
+# prefill kernel"; bench_attention.py --mode prefill --quick, 32q/8kv heads, D 128, bf16, block 16) with the
+# second Mosaic kernel (one query head x 64 tokens per consumer, Q/O by TMA in q's layout): 1.84-2.0x Triton
+# at 512 tokens, 1.9-2.0x at 2048, 1.8-2.0x at 8192, 2.0-2.1x on 512-token chunks over 4k/16k contexts.
+# Shorter prompts were not measured and stay on Triton, as do shapes not measured (other head sizes, fp8).
+# The measured batches were whole prompts, so a batch must also hold at least MGPU_PREFILL_MIN_TOKENS_PER_SEQ
+# token slots per sequence: the engine's mixed steps (256 rows in a 4096-token bucket, mostly decodes: 16
+# per row) stay on Triton (a Mosaic tile of 128 tokens would walk the keys of every sequence it touches).
+MGPU_PREFILL_MIN_QUERY_LEN: dict[tuple[int, str], int] = {(128, "bfloat16"): 512}
 MGPU_PREFILL_MIN_TOKENS_PER_SEQ = 512

@@ -153,6 +153,30 @@ def test_unowned_and_out_of_window_slots_do_not_matter():
     assert fuzz.error(poisoned, case) <= fuzz.TOLERANCE[cls.dtype]
 
 
+def test_tile_order_puts_the_most_keys_first():
+    """The persistent programs' tile order is a permutation of the tiles, by decreasing key count of each
+    tile's last row (a loop over tokens computes it here), padding tiles last."""
+    rng = np.random.default_rng(6)
+    for _ in range(10):
+        q_lens = rng.integers(0, 300, int(rng.integers(1, 6)))
+        ctx = rng.integers(0, 500, q_lens.size)
+        qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        tt = 128
+        num_tiles = -(-int(qsl[-1] + rng.integers(0, 300)) // tt)
+        order = np.asarray(mgpu_mod._tile_order(jnp.asarray(qsl), jnp.asarray(ctx + q_lens, jnp.int32),
+                                                num_tiles, tt))
+        assert sorted(order.tolist()) == list(range(num_tiles))
+        keys = []
+        for t in range(num_tiles):
+            toks = [u for u in range(t * tt, (t + 1) * tt) if u < qsl[-1]]
+            if not toks:
+                keys.append(0)
+                continue
+            s = int(np.searchsorted(qsl, toks[-1], side="right") - 1)
+            keys.append(int(ctx[s] + toks[-1] - qsl[s] + 1))
+        assert all(keys[a] >= keys[b] for a, b in zip(order, order[1:])), (keys, order)
+
+
 def test_sequence_search_matches_searchsorted():
     """The kernel's binary search over ``query_start_loc`` (the sequence that owns a flat token: the last
     with ``query_start_loc[s] <= token``, so zero-length sequences own nothing) equals NumPy's
@@ -294,7 +318,7 @@ def test_random_classes_match_float64():
 
 def test_automatic_selection_follows_the_measured_table(monkeypatch):
     """``impl="pallas"`` picks the Mosaic prefill kernel only where ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``
-    says it was measured faster (sm_90, head size 128, bf16 cache, ``max_query_len`` >= 2048, whole-prompt
+    says it was measured faster (sm_90, head size 128, bf16 cache, ``max_query_len`` >= 512, whole-prompt
     batches); the engine's mixed steps, short prompts, other head sizes, fp8 and other GPUs stay on Triton,
     and decode (an empty table) never moves."""
     import types
@@ -308,8 +332,8 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
         kv = sds((2, 64, heads[1], 16, head), dtype)
         return _use_mosaic("prefill", q, kv, "pallas", False, max_query_len=max_query_len, num_seqs=seqs)
 
-    assert pick(2048, 1, 2048) and pick(8 * 8192, 8, 8192)
-    assert not pick(512, 1, 512)                      # measured slower at 512 tokens
+    assert pick(2048, 1, 2048) and pick(8 * 8192, 8, 8192) and pick(512, 1, 512) and pick(8 * 512, 8, 512)
+    assert not pick(256, 1, 256)                      # not measured below 512 tokens
     assert not pick(4096, 256, 4096)                  # an engine mixed step: 16 token slots per row
     assert not pick(2048, 1, 2048, head=64, heads=(9, 3))          # not measured
     assert not pick(2048, 1, 2048, dtype=jnp.float8_e4m3fn)        # unsupported: fp8 cache
