@@ -28,8 +28,26 @@ the bytes of bf16), converted to the compute dtype in registers and written to a
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
 
-Tested in the Mosaic GPU interpreter on CPU (``tests/pallas_kernels/test_paged_attention_mgpu.py``) and
-lowered for sm_90 on CPU; the compiled kernel runs only on a Hopper GPU (``scripts/gpu_mgpu.sh``).
+Persistent variant (``persistent=True``, off by default: not yet measured on a GPU, the next H100 run
+compares it). With short contexts and many sequences (batch 256 x 1k tokens; SmolLM2's decode step: 3 KV
+heads, head size 64, 100-200 tokens) each CTA of the grid above runs 1-8 steps and pays a fixed cost per
+CTA (launch, barrier init, the dependent scalar loads of ``seq_lens`` and the block table before the first
+TMA copy, the ring fill, the output store wait): on the H100 it reached 76-85 % of copy bandwidth at 64 and
+256 x 1k where the Triton kernel reaches 82-92 %. The persistent kernel launches ``num_programs`` CTAs (the
+SM count by default), grid ``(num_programs,)``; work items are the (sequence, KV head, partition) triples,
+item ``i`` = sequence ``i // (num_kv_heads * num_splits)``, and CTA ``c`` runs items ``c, c + G, c + 2G, ...``.
+Both warpgroups count K/V steps across the CTA's items (slot ``g % num_stages``), so the memory warpgroup
+fills the ring with the next item's pages while the compute warpgroup finishes the current one. The query
+and output share a tile as above, double-buffered (``[2, 64, head_size]``, one when two do not fit
+``tuning.MGPU_SMEM_BYTES`` beside the ring; the ring's default depth counts two): the memory warpgroup
+copies item ``k``'s query into tile ``k % 2`` before its K/V steps, once the compute warpgroup has signalled
+that the output store of item ``k - 2`` finished reading that tile (a "q free" barrier per tile; the
+log-sum-exp rows are double-buffered with it). Outputs, per-partition log-sum-exps and the merge are the
+non-persistent kernel's (bit for bit in the interpreter).
+
+Tested in the Mosaic GPU interpreter on CPU (``tests/pallas_kernels/test_paged_attention_mgpu.py``; the
+persistent kernel with 2-3 programs of several items each) and lowered for sm_90 on CPU; the compiled
+kernel runs only on a Hopper GPU (``scripts/gpu_mgpu.sh``).
 """
 
 from __future__ import annotations
@@ -44,7 +62,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
-from pallas_kernels._mgpu_paging import produce_kv_ring
+from pallas_kernels._mgpu_paging import issue_kv_step, produce_kv_ring
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
 
@@ -91,21 +109,10 @@ def _upcast(x, dtype):
     return x.astype(dtype)
 
 
-def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
-                   scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
-                   steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None):
-    (q_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem), (q_bar, k_bars, v_bars), consumed = scratch
-    k_consumed, v_consumed = consumed
-    block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
-    dtype = q_smem.dtype
-    fp8 = k16_smem is not None
-
-    h = lax.axis_index("h")
-    part = lax.axis_index("p")
-    s = lax.axis_index("s")
-    wg = lax.axis_index("wg")
-
-    seq_len = seq_lens_ref[s]
+def _partition(seq_len, part, *, block_size: int, block_kv: int, steps_per_partition: int,
+               sliding_window: int | None):
+    """The steps of one (sequence, context partition): ``(num_pages, origin, window_start, first_step, n)``;
+    step ``i < n`` covers tokens ``[origin + (first_step + i) * block_kv, ... + block_kv)``."""
     num_pages = (seq_len + block_size - 1) // block_size
     part_tokens = steps_per_partition * block_kv
     origin = part * part_tokens                              # first token of this partition
@@ -114,6 +121,124 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
     num_steps = (local_end + block_kv - 1) // block_kv
     first_step = jnp.minimum(jnp.maximum(window_start - origin, 0) // block_kv, num_steps)
     n = num_steps - first_step                               # steps this program runs (may be 0)
+    return num_pages, origin, window_start, first_step, n
+
+
+def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_factor, step_base=None,
+            block_kv: int, num_stages: int, logits_soft_cap: float | None):
+    """The compute warpgroup's ``n`` steps of one partition: ``(acc, m, l)`` (unnormalised output, running
+    max and sum, base 2). Step ``i`` reads ring slot ``(step_base + i) % num_stages`` (``step_base``
+    ``None``: 0, the non-persistent kernel's step count)."""
+    (_, k_smem, v_smem, k16_smem, v16_smem, p_smem, _), (_, k_bars, v_bars), consumed = scratch[:3]
+    k_consumed, v_consumed = consumed
+    head_size = k_smem.shape[-1]
+    dtype = q_tile.dtype
+    fp8 = k16_smem is not None
+    m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
+    acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
+
+    def body(i, carry):
+        acc, m, l = carry
+        slot = lax.rem(i if step_base is None else step_base + i, num_stages)
+        first_token = origin + (first_step + i) * block_kv
+        plgpu.barrier_wait(k_bars.at[slot])
+        if fp8:
+            k16_smem[...] = _upcast(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(k_consumed.at[slot])
+            k_tile = k16_smem
+        else:
+            k_tile = k_smem.at[slot]
+
+        def qk(acc_ref):
+            plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+            return acc_ref[...]
+        logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+        if not fp8:
+            plgpu.barrier_arrive(k_consumed.at[slot])
+        logits = logits * k_factor
+        if logits_soft_cap is not None:
+            logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
+        token = first_token + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                                     layout=plgpu.Layout.WGMMA)
+        logits = jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
+
+        m_next = jnp.maximum(m, logits.max(axis=1))
+        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a row with no visible key stays 0
+        alpha = jnp.exp2(m - m_safe)
+        p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
+        l = l * alpha + p.sum(axis=1)
+        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+
+        plgpu.barrier_wait(v_bars.at[slot])
+        # Zero the V rows of invisible slots (they may hold NaN): only steps that reach past the
+        # sequence's end or start before the window need it; fp8 tiles are converted anyway.
+        row = first_token + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
+                                                   layout=plgpu.Layout.WGMMA)
+        row_visible = (row < seq_len) & (row >= window_start)
+        if fp8:
+            v = _upcast(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
+            v16_smem[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(v_consumed.at[slot])
+            v_tile = v16_smem
+        else:
+            v_tile = v_smem.at[slot]
+            boundary = (first_token + block_kv > seq_len) | (first_token < window_start)
+
+            @pl.when(boundary)
+            def _zero_invisible_rows():
+                v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+                v_tile[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
+                plgpu.commit_smem()
+
+        # P goes through shared memory (the interpreter runs wgmma only from shared memory; one
+        # 64 x block_kv tile per step is small next to the K/V tiles of a memory-bound kernel).
+        p_smem[...] = p.astype(dtype)
+        plgpu.commit_smem()
+
+        def pv(acc_ref):
+            plgpu.wgmma(acc_ref, p_smem, v_tile)
+            return acc_ref[...]
+        # A fresh accumulator added to the rescaled one: the interpreter cannot run an accumulator
+        # initialised from registers (``pl.run_state`` + ``ACC.init``).
+        acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
+        if not fp8:
+            plgpu.barrier_arrive(v_consumed.at[slot])
+        return acc, m_next, l
+
+    return lax.fori_loop(0, n, body, (acc, m, l))
+
+
+def _store_output(acc, m, l, v_scale, o_tile, lse_tile, o_dst, lse_dst) -> None:
+    """Normalise, write the output (over the query tile, no longer read) and the base-2 log-sum-exp to
+    shared memory and start their TMA stores to ``o_dst`` / ``lse_dst`` (the caller waits for them)."""
+    l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
+    acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
+    o_tile[...] = acc.astype(o_tile.dtype)                   # the query tile is no longer read
+    lse_tile[...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_tile, o_dst)
+    plgpu.copy_smem_to_gmem(lse_tile, lse_dst)
+
+
+def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
+                   scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
+                   steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None):
+    (q_smem, k_smem, v_smem, _, _, _, lse_smem), (q_bar, k_bars, v_bars), consumed = scratch
+    k_consumed, v_consumed = consumed
+    block_size = kv_ref.shape[3]
+
+    h = lax.axis_index("h")
+    part = lax.axis_index("p")
+    s = lax.axis_index("s")
+    wg = lax.axis_index("wg")
+
+    seq_len = seq_lens_ref[s]
+    num_pages, origin, window_start, first_step, n = _partition(
+        seq_len, part, block_size=block_size, block_kv=block_kv, steps_per_partition=steps_per_partition,
+        sliding_window=sliding_window)
 
     @pl.when(wg == 0)
     def _compute():
@@ -121,88 +246,10 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
         plgpu.barrier_wait(q_bar.at[0])
         k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
         v_scale = scales_ref[1]
-        m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
-        acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
-
-        def body(i, carry):
-            acc, m, l = carry
-            slot = lax.rem(i, num_stages)
-            first_token = origin + (first_step + i) * block_kv
-            plgpu.barrier_wait(k_bars.at[slot])
-            if fp8:
-                k16_smem[...] = _upcast(plgpu.load(k_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(k_consumed.at[slot])
-                k_tile = k16_smem
-            else:
-                k_tile = k_smem.at[slot]
-
-            def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_smem, k_tile.T)
-                return acc_ref[...]
-            logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            if not fp8:
-                plgpu.barrier_arrive(k_consumed.at[slot])
-            logits = logits * k_factor
-            if logits_soft_cap is not None:
-                logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
-            token = first_token + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
-                                                         layout=plgpu.Layout.WGMMA)
-            logits = jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
-
-            m_next = jnp.maximum(m, logits.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a row with no visible key stays 0
-            alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
-
-            plgpu.barrier_wait(v_bars.at[slot])
-            # Zero the V rows of invisible slots (they may hold NaN): only steps that reach past the
-            # sequence's end or start before the window need it; fp8 tiles are converted anyway.
-            row = first_token + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
-                                                       layout=plgpu.Layout.WGMMA)
-            row_visible = (row < seq_len) & (row >= window_start)
-            if fp8:
-                v = _upcast(plgpu.load(v_smem.at[slot], layout=plgpu.Layout.WGMMA), dtype)
-                v16_smem[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(v_consumed.at[slot])
-                v_tile = v16_smem
-            else:
-                v_tile = v_smem.at[slot]
-                boundary = (first_token + block_kv > seq_len) | (first_token < window_start)
-
-                @pl.when(boundary)
-                def _zero_invisible_rows():
-                    v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
-                    v_tile[...] = jnp.where(row_visible, v, jnp.zeros_like(v))
-                    plgpu.commit_smem()
-
-            # P goes through shared memory (the interpreter runs wgmma only from shared memory; one
-            # 64 x block_kv tile per step is small next to the K/V tiles of a memory-bound kernel).
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_tile)
-                return acc_ref[...]
-            # A fresh accumulator added to the rescaled one: the interpreter cannot run an accumulator
-            # initialised from registers (``pl.run_state`` + ``ACC.init``).
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
-            if not fp8:
-                plgpu.barrier_arrive(v_consumed.at[slot])
-            return acc, m_next, l
-
-        acc, m, l = lax.fori_loop(0, n, body, (acc, m, l))
-        l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
-        acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
-        q_smem[...] = acc.astype(dtype)                          # the query tile is no longer read
-        lse_smem[...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(q_smem, o_ref.at[part, s, h])
-        plgpu.copy_smem_to_gmem(lse_smem, lse_ref.at[part, s, h])
+        acc, m, l = _attend(q_smem, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
+                            window_start=window_start, k_factor=k_factor, block_kv=block_kv,
+                            num_stages=num_stages, logits_soft_cap=logits_soft_cap)
+        _store_output(acc, m, l, v_scale, q_smem, lse_smem, o_ref.at[part, s, h], lse_ref.at[part, s, h])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -213,8 +260,90 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
                         k_consumed=k_consumed, v_consumed=v_consumed)
 
 
+def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
+                              scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
+                              steps_per_partition: int, sliding_window: int | None,
+                              logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
+                              num_splits: int, num_items: int, num_q_buffers: int):
+    """The persistent kernel: program ``c`` runs work items ``c, c + G, c + 2G, ...`` (``G = num_programs``),
+    item ``i`` being (sequence ``i // (num_kv_heads * num_splits)``, KV head, partition).
+
+    Barrier protocol (every waiter sees every phase it waits on, in order):
+
+    * ``k_bars``/``v_bars``/``k_consumed``/``v_consumed``: as in :func:`_decode_kernel`, but both warpgroups
+      count steps ``g`` across the program's items (slot ``g % num_stages``); the memory warpgroup waits a
+      slot's consumed barrier only for ``g >= num_stages`` (the phase of step ``g - num_stages``).
+    * ``q_bars[b]``: item ``k``'s query copy (issued by the memory warpgroup) into tile ``b = k % num_q_buffers``;
+      the compute warpgroup waits it once per item.
+    * ``q_free[b]``: the compute warpgroup arrives once per item, after the TMA stores of its output and
+      log-sum-exp (tiles ``b``) finished reading shared memory; the memory warpgroup waits it before item
+      ``k``'s query copy when ``k >= num_q_buffers`` (the phase of item ``k - num_q_buffers``). A second
+      arrival on ``q_free[b]`` needs item ``k + num_q_buffers``'s query, so it never overtakes that wait.
+    """
+    (q_smem, k_smem, v_smem, _, _, _, lse_smem), (q_bars, k_bars, v_bars), consumed, q_free = scratch
+    k_consumed, v_consumed = consumed
+    block_size = kv_ref.shape[3]
+    c = lax.axis_index("c")
+    wg = lax.axis_index("wg")
+    my_items = (num_items - c + num_programs - 1) // num_programs
+    partition = functools.partial(_partition, block_size=block_size, block_kv=block_kv,
+                                  steps_per_partition=steps_per_partition, sliding_window=sliding_window)
+
+    def item(k):
+        i = c + k * num_programs
+        s = lax.div(i, num_kv_heads * num_splits)
+        r = lax.rem(i, num_kv_heads * num_splits)
+        return s, lax.div(r, num_splits), lax.rem(r, num_splits), lax.rem(k, num_q_buffers)
+
+    @pl.when(wg == 0)
+    def _compute():
+        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
+        v_scale = scales_ref[1]
+
+        def run_item(k, g):
+            s, h, part, b = item(k)
+            seq_len = seq_lens_ref[s]
+            _, origin, window_start, first_step, n = partition(seq_len, part)
+            q_tile, lse_tile = q_smem.at[b], lse_smem.at[b]
+            plgpu.barrier_wait(q_bars.at[b])
+            acc, m, l = _attend(q_tile, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
+                                window_start=window_start, k_factor=k_factor, step_base=g,
+                                block_kv=block_kv, num_stages=num_stages, logits_soft_cap=logits_soft_cap)
+            _store_output(acc, m, l, v_scale, q_tile, lse_tile, o_ref.at[part, s, h], lse_ref.at[part, s, h])
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may now take item k + num_q_buffers
+            plgpu.barrier_arrive(q_free.at[b])
+            return g + n
+
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(wg == 1)
+    def _memory():
+        def run_item(k, g):
+            s, h, part, b = item(k)
+            num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
+            pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
+            plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem.at[b], q_bars.at[b])
+            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
+                                      block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+
+            def one_step(i, g):
+                slot = lax.rem(g, num_stages)
+                refill = g >= num_stages                     # the slot's previous step must be released
+                t0 = origin + (first_step + i) * block_kv
+                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+                issue(t0, slot, 0, k_smem, k_bars)
+                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+                issue(t0, slot, 1, v_smem, v_bars)
+                return g + 1
+            return lax.fori_loop(0, n, one_step, g)
+
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+
+
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
-                          logits_soft_cap, block_kv, num_stages, num_splits, interpret):
+                          logits_soft_cap, block_kv, num_stages, num_splits, interpret, persistent=False,
+                          num_programs=None, num_q_buffers=1):
     num_seqs, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -235,36 +364,46 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     tile = _tile_transforms(head_size, dtype)
     cache_tile = _tile_transforms(head_size, kv_cache.dtype)
     stage_shape = (num_stages, block_kv, head_size)
+    q_tiles = (num_q_buffers,) if persistent else ()
     smem = (
-        plgpu.SMEM((ROWS, head_size), dtype, transforms=tile),                   # q, then the output
+        plgpu.SMEM((*q_tiles, ROWS, head_size), dtype, transforms=tile),        # q, then the output
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # K ring
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
         plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # K converted
         plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # V converted
         plgpu.SMEM((ROWS, block_kv), dtype, transforms=_tile_transforms(block_kv, dtype)),  # P
-        plgpu.SMEM((ROWS,), jnp.float32),                                        # log-sum-exp
+        plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
     )
     copies = block_kv // tokens_per_copy
-    barriers = (plgpu.Barrier(num_barriers=1),
+    barriers = (plgpu.Barrier(num_barriers=num_q_buffers if persistent else 1),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages))
     consumed = (plgpu.Barrier(num_arrivals=1, num_barriers=num_stages),) * 2
     kernel = functools.partial(
-        _decode_kernel, scale=scale, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
-        num_stages=num_stages, steps_per_partition=steps_per_partition, sliding_window=sliding_window,
-        logits_soft_cap=logits_soft_cap)
+        _decode_kernel_persistent if persistent else _decode_kernel, scale=scale, block_kv=block_kv,
+        tokens_per_copy=tokens_per_copy, num_stages=num_stages, steps_per_partition=steps_per_partition,
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    # Persistent: one more barrier group, the query/output tiles' "free" barriers (kernel docstring).
+    extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
+    if persistent:
+        kernel = functools.partial(kernel, num_programs=num_programs, num_kv_heads=num_kv_heads,
+                                   num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,
+                                   num_q_buffers=num_q_buffers)
+        grid, grid_names = (num_programs,), ("c",)
+    else:
+        grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
 
     def entry(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref):
         pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref,
                                               lse_ref, scratch),
-                      smem, barriers, consumed, collective_axes="wg")
+                      smem, barriers, consumed, *extra, collective_axes="wg")
 
     part = (num_splits, num_seqs, num_kv_heads, ROWS)
     o, lse = plgpu.kernel(
         entry,
         out_type=(jax.ShapeDtypeStruct((*part, head_size), dtype), jax.ShapeDtypeStruct(part, jnp.float32)),
-        grid=(num_kv_heads, num_splits, num_seqs),
-        grid_names=("h", "p", "s"),
+        grid=grid,
+        grid_names=grid_names,
         num_threads=2,
         thread_name="wg",
         compiler_params=plgpu.CompilerParams(approx_math=True),
@@ -284,7 +423,13 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
-           "interpret")
+           "interpret", "persistent", "num_programs")
+INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
+
+
+def default_num_programs() -> int:
+    """CTAs of the persistent grid: the device's SM count (132 when it does not say: an H100 SXM)."""
+    return getattr(jax.devices()[0], "core_count", None) or 132
 
 
 @_checks.host_checked(_checks.check_decode_args)
@@ -305,6 +450,8 @@ def paged_attention_mgpu(
     num_stages: int | None = None,
     num_splits: int | None = None,
     interpret: bool = False,
+    persistent: bool = False,
+    num_programs: int | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -312,6 +459,11 @@ def paged_attention_mgpu(
     and result as :func:`pallas_kernels.paged_attention.paged_attention` for the calls
     :func:`unsupported_reason` accepts (bf16/f16 q; cache of q's dtype or fp8 e4m3/e5m2; head size
     64/128/256; at most 64 query heads per KV head; block size a power of two >= 8; no ALiBi).
+
+    ``persistent=True`` runs the persistent kernel (module docstring): ``num_programs`` CTAs, each walking
+    several (sequence, KV head, partition) items through one K/V ring, so short contexts pay the per-CTA
+    cost once per CTA rather than once per item. Same result; not measured on a GPU yet, hence off by
+    default.
 
     Args:
         q: ``[num_seqs, num_heads, head_size]`` bf16/f16.
@@ -327,13 +479,20 @@ def paged_attention_mgpu(
         num_splits: context partitions per sequence (static); ``None``:
             :func:`pallas_kernels.tuning.decode_num_splits` (the Triton kernel's rule).
         interpret: run in the Mosaic GPU interpreter (CPU).
+        persistent: the persistent kernel (static); ``num_stages`` ``None`` then counts two 64-row
+            query/output tiles (:func:`pallas_kernels.tuning.mgpu_decode_num_stages` with ``q_tiles=2``),
+            and :func:`pallas_kernels.tuning.mgpu_decode_q_buffers` picks two tiles or one.
+        num_programs: CTAs of the persistent grid (static, >= 1, only with ``persistent``); ``None``: the
+            device's SM count (:func:`default_num_programs`), at most ``INTERPRET_MAX_PROGRAMS`` when
+            interpreting; never more than ``num_seqs * num_kv_heads * num_splits``.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
 
     Raises:
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
-            that is not a positive multiple of 64, ``num_stages`` or ``num_splits`` < 1.
+            that is not a positive multiple of 64, ``num_stages`` or ``num_splits`` < 1, ``num_programs``
+            < 1 or given without ``persistent``.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
@@ -349,7 +508,7 @@ def paged_attention_mgpu(
     if block_kv is None:
         block_kv = tuning.mgpu_decode_block_kv(head_size)
     if num_stages is None:
-        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8)
+        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, q_tiles=2 if persistent else 1)
     if num_splits is None:
         num_splits = tuning.decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1],
                                               max(1, block_kv // block_size))
@@ -358,7 +517,21 @@ def paged_attention_mgpu(
     for name, value in (("num_stages", num_stages), ("num_splits", num_splits)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
+    if not persistent:
+        if num_programs is not None:
+            raise ValueError(f"num_programs={num_programs} needs persistent=True")
+        return _paged_attention_mgpu(
+            q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
+            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
+            num_stages=num_stages, num_splits=num_splits, interpret=interpret)
+    if num_programs is not None and num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
+    if num_programs is None:
+        num_programs = min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()
+    num_programs = max(1, min(num_programs, q.shape[0] * num_kv_heads * num_splits))   # no idle programs
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
-        num_stages=num_stages, num_splits=num_splits, interpret=interpret)
+        num_stages=num_stages, num_splits=num_splits, interpret=interpret, persistent=True,
+        num_programs=num_programs,
+        num_q_buffers=tuning.mgpu_decode_q_buffers(block_kv, head_size, num_stages, fp8=fp8))

@@ -118,13 +118,30 @@ def mgpu_decode_block_kv(head_size: int) -> int:
     return 64 if head_size > 128 else 128
 
 
-def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool) -> int:
-    """Ring depth: as many K+V stages as fit ``MGPU_SMEM_BYTES`` beside the 64-row query and P tiles
-    (and, for fp8, the two 16-bit converted tiles), at most ``MGPU_DECODE_MAX_STAGES``, at least 1."""
+def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool,
+                           q_tiles: int = 1) -> int:
+    """Shared memory the Mosaic decode kernel's tiles take: ``num_stages`` K+V ring stages (fp8 or 16-bit),
+    ``q_tiles`` 64-row query/output tiles, the 64-row P tile and, for fp8, the two 16-bit converted tiles
+    (the float32 log-sum-exp rows and the barriers fit the headroom under the 227 KiB of an SM)."""
     itemsize = 1 if fp8 else 2
-    fixed = 64 * head_size * 2 + 64 * block_kv * 2 + (2 * block_kv * head_size * 2 if fp8 else 0)
-    per_stage = 2 * block_kv * head_size * itemsize
+    fixed = q_tiles * 64 * head_size * 2 + 64 * block_kv * 2 + (2 * block_kv * head_size * 2 if fp8 else 0)
+    return fixed + num_stages * 2 * block_kv * head_size * itemsize
+
+
+def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool, q_tiles: int = 1) -> int:
+    """Ring depth: as many K+V stages as fit ``MGPU_SMEM_BYTES`` beside ``q_tiles`` 64-row query tiles
+    (2 for the persistent kernel's double buffer), the P tile (and, for fp8, the two 16-bit converted
+    tiles), at most ``MGPU_DECODE_MAX_STAGES``, at least 1."""
+    fixed = mgpu_decode_smem_bytes(block_kv, head_size, 0, fp8=fp8, q_tiles=q_tiles)
+    per_stage = mgpu_decode_smem_bytes(block_kv, head_size, 1, fp8=fp8, q_tiles=q_tiles) - fixed
     return max(1, min(MGPU_DECODE_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
+
+
+def mgpu_decode_q_buffers(block_kv: int, head_size: int, num_stages: int, *, fp8: bool) -> int:
+    """Query/output tiles of the persistent Mosaic decode kernel: 2 (the next item's query lands while
+    the current one computes) when they fit ``MGPU_SMEM_BYTES`` beside the ring, else 1."""
+    fits = mgpu_decode_smem_bytes(block_kv, head_size, num_stages, fp8=fp8, q_tiles=2) <= MGPU_SMEM_BYTES
+    return 2 if fits else 1
 
 
 # Mosaic GPU prefill (pallas_kernels.paged_prefill_attention_mgpu). FA3's shape (two consumer warpgroups of

@@ -6,7 +6,12 @@ simulated shared memory, TMA copies, barriers and the two warpgroups), which che
 shared-memory budget, ptxas); ``test_lowers_for_sm90`` lowers every class through Mosaic GPU for CUDA on
 CPU, which catches unsupported ops and layouts. On a GPU the same tests run the compiled kernel
 (``scripts/gpu_mgpu.sh``, on an H100); only that run is evidence that the compiled kernel is right.
-``JAXKV_MGPU_FUZZ=N`` adds N random interpreted classes (slow: ~2 s a case).
+``JAXKV_MGPU_FUZZ=N`` adds N random interpreted classes (slow: ~2 s a case) and every class of ``CASES``
+through the persistent kernel.
+
+The persistent kernel (``persistent=True``) runs here with 2 or 3 programs, so each program walks several
+work items (of different sequences, zero-length ones, several partitions) through one K/V ring and the
+two query/output tiles (or one, ``PERSISTENT_CASES``' last default case).
 """
 
 from __future__ import annotations
@@ -53,10 +58,11 @@ CASES = [
 ]
 
 
-def _run(cls, lens, num_splits, seed=0):
+def _run(cls, lens, num_splits, seed=0, **extra):
+    """Length 0 gives an empty sequence (``(context, query) = (-1, 1)``: ``seq_len`` 0, zero output)."""
     case = fuzz.make_case(np.random.default_rng(seed), cls, [(n - 1, 1) for n in lens])
     arrays, kwargs = case.kernel_args()
-    out = paged_attention_mgpu(*arrays, **kwargs, num_splits=num_splits, interpret=INTERPRET)
+    out = paged_attention_mgpu(*arrays, **kwargs, num_splits=num_splits, interpret=INTERPRET, **extra)
     assert out.shape == case.q.shape and out.dtype == jnp.dtype(cls.dtype)
     return fuzz.error(out, case)
 
@@ -66,6 +72,62 @@ def _run(cls, lens, num_splits, seed=0):
 def test_matches_float64_reference(cls, lens, num_splits):
     """NaN in every slot no sequence owns; a kernel that reads or mixes in one returns inf error."""
     assert _run(cls, lens, num_splits) <= fuzz.TOLERANCE[cls.dtype]
+
+
+# One query tile: 6 stages of 64 keys (head size 128) leave no room for two under MGPU_SMEM_BYTES
+# (tuning.mgpu_decode_q_buffers) but fit an SM's 227 KiB with one.
+ONE_Q_TILE = dict(block_kv=64, num_stages=6)
+
+# The persistent kernel: (class, lengths, num_splits, num_programs, kwargs). Items are (sequence, KV head,
+# partition) in that order, dealt round-robin to the programs; a 1-stage ring makes every step wait for
+# the previous one's release, across items; the third default case has one query tile.
+PERSISTENT_CASES = [
+    (_cls(head=64, block=16, kv_heads=2, group=3, num_seqs=5, width=12), [150, 0, 190, 1, 64], 2, 2,
+     dict(num_stages=1)),
+    (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+          window=50), [130, 0, 300], 2, 3, {}),
+    (_cls(head=128, block=16, group=4, num_seqs=4, width=20, window=70, cap=5.0), [300, 0, 17, 250], 3, 2,
+     ONE_Q_TILE),
+]
+_SLOW = pytest.mark.skipif(not os.environ.get("JAXKV_MGPU_FUZZ"), reason="set JAXKV_MGPU_FUZZ=N (slow)")
+PERSISTENT_CASES += [pytest.param(c, lens, sp, 2 + i % 2, {}, marks=_SLOW)
+                     for i, (c, lens, sp) in enumerate(CASES)]
+
+
+def _persistent_id(case) -> str:
+    cls, lens, num_splits, programs, kw = case.values if hasattr(case, "values") else case
+    return f"{cls.describe()} {lens} s{num_splits} G{programs}" + "".join(f" {k}={v}" for k, v in kw.items())
+
+
+@pytest.mark.parametrize("cls,lens,num_splits,num_programs,kw", PERSISTENT_CASES,
+                         ids=[_persistent_id(c) for c in PERSISTENT_CASES])
+def test_persistent_matches_float64_reference(cls, lens, num_splits, num_programs, kw):
+    err = _run(cls, lens, num_splits, persistent=True, num_programs=num_programs, **kw)
+    assert err <= fuzz.TOLERANCE[cls.dtype]
+
+
+def test_persistent_agrees_with_non_persistent():
+    """Same items, same per-item arithmetic: the outputs agree (bit for bit in the interpreter); the default
+    number of programs (at most 4 in the interpreter) over 2 sequences x 3 KV heads x 2 partitions."""
+    cls = _cls(head=128, block=16, kv_heads=3, group=2, width=10)
+    case = fuzz.make_case(np.random.default_rng(4), cls, [(150, 1), (40, 1)])
+    arrays, kwargs = case.kernel_args()
+    ref = paged_attention_mgpu(*arrays, **kwargs, num_splits=2, interpret=INTERPRET)
+    out = paged_attention_mgpu(*arrays, **kwargs, num_splits=2, interpret=INTERPRET, persistent=True)
+    ref, out = np.asarray(ref, np.float32), np.asarray(out, np.float32)
+    np.testing.assert_allclose(out, ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
+    if INTERPRET:
+        np.testing.assert_array_equal(out, ref)
+
+
+def test_persistent_bad_num_programs_raises():
+    q = jnp.zeros((1, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 4, 1, 16, 64), jnp.bfloat16)
+    args = (q, kv, jnp.zeros((1, 2), jnp.int32), jnp.ones((1,), jnp.int32))
+    with pytest.raises(ValueError, match="num_programs=0"):
+        paged_attention_mgpu(*args, scale=0.1, persistent=True, num_programs=0, interpret=True)
+    with pytest.raises(ValueError, match="needs persistent=True"):
+        paged_attention_mgpu(*args, scale=0.1, num_programs=2, interpret=True)
 
 
 def test_zero_length_sequence_gives_zeros():
@@ -131,21 +193,28 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only lowering check; the GPU runs the compiled tests")
+@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
 @pytest.mark.parametrize("fp8", [False, True])
-def test_lowers_for_sm90(fp8):
-    """Every class of ``CASES`` (fp8 or not) lowers through Pallas Mosaic GPU for CUDA on CPU.
+def test_lowers_for_sm90(fp8, persistent):
+    """Every class of ``CASES`` (fp8 or not) lowers through Pallas Mosaic GPU for CUDA on CPU, as the
+    one-CTA-per-item grid and as the persistent kernel (default programs: the items, up to 132 on CPU; and
+    2 programs with one query tile, ``ONE_Q_TILE``).
 
     Export stops after Mosaic GPU has lowered the kernel to its MLIR module (the module is serialised
     into the custom call), so unsupported ops, casts and layouts fail here; shared-memory budget and
     ptxas issues show only on the GPU."""
     from jax import export
-    for cls, lens, num_splits in CASES:
+    extra = [dict(persistent=True)] if persistent else [dict()]
+    for k, (cls, lens, num_splits) in enumerate(CASES):
         cls = dataclasses.replace(cls, fp8=fp8)
         case = fuzz.make_case(np.random.default_rng(0), cls, [(n - 1, 1) for n in lens])
         arrays, kwargs = case.kernel_args()
-        fn = jax.jit(lambda *a: paged_attention_mgpu(*a, **kwargs, num_splits=num_splits))
-        exported = export.export(fn, platforms=("cuda",))(*arrays)
-        assert "mosaic_gpu" in exported.mlir_module()
+        variants = extra + ([dict(persistent=True, num_programs=2, **ONE_Q_TILE)]
+                            if persistent and k == 0 else [])
+        for kw in variants:
+            fn = jax.jit(lambda *a, kw=kw: paged_attention_mgpu(*a, **kwargs, num_splits=num_splits, **kw))
+            exported = export.export(fn, platforms=("cuda",))(*arrays)
+            assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.skipif(not os.environ.get("JAXKV_MGPU_FUZZ"), reason="set JAXKV_MGPU_FUZZ=N (slow, ~2 s a case)")
