@@ -461,7 +461,7 @@ def paged_prefill_attention_mgpu(
     num_consumers: int | None = None,
     pv_from_smem: bool | None = None,
     pingpong: bool = True,
-    persistent: bool = False,
+    persistent: bool = True,
     num_programs: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
@@ -495,7 +495,9 @@ def paged_prefill_attention_mgpu(
         pingpong: with two consumers, make them take turns on the tensor cores through a scheduling
             barrier (FA3's ping-pong); ignored with one.
         persistent: launch one program per SM (``num_programs``), each looping over work items with
-            its K/V ring and the next item's Q already in flight, instead of one program per item.
+            its K/V ring and the next item's Q already in flight, instead of one program per item (the
+            default: measured faster or equal at five of the six bench shapes, and the only mode at or
+            above 0.9x cuDNN at all six; docs/benchmarks.md).
         num_programs: programs of the persistent grid (static); ``None``: the device's SM count (the
             interpreter: 2). Ignored unless ``persistent``.
         interpret: run in the Mosaic GPU interpreter (CPU).

@@ -295,11 +295,11 @@ PREFILL_SWEEP = [dict(block_q=bq, pages_per_compute_block=pp, num_warps=w, num_s
 # "block_size" is not a kernel argument: that variant runs on its own copy of the cache in pages of 64
 # tokens (one TMA copy per 64 keys instead of four; the page size is each backend's to choose).
 MOSAIC_PREFILL_VARIANTS = {"mosaic": dict(), "mosaic p64": dict(block_size=64),
-                           "mosaic persist": dict(persistent=True),
-                           "mosaic p64 persist": dict(block_size=64, persistent=True),
+                           "mosaic per-item": dict(persistent=False),
+                           "mosaic p64 per-item": dict(block_size=64, persistent=False),
                            "mosaic nopp": dict(pingpong=False), "mosaic c1": dict(num_consumers=1),
                            "mosaic bkv64": dict(block_kv=64)}
-MOSAIC_PREFILL_QUICK = ("mosaic", "mosaic p64", "mosaic persist", "mosaic p64 persist")
+MOSAIC_PREFILL_QUICK = ("mosaic", "mosaic p64", "mosaic per-item", "mosaic p64 per-item")
 
 
 def _mosaic_prefill_try(name, fn, args, want_fn, iters, time_calls, flops):
