@@ -15,9 +15,13 @@ sequence) with two warpgroups:
   TMA copy per page (or page slice) into slot ``step % num_stages`` of a shared-memory ring of K and of V
   tiles; the page ids come from the block table (scalar loads from global memory). A slot is refilled
   once the compute warpgroup has arrived on its "consumed" barrier.
-* the *compute* warpgroup holds the group's query heads as the 64 rows of a ``wgmma`` tile (heads past
-  the group are zero rows), computes ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma`` from shared memory (P written there) and
-  keeps an online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale).
+* the *compute* warpgroup holds the group's query heads in the first rows of a 64-row ``wgmma`` tile,
+  computes ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma`` from shared memory (P written there) and keeps an
+  online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale). Its query rows come
+  in one TMA box of ``rows`` = the group rounded up to 8 rows (Mosaic starts a box on a whole 8-row
+  tile; ``q`` is padded to that in XLA only when the group is not a multiple of 8), and only those rows
+  of the output go back: the tile's other rows are never written, computed as garbage (row by row: no
+  operation mixes rows) and dropped.
 
 Slots a sequence does not own (past ``seq_len`` in its last page, pages outside the sliding window that
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
@@ -213,14 +217,25 @@ def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_
 
 def _store_output(acc, m, l, v_scale, o_tile, lse_tile, o_dst, lse_dst) -> None:
     """Normalise, write the output (over the query tile, no longer read) and the base-2 log-sum-exp to
-    shared memory and start their TMA stores to ``o_dst`` / ``lse_dst`` (the caller waits for them)."""
+    shared memory and start the TMA stores of the output's first ``o_dst.shape[0]`` rows (the group's
+    heads, rounded up to 8) to ``o_dst`` and of the log-sum-exp tile to ``lse_dst`` (the caller waits
+    for them)."""
+    rows = o_dst.shape[0]
     l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
     acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
     o_tile[...] = acc.astype(o_tile.dtype)                   # the query tile is no longer read
     lse_tile[...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_tile, o_dst)
+    plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(0, rows)], o_dst)
     plgpu.copy_smem_to_gmem(lse_tile, lse_dst)
+
+
+def _copy_q(q_ref, q_tile, bar, s, h, *, num_kv_heads: int, rows: int) -> None:
+    """Start the TMA copy of the query rows of (sequence ``s``, KV head ``h``) from ``q_ref``
+    (``[num_seqs * num_kv_heads * rows, head_size]``: the group's heads, zero rows up to ``rows``, a
+    multiple of 8) into the first ``rows`` rows of ``q_tile``."""
+    row0 = (s * num_kv_heads + h) * rows           # a multiple of 8: Mosaic's TMA boxes start on tiles
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_tile.at[pl.ds(0, rows)], bar)
 
 
 def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
@@ -242,7 +257,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
 
     @pl.when(wg == 0)
     def _compute():
-        plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem, q_bar.at[0])
+        _copy_q(q_ref, q_smem, q_bar.at[0], s, h, num_kv_heads=o_ref.shape[2], rows=o_ref.shape[3])
         plgpu.barrier_wait(q_bar.at[0])
         k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
         v_scale = scales_ref[1]
@@ -323,7 +338,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
             s, h, part, b = item(k)
             num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
             pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
-            plgpu.copy_gmem_to_smem(q_ref.at[s, h], q_smem.at[b], q_bars.at[b])
+            _copy_q(q_ref, q_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=o_ref.shape[3])
             issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
@@ -358,8 +373,15 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     padded_pages = pl.cdiv(steps_per_partition * num_splits * block_kv, block_size)
     block_tables = jnp.pad(block_tables, ((0, 0), (0, max(0, padded_pages - max_pages))))
 
-    q = q.reshape(num_seqs, num_kv_heads, group, head_size)
-    q = jnp.pad(q, ((0, 0), (0, 0), (0, ROWS - group), (0, 0)))
+    # A program's query tile is one TMA box of the group's rows, padded to a multiple of 8 (Mosaic starts
+    # a box on a whole 8-row tile): no copy of q at all when the group is a multiple of 8, else a pad to
+    # `rows` rows (not to the 64 rows of the wgmma tile; its rows past `rows` are never written, computed
+    # as garbage and dropped, like the padding rows).
+    rows = min(ROWS, -(-group // 8) * 8)
+    if rows != group:
+        q = jnp.pad(q.reshape(num_seqs, num_kv_heads, group, head_size),
+                    ((0, 0), (0, 0), (0, rows - group), (0, 0)))
+    q = q.reshape(num_seqs * num_kv_heads * rows, head_size)
 
     tile = _tile_transforms(head_size, dtype)
     cache_tile = _tile_transforms(head_size, kv_cache.dtype)
@@ -398,10 +420,11 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
                                               lse_ref, scratch),
                       smem, barriers, consumed, *extra, collective_axes="wg")
 
-    part = (num_splits, num_seqs, num_kv_heads, ROWS)
+    part = (num_splits, num_seqs, num_kv_heads)
     o, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((*part, head_size), dtype), jax.ShapeDtypeStruct(part, jnp.float32)),
+        out_type=(jax.ShapeDtypeStruct((*part, rows, head_size), dtype),
+                  jax.ShapeDtypeStruct((*part, ROWS), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
         num_threads=2,
@@ -410,6 +433,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq_lens, block_tables, q, kv_cache, scales)
 
+    o, lse = o[:, :, :, :group], lse[:, :, :, :group]          # the group's rows (free when rows == group)
     if num_splits == 1:
         out = o[0]
     else:  # merge the partitions in float32 (base-2 log-sum-exp weights)
@@ -419,7 +443,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         total = weight.sum(axis=0)
         out = (o.astype(jnp.float32) * weight[..., None]).sum(axis=0)
         out = out / jnp.where(total == 0.0, 1.0, total)[..., None]
-    return out[:, :, :group].reshape(num_seqs, num_heads, head_size).astype(dtype)
+    return out.reshape(num_seqs, num_heads, head_size).astype(dtype)
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
