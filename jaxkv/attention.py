@@ -104,7 +104,7 @@ def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: 
     """Whether a ``kind`` (``"decode"`` / ``"prefill"``) batch runs on the Mosaic GPU kernel: asked for
     (``pallas_mosaic*``) and supported (else a one-time warning with the reason, and the Triton kernel), or
     ``impl="pallas"`` on an sm_90 GPU where the measured tables of :mod:`pallas_kernels.tuning` say it is
-    faster: ``MGPU_DECODE_FASTER`` (``(head_size, kv dtype)``; empty: no decode shape wins throughout) and
+    faster: ``MGPU_DECODE_FASTER`` (``(head_size, kv dtype)`` pairs measured at least as fast at every shape) and
     ``MGPU_PREFILL_MIN_QUERY_LEN`` (``(head_size, kv dtype)`` -> smallest static ``max_query_len``, for
     batches of at least ``MGPU_PREFILL_MIN_TOKENS_PER_SEQ`` token slots per sequence (``num_seqs`` rows))."""
     _, num_heads, head_size = q.shape

@@ -104,13 +104,16 @@ def prefill_num_warps(rows: int, head_size: int) -> int:
     return 8 if rows * padded_head_size(head_size) >= 128 * 128 else 4
 
 
-# Mosaic GPU decode (pallas_kernels.paged_attention_mgpu). Not measured yet: chosen so the shared-memory
-# ring fits the 227 KiB of an H100 SM, and left out of automatic selection until a measured table exists
-# (MGPU_DECODE_FASTER stays empty; scripts/gpu_mgpu.sh measures it).
+# Mosaic GPU decode (pallas_kernels.paged_attention_mgpu): ring depth chosen so the shared-memory ring
+# fits the 227 KiB of an H100 SM (not swept).
 MGPU_SMEM_BYTES = 200 * 1024      # what the ring + q + converted tiles may take (headroom for barriers)
 MGPU_DECODE_MAX_STAGES = 4
-# (head_size, kv dtype name) -> decode is faster on Mosaic GPU than Triton on sm_90: empty until measured.
-MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset()
+# (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
+# shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
+# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md): Mosaic bf16 37.1-101.5 % of copy bandwidth against
+# Triton's 26.5-97.6 %, ahead at 7 shapes and equal at 256 x 1k. fp8 is slower on Mosaic at 8 x 4k and
+# 64 x 1k (it converts pages through registers); other head sizes are not in that grid.
+MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16")})
 
 
 def mgpu_decode_block_kv(head_size: int) -> int:

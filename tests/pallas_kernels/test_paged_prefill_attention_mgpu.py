@@ -320,7 +320,7 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
     """``impl="pallas"`` picks the Mosaic prefill kernel only where ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``
     says it was measured faster (sm_90, head size 128, bf16 cache, ``max_query_len`` >= 512, whole-prompt
     batches); the engine's mixed steps, short prompts, other head sizes, fp8 and other GPUs stay on Triton,
-    and decode (an empty table) never moves."""
+    and decode moves only for the measured head size 128 with a bf16 cache."""
     import types
     from jaxkv.attention import _use_mosaic
     sds = jax.ShapeDtypeStruct
@@ -338,6 +338,10 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
     assert not pick(2048, 1, 2048, head=64, heads=(9, 3))          # not measured
     assert not pick(2048, 1, 2048, dtype=jnp.float8_e4m3fn)        # unsupported: fp8 cache
     q, kv = sds((2048, 32, 128), jnp.bfloat16), sds((2, 64, 8, 16, 128), jnp.bfloat16)
-    assert not _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv, "pallas", False)
+    assert _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv, "pallas", False)   # measured: bf16 D128
+    assert not _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv.update(dtype=jnp.float8_e4m3fn),
+                           "pallas", False)                                               # fp8: slower
+    assert not _use_mosaic("decode", sds((8, 9, 64), jnp.bfloat16), sds((2, 64, 3, 16, 64), jnp.bfloat16),
+                           "pallas", False)                                               # D 64: not measured
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="gpu", compute_capability="8.0")])
     assert not _use_mosaic("prefill", q, kv, "pallas", False, max_query_len=2048, num_seqs=1)
