@@ -502,7 +502,8 @@ def paged_attention_mgpu(
         num_stages: shared-memory ring depth (static, >= 1); ``None``:
             :func:`pallas_kernels.tuning.mgpu_decode_num_stages`.
         num_splits: context partitions per sequence (static); ``None``:
-            :func:`pallas_kernels.tuning.decode_num_splits` (the Triton kernel's rule).
+            :func:`pallas_kernels.tuning.mgpu_decode_num_splits` (persistent: fill one round of CTAs),
+            :func:`pallas_kernels.tuning.decode_num_splits` (one CTA per item: the Triton kernel's rule).
         interpret: run in the Mosaic GPU interpreter (CPU).
         persistent: the persistent kernel (static); ``num_stages`` ``None`` then counts two 64-row
             query/output tiles (:func:`pallas_kernels.tuning.mgpu_decode_num_stages` with ``q_tiles=2``),
@@ -534,7 +535,12 @@ def paged_attention_mgpu(
         block_kv = tuning.mgpu_decode_block_kv(head_size)
     if num_stages is None:
         num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, q_tiles=2 if persistent else 1)
-    if num_splits is None:
+    if num_splits is None and persistent:
+        programs = (min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()) \
+            if num_programs is None else num_programs
+        num_splits = tuning.mgpu_decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1], block_size,
+                                                   block_kv, programs)
+    elif num_splits is None:
         num_splits = tuning.decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1],
                                               max(1, block_kv // block_size))
     if block_kv < 64 or block_kv % 64:

@@ -116,6 +116,18 @@ MGPU_DECODE_MAX_STAGES = 4
 MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16")})
 
 
+def mgpu_decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: int, block_size: int,
+                           block_kv: int, num_programs: int) -> int:
+    """Context partitions per sequence for the persistent Mosaic decode kernel: none when the
+    (sequence, KV head) items alone fill the ``num_programs`` CTAs, else as many as keep the item count
+    within one round of CTAs (``num_programs // items``: a second, partly idle round costs more than it
+    spreads), at most one per ``block_kv``-key step of the longest sequence. (The Triton kernel's rule,
+    :func:`decode_num_splits`, aims at ~1,024 programs: the per-item kernel's choice.)"""
+    items = max(1, num_seqs * num_kv_heads)
+    steps = max(1, -(-max_num_blocks_per_seq * block_size // block_kv))
+    return max(1, min(num_programs // items, steps))
+
+
 def mgpu_decode_block_kv(head_size: int) -> int:
     """Keys per step of the Mosaic decode kernel: 128 (64 for head size 256, so two stages fit)."""
     return 64 if head_size > 128 else 128

@@ -238,3 +238,21 @@ def mosaic_class(cls: fuzz.ShapeClass, rng: np.random.Generator) -> fuzz.ShapeCl
     head = int(rng.choice(mgpu_mod.HEAD_SIZES))
     dtype = "bfloat16" if cls.dtype == "float32" else cls.dtype
     return dataclasses.replace(cls, head_size=head, dtype=dtype, alibi=False)
+
+
+def test_persistent_split_rule_fills_one_round_of_programs():
+    """The persistent kernel's split rule: no split once the (sequence, KV head) items fill the CTAs;
+    otherwise as many as fit in one round of CTAs, never more than one per 128-key step (a loop over
+    the rule's definition, on the decode bench grid and random shapes)."""
+    from pallas_kernels import tuning
+    grid = {(1, 4096): 16, (1, 32768): 16, (8, 4096): 2, (8, 32768): 2, (64, 1024): 1, (256, 4096): 1}
+    for (batch, ctx), want in grid.items():
+        assert tuning.mgpu_decode_num_splits(batch, 8, ctx // 16, 16, 128, 132) == want, (batch, ctx)
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        seqs, kvh, pages, programs = (int(rng.integers(1, n)) for n in (300, 9, 600, 200))
+        s = tuning.mgpu_decode_num_splits(seqs, kvh, pages, 16, 128, programs)
+        steps = -(-pages * 16 // 128)
+        assert 1 <= s <= max(1, steps)
+        assert s == 1 or seqs * kvh * s <= programs
+        assert s == steps or seqs * kvh * (s + 1) > programs   # the most that fit one round
