@@ -1,8 +1,9 @@
 """The online-softmax step shared by the paged attention kernels (runs inside Pallas kernels).
 
-Natural ``exp``, not ``exp2``: a base-2 variant (log2(e) folded into the logit scale, ``jnp.exp2`` →
-libdevice ``__nv_exp2f``) measured 13 % slower in the prefill kernel on the H200 (267 vs 306 TF/s at
-8192 tokens; docs/perf-notes.md), so it was reverted.
+The Triton kernels use natural ``exp``, not ``exp2``: a base-2 variant (log2(e) folded into the logit
+scale, ``jnp.exp2`` → libdevice ``__nv_exp2f``) measured 13 % slower in the prefill kernel on the H200
+(267 vs 306 TF/s at 8192 tokens; docs/perf-notes.md), so it was reverted there. The Mosaic GPU kernels
+use :func:`softmax_rescale_exp2` (``ex2.approx`` with ``approx_math``) and do ``P V`` with ``wgmma``.
 """
 
 from __future__ import annotations
@@ -49,3 +50,26 @@ def online_softmax_step(acc, m_prev, l_prev, logits, v):
     l_next = l_prev * correction + p.sum(axis=-1)
     acc = acc * correction[:, None] + dot_f32(p.astype(v.dtype), v, contract_b_dim=0)
     return acc, m_next, l_next
+
+
+def softmax_rescale_exp2(acc, m_prev, l_prev, logits):
+    """The Mosaic GPU kernels' online-softmax step before ``P V``, in base 2 (``log2 e`` already folded
+    into the logits).
+
+    Args:
+        acc: f32[rows, head] running output (WGMMA layout), scaled to the running max.
+        m_prev, l_prev: f32[rows] running max and sum of ``exp2(logits - max)``.
+        logits: f32[rows, keys] with ``-inf`` where a key is invisible.
+
+    Returns:
+        ``(acc, m, l, p)``: ``acc`` rescaled to the new max ``m``, the new sum ``l``, and ``p``
+        (f32[rows, keys]) for ``acc += p @ v``. A row that has seen only ``-inf`` keeps ``acc = 0,
+        l = 0`` (its max stays ``-inf``; ``p`` is 0).
+    """
+    m_next = jnp.maximum(m_prev, logits.max(axis=1))
+    m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a row with no visible key stays 0
+    alpha = jnp.exp2(m_prev - m_safe)
+    p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
+    l_next = l_prev * alpha + p.sum(axis=1)
+    acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+    return acc, m_next, l_next, p

@@ -67,6 +67,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
 from pallas_kernels._mgpu_paging import issue_kv_step, produce_kv_ring
+from pallas_kernels._online_softmax import softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
 
@@ -168,12 +169,7 @@ def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_
                                                      layout=plgpu.Layout.WGMMA)
         logits = jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
 
-        m_next = jnp.maximum(m, logits.max(axis=1))
-        m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a row with no visible key stays 0
-        alpha = jnp.exp2(m - m_safe)
-        p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
-        l = l * alpha + p.sum(axis=1)
-        acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+        acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
 
         plgpu.barrier_wait(v_bars.at[slot])
         # Zero the V rows of invisible slots (they may hold NaN): only steps that reach past the

@@ -88,6 +88,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels._mgpu_paging import issue_kv_step
+from pallas_kernels._online_softmax import softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
 from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
@@ -225,12 +226,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                     visible &= key > pos - sliding_window
                 logits = jnp.where(visible, logits, -jnp.inf)
 
-            m_next = jnp.maximum(m, logits.max(axis=1))
-            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a row with no visible key stays 0
-            alpha = jnp.exp2(m - m_safe)
-            p = jnp.exp2(logits - lax.broadcast_in_dim(m_safe, logits.shape, [0]))
-            l = l * alpha + p.sum(axis=1)
-            acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
+            acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
             p16 = p.astype(dtype)
             if pingpong:
                 acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
