@@ -13,10 +13,11 @@ are 64 consecutive tokens of one query head, one strided 2-D TMA box in and one 
 and JAX's ``attention_mgpu`` tiling), so no XLA pass packs or unpacks them. ``q`` is padded with zero rows
 to a whole number of programs only when ``num_tokens`` is not one.
 
-Grid ``(num_tiles, num_heads)``, ``num_tiles = cdiv(num_tokens, TT)``, ``TT = num_consumers * 64`` tokens:
-one program is one query head (the fastest grid axis, so the query heads of one KV head, which read the
-same pages, run side by side and share them through L2) over ``TT`` consecutive tokens of the flattened
-batch, last tiles first (a sequence's last tokens see the most keys). A program's tokens may belong to
+Work items: one query head over ``TT = num_consumers * 64`` consecutive tokens of the flattened batch
+(``cdiv(num_tokens, TT)`` tiles x ``num_heads``), the query heads of a tile next to each other (the heads
+of one KV head read the same pages and share them through L2). The grid is one program per item, last
+tiles first (a sequence's last tokens see the most keys), or, by default, one persistent program per
+SM looping over the items (below). An item's tokens may belong to
 several sequences (and past ``query_start_loc[-1]``, to none): it finds the first and last by binary
 search over ``query_start_loc`` and walks, sequence by sequence, the keys its rows of that sequence see
 (from the sliding-window start of the first row to the causal end of the last: pages outside are never
@@ -91,7 +92,7 @@ from pallas_kernels._mgpu_paging import issue_kv_step
 from pallas_kernels._online_softmax import softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
-from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms
+from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms, default_num_programs
 from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
 from pallas_kernels.paged_attention_mgpu import unsupported_reason as decode_unsupported_reason
 from pallas_kernels.paged_prefill_attention import _is_int, check_prefill_call
@@ -428,11 +429,6 @@ def _tile_order(query_start_loc, seq_lens, num_tiles: int, tile_tokens: int):
     return (num_tiles - 1 - jnp.argsort(keys[::-1], descending=True, stable=True)).astype(jnp.int32)
 
 
-def _sm_count() -> int:
-    """Streaming multiprocessors of the default device (132 on an H100 SXM when it does not say)."""
-    return int(getattr(jax.devices()[0], "core_count", None) or 132)
-
-
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_consumers",
            "num_q_buffers", "num_programs", "pv_from_smem", "pingpong", "interpret")
 _paged_prefill_attention_mgpu_jit = jax.jit(_paged_prefill_attention_mgpu, static_argnames=_STATIC)
@@ -494,8 +490,8 @@ def paged_prefill_attention_mgpu(
             its K/V ring and the next item's Q already in flight, instead of one program per item (the
             default: measured faster or equal at five of the six bench shapes, and the only mode at or
             above 0.9x cuDNN at all six; docs/benchmarks.md).
-        num_programs: programs of the persistent grid (static); ``None``: the device's SM count (the
-            interpreter: 2). Ignored unless ``persistent``.
+        num_programs: programs of the persistent grid (static, >= 1, only with ``persistent``); ``None``:
+            the device's SM count (the interpreter: 2).
         interpret: run in the Mosaic GPU interpreter (CPU).
 
     Returns:
@@ -503,8 +499,8 @@ def paged_prefill_attention_mgpu(
 
     Raises:
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
-            that is not a positive multiple of 64, ``num_stages`` or ``num_programs`` < 1, ``num_consumers``
-            not 1 or 2.
+            that is not a positive multiple of 64, ``num_stages`` or ``num_programs`` < 1, ``num_programs``
+            without ``persistent``, ``num_consumers`` not 1 or 2.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
@@ -534,10 +530,12 @@ def paged_prefill_attention_mgpu(
     if not _is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be >= 1")
     if not persistent:
-        num_programs, num_q_buffers = None, 1           # one program per item
+        if num_programs is not None:
+            raise ValueError(f"num_programs={num_programs!r} needs persistent=True")
+        num_q_buffers = 1                               # one program per item
     else:
         if num_programs is None:
-            num_programs = 2 if interpret else _sm_count()
+            num_programs = 2 if interpret else default_num_programs()
         if not _is_int(num_programs) or num_programs < 1:
             raise ValueError(f"num_programs={num_programs!r} must be >= 1")
         num_q_buffers = tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
