@@ -72,3 +72,20 @@ def issue_kv_step(kv_ref, tables_ref, s, h, t0, slot, cache: int, tiles, bars, *
             kv_ref.at[cache, page_id, h, pl.ds(offset, tokens_per_copy)],
             tiles.at[slot, pl.ds(c * tokens_per_copy, tokens_per_copy)],
             bars.at[slot])
+
+
+def issue_ring_step(g, step_token: Callable, issue: Callable, *, num_stages: int, k_smem, v_smem, k_bars,
+                    v_bars, k_consumed, v_consumed):
+    """The persistent kernels' memory warpgroup, one step: the program's ``g``-th K/V step (counted across
+    its items) into slot ``g % num_stages``, after the consumers released that slot's previous step
+    (the phase of step ``g - num_stages``; no wait while the ring fills). ``step_token()`` is the step's
+    first token; ``issue(t0, slot, cache, tiles, bars)`` (:func:`issue_kv_step` with its sequence bound)
+    starts the step's copies of K (``cache`` 0) or V (1). Returns ``g + 1``."""
+    slot = lax.rem(g, num_stages)
+    refill = g >= num_stages
+    t0 = step_token()
+    pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
+    issue(t0, slot, 0, k_smem, k_bars)
+    pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
+    issue(t0, slot, 1, v_smem, v_bars)
+    return g + 1

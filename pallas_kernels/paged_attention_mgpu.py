@@ -32,12 +32,12 @@ the bytes of bf16), converted to the compute dtype in registers and written to a
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
 
-Persistent variant (``persistent=True``, off by default: not yet measured on a GPU, the next H100 run
-compares it). With short contexts and many sequences (batch 256 x 1k tokens; SmolLM2's decode step: 3 KV
-heads, head size 64, 100-200 tokens) each CTA of the grid above runs 1-8 steps and pays a fixed cost per
-CTA (launch, barrier init, the dependent scalar loads of ``seq_lens`` and the block table before the first
-TMA copy, the ring fill, the output store wait): on the H100 it reached 76-85 % of copy bandwidth at 64 and
-256 x 1k where the Triton kernel reaches 82-92 %. The persistent kernel launches ``num_programs`` CTAs (the
+Persistent kernel (``persistent=True``, the default since its H100 run: as fast or faster than the grid
+above at most bench shapes, docs/benchmarks.md). With short contexts and many sequences (batch 256 x 1k
+tokens; SmolLM2's decode step: 3 KV heads, head size 64, 100-200 tokens) each CTA of the grid above runs
+1-8 steps and pays a fixed cost per CTA (launch, barrier init, the dependent scalar loads of ``seq_lens``
+and the block table before the first TMA copy, the ring fill, the output store wait). The persistent
+kernel launches ``num_programs`` CTAs (the
 SM count by default), grid ``(num_programs,)``; work items are the (sequence, KV head, partition) triples,
 item ``i`` = sequence ``i // (num_kv_heads * num_splits)``, and CTA ``c`` runs items ``c, c + G, c + 2G, ...``.
 Both warpgroups count K/V steps across the CTA's items (slot ``g % num_stages``), so the memory warpgroup
@@ -66,7 +66,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
-from pallas_kernels._mgpu_paging import issue_kv_step, produce_kv_ring
+from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring
 from pallas_kernels._online_softmax import softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
@@ -339,14 +339,9 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
             def one_step(i, g):
-                slot = lax.rem(g, num_stages)
-                refill = g >= num_stages                     # the slot's previous step must be released
-                t0 = origin + (first_step + i) * block_kv
-                pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-                issue(t0, slot, 0, k_smem, k_bars)
-                pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-                issue(t0, slot, 1, v_smem, v_bars)
-                return g + 1
+                return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
+                                       num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
+                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
             return lax.fori_loop(0, n, one_step, g)
 
         lax.fori_loop(0, my_items, run_item, jnp.int32(0))
@@ -531,11 +526,15 @@ def paged_attention_mgpu(
         block_kv = tuning.mgpu_decode_block_kv(head_size)
     if num_stages is None:
         num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, q_tiles=2 if persistent else 1)
+    if not persistent and num_programs is not None:
+        raise ValueError(f"num_programs={num_programs} needs persistent=True")
+    if num_programs is not None and num_programs < 1:
+        raise ValueError(f"num_programs={num_programs} must be >= 1")
+    if persistent and num_programs is None:
+        num_programs = min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()
     if num_splits is None and persistent:
-        programs = (min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()) \
-            if num_programs is None else num_programs
         num_splits = tuning.mgpu_decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1], block_size,
-                                                   block_kv, programs)
+                                                   block_kv, num_programs)
     elif num_splits is None:
         num_splits = tuning.decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1],
                                               max(1, block_kv // block_size))
@@ -545,17 +544,11 @@ def paged_attention_mgpu(
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     if not persistent:
-        if num_programs is not None:
-            raise ValueError(f"num_programs={num_programs} needs persistent=True")
         return _paged_attention_mgpu(
             q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
             sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
             num_stages=num_stages, num_splits=num_splits, interpret=interpret)
-    if num_programs is not None and num_programs < 1:
-        raise ValueError(f"num_programs={num_programs} must be >= 1")
-    if num_programs is None:
-        num_programs = min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()
-    num_programs = max(1, min(num_programs, q.shape[0] * num_kv_heads * num_splits))   # no idle programs
+    num_programs = min(num_programs, q.shape[0] * num_kv_heads * num_splits)   # no idle programs
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,

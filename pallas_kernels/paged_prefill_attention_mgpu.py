@@ -88,7 +88,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
-from pallas_kernels._mgpu_paging import issue_kv_step
+from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step
 from pallas_kernels._online_softmax import softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
@@ -338,13 +338,9 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                                           block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
                 def one_step(j, g):
-                    slot = lax.rem(g, num_stages)
-                    refill = g >= num_stages             # the slot's previous step must be released
-                    pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-                    issue(j * block_kv, slot, 0, k_smem, k_bars)
-                    pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-                    issue(j * block_kv, slot, 1, v_smem, v_bars)
-                    return g + 1
+                    return issue_ring_step(g, lambda: j * block_kv, issue, num_stages=num_stages,
+                                           k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
+                                           k_consumed=k_consumed, v_consumed=v_consumed)
                 return lax.fori_loop(prog.first, prog.end, one_step, g)
 
             return lax.fori_loop(s_first, s_end, over_sequence, g)
@@ -522,13 +518,6 @@ def paged_prefill_attention_mgpu(
         raise ValueError(f"block_kv={block_kv!r} must be a positive multiple of 64")
     if num_consumers not in (1, MAX_CONSUMERS):
         raise ValueError(f"num_consumers={num_consumers!r} must be 1 or {MAX_CONSUMERS}")
-    if num_stages is None:
-        num_stages = tuning.mgpu_prefill_num_stages(
-            block_kv, head_size, num_consumers=num_consumers, pv_from_smem=pv_from_smem,
-            num_q_buffers=tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
-                                                        pv_from_smem=pv_from_smem) if persistent else 1)
-    if not _is_int(num_stages) or num_stages < 1:
-        raise ValueError(f"num_stages={num_stages!r} must be >= 1")
     if not persistent:
         if num_programs is not None:
             raise ValueError(f"num_programs={num_programs!r} needs persistent=True")
@@ -540,6 +529,11 @@ def paged_prefill_attention_mgpu(
             raise ValueError(f"num_programs={num_programs!r} must be >= 1")
         num_q_buffers = tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
                                                       pv_from_smem=pv_from_smem)
+    if num_stages is None:
+        num_stages = tuning.mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers,
+                                                    pv_from_smem=pv_from_smem, num_q_buffers=num_q_buffers)
+    if not _is_int(num_stages) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be >= 1")
     return _paged_prefill_attention_mgpu_jit(
         q, kv_cache, block_tables, seq_lens, query_start_loc, kv_scales(k_scale, v_scale), scale=scale,
         sliding_window=None if sliding_window is None else int(sliding_window),

@@ -110,9 +110,11 @@ MGPU_SMEM_BYTES = 200 * 1024      # what the ring + q + converted tiles may take
 MGPU_DECODE_MAX_STAGES = 4
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
-# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md): Mosaic bf16 37.1-101.5 % of copy bandwidth against
-# Triton's 26.5-97.6 %, ahead at 7 shapes and equal at 256 x 1k. fp8 is slower on Mosaic at 8 x 4k and
-# 64 x 1k (it converts pages through registers); other head sizes are not in that grid.
+# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md, logs docs/logs/mgpu-decode-splits-h100/): Mosaic bf16
+# 36.9-101.1 % of copy bandwidth against Triton's 26.6-97.6 %, ahead at all 8 shapes (equal within 0.3
+# points at 256 x 1k, also in the run before). fp8 on Mosaic is slower than Triton's fp8 at 6 of the 8
+# (it converts pages through registers); other head sizes are not in that grid (SmolLM2's 64 measured
+# slower in its decode step).
 MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16")})
 
 
