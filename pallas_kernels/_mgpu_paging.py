@@ -60,12 +60,13 @@ def issue_kv_step(kv_ref, tables_ref, s, h, t0, slot, cache: int, tiles, bars, *
                   tokens_per_copy: int) -> None:
     """The TMA copies of one step: K (``cache`` 0) or V (1) of tokens ``[t0, t0 + block_kv)`` of sequence
     ``s``, KV head ``h``, into ``tiles[slot]``, arriving on ``bars[slot]`` (``block_kv // tokens_per_copy``
-    copies, one per page or page slice). Pages at or past ``num_pages`` are read from block 0."""
+    copies, one per page or page slice). Pages at or past ``num_pages`` are read from block 0 (and the
+    table is never read past its last column)."""
     num_blocks, block_size = kv_ref.shape[1], kv_ref.shape[3]
     for c in range(block_kv // tokens_per_copy):
         token = t0 + c * tokens_per_copy
         page = token // block_size
-        page_id = tables_ref[s, page]
+        page_id = tables_ref[s, jnp.minimum(page, tables_ref.shape[1] - 1)]   # steps may pass the table
         page_id = jnp.clip(jnp.where(page < num_pages, page_id, 0), 0, num_blocks - 1)
         offset = token % block_size if tokens_per_copy < block_size else 0
         plgpu.copy_gmem_to_smem(

@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 
 
 def kv_scales(k_scale, v_scale) -> jax.Array:
-    """``f32[2]``: the fp8 dequantisation scales, 1 where not given."""
+    """``f32[2]``: the fp8 dequantisation scales, 1 where not given. A NumPy constant when both are
+    ``None`` or Python numbers (XLA then embeds it: no broadcast + concatenate kernels per call)."""
+    if all(x is None or isinstance(x, (int, float)) for x in (k_scale, v_scale)):
+        return np.array([1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale], np.float32)
     one = jnp.float32(1.0)
     return jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32).reshape(()),
                       jnp.asarray(one if v_scale is None else v_scale, jnp.float32).reshape(())])

@@ -18,10 +18,14 @@ sequence) with two warpgroups:
 * the *compute* warpgroup holds the group's query heads in the first rows of a 64-row ``wgmma`` tile,
   computes ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma`` from shared memory (P written there) and keeps an
   online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale). Its query rows come
-  in one TMA box of ``rows`` = the group rounded up to 8 rows (Mosaic starts a box on a whole 8-row
-  tile; ``q`` is padded to that in XLA only when the group is not a multiple of 8), and only those rows
-  of the output go back: the tile's other rows are never written, computed as garbage (row by row: no
-  operation mixes rows) and dropped.
+  from q's own layout ``[num_seqs * num_heads, head_size]`` in one TMA box of the group's rows into a
+  *plain* (untiled) 64-row staging tile, which may take a box starting on any row (a swizzled tile
+  takes only whole 8-row tiles, which needed q padded in XLA), and are copied through registers into the
+  swizzled tile ``wgmma`` reads. The output goes back the same way: normalised into the staging tile,
+  then one TMA box of the group's rows straight into the output, so no XLA pad or slice remains (one
+  query head per KV head is the exception: a one-row box hung on the H100, so q is padded to 2 rows
+  there). The tiles' other rows are stale, computed as garbage (row by row: no operation mixes rows)
+  and dropped.
 
 Slots a sequence does not own (past ``seq_len`` in its last page, pages outside the sliding window that
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
@@ -42,8 +46,8 @@ SM count by default), grid ``(num_programs,)``; work items are the (sequence, KV
 item ``i`` = sequence ``i // (num_kv_heads * num_splits)``, and CTA ``c`` runs items ``c, c + G, c + 2G, ...``.
 Both warpgroups count K/V steps across the CTA's items (slot ``g % num_stages``), so the memory warpgroup
 fills the ring with the next item's pages while the compute warpgroup finishes the current one. The query
-and output share a tile as above, double-buffered (``[2, 64, head_size]``, one when two do not fit
-``tuning.MGPU_SMEM_BYTES`` beside the ring; the ring's default depth counts two): the memory warpgroup
+and output share the plain staging tile as above, double-buffered (``[2, 64, head_size]``, one when two
+do not fit ``tuning.MGPU_SMEM_BYTES`` beside the ring, whose depth comes first): the memory warpgroup
 copies item ``k``'s query into tile ``k % 2`` before its K/V steps, once the compute warpgroup has signalled
 that the output store of item ``k - 2`` finished reading that tile (a "q free" barrier per tile; the
 log-sum-exp rows are double-buffered with it). Outputs, per-partition log-sum-exps and the merge are the
@@ -75,6 +79,7 @@ ROWS = 64                      # wgmma M: one warpgroup's tile of query rows (th
 HEAD_SIZES = (64, 128, 256)    # head sizes the kernel computes (wgmma N/K and 128-byte swizzle rows)
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_BLOCK_SIZE = 8             # a TMA box of one page: rows a multiple of the 8-row smem tile
+MIN_ROWS = 2                   # query rows per TMA box (one query head per KV head is padded to 2)
 LOG2E = math.log2(math.e)
 
 
@@ -134,7 +139,7 @@ def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_
     """The compute warpgroup's ``n`` steps of one partition: ``(acc, m, l)`` (unnormalised output, running
     max and sum, base 2). Step ``i`` reads ring slot ``(step_base + i) % num_stages`` (``step_base``
     ``None``: 0, the non-persistent kernel's step count)."""
-    (_, k_smem, v_smem, k16_smem, v16_smem, p_smem, _), (_, k_bars, v_bars), consumed = scratch[:3]
+    (_, k_smem, v_smem, k16_smem, v16_smem, p_smem, _, _), (_, k_bars, v_bars), consumed = scratch[:3]
     k_consumed, v_consumed = consumed
     head_size = k_smem.shape[-1]
     dtype = q_tile.dtype
@@ -211,35 +216,56 @@ def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_
     return lax.fori_loop(0, n, body, (acc, m, l))
 
 
-def _store_output(acc, m, l, v_scale, o_tile, lse_tile, o_dst, lse_dst) -> None:
-    """Normalise, write the output (over the query tile, no longer read) and the base-2 log-sum-exp to
-    shared memory and start the TMA stores of the output's first ``o_dst.shape[0]`` rows (the group's
-    heads, rounded up to 8) to ``o_dst`` and of the log-sum-exp tile to ``lse_dst`` (the caller waits
-    for them)."""
-    rows = o_dst.shape[0]
+def _store_output(acc, m, l, v_scale, io_tile, lse_tile, o_dst, lse_dst) -> None:
+    """Normalise, write the output to the plain staging tile ``io_tile`` (its query rows were read at the
+    item's start) and the base-2 log-sum-exp to ``lse_tile``, and start the TMA stores of the output's
+    first ``o_dst.shape[0]`` rows (the group's heads) to ``o_dst`` and of the log-sum-exp tile to
+    ``lse_dst`` (the caller waits for them)."""
+    group = o_dst.shape[0]
     l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
     acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
-    o_tile[...] = acc.astype(o_tile.dtype)                   # the query tile is no longer read
+    # A plain (untiled) tile, so the TMA store may take any number of rows: no 8-row padding.
+    io_tile[...] = acc.astype(io_tile.dtype)
     lse_tile[...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(o_tile.at[pl.ds(0, rows)], o_dst)
+    plgpu.copy_smem_to_gmem(io_tile.at[pl.ds(0, group)], o_dst)
     plgpu.copy_smem_to_gmem(lse_tile, lse_dst)
 
 
-def _copy_q(q_ref, q_tile, bar, s, h, *, num_kv_heads: int, rows: int) -> None:
+def _copy_q(q_ref, io_tile, bar, s, h, *, num_kv_heads: int, group: int) -> None:
     """Start the TMA copy of the query rows of (sequence ``s``, KV head ``h``) from ``q_ref``
-    (``[num_seqs * num_kv_heads * rows, head_size]``: the group's heads, zero rows up to ``rows``, a
-    multiple of 8) into the first ``rows`` rows of ``q_tile``."""
-    row0 = (s * num_kv_heads + h) * rows           # a multiple of 8: Mosaic's TMA boxes start on tiles
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, rows)], q_tile.at[pl.ds(0, rows)], bar)
+    (``[num_seqs * num_heads, head_size]``, q's own layout) into the first ``group`` rows of the plain
+    staging tile ``io_tile`` (untiled, so the box may start on any row)."""
+    row0 = (s * num_kv_heads + h) * group
+    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, group)], io_tile.at[pl.ds(0, group)], bar)
+
+
+def _tile_q(io_tile, q_tile):
+    """The swizzled tile ``wgmma`` reads the query from: the query rows copied from the plain staging tile
+    into ``q_tile`` (all 64 rows; those past the group are stale and computed as garbage, row by row, then
+    dropped), or ``io_tile`` itself when there is no separate ``q_tile`` (head size > 128: the staging tile
+    is swizzled, :data:`pallas_kernels.tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE`)."""
+    if q_tile is None:
+        return io_tile
+    q_tile[...] = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA)
+    plgpu.commit_smem()
+    return q_tile
+
+
+def _o_rows(o_ref, part, s, h, *, num_kv_heads: int, group: int):
+    """The output rows of (partition, sequence, KV head) in ``o_ref`` (``[num_splits, num_seqs * num_heads,
+    head_size]``)."""
+    return o_ref.at[part, pl.ds((s * num_kv_heads + h) * group, group)]
 
 
 def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
-                   steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None):
-    (q_smem, k_smem, v_smem, _, _, _, lse_smem), (q_bar, k_bars, v_bars), consumed = scratch
+                   steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None,
+                   rows: int):
+    (io_smem, k_smem, v_smem, _, _, _, lse_smem, q_tile), (q_bar, k_bars, v_bars), consumed = scratch
     k_consumed, v_consumed = consumed
     block_size = kv_ref.shape[3]
+    num_kv_heads = kv_ref.shape[2]
 
     h = lax.axis_index("h")
     part = lax.axis_index("p")
@@ -253,14 +279,16 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
 
     @pl.when(wg == 0)
     def _compute():
-        _copy_q(q_ref, q_smem, q_bar.at[0], s, h, num_kv_heads=o_ref.shape[2], rows=o_ref.shape[3])
+        _copy_q(q_ref, io_smem, q_bar.at[0], s, h, num_kv_heads=num_kv_heads, group=rows)
         plgpu.barrier_wait(q_bar.at[0])
+        q_wgmma = _tile_q(io_smem, q_tile)
         k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
         v_scale = scales_ref[1]
-        acc, m, l = _attend(q_smem, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
+        acc, m, l = _attend(q_wgmma, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
                             window_start=window_start, k_factor=k_factor, block_kv=block_kv,
                             num_stages=num_stages, logits_soft_cap=logits_soft_cap)
-        _store_output(acc, m, l, v_scale, q_smem, lse_smem, o_ref.at[part, s, h], lse_ref.at[part, s, h])
+        _store_output(acc, m, l, v_scale, io_smem, lse_smem,
+                      _o_rows(o_ref, part, s, h, num_kv_heads=num_kv_heads, group=rows), lse_ref.at[part, s, h])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -275,7 +303,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
                               scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                               steps_per_partition: int, sliding_window: int | None,
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
-                              num_splits: int, num_items: int, num_q_buffers: int):
+                              num_splits: int, num_items: int, num_q_buffers: int, rows: int):
     """The persistent kernel: program ``c`` runs work items ``c, c + G, c + 2G, ...`` (``G = num_programs``),
     item ``i`` being (sequence ``i // (num_kv_heads * num_splits)``, KV head, partition).
 
@@ -291,7 +319,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
       ``k``'s query copy when ``k >= num_q_buffers`` (the phase of item ``k - num_q_buffers``). A second
       arrival on ``q_free[b]`` needs item ``k + num_q_buffers``'s query, so it never overtakes that wait.
     """
-    (q_smem, k_smem, v_smem, _, _, _, lse_smem), (q_bars, k_bars, v_bars), consumed, q_free = scratch
+    (io_smem, k_smem, v_smem, _, _, _, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch
     k_consumed, v_consumed = consumed
     block_size = kv_ref.shape[3]
     c = lax.axis_index("c")
@@ -315,12 +343,14 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
             s, h, part, b = item(k)
             seq_len = seq_lens_ref[s]
             _, origin, window_start, first_step, n = partition(seq_len, part)
-            q_tile, lse_tile = q_smem.at[b], lse_smem.at[b]
+            io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
             plgpu.barrier_wait(q_bars.at[b])
-            acc, m, l = _attend(q_tile, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
+            acc, m, l = _attend(_tile_q(io_tile, q_tile), scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
                                 window_start=window_start, k_factor=k_factor, step_base=g,
                                 block_kv=block_kv, num_stages=num_stages, logits_soft_cap=logits_soft_cap)
-            _store_output(acc, m, l, v_scale, q_tile, lse_tile, o_ref.at[part, s, h], lse_ref.at[part, s, h])
+            _store_output(acc, m, l, v_scale, io_tile, lse_tile,
+                          _o_rows(o_ref, part, s, h, num_kv_heads=num_kv_heads, group=rows),
+                          lse_ref.at[part, s, h])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may now take item k + num_q_buffers
             plgpu.barrier_arrive(q_free.at[b])
             return g + n
@@ -334,7 +364,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
             s, h, part, b = item(k)
             num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
             pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
-            _copy_q(q_ref, q_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=o_ref.shape[3])
+            _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, group=rows)
             issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
@@ -357,18 +387,18 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
     tokens_per_copy = min(block_size, block_kv)
 
-    # Pad the block table so every partition holds whole steps (padding pages are never visible).
+    # Every partition holds whole steps; steps past the block table read its last column, clamped in
+    # the kernel (those pages are never visible), so the table is not padded.
     max_pages = block_tables.shape[1]
     steps_needed = pl.cdiv(max_pages * block_size, block_kv)
     steps_per_partition = pl.cdiv(steps_needed, num_splits)
-    padded_pages = pl.cdiv(steps_per_partition * num_splits * block_kv, block_size)
-    block_tables = jnp.pad(block_tables, ((0, 0), (0, max(0, padded_pages - max_pages))))
-
-    # A program's query tile is one TMA box of the group's rows, padded to a multiple of 8 (Mosaic starts
-    # a box on a whole 8-row tile): no copy of q at all when the group is a multiple of 8, else a pad to
-    # `rows` rows (not to the 64 rows of the wgmma tile; its rows past `rows` are never written, computed
-    # as garbage and dropped, like the padding rows).
-    rows = min(ROWS, -(-group // 8) * 8)
+    # The query rows go in q's own layout (no copy) as one TMA box per item into a plain staging tile,
+    # except for one query head per KV head (a one-row box, its unit dimension dropped, did not compile on
+    # the H100 with jax 0.11.2: q is padded to MIN_ROWS rows per KV head) and head size 256 (Mosaic's
+    # lowering of the 64 x 256 plain-tile load/store does not finish: the staging tile is the swizzled
+    # wgmma tile, whose boxes start on whole 8-row tiles, so q is padded to a multiple of 8 rows).
+    staged = head_size <= tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE
+    rows = max(group, MIN_ROWS) if staged else min(ROWS, -(-group // 8) * 8)
     if rows != group:
         q = jnp.pad(q.reshape(num_seqs, num_kv_heads, group, head_size),
                     ((0, 0), (0, 0), (0, rows - group), (0, 0)))
@@ -379,13 +409,15 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     stage_shape = (num_stages, block_kv, head_size)
     q_tiles = (num_q_buffers,) if persistent else ()
     smem = (
-        plgpu.SMEM((*q_tiles, ROWS, head_size), dtype, transforms=tile),        # q, then the output
+        plgpu.SMEM((*q_tiles, ROWS, head_size), dtype,                           # q, then the output
+                   **({} if staged else dict(transforms=tile))),
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # K ring
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
         plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # K converted
         plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # V converted
         plgpu.SMEM((ROWS, block_kv), dtype, transforms=_tile_transforms(block_kv, dtype)),  # P
         plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
+        plgpu.SMEM((ROWS, head_size), dtype, transforms=tile) if staged else None,  # q for wgmma
     )
     copies = block_kv // tokens_per_copy
     barriers = (plgpu.Barrier(num_barriers=num_q_buffers if persistent else 1),
@@ -395,7 +427,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     kernel = functools.partial(
         _decode_kernel_persistent if persistent else _decode_kernel, scale=scale, block_kv=block_kv,
         tokens_per_copy=tokens_per_copy, num_stages=num_stages, steps_per_partition=steps_per_partition,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, rows=rows)
     # Persistent: one more barrier group, the query/output tiles' "free" barriers (kernel docstring).
     extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
     if persistent:
@@ -414,7 +446,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     part = (num_splits, num_seqs, num_kv_heads)
     o, lse = plgpu.kernel(
         entry,
-        out_type=(jax.ShapeDtypeStruct((*part, rows, head_size), dtype),
+        out_type=(jax.ShapeDtypeStruct((num_splits, num_seqs * num_kv_heads * rows, head_size), dtype),
                   jax.ShapeDtypeStruct((*part, ROWS), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
@@ -424,17 +456,34 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq_lens, block_tables, q, kv_cache, scales)
 
-    o, lse = o[:, :, :, :group], lse[:, :, :, :group]          # the group's rows (free when rows == group)
+    o = o.reshape(num_splits, num_seqs, num_kv_heads, rows, head_size)[:, :, :, :group]   # free: rows == group
+    o = o.reshape(num_splits, num_seqs, num_heads, head_size)
     if num_splits == 1:
-        out = o[0]
-    else:  # merge the partitions in float32 (base-2 log-sum-exp weights)
-        lse_max = lse.max(axis=0)
-        weight = jnp.where(jnp.isneginf(lse), 0.0,
-                           jnp.exp2(lse - jnp.where(jnp.isneginf(lse_max), 0.0, lse_max)[None]))
-        total = weight.sum(axis=0)
-        out = (o.astype(jnp.float32) * weight[..., None]).sum(axis=0)
-        out = out / jnp.where(total == 0.0, 1.0, total)[..., None]
-    return out.reshape(num_seqs, num_heads, head_size).astype(dtype)
+        return o[0]
+    lse = lse[:, :, :, :group].reshape(num_splits, num_seqs, num_heads)
+    return merge_partitions(o, lse)
+
+
+def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
+    """Merge the context partitions of a split decode in float32 with base-2 log-sum-exp weights (XLA).
+
+    (One variadic reduction, an online softmax over the partitions, was slower on the H100: 5.7 us
+    against 4.0 us for these three fusions at batch 1 x 4k, docs/perf-notes.md.)
+
+    Args:
+        o: ``[num_splits, ...]`` each partition's normalised output (any float dtype).
+        lse: ``f32[num_splits, ...]`` its base-2 log-sum-exp, ``-inf`` for an empty partition; ``o``'s
+            shape without the last axis.
+
+    Returns:
+        ``o.shape[1:]`` in ``o.dtype``; zero where every partition is empty.
+    """
+    lse_max = lse.max(axis=0)
+    weight = jnp.where(jnp.isneginf(lse), 0.0,
+                       jnp.exp2(lse - jnp.where(jnp.isneginf(lse_max), 0.0, lse_max)[None]))
+    total = weight.sum(axis=0)
+    out = (o.astype(jnp.float32) * weight[..., None]).sum(axis=0)
+    return (out / jnp.where(total == 0.0, 1.0, total)[..., None]).astype(o.dtype)
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
@@ -496,9 +545,8 @@ def paged_attention_mgpu(
             :func:`pallas_kernels.tuning.mgpu_decode_num_splits` (persistent: fill one round of CTAs),
             :func:`pallas_kernels.tuning.decode_num_splits` (one CTA per item: the Triton kernel's rule).
         interpret: run in the Mosaic GPU interpreter (CPU).
-        persistent: the persistent kernel (static); ``num_stages`` ``None`` then counts two 64-row
-            query/output tiles (:func:`pallas_kernels.tuning.mgpu_decode_num_stages` with ``q_tiles=2``),
-            and :func:`pallas_kernels.tuning.mgpu_decode_q_buffers` picks two tiles or one.
+        persistent: the persistent kernel (static); :func:`pallas_kernels.tuning.mgpu_decode_q_buffers`
+            picks two query/output staging tiles or one beside the ring.
         num_programs: CTAs of the persistent grid (static, >= 1, only with ``persistent``); ``None``: the
             device's SM count (:func:`default_num_programs`), at most ``INTERPRET_MAX_PROGRAMS`` when
             interpreting; never more than ``num_seqs * num_kv_heads * num_splits``.
@@ -525,7 +573,7 @@ def paged_attention_mgpu(
     if block_kv is None:
         block_kv = tuning.mgpu_decode_block_kv(head_size)
     if num_stages is None:
-        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, q_tiles=2 if persistent else 1)
+        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8)
     if not persistent and num_programs is not None:
         raise ValueError(f"num_programs={num_programs} needs persistent=True")
     if num_programs is not None and num_programs < 1:

@@ -108,6 +108,10 @@ def prefill_num_warps(rows: int, head_size: int) -> int:
 # fits the 227 KiB of an H100 SM (not swept).
 MGPU_SMEM_BYTES = 200 * 1024      # what the ring + q + converted tiles may take (headroom for barriers)
 MGPU_DECODE_MAX_STAGES = 4
+# Head sizes whose decode query/output rows go through a plain (untiled) staging tile, so q and the
+# output keep their own layout; above it Mosaic's lowering of the 64 x 256 plain-tile load does not finish
+# (jax 0.11.2 on the H100 and 0.12 on CPU), and q is padded to whole 8-row tiles in XLA instead.
+MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
 # batch 1/8/64/256 x 1k-32k; docs/benchmarks.md, logs docs/logs/mgpu-decode-splits-h100/): Mosaic bf16
@@ -138,25 +142,29 @@ def mgpu_decode_block_kv(head_size: int) -> int:
 def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool,
                            q_tiles: int = 1) -> int:
     """Shared memory the Mosaic decode kernel's tiles take: ``num_stages`` K+V ring stages (fp8 or 16-bit),
-    ``q_tiles`` 64-row query/output tiles, the 64-row P tile and, for fp8, the two 16-bit converted tiles
-    (the float32 log-sum-exp rows and the barriers fit the headroom under the 227 KiB of an SM)."""
+    ``q_tiles`` 64-row query/output staging tiles, the swizzled 64-row query tile ``wgmma`` reads (head
+    sizes up to ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile),
+    the 64-row P tile and, for fp8, the two 16-bit converted tiles (the float32 log-sum-exp rows and the
+    barriers fit the headroom under the 227 KiB of an SM)."""
     itemsize = 1 if fp8 else 2
+    q_tiles += head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE     # the swizzled tile beside the staging ones
     fixed = q_tiles * 64 * head_size * 2 + 64 * block_kv * 2 + (2 * block_kv * head_size * 2 if fp8 else 0)
     return fixed + num_stages * 2 * block_kv * head_size * itemsize
 
 
 def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool, q_tiles: int = 1) -> int:
-    """Ring depth: as many K+V stages as fit ``MGPU_SMEM_BYTES`` beside ``q_tiles`` 64-row query tiles
-    (2 for the persistent kernel's double buffer), the P tile (and, for fp8, the two 16-bit converted
-    tiles), at most ``MGPU_DECODE_MAX_STAGES``, at least 1."""
+    """Ring depth: as many K+V stages as fit ``MGPU_SMEM_BYTES`` beside ``q_tiles`` staging tiles and the
+    other fixed tiles (:func:`mgpu_decode_smem_bytes`), at most ``MGPU_DECODE_MAX_STAGES``, at least 1.
+    The kernel asks with one staging tile and adds the persistent kernel's second where it still fits
+    (:func:`mgpu_decode_q_buffers`): the ring's depth comes first."""
     fixed = mgpu_decode_smem_bytes(block_kv, head_size, 0, fp8=fp8, q_tiles=q_tiles)
     per_stage = mgpu_decode_smem_bytes(block_kv, head_size, 1, fp8=fp8, q_tiles=q_tiles) - fixed
     return max(1, min(MGPU_DECODE_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
 
 
 def mgpu_decode_q_buffers(block_kv: int, head_size: int, num_stages: int, *, fp8: bool) -> int:
-    """Query/output tiles of the persistent Mosaic decode kernel: 2 (the next item's query lands while
-    the current one computes) when they fit ``MGPU_SMEM_BYTES`` beside the ring, else 1."""
+    """Query/output staging tiles of the persistent Mosaic decode kernel: 2 (the next item's query lands
+    while the current one computes) when they fit ``MGPU_SMEM_BYTES`` beside the ring, else 1."""
     fits = mgpu_decode_smem_bytes(block_kv, head_size, num_stages, fp8=fp8, q_tiles=2) <= MGPU_SMEM_BYTES
     return 2 if fits else 1
 

@@ -75,9 +75,9 @@ def test_matches_float64_reference(cls, lens, num_splits):
     assert _run(cls, lens, num_splits, persistent=False) <= fuzz.TOLERANCE[cls.dtype]
 
 
-# One query tile: 6 stages of 64 keys (head size 128) leave no room for two under MGPU_SMEM_BYTES
-# (tuning.mgpu_decode_q_buffers) but fit an SM's 227 KiB with one.
-ONE_Q_TILE = dict(block_kv=64, num_stages=6)
+# One query/output staging tile: 5 stages of 64 keys (head size 128) leave no room for two under
+# MGPU_SMEM_BYTES (tuning.mgpu_decode_q_buffers) but fit an SM's 227 KiB with one.
+ONE_Q_TILE = dict(block_kv=64, num_stages=5)
 
 # The persistent kernel: (class, lengths, num_splits, num_programs, kwargs). Items are (sequence, KV head,
 # partition) in that order, dealt round-robin to the programs; a 1-stage ring makes every step wait for
@@ -256,3 +256,26 @@ def test_persistent_split_rule_fills_one_round_of_programs():
         assert 1 <= s <= max(1, steps)
         assert s == 1 or seqs * kvh * s <= programs
         assert s == steps or seqs * kvh * (s + 1) > programs   # the most that fit one round
+
+
+def test_merge_partitions_matches_float64():
+    """The one-reduction split merge against a float64 log-sum-exp merge, with empty partitions (``-inf``),
+    a row where every partition is empty (zeros), and log-sum-exps 300 apart (exp2 of the raw values
+    would overflow float32)."""
+    rng = np.random.default_rng(5)
+    o = rng.standard_normal((6, 3, 4, 32)).astype(np.float32)
+    lse = rng.uniform(-150.0, 150.0, (6, 3, 4)).astype(np.float32)
+    lse[1, 0, 0] = lse[4, 2, 3] = -np.inf
+    lse[:, 1, 2] = -np.inf
+    o[:, 1, 2] = 0.0                       # the kernel writes zeros for an empty partition
+    out = np.asarray(mgpu_mod.merge_partitions(jnp.asarray(o), jnp.asarray(lse)), np.float64)
+
+    ref = np.zeros(o.shape[1:])
+    for idx in np.ndindex(*lse.shape[1:]):
+        col = lse[(slice(None), *idx)].astype(np.float64)
+        if np.all(np.isneginf(col)):
+            continue
+        w = np.exp2(col - col.max())
+        ref[idx] = (w[:, None] * o[(slice(None), *idx)]).sum(0) / w.sum()
+    np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
+    assert np.all(out[1, 2] == 0.0)
