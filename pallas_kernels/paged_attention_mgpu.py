@@ -79,6 +79,11 @@ ROWS = 64                      # wgmma M: one warpgroup's tile of query rows (th
 HEAD_SIZES = (64, 128, 256)    # head sizes the kernel computes (wgmma N/K and 128-byte swizzle rows)
 COMPUTE_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 MIN_BLOCK_SIZE = 8             # a TMA box of one page: rows a multiple of the 8-row smem tile
+# An fp8 cache with a bf16 query computes in f16 (head sizes with the plain staging tile): sm_90 converts
+# fp8 pairs to f16 in one instruction (cvt.rn.f16x2.e4m3x2; e4m3 and e5m2 are exact in f16), where bf16
+# goes through f32. The query is scaled by 2**-8 on the way (the logit scale by 2**8), so a bf16 query
+# overflows f16 only past 1.6e7; P in [0, 1] and fp8 V are exact or finer in f16 than in bf16.
+F16_Q_SCALE = 2.0 ** -8
 MIN_ROWS = 2                   # query rows per TMA box (one query head per KV head is padded to 2)
 LOG2E = math.log2(math.e)
 
@@ -247,7 +252,10 @@ def _tile_q(io_tile, q_tile):
     is swizzled, :data:`pallas_kernels.tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE`)."""
     if q_tile is None:
         return io_tile
-    q_tile[...] = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA)
+    q = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA)
+    if q_tile.dtype != io_tile.dtype:   # fp8 cache: bf16 q to the f16 compute dtype, scaled by F16_Q_SCALE
+        q = (q.astype(jnp.float32) * F16_Q_SCALE).astype(q_tile.dtype)
+    q_tile[...] = q
     plgpu.commit_smem()
     return q_tile
 
@@ -261,7 +269,7 @@ def _o_rows(o_ref, part, s, h, *, num_kv_heads: int, group: int):
 def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                    steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None,
-                   rows: int):
+                   rows: int, q_unscale: float):
     (io_smem, k_smem, v_smem, _, _, _, lse_smem, q_tile), (q_bar, k_bars, v_bars), consumed = scratch
     k_consumed, v_consumed = consumed
     block_size = kv_ref.shape[3]
@@ -282,7 +290,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
         _copy_q(q_ref, io_smem, q_bar.at[0], s, h, num_kv_heads=num_kv_heads, group=rows)
         plgpu.barrier_wait(q_bar.at[0])
         q_wgmma = _tile_q(io_smem, q_tile)
-        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
+        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = scales_ref[1]
         acc, m, l = _attend(q_wgmma, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
                             window_start=window_start, k_factor=k_factor, block_kv=block_kv,
@@ -303,7 +311,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
                               scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                               steps_per_partition: int, sliding_window: int | None,
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
-                              num_splits: int, num_items: int, num_q_buffers: int, rows: int):
+                              num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float):
     """The persistent kernel: program ``c`` runs work items ``c, c + G, c + 2G, ...`` (``G = num_programs``),
     item ``i`` being (sequence ``i // (num_kv_heads * num_splits)``, KV head, partition).
 
@@ -336,7 +344,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
 
     @pl.when(wg == 0)
     def _compute():
-        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
+        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = scales_ref[1]
 
         def run_item(k, g):
@@ -404,20 +412,23 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
                     ((0, 0), (0, 0), (0, rows - group), (0, 0)))
     q = q.reshape(num_seqs * num_kv_heads * rows, head_size)
 
-    tile = _tile_transforms(head_size, dtype)
+    # The dtype wgmma computes in: f16 for an fp8 cache under a bf16 query (see F16_Q_SCALE), else q's.
+    cdtype = jnp.dtype(jnp.float16) if fp8 and staged else dtype
+    q_unscale = 1.0 / F16_Q_SCALE if cdtype != dtype else 1.0
+    tile = _tile_transforms(head_size, cdtype)
     cache_tile = _tile_transforms(head_size, kv_cache.dtype)
     stage_shape = (num_stages, block_kv, head_size)
     q_tiles = (num_q_buffers,) if persistent else ()
     smem = (
         plgpu.SMEM((*q_tiles, ROWS, head_size), dtype,                           # q, then the output
-                   **({} if staged else dict(transforms=tile))),
+                   **({} if staged else dict(transforms=tile))),               # (cdtype == dtype there)
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # K ring
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
-        plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # K converted
-        plgpu.SMEM((block_kv, head_size), dtype, transforms=tile) if fp8 else None,  # V converted
-        plgpu.SMEM((ROWS, block_kv), dtype, transforms=_tile_transforms(block_kv, dtype)),  # P
+        plgpu.SMEM((block_kv, head_size), cdtype, transforms=tile) if fp8 else None,  # K converted
+        plgpu.SMEM((block_kv, head_size), cdtype, transforms=tile) if fp8 else None,  # V converted
+        plgpu.SMEM((ROWS, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype)),  # P
         plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
-        plgpu.SMEM((ROWS, head_size), dtype, transforms=tile) if staged else None,  # q for wgmma
+        plgpu.SMEM((ROWS, head_size), cdtype, transforms=tile) if staged else None,  # q for wgmma
     )
     copies = block_kv // tokens_per_copy
     barriers = (plgpu.Barrier(num_barriers=num_q_buffers if persistent else 1),
@@ -427,7 +438,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     kernel = functools.partial(
         _decode_kernel_persistent if persistent else _decode_kernel, scale=scale, block_kv=block_kv,
         tokens_per_copy=tokens_per_copy, num_stages=num_stages, steps_per_partition=steps_per_partition,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, rows=rows)
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, rows=rows, q_unscale=q_unscale)
     # Persistent: one more barrier group, the query/output tiles' "free" barriers (kernel docstring).
     extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
     if persistent:
