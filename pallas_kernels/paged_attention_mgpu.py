@@ -254,7 +254,9 @@ def _tile_q(io_tile, q_tile):
         return io_tile
     q = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA)
     if q_tile.dtype != io_tile.dtype:   # fp8 cache: bf16 q to the f16 compute dtype, scaled by F16_Q_SCALE
-        q = (q.astype(jnp.float32) * F16_Q_SCALE).astype(q_tile.dtype)
+        # Scaled in q's dtype first (exact: a power of two), then converted: written as f32 -> scale ->
+        # f16, the compiled kernel converted before scaling and overflowed past 65504 (H100).
+        q = (q * jnp.asarray(F16_Q_SCALE, q.dtype)).astype(q_tile.dtype)
     q_tile[...] = q
     plgpu.commit_smem()
     return q_tile

@@ -279,3 +279,15 @@ def test_merge_partitions_matches_float64():
         ref[idx] = (w[:, None] * o[(slice(None), *idx)]).sum(0) / w.sum()
     np.testing.assert_allclose(out, ref, rtol=1e-5, atol=1e-6)
     assert np.all(out[1, 2] == 0.0)
+
+
+def test_fp8_cache_with_a_query_past_float16_range():
+    """An fp8 cache under a bf16 query computes in f16 with the query scaled by ``F16_Q_SCALE``: query
+    values past f16's 65504 (here up to ~2**17) still give the float64 reference's result, not inf/NaN."""
+    cls = _cls(head=128, block=16, group=4, fp8=True, width=12)
+    case = fuzz.make_case(np.random.default_rng(8), cls, [(150, 1), (33, 1)])
+    case = dataclasses.replace(case, q=case.q * 2.0 ** 15)      # exact in bf16: a power of two
+    assert np.abs(case.q).max() > 65504
+    arrays, kwargs = case.kernel_args()
+    out = paged_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET)
+    assert fuzz.error(out, case) <= fuzz.TOLERANCE[cls.dtype]
