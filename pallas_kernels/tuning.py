@@ -114,11 +114,11 @@ MGPU_DECODE_MAX_STAGES = 4
 MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
-# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md, logs docs/logs/mgpu-decode-splits-h100/): Mosaic bf16
-# 36.9-101.1 % of copy bandwidth against Triton's 26.6-97.6 %, ahead at all 8 shapes (equal within 0.3
-# points at 256 x 1k, also in the run before). fp8 on Mosaic is slower than Triton's fp8 at 6 of the 8
-# (it converts pages through registers); other head sizes are not in that grid (SmolLM2's 64 measured
-# slower in its decode step).
+# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md, latest logs docs/logs/mgpu-decode-f16-fp8-h100/): Mosaic
+# bf16 39.5-102.0 % of copy bandwidth against Triton's 26.6-97.6 %, ahead at all 8 shapes (session 9's
+# run too, within 0.3 points at 256 x 1k). fp8 on Mosaic (f16 compute) is slower than Triton's fp8 at 5
+# of the 8 (46-55 % against 54-68 % in fp8 bytes from 8 x 32k up); other head sizes are not in that grid
+# (SmolLM2's 64 measured slower in its decode step, session 9).
 MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16")})
 
 
