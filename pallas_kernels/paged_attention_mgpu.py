@@ -22,10 +22,10 @@ sequence) with two warpgroups:
   *plain* (untiled) 64-row staging tile, which may take a box starting on any row (a swizzled tile
   takes only whole 8-row tiles, which needed q padded in XLA), and are copied through registers into the
   swizzled tile ``wgmma`` reads. The output goes back the same way: normalised into the staging tile,
-  then one TMA box of the group's rows straight into the output, so no XLA pad or slice remains (one
-  query head per KV head is the exception: a one-row box hung on the H100, so q is padded to 2 rows
-  there). The tiles' other rows are stale, computed as garbage (row by row: no operation mixes rows)
-  and dropped.
+  then one TMA box of the group's rows straight into the output, so no XLA pad or slice remains (head
+  size 256 is the exception, ``tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE``: its staging tile is the
+  swizzled one and q is padded to whole 8-row tiles). The tiles' other rows are stale, computed as
+  garbage (row by row: no operation mixes rows) and dropped.
 
 Slots a sequence does not own (past ``seq_len`` in its last page, pages outside the sliding window that
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
@@ -84,7 +84,6 @@ MIN_BLOCK_SIZE = 8             # a TMA box of one page: rows a multiple of the 8
 # goes through f32. The query is scaled by 2**-8 on the way (the logit scale by 2**8), so a bf16 query
 # overflows f16 only past 1.6e7; P in [0, 1] and fp8 V are exact or finer in f16 than in bf16.
 F16_Q_SCALE = 2.0 ** -8
-MIN_ROWS = 2                   # query rows per TMA box (one query head per KV head is padded to 2)
 LOG2E = math.log2(math.e)
 
 
@@ -403,12 +402,11 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     steps_needed = pl.cdiv(max_pages * block_size, block_kv)
     steps_per_partition = pl.cdiv(steps_needed, num_splits)
     # The query rows go in q's own layout (no copy) as one TMA box per item into a plain staging tile,
-    # except for one query head per KV head (a one-row box, its unit dimension dropped, did not compile on
-    # the H100 with jax 0.11.2: q is padded to MIN_ROWS rows per KV head) and head size 256 (Mosaic's
-    # lowering of the 64 x 256 plain-tile load/store does not finish: the staging tile is the swizzled
-    # wgmma tile, whose boxes start on whole 8-row tiles, so q is padded to a multiple of 8 rows).
+    # except for head size 256 (Mosaic's lowering of the 64 x 256 plain-tile load/store does not finish:
+    # the staging tile is the swizzled wgmma tile, whose boxes start on whole 8-row tiles, so q is padded
+    # to a multiple of 8 rows).
     staged = head_size <= tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE
-    rows = max(group, MIN_ROWS) if staged else min(ROWS, -(-group // 8) * 8)
+    rows = group if staged else min(ROWS, -(-group // 8) * 8)
     if rows != group:
         q = jnp.pad(q.reshape(num_seqs, num_kv_heads, group, head_size),
                     ((0, 0), (0, 0), (0, rows - group), (0, 0)))
