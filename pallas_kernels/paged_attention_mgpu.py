@@ -224,24 +224,29 @@ def _store_output(acc, m, l, v_scale, io_tile, lse_tile, o_dst, lse_dst) -> None
     """Normalise, write the output to the plain staging tile ``io_tile`` (its query rows were read at the
     item's start) and the base-2 log-sum-exp to ``lse_tile``, and start the TMA stores of the output's
     first ``o_dst.shape[0]`` rows (the group's heads) to ``o_dst`` and of the log-sum-exp tile to
-    ``lse_dst`` (the caller waits for them)."""
-    group = o_dst.shape[0]
+    ``lse_dst`` (the caller waits for them). The staging tile is plain, so the box may hold any number
+    of rows, except at head size 256, where it is the swizzled query tile and ``rows`` whole 8-row tiles."""
+    rows = o_dst.shape[0]
     l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
     acc = acc * lax.broadcast_in_dim(v_scale / l_safe, acc.shape, [0])
-    # A plain (untiled) tile, so the TMA store may take any number of rows: no 8-row padding.
     io_tile[...] = acc.astype(io_tile.dtype)
     lse_tile[...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(io_tile.at[pl.ds(0, group)], o_dst)
+    plgpu.copy_smem_to_gmem(io_tile.at[pl.ds(0, rows)], o_dst)
     plgpu.copy_smem_to_gmem(lse_tile, lse_dst)
 
 
-def _copy_q(q_ref, io_tile, bar, s, h, *, num_kv_heads: int, group: int) -> None:
-    """Start the TMA copy of the query rows of (sequence ``s``, KV head ``h``) from ``q_ref``
-    (``[num_seqs * num_heads, head_size]``, q's own layout) into the first ``group`` rows of the plain
-    staging tile ``io_tile`` (untiled, so the box may start on any row)."""
-    row0 = (s * num_kv_heads + h) * group
-    plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(row0, group)], io_tile.at[pl.ds(0, group)], bar)
+def _item_rows(s, h, *, num_kv_heads: int, rows: int):
+    """The slice of (sequence ``s``, KV head ``h``)'s ``rows`` rows along the row axis of q
+    (``[num_seqs * num_kv_heads * rows, head_size]``, q's own layout) and of each output partition."""
+    return pl.ds((s * num_kv_heads + h) * rows, rows)
+
+
+def _copy_q(q_ref, io_tile, bar, s, h, *, num_kv_heads: int, rows: int) -> None:
+    """Start the TMA copy of the query rows of (sequence ``s``, KV head ``h``) from ``q_ref`` into the
+    first ``rows`` rows of the staging tile ``io_tile`` (plain, so the box may start on any row)."""
+    plgpu.copy_gmem_to_smem(q_ref.at[_item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
+                            io_tile.at[pl.ds(0, rows)], bar)
 
 
 def _tile_q(io_tile, q_tile):
@@ -259,12 +264,6 @@ def _tile_q(io_tile, q_tile):
     q_tile[...] = q
     plgpu.commit_smem()
     return q_tile
-
-
-def _o_rows(o_ref, part, s, h, *, num_kv_heads: int, group: int):
-    """The output rows of (partition, sequence, KV head) in ``o_ref`` (``[num_splits, num_seqs * num_heads,
-    head_size]``)."""
-    return o_ref.at[part, pl.ds((s * num_kv_heads + h) * group, group)]
 
 
 def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, lse_ref, scratch, *,
@@ -288,7 +287,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
 
     @pl.when(wg == 0)
     def _compute():
-        _copy_q(q_ref, io_smem, q_bar.at[0], s, h, num_kv_heads=num_kv_heads, group=rows)
+        _copy_q(q_ref, io_smem, q_bar.at[0], s, h, num_kv_heads=num_kv_heads, rows=rows)
         plgpu.barrier_wait(q_bar.at[0])
         q_wgmma = _tile_q(io_smem, q_tile)
         k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
@@ -297,7 +296,8 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_ref, o_ref, l
                             window_start=window_start, k_factor=k_factor, block_kv=block_kv,
                             num_stages=num_stages, logits_soft_cap=logits_soft_cap)
         _store_output(acc, m, l, v_scale, io_smem, lse_smem,
-                      _o_rows(o_ref, part, s, h, num_kv_heads=num_kv_heads, group=rows), lse_ref.at[part, s, h])
+                      o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
+                      lse_ref.at[part, s, h])
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -354,11 +354,11 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
             _, origin, window_start, first_step, n = partition(seq_len, part)
             io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
             plgpu.barrier_wait(q_bars.at[b])
-            acc, m, l = _attend(_tile_q(io_tile, q_tile), scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
-                                window_start=window_start, k_factor=k_factor, step_base=g,
+            acc, m, l = _attend(_tile_q(io_tile, q_tile), scratch, n=n, origin=origin, first_step=first_step,
+                                seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
                                 block_kv=block_kv, num_stages=num_stages, logits_soft_cap=logits_soft_cap)
             _store_output(acc, m, l, v_scale, io_tile, lse_tile,
-                          _o_rows(o_ref, part, s, h, num_kv_heads=num_kv_heads, group=rows),
+                          o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                           lse_ref.at[part, s, h])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may now take item k + num_q_buffers
             plgpu.barrier_arrive(q_free.at[b])
@@ -373,7 +373,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, scales_re
             s, h, part, b = item(k)
             num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
             pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
-            _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, group=rows)
+            _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=rows)
             issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
