@@ -8,14 +8,19 @@ import numpy as np
 from jax import lax
 
 
-def kv_scales(k_scale, v_scale) -> jax.Array:
-    """``f32[2]``: the fp8 dequantisation scales, 1 where not given. A NumPy constant when both are
-    ``None`` or Python numbers (XLA then embeds it: no broadcast + concatenate kernels per call)."""
-    if all(x is None or isinstance(x, (int, float)) for x in (k_scale, v_scale)):
-        return np.array([1.0 if k_scale is None else k_scale, 1.0 if v_scale is None else v_scale], np.float32)
-    one = jnp.float32(1.0)
-    return jnp.stack([jnp.asarray(one if k_scale is None else k_scale, jnp.float32).reshape(()),
-                      jnp.asarray(one if v_scale is None else v_scale, jnp.float32).reshape(())])
+def kv_scales(k_scale, v_scale) -> tuple[jax.Array, jax.Array]:
+    """``(k_scale, v_scale)``, each ``f32[1]``: the fp8 dequantisation scales, 1 where not given.
+
+    Two one-element arrays rather than one ``f32[2]``: XLA rewrites a uniform constant array (``[1, 1]``,
+    the scales of every bf16 call) into a broadcast of a scalar, and a kernel operand built that way
+    costs one ``loop_broadcast_fusion`` launch per call (0.9 us on the H100, per attention layer); a
+    one-element constant stays a constant. NumPy constants when not given or Python numbers.
+    """
+    def one(x):
+        if x is None or isinstance(x, (int, float)):
+            return np.array([1.0 if x is None else x], np.float32)
+        return jnp.asarray(x, jnp.float32).reshape(1)
+    return one(k_scale), one(v_scale)
 
 
 def dense_kv_from_pages(kv_cache: jax.Array, block_tables: jax.Array,
@@ -67,9 +72,9 @@ def paged_attention_dense(qs: jax.Array, q_pos: jax.Array, kv_cache: jax.Array, 
     allowed = (t[None, None, :] <= q_pos[:, :, None]) & (t[None, None, :] < seq_lens[:, None, None])
     if sliding_window is not None:
         allowed &= t[None, None, :] > q_pos[:, :, None] - sliding_window
-    scales = kv_scales(k_scale, v_scale)
+    k_scale, v_scale = kv_scales(k_scale, v_scale)
 
-    logits = jnp.einsum("sqkgd,sktd->skgqt", qs, k, precision=lax.Precision.HIGHEST) * (scale * scales[0])
+    logits = jnp.einsum("sqkgd,sktd->skgqt", qs, k, precision=lax.Precision.HIGHEST) * (scale * k_scale[0])
     if logits_soft_cap is not None:
         logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
     if alibi_slopes is not None:
@@ -81,4 +86,4 @@ def paged_attention_dense(qs: jax.Array, q_pos: jax.Array, kv_cache: jax.Array, 
     denom = p.sum(axis=-1, keepdims=True)
     o = jnp.einsum("skgqt,sktd->sqkgd", p / jnp.where(denom == 0.0, 1.0, denom), v,
                    precision=lax.Precision.HIGHEST)
-    return o.reshape(num_seqs, max_q, num_heads, head_size) * scales[1]
+    return o.reshape(num_seqs, max_q, num_heads, head_size) * v_scale[0]

@@ -62,7 +62,8 @@ def _paged_attention_kernel(
     q_ref,             # [group, head_size]              the group's query heads (unpadded)
     k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
     v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
-    kv_scales_ref,     # f32[2]                          k_scale, v_scale (fp8 dequantisation)
+    k_scale_ref,       # f32[1]                          k_scale (fp8 dequantisation)
+    v_scale_ref,       # f32[1]                          v_scale
     alibi_ref,         # f32[block_h] | None             ALiBi slope of each query head
     o_ref,             # [group, head_size] q.dtype (num_splits == 1) | f32[block_h, head_p] partial
     *stats_refs,       # ([block_h] f32 max, [block_h] f32 sum) when num_splits > 1
@@ -91,7 +92,7 @@ def _paged_attention_kernel(
     first_step = jnp.minimum(jnp.maximum(window_start - origin, 0) // block_k, num_steps)
 
     q = _load_group_rows(q_ref, block_h, head_p)   # [block_h, head_p], padding rows/lanes 0
-    k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
+    k_scale, v_scale = k_scale_ref[0], v_scale_ref[0]
 
     def body(i, carry):
         local = (first_step + i) * block_k                  # partition-local first token of the step
@@ -248,7 +249,7 @@ def _paged_attention_pallas(
     kv_cache: jax.Array,     # [2, num_blocks, num_kv_heads, block_size, head_size]
     block_tables: jax.Array,  # i32[num_seqs, max_num_blocks_per_seq]
     seq_lens: jax.Array,     # i32[num_seqs]
-    kv_scales: jax.Array,    # f32[2]  k_scale, v_scale
+    kv_scales: tuple,   # (f32[1] k_scale, f32[1] v_scale)
     alibi_slopes: jax.Array | None,  # f32[num_heads]
     *,
     scale: float,
@@ -298,7 +299,8 @@ def _paged_attention_pallas(
         pl.BlockSpec(group_block, lambda s, h, p: (s, h, 0, 0)),                  # q
         pl.BlockSpec(cache_block, lambda s, h, p: (0, 0, h, 0, 0)),               # key pages
         pl.BlockSpec(cache_block, lambda s, h, p: (1, 0, h, 0, 0)),               # value pages
-        pl.BlockSpec((2,), lambda s, h, p: (0,)),                                 # kv_scales
+        pl.BlockSpec((1,), lambda s, h, p: (0,)),                                 # k_scale
+        pl.BlockSpec((1,), lambda s, h, p: (0,)),                                 # v_scale
         alibi_spec,                                                               # alibi slopes
     ]
     if normalize:
@@ -323,7 +325,7 @@ def _paged_attention_pallas(
         interpret=interpret,
         debug=debug,
         name=f"paged_attention_bh{block_h}_d{head_p}_p{step.pages}x{step.tokens}_s{num_splits}",
-    )(seq_lens, block_tables, q4, kv_cache, kv_cache, kv_scales, alibi_slopes)
+    )(seq_lens, block_tables, q4, kv_cache, kv_cache, *kv_scales, alibi_slopes)
 
     if normalize:
         o = out

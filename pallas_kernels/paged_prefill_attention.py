@@ -106,7 +106,8 @@ def _paged_prefill_attention_kernel(
     q_ref,             # [num_tokens, group, head_size]   this KV head's query heads, every token
     k_cache_ref,       # [num_blocks, block_size, head_size]   key pages of this KV head
     v_cache_ref,       # [num_blocks, block_size, head_size]   value pages of this KV head
-    kv_scales_ref,     # f32[2]                           k_scale, v_scale (fp8 dequantisation)
+    k_scale_ref,       # f32[1]                           k_scale (fp8 dequantisation)
+    v_scale_ref,       # f32[1]                           v_scale
     alibi_ref,         # f32[group_p] | None              ALiBi slope of each query head, zero-padded
     o_ref,             # [num_tokens, group, head_size]   output, only this tile's rows are written
     *,
@@ -153,7 +154,7 @@ def _paged_prefill_attention_kernel(
     kv_start, kv_end, _, end_page = _tile_kv_range(
         context_len, q_len, row0, block_q=block_q, block_size=block_size, sliding_window=sliding_window,
         max_pages=max_pages)
-    k_scale, v_scale = kv_scales_ref[0], kv_scales_ref[1]
+    k_scale, v_scale = k_scale_ref[0], v_scale_ref[0]
 
     def fold(j, carry, *, causal):
         """Fold step ``j`` (key positions ``[j * block_k, (j + 1) * block_k)``) into the running softmax.
@@ -209,7 +210,7 @@ def _paged_prefill_attention_pallas(
     block_tables: jax.Array,     # i32[num_seqs, max_num_blocks_per_seq]
     seq_lens: jax.Array,         # i32[num_seqs]
     query_start_loc: jax.Array,  # i32[num_seqs + 1]
-    kv_scales: jax.Array,        # f32[2]  k_scale, v_scale
+    kv_scales: tuple,       # (f32[1] k_scale, f32[1] v_scale)
     alibi_slopes: jax.Array | None,  # f32[num_heads]
     *,
     scale: float,
@@ -259,7 +260,8 @@ def _paged_prefill_attention_pallas(
         tokens_block,                                                       # q
         pl.BlockSpec(cache_block, lambda h, t: (0, 0, h, 0, 0)),            # key pages
         pl.BlockSpec(cache_block, lambda h, t: (1, 0, h, 0, 0)),            # value pages
-        pl.BlockSpec((2,), lambda h, t: (0,)),                              # kv_scales
+        pl.BlockSpec((1,), lambda h, t: (0,)),                              # k_scale
+        pl.BlockSpec((1,), lambda h, t: (0,)),                              # v_scale
         alibi_spec,                                                         # alibi slopes
     ]
     out = pl.pallas_call(
@@ -273,7 +275,7 @@ def _paged_prefill_attention_pallas(
         debug=debug,
         name=f"paged_prefill_attention_bq{block_q}_g{group_p}_d{head_p}_p{step.pages}x{step.tokens}",
     )(tiles.q_start, tiles.q_len, tiles.seq_len, tiles.row0, block_tables[tiles.seq], q4, kv_cache, kv_cache,
-      kv_scales, alibi_slopes)
+      *kv_scales, alibi_slopes)
     out = out.reshape(num_tokens, num_heads, head_size)
     # Tokens past query_start_loc[-1] belong to no sequence and are never written: give them 0.
     owned = jnp.arange(num_tokens) < query_start_loc[-1]

@@ -143,7 +143,8 @@ class _Segment:
         self.end = jnp.where(self.has_rows, (kv_end + block_kv - 1) // block_kv, self.first)
 
 
-def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, scales_ref, o_ref, scratch, *,
+def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref,
+                    scratch, *,
                     scale: float, block_kv: int, tokens_per_copy: int, num_stages: int, num_consumers: int,
                     group: int, num_heads: int, num_tiles: int, num_seqs: int, num_programs: int,
                     num_q_buffers: int, sliding_window: int | None, logits_soft_cap: float | None,
@@ -188,8 +189,8 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
     def _consumer():
         if set_registers:
             plgpu.set_max_registers(232 if num_consumers == 2 else 240, action="increase")
-        k_factor = scales_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
-        v_scale = scales_ref[1]
+        k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
+        v_scale = v_scale_ref[0]
 
         def skip(j, g):
             # A step of the program this consumer has no rows for: keep the barrier phases in step.
@@ -393,9 +394,9 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
         num_q_buffers=num_q_buffers, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
         pv_from_smem=pv_from_smem, pingpong=pingpong, set_registers=not interpret)
 
-    def entry(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, scales_ref, o_ref):
+    def entry(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref):
         pl.run_scoped(lambda *scratch: kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref,
-                                              scales_ref, o_ref, scratch),
+                                              k_scale_ref, v_scale_ref, o_ref, scratch),
                       smem, barriers, released, schedule, collective_axes="wg")
 
     op = plgpu.kernel(
@@ -409,7 +410,7 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )
     out = op(query_start_loc, seq_lens, block_tables, _tile_order(query_start_loc, seq_lens, num_tiles, tile_tokens)
-             if num_programs < num_items else jnp.zeros((1,), jnp.int32), q, kv_cache, scales)
+             if num_programs < num_items else jnp.zeros((1,), jnp.int32), q, kv_cache, *scales)
     return out[:num_tokens] if pad else out
 
 

@@ -259,7 +259,7 @@ def test_persistent_split_rule_fills_one_round_of_programs():
 
 
 def test_merge_partitions_matches_float64():
-    """The one-reduction split merge against a float64 log-sum-exp merge, with empty partitions (``-inf``),
+    """The split merge (partition by partition) against a float64 log-sum-exp merge, with empty partitions (``-inf``),
     a row where every partition is empty (zeros), and log-sum-exps 300 apart (exp2 of the raw values
     would overflow float32)."""
     rng = np.random.default_rng(5)
