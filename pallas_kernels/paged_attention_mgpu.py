@@ -484,10 +484,14 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
 def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
     """Merge the context partitions of a split decode in float32 with base-2 log-sum-exp weights (XLA).
 
-    Written partition by partition (``num_splits`` is static): element-wise ops only, no reduction, so
-    XLA fuses the merge into two small loop fusions (the per-row max, then the weighted sum): 2.6 us at
-    batch 1 x 32 heads x 16 partitions on the H100, against 3.7 us for the ``max``/``sum`` reductions'
-    three fusions (and 5.7 us for one variadic online-softmax reduction), docs/perf-notes.md.
+    One XLA loop fusion: written partition by partition (``num_splits`` is static), element-wise only,
+    and each partition's log-sum-exp is taken to ``o``'s shape as ``lse + 0 * o`` so the running max is
+    computed per output element inside the fusion. (With ``[..., None]`` broadcasts, XLA computes the
+    max in a fusion of its own, and with ``max``/``sum`` reductions in three; on the H100 at 16
+    partitions x 8 KV heads x 4 rows x 128: 1.6 us against 2.7 us for two fusions and 3.7 us for three,
+    5.7 us for one variadic online-softmax reduction, 1.9 us for a Pallas Triton merge kernel;
+    docs/perf-notes.md.) ``0 * o`` is 0: ``o`` is finite (each partition's output is a convex
+    combination of visible V rows, the invisible ones zeroed; an empty partition writes zeros).
 
     Args:
         o: ``[num_splits, ...]`` each partition's normalised output (any float dtype).
@@ -497,13 +501,13 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
     Returns:
         ``o.shape[1:]`` in ``o.dtype``; zero where every partition is empty.
     """
-    parts = [lse[p] for p in range(lse.shape[0])]
+    parts = [lse[p][..., None] + 0.0 * o[p].astype(jnp.float32) for p in range(o.shape[0])]
     # The floor keeps m finite where every partition is empty: their weights are then exp2(-inf) = 0.
     m = functools.reduce(jnp.maximum, parts, jnp.float32(jnp.finfo(jnp.float32).min))
     weights = [jnp.exp2(x - m) for x in parts]
     total = functools.reduce(jnp.add, weights)
-    out = functools.reduce(jnp.add, [o[p].astype(jnp.float32) * w[..., None] for p, w in enumerate(weights)])
-    return (out / jnp.where(total == 0.0, 1.0, total)[..., None]).astype(o.dtype)
+    out = functools.reduce(jnp.add, [o[p].astype(jnp.float32) * w for p, w in enumerate(weights)])
+    return (out / jnp.where(total == 0.0, 1.0, total)).astype(o.dtype)
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
