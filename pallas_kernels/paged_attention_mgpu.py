@@ -206,17 +206,24 @@ def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_
             v_tile[...] = jnp.where((row < seq_len) & (row >= window_start), v, jnp.zeros_like(v))
             plgpu.commit_smem()
 
-        # P goes through shared memory (the interpreter runs wgmma only from shared memory; one
-        # 64 x block_kv tile per step is small next to the K/V tiles of a memory-bound kernel).
-        p_smem[...] = p.astype(dtype)
-        plgpu.commit_smem()
+        if p_smem is not None:
+            # P through shared memory and a fresh accumulator added to the rescaled one: what the
+            # interpreter runs (wgmma only from shared memory, no accumulator initialised from registers).
+            p_smem[...] = p.astype(dtype)
+            plgpu.commit_smem()
 
-        def pv(acc_ref):
-            plgpu.wgmma(acc_ref, p_smem, v_tile)
-            return acc_ref[...]
-        # A fresh accumulator added to the rescaled one: the interpreter cannot run an accumulator
-        # initialised from registers (``pl.run_state`` + ``ACC.init``).
-        acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
+            def pv(acc_ref):
+                plgpu.wgmma(acc_ref, p_smem, v_tile)
+                return acc_ref[...]
+            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
+        else:
+            # P from registers into the running accumulator (the compiled kernel): no 64 x block_kv
+            # store and reload of P through shared memory, no separate accumulator to add.
+            p16 = p.astype(dtype)
+
+            def pv_in_place(acc_ref):
+                plgpu.wgmma(acc_ref, p16, v_tile)
+            acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
         if not fp8:
             plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l
@@ -393,8 +400,8 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
 
 
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
-                          logits_soft_cap, block_kv, num_stages, num_splits, interpret, persistent=False,
-                          num_programs=None, num_q_buffers=1):
+                          logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
+                          persistent=False, num_programs=None, num_q_buffers=1):
     num_seqs, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -432,7 +439,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
         plgpu.SMEM((block_kv, head_size), cdtype, transforms=tile) if fp8 else None,  # K converted
         plgpu.SMEM((block_kv, head_size), cdtype, transforms=tile) if fp8 else None,  # V converted
-        plgpu.SMEM((ROWS, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype)),  # P
+        (plgpu.SMEM((ROWS, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype))   # P
+         if pv_from_smem else None),
         plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
         plgpu.SMEM((ROWS, head_size), cdtype, transforms=tile) if staged else None,  # q for wgmma
     )
@@ -511,7 +519,7 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
-           "interpret", "persistent", "num_programs")
+           "interpret", "persistent", "num_programs", "pv_from_smem")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -540,6 +548,7 @@ def paged_attention_mgpu(
     interpret: bool = False,
     persistent: bool = True,
     num_programs: int | None = None,
+    pv_from_smem: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -573,7 +582,12 @@ def paged_attention_mgpu(
             picks two query/output staging tiles or one beside the ring.
         num_programs: CTAs of the persistent grid (static, >= 1, only with ``persistent``); ``None``: the
             device's SM count (:func:`default_num_programs`), at most ``INTERPRET_MAX_PROGRAMS`` when
-            interpreting; never more than ``num_seqs * num_kv_heads * num_splits``.
+            interpreting; never more than ``num_seqs * num_kv_heads * num_splits``. More than the SM count
+            puts several CTAs on an SM: the ring depth and staging tiles then fit that share of an SM's
+            shared memory (:func:`pallas_kernels.tuning.mgpu_decode_smem_budget`).
+        pv_from_smem: P through shared memory into a fresh accumulator each step (what the interpreter
+            runs) instead of P from registers into the running accumulator (static); ``None``:
+            ``interpret``.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -596,14 +610,20 @@ def paged_attention_mgpu(
     fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
     if block_kv is None:
         block_kv = tuning.mgpu_decode_block_kv(head_size)
-    if num_stages is None:
-        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8)
+    if pv_from_smem is None:
+        pv_from_smem = bool(interpret)
     if not persistent and num_programs is not None:
         raise ValueError(f"num_programs={num_programs} needs persistent=True")
     if num_programs is not None and num_programs < 1:
         raise ValueError(f"num_programs={num_programs} must be >= 1")
     if persistent and num_programs is None:
         num_programs = min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()
+    # More programs than SMs: several CTAs share an SM's shared memory (the grid's CTAs are dealt to SMs).
+    ctas_per_sm = 1 if not persistent or interpret else -(-num_programs // default_num_programs())
+    budget = tuning.mgpu_decode_smem_budget(ctas_per_sm)
+    if num_stages is None:
+        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, p_tile=pv_from_smem,
+                                                   budget=budget)
     if num_splits is None and persistent:
         num_splits = tuning.mgpu_decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1], block_size,
                                                    block_kv, num_programs)
@@ -615,15 +635,13 @@ def paged_attention_mgpu(
     for name, value in (("num_stages", num_stages), ("num_splits", num_splits)):
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
+    common = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
+                  num_stages=num_stages, num_splits=num_splits, interpret=interpret, pv_from_smem=pv_from_smem)
     if not persistent:
-        return _paged_attention_mgpu(
-            q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
-            sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
-            num_stages=num_stages, num_splits=num_splits, interpret=interpret)
+        return _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common)
     num_programs = min(num_programs, q.shape[0] * num_kv_heads * num_splits)   # no idle programs
     return _paged_attention_mgpu(
-        q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), scale=scale,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
-        num_stages=num_stages, num_splits=num_splits, interpret=interpret, persistent=True,
+        q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
         num_programs=num_programs,
-        num_q_buffers=tuning.mgpu_decode_q_buffers(block_kv, head_size, num_stages, fp8=fp8))
+        num_q_buffers=tuning.mgpu_decode_q_buffers(block_kv, head_size, num_stages, fp8=fp8, p_tile=pv_from_smem,
+                                                   budget=budget))

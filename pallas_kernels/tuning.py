@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from pallas_kernels._paging import padded_head_size
 
 # Decode. Sweep on the H200 (docs/logs/bench-decode-sweep-h200.txt; 32q/8kv heads, D 128, bf16, block 16):
@@ -139,33 +141,52 @@ def mgpu_decode_block_kv(head_size: int) -> int:
     return 64 if head_size > 128 else 128
 
 
+# Two or more CTAs on one SM (a persistent grid of more programs than SMs) share its 228 KiB; each CTA
+# keeps 1 KiB for the system and some for barriers, so a CTA's tiles get that share less MGPU_CTA_HEADROOM.
+MGPU_SM_SMEM_BYTES = 228 * 1024
+MGPU_CTA_HEADROOM = 3 * 1024
+
+
+def mgpu_decode_smem_budget(ctas_per_sm: int = 1) -> int:
+    """Shared memory the Mosaic decode kernel's tiles may take per CTA: ``MGPU_SMEM_BYTES`` with one CTA
+    per SM, else an equal share of ``MGPU_SM_SMEM_BYTES`` less ``MGPU_CTA_HEADROOM`` (110 KiB each for 2)."""
+    if ctas_per_sm <= 1:
+        return MGPU_SMEM_BYTES
+    return MGPU_SM_SMEM_BYTES // ctas_per_sm - MGPU_CTA_HEADROOM
+
+
 def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool,
-                           q_tiles: int = 1) -> int:
+                           q_tiles: int = 1, p_tile: bool = True) -> int:
     """Shared memory the Mosaic decode kernel's tiles take: ``num_stages`` K+V ring stages (fp8 or 16-bit),
     ``q_tiles`` 64-row query/output staging tiles, the swizzled 64-row query tile ``wgmma`` reads (head
     sizes up to ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile),
-    the 64-row P tile and, for fp8, the two 16-bit converted tiles (the float32 log-sum-exp rows and the
-    barriers fit the headroom under the 227 KiB of an SM)."""
+    the 64-row P tile (``p_tile``: P through shared memory, the interpreted kernel) and, for fp8, the two
+    16-bit converted tiles (the float32 log-sum-exp rows and the barriers fit the headroom under the
+    227 KiB of an SM)."""
     itemsize = 1 if fp8 else 2
     q_tiles += head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE     # the swizzled tile beside the staging ones
-    fixed = q_tiles * 64 * head_size * 2 + 64 * block_kv * 2 + (2 * block_kv * head_size * 2 if fp8 else 0)
+    fixed = (q_tiles * 64 * head_size * 2 + (64 * block_kv * 2 if p_tile else 0)
+             + (2 * block_kv * head_size * 2 if fp8 else 0))
     return fixed + num_stages * 2 * block_kv * head_size * itemsize
 
 
-def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool, q_tiles: int = 1) -> int:
-    """Ring depth: as many K+V stages as fit ``MGPU_SMEM_BYTES`` beside ``q_tiles`` staging tiles and the
-    other fixed tiles (:func:`mgpu_decode_smem_bytes`), at most ``MGPU_DECODE_MAX_STAGES``, at least 1.
-    The kernel asks with one staging tile and adds the persistent kernel's second where it still fits
-    (:func:`mgpu_decode_q_buffers`): the ring's depth comes first."""
-    fixed = mgpu_decode_smem_bytes(block_kv, head_size, 0, fp8=fp8, q_tiles=q_tiles)
-    per_stage = mgpu_decode_smem_bytes(block_kv, head_size, 1, fp8=fp8, q_tiles=q_tiles) - fixed
-    return max(1, min(MGPU_DECODE_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
+def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool, q_tiles: int = 1, p_tile: bool = True,
+                           budget: int = MGPU_SMEM_BYTES) -> int:
+    """Ring depth: as many K+V stages as fit ``budget`` bytes (:func:`mgpu_decode_smem_budget`) beside
+    ``q_tiles`` staging tiles and the other fixed tiles (:func:`mgpu_decode_smem_bytes`), at most
+    ``MGPU_DECODE_MAX_STAGES``, at least 1. The kernel asks with one staging tile and adds the persistent
+    kernel's second where it still fits (:func:`mgpu_decode_q_buffers`): the ring's depth comes first."""
+    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=fp8, q_tiles=q_tiles, p_tile=p_tile)
+    fixed = size(0)
+    per_stage = size(1) - fixed
+    return max(1, min(MGPU_DECODE_MAX_STAGES, (budget - fixed) // per_stage))
 
 
-def mgpu_decode_q_buffers(block_kv: int, head_size: int, num_stages: int, *, fp8: bool) -> int:
+def mgpu_decode_q_buffers(block_kv: int, head_size: int, num_stages: int, *, fp8: bool, p_tile: bool = True,
+                          budget: int = MGPU_SMEM_BYTES) -> int:
     """Query/output staging tiles of the persistent Mosaic decode kernel: 2 (the next item's query lands
-    while the current one computes) when they fit ``MGPU_SMEM_BYTES`` beside the ring, else 1."""
-    fits = mgpu_decode_smem_bytes(block_kv, head_size, num_stages, fp8=fp8, q_tiles=2) <= MGPU_SMEM_BYTES
+    while the current one computes) when they fit ``budget`` beside the ring, else 1."""
+    fits = mgpu_decode_smem_bytes(block_kv, head_size, num_stages, fp8=fp8, q_tiles=2, p_tile=p_tile) <= budget
     return 2 if fits else 1
 
 

@@ -149,13 +149,20 @@ def main(argv=None) -> int:
     if not args.quick:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
         ours.update({"ours s/2": dict(splits_factor=0.5), "ours s*2": dict(splits_factor=2),
                      "ours p8": dict(pages_per_compute_block=8), "ours st3": dict(num_stages=3)})
-    # "mosaic 2cta": 64-key steps and a 2-stage ring (88 KiB of shared memory) so two CTAs share an SM;
-    # "mosaic per-item": one CTA per (sequence, KV head, split) item instead of the persistent default
-    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic s=1": dict(num_splits=1),
-                                        "mosaic 2cta": dict(block_kv=64, num_stages=2),
-                                        "mosaic per-item": dict(persistent=False)}
+    # "mosaic 2/SM": 64-key steps and twice as many persistent CTAs as SMs (two share an SM, each with
+    # half its shared memory: one CTA's softmax and conversions overlap the other's waits);
+    # "mosaic p-smem": P through shared memory (the interpreter's path, the compiled default before
+    # session 12); "mosaic per-item": one CTA per (sequence, KV head, split) item, not persistent
+    sms = getattr(jax.devices()[0], "core_count", None) or 132
+    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic p-smem": dict(pv_from_smem=True),
+                                        "mosaic 2/SM": dict(block_kv=64, num_programs=2 * sms),
+                                        "mosaic bkv64": dict(block_kv=64)}
     if mosaic and not args.quick:
-        mosaic.update({"mosaic bkv64": dict(block_kv=64), "mosaic s*2": dict(splits_factor=2)})
+        mosaic.update({"mosaic s=1": dict(num_splits=1), "mosaic per-item": dict(persistent=False),
+                       "mosaic s*2": dict(splits_factor=2)})
+    # fp8 e4m3 cache (scales 1) on the Mosaic kernel, bandwidth in fp8 bytes
+    mosaic_fp8 = {} if args.no_mosaic else {f"{k} fp8 (fp8 bytes)": v for k, v in mosaic.items()
+                                            if k in ("mosaic auto", "mosaic p-smem", "mosaic 2/SM", "mosaic bkv64")}
     peers = {"jax default": dict()}
     if not args.quick:
         peers.update({f"jax k={k} p={pp}": dict(k_splits=k, pages_per_compute_block=pp)
@@ -216,25 +223,27 @@ def main(argv=None) -> int:
                 raise SystemExit(f"ours fp8 {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
         t8 = statistics.median(time_calls(fp8_fn, fp8_inputs, args.iters))
         results["ours fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
-        if mosaic:
-            results["mosaic fp8 (fp8 bytes)"] = None
-            m8_fn = jax.jit(functools.partial(paged_attention_mgpu, scale=scale, k_scale=1.0, v_scale=1.0))
+        m8_fns = {}
+        for name, kw in mosaic_fp8.items():
+            results[name] = None
+            fn8 = m8_fns[name] = jax.jit(functools.partial(paged_attention_mgpu, scale=scale, k_scale=1.0,
+                                                           v_scale=1.0, **kw))
             try:
-                out8 = m8_fn(*fp8_inputs[0]).astype(jnp.float32)
+                out8 = fn8(*fp8_inputs[0]).astype(jnp.float32)
                 err = 0.0 if ref is None else float(jnp.abs(out8 - ref8).max() / jnp.abs(ref8).max())
                 if err < 2e-2:
-                    t8 = statistics.median(time_calls(m8_fn, fp8_inputs, args.iters))
-                    results["mosaic fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
+                    t8 = statistics.median(time_calls(fn8, fp8_inputs, args.iters))
+                    results[name] = kv_bytes / 2 / t8 / 1e9
                 else:
-                    print(f"  {batch=} {ctx=} mosaic fp8: WRONG, rel err {err:.2e} > 2e-2")
+                    print(f"  {batch=} {ctx=} {name}: WRONG, rel err {err:.2e} > 2e-2")
             except Exception as e:
-                print(f"  {batch=} {ctx=} mosaic fp8: failed ({type(e).__name__}: {str(e)[:200]})")
+                print(f"  {batch=} {ctx=} {name}: failed ({type(e).__name__}: {str(e)[:200]})")
         if args.breakdown:
             for name, fn, ins in variants:
                 if name in ("ours auto", "mosaic auto", "jax default") and results.get(name):
                     print_breakdown(name, fn, ins[0])
-            if mosaic and results.get("mosaic fp8 (fp8 bytes)"):
-                print_breakdown("mosaic fp8", m8_fn, fp8_inputs[0])
+            if results.get("mosaic auto fp8 (fp8 bytes)"):
+                print_breakdown("mosaic fp8", m8_fns["mosaic auto fp8 (fp8 bytes)"], fp8_inputs[0])
         rows.append((batch, ctx, results))
         best_ours = max((v for k, v in results.items() if k.startswith("ours") and "fp8" not in k and v),
                         default=0)
@@ -246,14 +255,19 @@ def main(argv=None) -> int:
             pct = {k: f"{100 * v / copy_gbs:5.1f}%" if v else "  -  " for k, v in results.items()
                    if k.startswith("mosaic")}
             print("                    mosaic: " + " | ".join(f"{k} {v}" for k, v in pct.items()), flush=True)
+            # fp8 speed-up = bf16 time / fp8 time of the same variant (= 2 x fp8-byte GB/s / bf16 GB/s)
+            ups = {k: 2 * results[f"{k} fp8 (fp8 bytes)"] / results[k] for k in mosaic
+                   if results.get(k) and results.get(f"{k} fp8 (fp8 bytes)")}
+            if ups:
+                print("                    fp8 speed-up (bf16 time / fp8 time): "
+                      + " | ".join(f"{k} {v:.2f}x" for k, v in ups.items()), flush=True)
 
         if args.json:  # after every shape: a run cut short still leaves its finished rows
             with open(args.json, "w") as f:
                 json.dump({"copy_gbs": copy_gbs, "device": jax.devices()[0].device_kind,
                            "rows": [{"batch": b, "ctx": c, "gbs": r} for b, c, r in rows]}, f, indent=1)
 
-    names = list(ours) + ["ours fp8 (fp8 bytes)"] + list(mosaic) + (
-        ["mosaic fp8 (fp8 bytes)"] if mosaic else []) + list(peers)
+    names = list(ours) + ["ours fp8 (fp8 bytes)"] + list(mosaic) + list(mosaic_fp8) + list(peers)
     print("\nGB/s per kernel variant (rows: batch, ctx)")
     for name in names:
         print(f"{name:>22} " + " ".join(f"{res[name]:>6.0f}" if res.get(name) else f"{'-':>6}"
