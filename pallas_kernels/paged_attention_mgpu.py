@@ -62,6 +62,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -145,13 +146,29 @@ def _partition(seq_len, part, *, block_size: int, block_kv: int, steps_per_parti
     return num_pages, origin, window_start, first_step, n
 
 
-def _attend(q_tile, scratch, *, n, origin, first_step, seq_len, window_start, k_factor, step_base=None,
-            block_kv: int, num_stages: int, logits_soft_cap: float | None):
+class _Ring(NamedTuple):
+    """Where the compute warpgroup reads step ``g``'s K and V: slot ``g % num_stages`` of ``k``/``v``
+    (``[num_stages, block_kv, head_size]``), filled when ``k_bars``/``v_bars`` complete that slot's phase,
+    released by arriving on ``k_consumed``/``v_consumed``. ``k16``/``v16``: 16-bit tiles the compute
+    warpgroup converts an fp8 slot into before ``wgmma`` (``None``: the slots are ``wgmma``-ready, a 16-bit
+    cache or fp8 converted by the memory warpgroup)."""
+    k: object
+    v: object
+    k16: object
+    v16: object
+    k_bars: object
+    v_bars: object
+    k_consumed: object
+    v_consumed: object
+    num_stages: int
+
+
+def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, window_start, k_factor,
+            step_base=None, block_kv: int, logits_soft_cap: float | None):
     """The compute warpgroup's ``n`` steps of one partition: ``(acc, m, l)`` (unnormalised output, running
     max and sum, base 2). Step ``i`` reads ring slot ``(step_base + i) % num_stages`` (``step_base``
-    ``None``: 0, the non-persistent kernel's step count)."""
-    (_, k_smem, v_smem, k16_smem, v16_smem, p_smem, _, _), (_, k_bars, v_bars), consumed = scratch[:3]
-    k_consumed, v_consumed = consumed
+    ``None``: 0, the non-persistent kernel's step count); ``p_smem``: P's tile (``None``: P from registers)."""
+    k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages = ring
     head_size = k_smem.shape[-1]
     dtype = q_tile.dtype
     fp8 = k16_smem is not None
@@ -282,8 +299,9 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                    steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None,
                    rows: int, q_unscale: float):
-    (io_smem, k_smem, v_smem, _, _, _, lse_smem, q_tile), (q_bar, k_bars, v_bars), consumed = scratch
+    (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bar, k_bars, v_bars), consumed = scratch
     k_consumed, v_consumed = consumed
+    ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
     block_size = kv_ref.shape[3]
     num_kv_heads = kv_ref.shape[2]
 
@@ -304,9 +322,9 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
         q_wgmma = _tile_q(io_smem, q_tile)
         k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = v_scale_ref[0]
-        acc, m, l = _attend(q_wgmma, scratch, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
+        acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
                             window_start=window_start, k_factor=k_factor, block_kv=block_kv,
-                            num_stages=num_stages, logits_soft_cap=logits_soft_cap)
+                            logits_soft_cap=logits_soft_cap)
         _store_output(acc, m, l, v_scale, io_smem, lse_smem,
                       o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                       lse_ref.at[part, s, h])
@@ -325,7 +343,8 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                               scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                               steps_per_partition: int, sliding_window: int | None,
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
-                              num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float):
+                              num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float,
+                              producer_converts: bool, num_stages16: int):
     """The persistent kernel: program ``c`` runs work items ``c, c + G, c + 2G, ...`` (``G = num_programs``),
     item ``i`` being (sequence ``i // (num_kv_heads * num_splits)``, KV head, partition).
 
@@ -340,9 +359,26 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
       log-sum-exp (tiles ``b``) finished reading shared memory; the memory warpgroup waits it before item
       ``k``'s query copy when ``k >= num_q_buffers`` (the phase of item ``k - num_q_buffers``). A second
       arrival on ``q_free[b]`` needs item ``k + num_q_buffers``'s query, so it never overtakes that wait.
+
+    ``producer_converts`` (fp8 cache): the memory warpgroup also converts the fp8 slots into a second ring
+    of ``num_stages16`` 16-bit slots, so the compute warpgroup's chain per step is the 16-bit cache's (QK,
+    softmax, PV) while the next step's tiles convert beside it. The memory warpgroup issues step ``g``'s
+    copies, then converts step ``g - L`` (``L = num_stages - 1``; the last ``L`` after the loop): it waits
+    the fp8 slot's ``k_bars``/``v_bars`` phase and, for ``g - L >= num_stages16``, the 16-bit slot's
+    ``k16_consumed``/``v16_consumed`` phase, and arrives on ``k16_ready``/``v16_ready``, which the compute
+    warpgroup waits as it waits ``k_bars`` otherwise. An fp8 slot is refilled (step ``g``) only after its
+    previous step ``g - num_stages`` was converted, by the same warpgroup, so ``k_consumed``/``v_consumed``
+    go unused. The compute warpgroup copies its own queries (item ``k + 1``'s at the start of item ``k``
+    with two tiles, after item ``k``'s output store with one): the memory warpgroup never waits for the
+    compute warpgroup's output, which could otherwise wait for a step it has not converted yet.
     """
-    (io_smem, k_smem, v_smem, _, _, _, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch
+    (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch[:4]
     k_consumed, v_consumed = consumed
+    if producer_converts:
+        k16_ready, v16_ready, k16_consumed, v16_consumed = scratch[4]
+        ring = _Ring(k16_smem, v16_smem, None, None, k16_ready, v16_ready, k16_consumed, v16_consumed, num_stages16)
+    else:
+        ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
     block_size = kv_ref.shape[3]
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
@@ -356,10 +392,16 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
         r = lax.rem(i, num_kv_heads * num_splits)
         return s, lax.div(r, num_splits), lax.rem(r, num_splits), lax.rem(k, num_q_buffers)
 
+    def copy_q(k):
+        s, h, _, b = item(k)
+        _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=rows)
+
     @pl.when(wg == 0)
     def _compute():
         k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = v_scale_ref[0]
+        if producer_converts:
+            pl.when(my_items > 0)(lambda: copy_q(0))
 
         def run_item(k, g):
             s, h, part, b = item(k)
@@ -367,14 +409,19 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             _, origin, window_start, first_step, n = partition(seq_len, part)
             io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
             plgpu.barrier_wait(q_bars.at[b])
-            acc, m, l = _attend(_tile_q(io_tile, q_tile), scratch, n=n, origin=origin, first_step=first_step,
+            if producer_converts and num_q_buffers == 2:    # the other tile's store was waited last item
+                pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
+            acc, m, l = _attend(_tile_q(io_tile, q_tile), ring, p_smem, n=n, origin=origin, first_step=first_step,
                                 seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
-                                block_kv=block_kv, num_stages=num_stages, logits_soft_cap=logits_soft_cap)
+                                block_kv=block_kv, logits_soft_cap=logits_soft_cap)
             _store_output(acc, m, l, v_scale, io_tile, lse_tile,
                           o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                           lse_ref.at[part, s, h])
             plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may now take item k + num_q_buffers
-            plgpu.barrier_arrive(q_free.at[b])
+            if not producer_converts:
+                plgpu.barrier_arrive(q_free.at[b])
+            elif num_q_buffers == 1:
+                pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
             return g + n
 
         lax.fori_loop(0, my_items, run_item, jnp.int32(0))
@@ -382,26 +429,53 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
 
     @pl.when(wg == 1)
     def _memory():
+        lag = num_stages - 1
+
+        def convert(j):
+            """Step ``j``'s fp8 K and V slots into its 16-bit slots (producer_converts)."""
+            slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
+            for src, dst, bars, ready, released in ((k_smem, k16_smem, k_bars, k16_ready, k16_consumed),
+                                                    (v_smem, v16_smem, v_bars, v16_ready, v16_consumed)):
+                plgpu.barrier_wait(bars.at[slot])
+                pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
+                _convert_tile(src.at[slot], dst.at[slot16])
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready.at[slot16])
+
         def run_item(k, g):
             s, h, part, b = item(k)
             num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
-            pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
-            _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=rows)
+            if not producer_converts:
+                pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
+                copy_q(k)
             issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
             def one_step(i, g):
-                return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
-                                       num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
-                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
+                if not producer_converts:
+                    return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
+                                           num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
+                                           v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
+                slot = lax.rem(g, num_stages)          # its step g - num_stages was converted: free
+                t0 = origin + (first_step + i) * block_kv
+                issue(t0, slot, 0, k_smem, k_bars)
+                issue(t0, slot, 1, v_smem, v_bars)
+                pl.when(g >= lag)(lambda: convert(g - lag))
+                return g + 1
             return lax.fori_loop(0, n, one_step, g)
 
-        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+        g = lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+        if producer_converts:                          # the last steps' conversions
+            @pl.loop(jnp.maximum(g - lag, 0), g)
+            def _drain(j):
+                convert(j)
 
 
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
-                          persistent=False, num_programs=None, num_q_buffers=1):
+                          persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0):
+    """``num_stages16`` > 0 (persistent, fp8 cache): the memory warpgroup converts the fp8 ring into a ring
+    of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`)."""
     num_seqs, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -432,13 +506,17 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     cache_tile = _tile_transforms(head_size, kv_cache.dtype)
     stage_shape = (num_stages, block_kv, head_size)
     q_tiles = (num_q_buffers,) if persistent else ()
+    producer_converts = num_stages16 > 0
+    if producer_converts and not (persistent and fp8):
+        raise ValueError(f"num_stages16={num_stages16}: the memory warpgroup converts only fp8, persistent")
+    converted_shape = (num_stages16, block_kv, head_size) if producer_converts else (block_kv, head_size)
     smem = (
         plgpu.SMEM((*q_tiles, ROWS, head_size), dtype,                           # q, then the output
                    **({} if staged else dict(transforms=tile))),               # (cdtype == dtype there)
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # K ring
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
-        plgpu.SMEM((block_kv, head_size), cdtype, transforms=tile) if fp8 else None,  # K converted
-        plgpu.SMEM((block_kv, head_size), cdtype, transforms=tile) if fp8 else None,  # V converted
+        plgpu.SMEM(converted_shape, cdtype, transforms=tile) if fp8 else None,   # K converted (tile or ring)
+        plgpu.SMEM(converted_shape, cdtype, transforms=tile) if fp8 else None,   # V converted
         (plgpu.SMEM((ROWS, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype))   # P
          if pv_from_smem else None),
         plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
@@ -453,12 +531,16 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         _decode_kernel_persistent if persistent else _decode_kernel, scale=scale, block_kv=block_kv,
         tokens_per_copy=tokens_per_copy, num_stages=num_stages, steps_per_partition=steps_per_partition,
         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, rows=rows, q_unscale=q_unscale)
-    # Persistent: one more barrier group, the query/output tiles' "free" barriers (kernel docstring).
+    # Persistent: one more barrier group, the query/output tiles' "free" barriers, and with the memory
+    # warpgroup converting fp8 the 16-bit ring's ready and consumed barriers (kernel docstring).
     extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
+    if producer_converts:
+        extra += ((plgpu.Barrier(num_arrivals=1, num_barriers=num_stages16),) * 4,)
     if persistent:
         kernel = functools.partial(kernel, num_programs=num_programs, num_kv_heads=num_kv_heads,
                                    num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,
-                                   num_q_buffers=num_q_buffers)
+                                   num_q_buffers=num_q_buffers, producer_converts=producer_converts,
+                                   num_stages16=num_stages16)
         grid, grid_names = (num_programs,), ("c",)
     else:
         grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
@@ -519,7 +601,7 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
-           "interpret", "persistent", "num_programs", "pv_from_smem")
+           "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -549,6 +631,7 @@ def paged_attention_mgpu(
     persistent: bool = True,
     num_programs: int | None = None,
     pv_from_smem: bool | None = None,
+    producer_converts: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -588,6 +671,10 @@ def paged_attention_mgpu(
         pv_from_smem: P through shared memory into a fresh accumulator each step (what the interpreter
             runs) instead of P from registers into the running accumulator (static); ``None``:
             ``interpret``.
+        producer_converts: with an fp8 cache and ``persistent``, the memory warpgroup converts the fp8
+            pages into a ring of 16-bit tiles and the compute warpgroup runs the 16-bit cache's steps
+            (static; :func:`pallas_kernels.tuning.mgpu_decode_producer_stages` sizes the rings); ``None``:
+            off. Ignored for a 16-bit cache.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -621,7 +708,14 @@ def paged_attention_mgpu(
     # More programs than SMs: several CTAs share an SM's shared memory (the grid's CTAs are dealt to SMs).
     ctas_per_sm = 1 if not persistent or interpret else -(-num_programs // default_num_programs())
     budget = tuning.mgpu_decode_smem_budget(ctas_per_sm)
-    if num_stages is None:
+    producer_converts = bool(producer_converts) and fp8
+    if producer_converts and not persistent:
+        raise ValueError("producer_converts=True needs persistent=True")
+    num_stages16 = 0
+    if producer_converts:
+        num_stages, num_stages16, producer_q_tiles = tuning.mgpu_decode_producer_stages(
+            block_kv, head_size, p_tile=pv_from_smem, num_stages=num_stages, budget=budget)
+    elif num_stages is None:
         num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, p_tile=pv_from_smem,
                                                    budget=budget)
     if num_splits is None and persistent:
@@ -642,6 +736,6 @@ def paged_attention_mgpu(
     num_programs = min(num_programs, q.shape[0] * num_kv_heads * num_splits)   # no idle programs
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
-        num_programs=num_programs,
-        num_q_buffers=tuning.mgpu_decode_q_buffers(block_kv, head_size, num_stages, fp8=fp8, p_tile=pv_from_smem,
-                                                   budget=budget))
+        num_programs=num_programs, num_stages16=num_stages16,
+        num_q_buffers=producer_q_tiles if producer_converts else tuning.mgpu_decode_q_buffers(
+            block_kv, head_size, num_stages, fp8=fp8, p_tile=pv_from_smem, budget=budget))

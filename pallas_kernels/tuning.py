@@ -190,6 +190,32 @@ def mgpu_decode_q_buffers(block_kv: int, head_size: int, num_stages: int, *, fp8
     return 2 if fits else 1
 
 
+def mgpu_decode_producer_smem_bytes(block_kv: int, head_size: int, num_stages: int, num_stages16: int, *,
+                                    q_tiles: int, p_tile: bool) -> int:
+    """Shared memory of the Mosaic decode kernel whose memory warpgroup converts fp8 (``producer_converts``):
+    ``num_stages`` fp8 K+V stages, ``num_stages16`` 16-bit K+V stages, ``q_tiles`` staging tiles, the
+    swizzled query tile, and the P tile (``p_tile``)."""
+    fixed = (q_tiles + 1) * 64 * head_size * 2 + (64 * block_kv * 2 if p_tile else 0)
+    return fixed + 2 * block_kv * head_size * (num_stages + 2 * num_stages16)
+
+
+def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, num_stages: int | None = None,
+                                budget: int = MGPU_SMEM_BYTES) -> tuple[int, int, int]:
+    """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose memory warpgroup converts
+    fp8 pages into 16-bit slots: the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and staging
+    tiles that leaves room for two fp8 stages in ``budget`` bytes, then as many fp8 stages as fit (at most
+    ``MGPU_DECODE_MAX_STAGES``; ``num_stages``, when given, is kept). Head size 128 without a P tile: 64
+    keys a step gives (4, 2, 2), 128 keys (2, 1, 2), 176 KiB each."""
+    size = functools.partial(mgpu_decode_producer_smem_bytes, block_kv, head_size, p_tile=p_tile)
+    for stages16, q_tiles in ((2, 2), (1, 2), (2, 1), (1, 1)):
+        if size(num_stages or 2, stages16, q_tiles=q_tiles) <= budget:
+            break
+    if num_stages is None:
+        per_stage = size(1, stages16, q_tiles=q_tiles) - size(0, stages16, q_tiles=q_tiles)
+        num_stages = max(1, min(MGPU_DECODE_MAX_STAGES, (budget - size(0, stages16, q_tiles=q_tiles)) // per_stage))
+    return num_stages, stages16, q_tiles
+
+
 # Mosaic GPU prefill (pallas_kernels.paged_prefill_attention_mgpu). FA3's shape (two consumer warpgroups of
 # 64 query rows, 128 keys a step for head size <= 128) with as many ring stages as fit MGPU_SMEM_BYTES; not
 # swept (the H100 run measured these defaults only); scripts/gpu_mgpu.sh measures it against Triton and cuDNN.

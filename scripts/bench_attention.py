@@ -118,6 +118,9 @@ def main(argv=None) -> int:
                    help="also print each kernel's device time per call (the kernel vs the XLA ops around "
                         "it): prefill for cuDNN, Triton and the Mosaic variants; decode for ours, Mosaic "
                         "(bf16, fp8) and JAX's kernel")
+    p.add_argument("--fp8-variants", default="auto,prod,prod64",
+                   help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64; 64: "
+                        "64-key steps; conv/prod: the compute/memory warpgroup converts fp8 to 16 bits)")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
                         "paged_prefill_attention_mgpu)")
@@ -154,15 +157,18 @@ def main(argv=None) -> int:
     # "mosaic p-smem": P through shared memory (the interpreter's path, the compiled default before
     # session 12); "mosaic per-item": one CTA per (sequence, KV head, split) item, not persistent
     sms = getattr(jax.devices()[0], "core_count", None) or 132
-    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic p-smem": dict(pv_from_smem=True),
-                                        "mosaic 2/SM": dict(block_kv=64, num_programs=2 * sms),
-                                        "mosaic bkv64": dict(block_kv=64)}
+    mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic bkv64": dict(block_kv=64)}
     if mosaic and not args.quick:
-        mosaic.update({"mosaic s=1": dict(num_splits=1), "mosaic per-item": dict(persistent=False),
+        mosaic.update({"mosaic p-smem": dict(pv_from_smem=True), "mosaic 2/SM": dict(block_kv=64, num_programs=2 * sms),
+                       "mosaic s=1": dict(num_splits=1), "mosaic per-item": dict(persistent=False),
                        "mosaic s*2": dict(splits_factor=2)})
-    # fp8 e4m3 cache (scales 1) on the Mosaic kernel, bandwidth in fp8 bytes
-    mosaic_fp8 = {} if args.no_mosaic else {f"{k} fp8 (fp8 bytes)": v for k, v in mosaic.items()
-                                            if k in ("mosaic auto", "mosaic p-smem", "mosaic 2/SM", "mosaic bkv64")}
+    # fp8 e4m3 cache (scales 1) on the Mosaic kernel, bandwidth in fp8 bytes. "conv": the fp8 pages
+    # converted to 16 bits by the compute warpgroup (producer_converts=False), "prod": by the memory warpgroup
+    fp8_all = {"auto": dict(), "conv": dict(producer_converts=False), "prod": dict(producer_converts=True),
+               "prod64": dict(producer_converts=True, block_kv=64),
+               "conv64": dict(producer_converts=False, block_kv=64)}
+    mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all[k]
+                                            for k in args.fp8_variants.split(",") if k}
     peers = {"jax default": dict()}
     if not args.quick:
         peers.update({f"jax k={k} p={pp}": dict(k_splits=k, pages_per_compute_block=pp)
@@ -242,8 +248,9 @@ def main(argv=None) -> int:
             for name, fn, ins in variants:
                 if name in ("ours auto", "mosaic auto", "jax default") and results.get(name):
                     print_breakdown(name, fn, ins[0])
-            if results.get("mosaic auto fp8 (fp8 bytes)"):
-                print_breakdown("mosaic fp8", m8_fns["mosaic auto fp8 (fp8 bytes)"], fp8_inputs[0])
+            for name, fn8 in m8_fns.items():
+                if results.get(name):
+                    print_breakdown(name.removesuffix(" (fp8 bytes)"), fn8, fp8_inputs[0])
         rows.append((batch, ctx, results))
         best_ours = max((v for k, v in results.items() if k.startswith("ours") and "fp8" not in k and v),
                         default=0)
@@ -255,11 +262,11 @@ def main(argv=None) -> int:
             pct = {k: f"{100 * v / copy_gbs:5.1f}%" if v else "  -  " for k, v in results.items()
                    if k.startswith("mosaic")}
             print("                    mosaic: " + " | ".join(f"{k} {v}" for k, v in pct.items()), flush=True)
-            # fp8 speed-up = bf16 time / fp8 time of the same variant (= 2 x fp8-byte GB/s / bf16 GB/s)
-            ups = {k: 2 * results[f"{k} fp8 (fp8 bytes)"] / results[k] for k in mosaic
-                   if results.get(k) and results.get(f"{k} fp8 (fp8 bytes)")}
+            # fp8 speed-up = mosaic auto's bf16 time / the fp8 variant's time (= 2 x fp8-byte GB/s / bf16 GB/s)
+            ups = {k.removesuffix(" (fp8 bytes)"): 2 * results[k] / results["mosaic auto"] for k in mosaic_fp8
+                   if results.get("mosaic auto") and results.get(k)}
             if ups:
-                print("                    fp8 speed-up (bf16 time / fp8 time): "
+                print("                    fp8 speed-up vs mosaic auto bf16 (bf16 time / fp8 time): "
                       + " | ".join(f"{k} {v:.2f}x" for k, v in ups.items()), flush=True)
 
         if args.json:  # after every shape: a run cut short still leaves its finished rows

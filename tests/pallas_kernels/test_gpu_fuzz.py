@@ -10,6 +10,8 @@ case, and re-running reproduces it.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import json
 import os
 import time
@@ -25,7 +27,9 @@ from tests.pallas_kernels import fuzz
 
 ON_GPU = jax.default_backend() == "gpu"
 KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention,
-           "decode_mgpu": paged_attention_mgpu}   # Mosaic GPU (Hopper only): -k decode_mgpu
+           "decode_mgpu": paged_attention_mgpu,    # Mosaic GPU (Hopper only): -k decode_mgpu
+           # its fp8 path with the memory warpgroup converting (every class made fp8)
+           "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True)}
 GPU_CLASSES, GPU_CASES_PER_CLASS = 64, 8       # 512 cases per kernel, + the regression shapes
 GPU_CLASSES = int(os.environ.get("JAXKV_FUZZ_CLASSES", GPU_CLASSES))  # fewer for a short run
 CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
@@ -33,10 +37,13 @@ CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
 
 def run_fuzz(kernel: str, *, num_classes: int, cases_per_class: int, interpret: bool, seed: int):
     rng = np.random.default_rng(seed)
-    classes = [(c, None) for c in fuzz.shape_classes(rng, kernel.removesuffix("_mgpu"), num_classes)]
-    if kernel == "decode_mgpu":  # the nearest classes the Mosaic kernel supports
+    base = kernel.removesuffix("_producer").removesuffix("_mgpu")
+    classes = [(c, None) for c in fuzz.shape_classes(rng, base, num_classes)]
+    if kernel.startswith("decode_mgpu"):  # the nearest classes the Mosaic kernel supports
         from tests.pallas_kernels.test_paged_attention_mgpu import mosaic_class
         classes = [(mosaic_class(c, rng), None) for c, _ in classes]
+    if kernel == "decode_mgpu_producer":
+        classes = [(dataclasses.replace(c, fp8=True), None) for c, _ in classes]
     if kernel == "decode":
         classes = [(c, lens) for c, lens in fuzz.regression_classes()] + classes
     fn = KERNELS[kernel]
@@ -77,7 +84,7 @@ def _report(rows, kernel: str, seconds: float) -> list[dict]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernels need a GPU (pytest -m gpu on the GPU machine)")
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu", "decode_mgpu_producer"])
 def test_fuzz_compiled(kernel):
     t0 = time.perf_counter()
     rows = run_fuzz(kernel, num_classes=GPU_CLASSES, cases_per_class=GPU_CASES_PER_CLASS,

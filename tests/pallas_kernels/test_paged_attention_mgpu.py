@@ -90,6 +90,20 @@ PERSISTENT_CASES = [
     (_cls(head=128, block=16, group=4, num_seqs=4, width=20, window=70, cap=5.0), [300, 0, 17, 250], 3, 2,
      ONE_Q_TILE),
 ]
+# The memory warpgroup converting fp8 into a 16-bit ring (producer_converts): several items per program,
+# empty ones, windows (steps skipped, rows zeroed in the 16-bit slot), one fp8 stage (no lag: every step
+# converted as soon as it lands), one query tile (the compute warpgroup copies the next query after the
+# store), a page sliced over steps.
+PRODUCER = dict(producer_converts=True)
+PERSISTENT_CASES += [
+    (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+          window=50), [130, 0, 300], 2, 3, PRODUCER),
+    (_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0), [300, 0, 17, 250],
+     3, 2, dict(block_kv=64, **PRODUCER)),
+    (_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], 1, 2,
+     dict(num_stages=1, **PRODUCER)),
+    (_cls(head=256, block=32, group=1, fp8=True, width=6, window=100), [190, 64], 2, 2, PRODUCER),
+]
 _SLOW = pytest.mark.skipif(not os.environ.get("JAXKV_MGPU_FUZZ"), reason="set JAXKV_MGPU_FUZZ=N (slow)")
 PERSISTENT_CASES += [pytest.param(c, lens, sp, 2 + i % 2, {}, marks=_SLOW)
                      for i, (c, lens, sp) in enumerate(CASES)]
@@ -212,6 +226,8 @@ def test_lowers_for_sm90(fp8, persistent):
         arrays, kwargs = case.kernel_args()
         variants = extra + ([dict(persistent=True, num_programs=2, **ONE_Q_TILE)]
                             if persistent and k == 0 else [])
+        if persistent and fp8:      # the memory warpgroup converting: 128- and 64-key steps
+            variants += [dict(persistent=True, **PRODUCER), dict(persistent=True, block_kv=64, **PRODUCER)]
         for kw in variants:
             fn = jax.jit(lambda *a, kw=kw: paged_attention_mgpu(*a, **kwargs, num_splits=num_splits, **kw))
             exported = export.export(fn, platforms=("cuda",))(*arrays)
