@@ -119,8 +119,10 @@ def main(argv=None) -> int:
                         "it): prefill for cuDNN, Triton and the Mosaic variants; decode for ours, Mosaic "
                         "(bf16, fp8) and JAX's kernel")
     p.add_argument("--fp8-variants", default="auto,prod,prod64",
-                   help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64; 64: "
-                        "64-key steps; conv/prod: the compute/memory warpgroup converts fp8 to 16 bits)")
+                   help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64, st4; 64: "
+                        "64-key steps; st4: a 4-stage ring; conv/prod: the compute/memory warpgroup converts fp8 to 16 bits)")
+    p.add_argument("--shapes", default=None,
+                   help="decode: comma-separated BATCHxCTX shapes instead of the grid (e.g. 64x1024,256x4096)")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
                         "paged_prefill_attention_mgpu)")
@@ -166,7 +168,8 @@ def main(argv=None) -> int:
     # converted to 16 bits by the compute warpgroup (producer_converts=False), "prod": by the memory warpgroup
     fp8_all = {"auto": dict(), "conv": dict(producer_converts=False), "prod": dict(producer_converts=True),
                "prod64": dict(producer_converts=True, block_kv=64),
-               "conv64": dict(producer_converts=False, block_kv=64)}
+               "conv64": dict(producer_converts=False, block_kv=64),
+               "st4": dict(num_stages=4)}
     mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all[k]
                                             for k in args.fp8_variants.split(",") if k}
     peers = {"jax default": dict()}
@@ -175,7 +178,8 @@ def main(argv=None) -> int:
                       for k in (1, 4, 16) for pp in (4, 16)})
 
     rows = []
-    for batch, ctx in GRID:
+    grid = GRID if not args.shapes else [tuple(int(x) for x in sh.split("x")) for sh in args.shapes.split(",")]
+    for batch, ctx in grid:
         kv_bytes = 2 * batch * ctx * NUM_KV_HEADS * HEAD_SIZE * 2
         num_sets = max(2, min(4, -(-3 * L2_BYTES // kv_bytes)))
         inputs = _make_inputs(rng, batch, ctx, num_sets)
