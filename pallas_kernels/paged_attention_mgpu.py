@@ -16,8 +16,9 @@ sequence) with two warpgroups:
   tiles; the page ids come from the block table (scalar loads from global memory). A slot is refilled
   once the compute warpgroup has arrived on its "consumed" barrier.
 * the *compute* warpgroup holds the group's query heads in the first rows of a 64-row ``wgmma`` tile,
-  computes ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma`` from shared memory (P written there) and keeps an
-  online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale). Its query rows come
+  computes ``S = Q Kᵀ`` with ``wgmma`` from shared memory and ``O += P V`` with P from registers into the
+  running accumulator (the interpreter, which runs ``wgmma`` only from shared memory, writes P to a tile
+  there: ``pv_from_smem``) and keeps an online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale). Its query rows come
   from q's own layout ``[num_seqs * num_heads, head_size]`` in one TMA box of the group's rows into a
   *plain* (untiled) 64-row staging tile, which may take a box starting on any row (a swizzled tile
   takes only whole 8-row tiles, which needed q padded in XLA), and are copied through registers into the
@@ -31,7 +32,9 @@ Slots a sequence does not own (past ``seq_len`` in its last page, pages outside 
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
 memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN). fp8 pages are copied as fp8 (half
 the bytes of bf16), converted to the compute dtype in registers and written to a 16-bit tile for
-``wgmma``; ``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
+``wgmma`` by the compute warpgroup (or, ``producer_converts``, by the memory warpgroup into a 16-bit ring:
+measured slower on the H100, off by default); ``k_scale`` is folded into the logit scale, ``v_scale`` into
+the output.
 
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.

@@ -116,11 +116,11 @@ MGPU_DECODE_MAX_STAGES = 4
 MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
-# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md, latest logs docs/logs/mgpu-decode-f16-fp8-h100/): Mosaic
-# bf16 39.5-102.0 % of copy bandwidth against Triton's 26.6-97.6 %, ahead at all 8 shapes (session 9's
-# run too, within 0.3 points at 256 x 1k). fp8 on Mosaic (f16 compute) is slower than Triton's fp8 at 5
-# of the 8 (46-55 % against 54-68 % in fp8 bytes from 8 x 32k up); other head sizes are not in that grid
-# (SmolLM2's 64 measured slower in its decode step, session 9).
+# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 12", logs docs/logs/mgpu-decode-producer-h100/):
+# Mosaic bf16 51.9-102.4 % of copy bandwidth against Triton's 27.9-97.6 %, ahead at all 8 shapes (sessions
+# 9 and 10 too). Mosaic fp8 (f16 compute) is ahead of Triton's fp8 at 7 of the 8 but behind at 256 x 1k
+# (63.4 against 66.2 % in fp8 bytes; 63.9 / 66.3 in the run before), so fp8 stays on Triton; other head sizes
+# are not in that grid (SmolLM2's 64 measured slower in its decode step, session 9).
 MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16")})
 
 

@@ -307,3 +307,42 @@ def test_fp8_cache_with_a_query_past_float16_range():
     arrays, kwargs = case.kernel_args()
     out = paged_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET)
     assert fuzz.error(out, case) <= fuzz.TOLERANCE[cls.dtype]
+
+
+def test_shared_memory_rules_fit_their_budget():
+    """The ring-depth rules against a byte count written out here: the chosen layout fits the budget, one
+    more stage would not (or the depth is at its cap), and two CTAs per SM each get half an SM's shared
+    memory less the headroom. Sizes: head size 128, 64/128 keys a step, with and without the P tile."""
+    from pallas_kernels import tuning
+
+    def total(block_kv, stages, *, fp8, q_tiles, p_tile, stages16=0, d=128):
+        q = (q_tiles + 1) * 64 * d * 2                       # staging tiles + the swizzled wgmma tile
+        p = 64 * block_kv * 2 if p_tile else 0
+        conv = 2 * block_kv * d * 2 * (stages16 if stages16 else (1 if fp8 else 0))
+        ring = stages * 2 * block_kv * d * (1 if fp8 else 2)
+        return q + p + conv + ring
+
+    assert tuning.mgpu_decode_smem_budget(1) == tuning.MGPU_SMEM_BYTES
+    assert tuning.mgpu_decode_smem_budget(2) == 228 * 1024 // 2 - tuning.MGPU_CTA_HEADROOM
+    for budget in (tuning.mgpu_decode_smem_budget(1), tuning.mgpu_decode_smem_budget(2)):
+        for block_kv in (64, 128):
+            for fp8 in (False, True):
+                for p_tile in (False, True):
+                    st = tuning.mgpu_decode_num_stages(block_kv, 128, fp8=fp8, p_tile=p_tile, budget=budget)
+                    fits = total(block_kv, st, fp8=fp8, q_tiles=1, p_tile=p_tile) <= budget
+                    more = total(block_kv, st + 1, fp8=fp8, q_tiles=1, p_tile=p_tile) <= budget
+                    assert (fits or st == 1) and (not more or st == tuning.MGPU_DECODE_MAX_STAGES)
+                    qb = tuning.mgpu_decode_q_buffers(block_kv, 128, st, fp8=fp8, p_tile=p_tile, budget=budget)
+                    assert qb == (2 if total(block_kv, st, fp8=fp8, q_tiles=2, p_tile=p_tile) <= budget else 1)
+                if fp8:
+                    st, st16, qt = tuning.mgpu_decode_producer_stages(block_kv, 128, p_tile=False, budget=budget)
+                    used = total(block_kv, st, fp8=True, q_tiles=qt, p_tile=False, stages16=st16)
+                    assert used == tuning.mgpu_decode_producer_smem_bytes(block_kv, 128, st, st16, q_tiles=qt,
+                                                                          p_tile=False)
+                    assert used <= budget or st == 1
+    # The measured configurations (docs/perf-notes.md, session 12): bf16 2 stages + 2 tiles, fp8 3 + 1
+    # (P from registers, 128 keys); the producer mode (4, 2, 2) at 64 keys and (2, 1, 2) at 128.
+    assert tuning.mgpu_decode_num_stages(128, 128, fp8=False, p_tile=False) == 2
+    assert tuning.mgpu_decode_num_stages(128, 128, fp8=True, p_tile=False) == 3
+    assert tuning.mgpu_decode_producer_stages(64, 128, p_tile=False) == (4, 2, 2)
+    assert tuning.mgpu_decode_producer_stages(128, 128, p_tile=False) == (2, 1, 2)
