@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
 
 
 def scaled_logits(qk, *, scale: float, k_scale, logits_soft_cap: float | None, alibi_bias=None):
@@ -73,3 +75,31 @@ def softmax_rescale_exp2(acc, m_prev, l_prev, logits):
     l_next = l_prev * alpha + p.sum(axis=1)
     acc = acc * lax.broadcast_in_dim(alpha, acc.shape, [0])
     return acc, m_next, l_next, p
+
+
+def accumulate_pv(acc, p16, v_tile, p_tile=None):
+    """The Mosaic GPU kernels' ``acc + P V`` after :func:`softmax_rescale_exp2`, with ``wgmma``.
+
+    Args:
+        acc: f32[rows, head] rescaled running output (WGMMA layout).
+        p16: [rows, keys] P in the 16-bit compute dtype (WGMMA layout).
+        v_tile: [keys, head] V tile in shared memory (invisible rows already zeroed).
+        p_tile: ``None``: P from registers into the running accumulator (compiled kernels). Else a
+            [rows, keys] shared-memory tile: P is written there and multiplied into a fresh accumulator
+            added to ``acc`` (what the interpreter runs: ``wgmma`` only from shared memory, and no
+            accumulator initialised from registers).
+
+    Returns:
+        f32[rows, head] ``acc + P V``.
+    """
+    if p_tile is None:
+        def pv_in_place(acc_ref):
+            plgpu.wgmma(acc_ref, p16, v_tile)
+        return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+    p_tile[...] = p16
+    plgpu.commit_smem()
+
+    def pv(acc_ref):
+        plgpu.wgmma(acc_ref, p_tile, v_tile)
+        return acc_ref[...]
+    return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))

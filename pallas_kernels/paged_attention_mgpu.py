@@ -75,7 +75,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
 from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring
-from pallas_kernels._online_softmax import softmax_rescale_exp2
+from pallas_kernels._online_softmax import accumulate_pv, softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
 
@@ -226,24 +226,7 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             v_tile[...] = jnp.where((row < seq_len) & (row >= window_start), v, jnp.zeros_like(v))
             plgpu.commit_smem()
 
-        if p_smem is not None:
-            # P through shared memory and a fresh accumulator added to the rescaled one: what the
-            # interpreter runs (wgmma only from shared memory, no accumulator initialised from registers).
-            p_smem[...] = p.astype(dtype)
-            plgpu.commit_smem()
-
-            def pv(acc_ref):
-                plgpu.wgmma(acc_ref, p_smem, v_tile)
-                return acc_ref[...]
-            acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
-        else:
-            # P from registers into the running accumulator (the compiled kernel): no 64 x block_kv
-            # store and reload of P through shared memory, no separate accumulator to add.
-            p16 = p.astype(dtype)
-
-            def pv_in_place(acc_ref):
-                plgpu.wgmma(acc_ref, p16, v_tile)
-            acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+        acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem)   # P from registers unless p_smem
         if not fp8:
             plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l

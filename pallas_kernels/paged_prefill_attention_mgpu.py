@@ -89,7 +89,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import tuning
 from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step
-from pallas_kernels._online_softmax import softmax_rescale_exp2
+from pallas_kernels._online_softmax import accumulate_pv, softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
 from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms, default_num_programs
@@ -250,19 +250,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                                             jnp.zeros_like(v))
                     plgpu.commit_smem()
 
-            if pv_from_smem:
-                p_tile = p_smem.at[wg]
-                p_tile[...] = p16
-                plgpu.commit_smem()
-
-                def pv(acc_ref):
-                    plgpu.wgmma(acc_ref, p_tile, v_tile)
-                    return acc_ref[...]
-                acc = acc + pl.run_scoped(pv, plgpu.ACC((ROWS, head_size), jnp.float32))
-            else:
-                def pv_in_place(acc_ref):
-                    plgpu.wgmma(acc_ref, p16, v_tile)
-                acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+            acc = accumulate_pv(acc, p16, v_tile, p_smem.at[wg] if pv_from_smem else None)
             plgpu.barrier_arrive(v_consumed.at[slot])
             return g + 1, acc, m_next, l
 
