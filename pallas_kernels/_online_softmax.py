@@ -77,7 +77,7 @@ def softmax_rescale_exp2(acc, m_prev, l_prev, logits):
     return acc, m_next, l_next, p
 
 
-def accumulate_pv(acc, p16, v_tile, p_tile=None):
+def accumulate_pv(acc, p16, v_tile, p_tile=None, during=None):
     """The Mosaic GPU kernels' ``acc + P V`` after :func:`softmax_rescale_exp2`, with ``wgmma``.
 
     Args:
@@ -88,18 +88,23 @@ def accumulate_pv(acc, p16, v_tile, p_tile=None):
             [rows, keys] shared-memory tile: P is written there and multiplied into a fresh accumulator
             added to ``acc`` (what the interpreter runs: ``wgmma`` only from shared memory, and no
             accumulator initialised from registers).
+        during: called (traced) after the ``wgmma`` is issued and before it is waited for: work that
+            overlaps it (it must not write ``v_tile`` or ``p_tile``); ``None``: nothing.
 
     Returns:
         f32[rows, head] ``acc + P V``.
     """
+    during = during or (lambda: None)
     if p_tile is None:
         def pv_in_place(acc_ref):
             plgpu.wgmma(acc_ref, p16, v_tile)
+            during()
         return pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
     p_tile[...] = p16
     plgpu.commit_smem()
 
     def pv(acc_ref):
         plgpu.wgmma(acc_ref, p_tile, v_tile)
+        during()
         return acc_ref[...]
     return acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))

@@ -167,33 +167,57 @@ class _Ring(NamedTuple):
 
 
 def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, window_start, k_factor,
-            step_base=None, block_kv: int, logits_soft_cap: float | None):
+            step_base=None, block_kv: int, logits_soft_cap: float | None, convert_ahead: bool = False):
     """The compute warpgroup's ``n`` steps of one partition: ``(acc, m, l)`` (unnormalised output, running
     max and sum, base 2). Step ``i`` reads ring slot ``(step_base + i) % num_stages`` (``step_base``
-    ``None``: 0, the non-persistent kernel's step count); ``p_smem``: P's tile (``None``: P from registers)."""
+    ``None``: 0, the non-persistent kernel's step count); ``p_smem``: P's tile (``None``: P from registers).
+
+    fp8 slots (``ring.k16`` set) are converted to 16 bits before their ``wgmma``: in step order (K, then
+    QK, softmax, V, then PV: each conversion waits for the previous ``wgmma``), or with ``convert_ahead``
+    each beside the other operand's ``wgmma``: V of step ``i`` while step ``i``'s QK runs, K of step
+    ``i + 1`` while step ``i``'s PV runs (step 0's K before the loop). Neither ``wgmma`` reads the tile
+    being written (QK reads ``k16``, PV ``v16``), and each is waited before its tile is written again."""
     k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages = ring
     head_size = k_smem.shape[-1]
     dtype = q_tile.dtype
     fp8 = k16_smem is not None
+    convert_ahead = convert_ahead and fp8
     m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
 
+    def slot_of(i):
+        return lax.rem(i if step_base is None else step_base + i, num_stages)
+
+    def convert(slot, src, dst, bars, consumed):
+        """Wait for fp8 slot ``slot`` of ``src``, convert it into ``dst`` and release the slot."""
+        plgpu.barrier_wait(bars.at[slot])
+        _convert_tile(src.at[slot], dst)
+        plgpu.commit_smem()
+        plgpu.barrier_arrive(consumed.at[slot])
+
+    convert_k = functools.partial(convert, src=k_smem, dst=k16_smem, bars=k_bars, consumed=k_consumed)
+    convert_v = functools.partial(convert, src=v_smem, dst=v16_smem, bars=v_bars, consumed=v_consumed)
+    if convert_ahead:
+        pl.when(n > 0)(lambda: convert_k(slot_of(0)))
+
     def body(i, carry):
         acc, m, l = carry
-        slot = lax.rem(i if step_base is None else step_base + i, num_stages)
+        slot = slot_of(i)
         first_token = origin + (first_step + i) * block_kv
-        plgpu.barrier_wait(k_bars.at[slot])
-        if fp8:
-            _convert_tile(k_smem.at[slot], k16_smem)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(k_consumed.at[slot])
+        if convert_ahead:
+            k_tile = k16_smem                                  # converted during the previous step
+        elif fp8:
+            convert_k(slot)
             k_tile = k16_smem
         else:
+            plgpu.barrier_wait(k_bars.at[slot])
             k_tile = k_smem.at[slot]
 
         def qk(acc_ref):
             plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+            if convert_ahead:
+                convert_v(slot)                                # beside the QK wgmma
             return acc_ref[...]
         logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
         if not fp8:
@@ -207,13 +231,12 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
 
         acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
 
-        plgpu.barrier_wait(v_bars.at[slot])
         if fp8:
-            _convert_tile(v_smem.at[slot], v16_smem)
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            if not convert_ahead:
+                convert_v(slot)
             v_tile = v16_smem
         else:
+            plgpu.barrier_wait(v_bars.at[slot])
             v_tile = v_smem.at[slot]
 
         # Zero the V rows of invisible slots (they may hold NaN, and 0 * NaN is NaN): only steps that
@@ -226,7 +249,10 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             v_tile[...] = jnp.where((row < seq_len) & (row >= window_start), v, jnp.zeros_like(v))
             plgpu.commit_smem()
 
-        acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem)   # P from registers unless p_smem
+        during = None
+        if convert_ahead:                                      # the next step's K beside the PV wgmma
+            during = lambda: pl.when(i + 1 < n)(lambda: convert_k(slot_of(i + 1)))
+        acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem, during)   # P from registers unless p_smem
         if not fp8:
             plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l
@@ -284,7 +310,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
                    scratch, *,
                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                    steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None,
-                   rows: int, q_unscale: float):
+                   rows: int, q_unscale: float, convert_ahead: bool):
     (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bar, k_bars, v_bars), consumed = scratch
     k_consumed, v_consumed = consumed
     ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
@@ -310,7 +336,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
         v_scale = v_scale_ref[0]
         acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
                             window_start=window_start, k_factor=k_factor, block_kv=block_kv,
-                            logits_soft_cap=logits_soft_cap)
+                            logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
         _store_output(acc, m, l, v_scale, io_smem, lse_smem,
                       o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                       lse_ref.at[part, s, h])
@@ -330,7 +356,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                               steps_per_partition: int, sliding_window: int | None,
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
                               num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float,
-                              producer_converts: bool, num_stages16: int):
+                              producer_converts: bool, num_stages16: int, convert_ahead: bool):
     """The persistent kernel: program ``c`` runs work items ``c, c + G, c + 2G, ...`` (``G = num_programs``),
     item ``i`` being (sequence ``i // (num_kv_heads * num_splits)``, KV head, partition).
 
@@ -399,7 +425,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
             acc, m, l = _attend(_tile_q(io_tile, q_tile), ring, p_smem, n=n, origin=origin, first_step=first_step,
                                 seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
-                                block_kv=block_kv, logits_soft_cap=logits_soft_cap)
+                                block_kv=block_kv, logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
             _store_output(acc, m, l, v_scale, io_tile, lse_tile,
                           o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                           lse_ref.at[part, s, h])
@@ -459,7 +485,8 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
 
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
-                          persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0):
+                          persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0,
+                          convert_ahead=False):
     """``num_stages16`` > 0 (persistent, fp8 cache): the memory warpgroup converts the fp8 ring into a ring
     of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`)."""
     num_seqs, num_heads, head_size = q.shape
@@ -516,7 +543,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     kernel = functools.partial(
         _decode_kernel_persistent if persistent else _decode_kernel, scale=scale, block_kv=block_kv,
         tokens_per_copy=tokens_per_copy, num_stages=num_stages, steps_per_partition=steps_per_partition,
-        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, rows=rows, q_unscale=q_unscale)
+        sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, rows=rows, q_unscale=q_unscale,
+        convert_ahead=convert_ahead)
     # Persistent: one more barrier group, the query/output tiles' "free" barriers, and with the memory
     # warpgroup converting fp8 the 16-bit ring's ready and consumed barriers (kernel docstring).
     extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
@@ -587,7 +615,8 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
-           "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts")
+           "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts",
+           "convert_ahead")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -618,6 +647,7 @@ def paged_attention_mgpu(
     num_programs: int | None = None,
     pv_from_smem: bool | None = None,
     producer_converts: bool | None = None,
+    convert_ahead: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -661,6 +691,10 @@ def paged_attention_mgpu(
             pages into a ring of 16-bit tiles and the compute warpgroup runs the 16-bit cache's steps
             (static; :func:`pallas_kernels.tuning.mgpu_decode_producer_stages` sizes the rings); ``None``:
             off. Ignored for a 16-bit cache.
+        convert_ahead: with an fp8 cache converted by the compute warpgroup, convert each fp8 tile beside
+            the other operand's ``wgmma`` (V during QKᵀ, the next step's K during PV) instead of in step
+            order (static; :func:`_attend`); ``None``: :data:`pallas_kernels.tuning.MGPU_DECODE_CONVERT_AHEAD`.
+            Ignored for a 16-bit cache and with ``producer_converts``.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -716,7 +750,8 @@ def paged_attention_mgpu(
         if value < 1:
             raise ValueError(f"{name}={value} must be >= 1")
     common = dict(scale=scale, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, block_kv=block_kv,
-                  num_stages=num_stages, num_splits=num_splits, interpret=interpret, pv_from_smem=pv_from_smem)
+                  num_stages=num_stages, num_splits=num_splits, interpret=interpret, pv_from_smem=pv_from_smem,
+                  convert_ahead=tuning.MGPU_DECODE_CONVERT_AHEAD if convert_ahead is None else bool(convert_ahead))
     if not persistent:
         return _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common)
     num_programs = min(num_programs, q.shape[0] * num_kv_heads * num_splits)   # no idle programs

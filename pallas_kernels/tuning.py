@@ -114,6 +114,9 @@ MGPU_DECODE_MAX_STAGES = 4
 # output keep their own layout; above it Mosaic's lowering of the 64 x 256 plain-tile load does not finish
 # (jax 0.11.2 on the H100 and 0.12 on CPU), and q is padded to whole 8-row tiles in XLA instead.
 MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
+# fp8 decode, the compute warpgroup converting: each fp8 tile converted beside the other operand's wgmma
+# (paged_attention_mgpu's ``convert_ahead``) rather than in step order. Not yet measured compiled: off.
+MGPU_DECODE_CONVERT_AHEAD = False
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
 # batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 12", logs docs/logs/mgpu-decode-producer-h100/):

@@ -119,8 +119,10 @@ def main(argv=None) -> int:
                         "it): prefill for cuDNN, Triton and the Mosaic variants; decode for ours, Mosaic "
                         "(bf16, fp8) and JAX's kernel")
     p.add_argument("--fp8-variants", default="auto,prod,prod64",
-                   help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64, st4; 64: "
-                        "64-key steps; st4: a 4-stage ring; conv/prod: the compute/memory warpgroup converts fp8 to 16 bits)")
+                   help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64, st4, ahead, "
+                        "inorder; 64: 64-key steps; st4: a 4-stage ring; conv/prod: the compute/memory warpgroup "
+                        "converts fp8 to 16 bits; ahead/inorder: each tile converted beside the other wgmma / in "
+                        "step order)")
     p.add_argument("--shapes", default=None,
                    help="decode: comma-separated BATCHxCTX shapes instead of the grid (e.g. 64x1024,256x4096)")
     p.add_argument("--no-mosaic", action="store_true",
@@ -169,7 +171,8 @@ def main(argv=None) -> int:
     fp8_all = {"auto": dict(), "conv": dict(producer_converts=False), "prod": dict(producer_converts=True),
                "prod64": dict(producer_converts=True, block_kv=64),
                "conv64": dict(producer_converts=False, block_kv=64),
-               "st4": dict(num_stages=4)}
+               "st4": dict(num_stages=4), "ahead": dict(convert_ahead=True),
+               "inorder": dict(convert_ahead=False)}
     mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all[k]
                                             for k in args.fp8_variants.split(",") if k}
     peers = {"jax default": dict()}

@@ -29,7 +29,9 @@ ON_GPU = jax.default_backend() == "gpu"
 KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention,
            "decode_mgpu": paged_attention_mgpu,    # Mosaic GPU (Hopper only): -k decode_mgpu
            # its fp8 path with the memory warpgroup converting (every class made fp8)
-           "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True)}
+           "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True),
+           # its fp8 path converting each tile beside the other operand's wgmma (every class made fp8)
+           "decode_mgpu_ahead": functools.partial(paged_attention_mgpu, convert_ahead=True)}
 GPU_CLASSES, GPU_CASES_PER_CLASS = 64, 8       # 512 cases per kernel, + the regression shapes
 GPU_CLASSES = int(os.environ.get("JAXKV_FUZZ_CLASSES", GPU_CLASSES))  # fewer for a short run
 CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
@@ -37,12 +39,12 @@ CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
 
 def run_fuzz(kernel: str, *, num_classes: int, cases_per_class: int, interpret: bool, seed: int):
     rng = np.random.default_rng(seed)
-    base = kernel.removesuffix("_producer").removesuffix("_mgpu")
+    base = kernel.removesuffix("_producer").removesuffix("_ahead").removesuffix("_mgpu")
     classes = [(c, None) for c in fuzz.shape_classes(rng, base, num_classes)]
     if kernel.startswith("decode_mgpu"):  # the nearest classes the Mosaic kernel supports
         from tests.pallas_kernels.test_paged_attention_mgpu import mosaic_class
         classes = [(mosaic_class(c, rng), None) for c, _ in classes]
-    if kernel == "decode_mgpu_producer":
+    if kernel in ("decode_mgpu_producer", "decode_mgpu_ahead"):
         classes = [(dataclasses.replace(c, fp8=True), None) for c, _ in classes]
     if kernel == "decode":
         classes = [(c, lens) for c, lens in fuzz.regression_classes()] + classes
@@ -84,7 +86,7 @@ def _report(rows, kernel: str, seconds: float) -> list[dict]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernels need a GPU (pytest -m gpu on the GPU machine)")
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu", "decode_mgpu_producer"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu", "decode_mgpu_producer", "decode_mgpu_ahead"])
 def test_fuzz_compiled(kernel):
     t0 = time.perf_counter()
     rows = run_fuzz(kernel, num_classes=GPU_CLASSES, cases_per_class=GPU_CASES_PER_CLASS,

@@ -104,6 +104,17 @@ PERSISTENT_CASES += [
      dict(num_stages=1, **PRODUCER)),
     (_cls(head=256, block=32, group=1, fp8=True, width=6, window=100), [190, 64], 2, 2, PRODUCER),
 ]
+# fp8 tiles converted beside the other operand's wgmma (convert_ahead): step 0's K before each item's loop
+# (several items per program, empty ones, windows skipping steps), a 1-stage ring (the next K waits for
+# the slot this step's V released), head size 256 (bf16 compute, q padded to 8 rows).
+AHEAD = dict(convert_ahead=True)
+PERSISTENT_CASES += [
+    (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+          window=50), [130, 0, 300], 2, 3, AHEAD),
+    (_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], 1, 2,
+     dict(num_stages=1, **AHEAD)),
+    (_cls(head=256, block=32, group=1, fp8=True, width=6, window=100), [190, 64], 2, 2, AHEAD),
+]
 _SLOW = pytest.mark.skipif(not os.environ.get("JAXKV_MGPU_FUZZ"), reason="set JAXKV_MGPU_FUZZ=N (slow)")
 PERSISTENT_CASES += [pytest.param(c, lens, sp, 2 + i % 2, {}, marks=_SLOW)
                      for i, (c, lens, sp) in enumerate(CASES)]
@@ -119,6 +130,15 @@ def _persistent_id(case) -> str:
 def test_persistent_matches_float64_reference(cls, lens, num_splits, num_programs, kw):
     err = _run(cls, lens, num_splits, persistent=True, num_programs=num_programs, **kw)
     assert err <= fuzz.TOLERANCE[cls.dtype]
+
+
+@pytest.mark.parametrize("k", [2, 5], ids=["head64-s1", "head128-block128-cap"])
+def test_convert_ahead_matches_float64_reference(k):
+    """The one-CTA-per-item kernel with ``convert_ahead`` on the fp8 classes of ``CASES`` (NaN in the
+    slots no sequence owns)."""
+    cls, lens, num_splits = CASES[k]
+    assert cls.fp8
+    assert _run(cls, lens, num_splits, persistent=False, **AHEAD) <= fuzz.TOLERANCE[cls.dtype]
 
 
 def test_persistent_agrees_with_non_persistent():
@@ -227,7 +247,10 @@ def test_lowers_for_sm90(fp8, persistent):
         variants = extra + ([dict(persistent=True, num_programs=2, **ONE_Q_TILE)]
                             if persistent and k == 0 else [])
         if persistent and fp8:      # the memory warpgroup converting: 128- and 64-key steps
-            variants += [dict(persistent=True, **PRODUCER), dict(persistent=True, block_kv=64, **PRODUCER)]
+            variants += [dict(persistent=True, **PRODUCER), dict(persistent=True, block_kv=64, **PRODUCER),
+                         dict(persistent=True, **AHEAD)]
+        if fp8 and not persistent:
+            variants += [dict(persistent=False, **AHEAD)]
         for kw in variants:
             fn = jax.jit(lambda *a, kw=kw: paged_attention_mgpu(*a, **kwargs, num_splits=num_splits, **kw))
             exported = export.export(fn, platforms=("cuda",))(*arrays)
