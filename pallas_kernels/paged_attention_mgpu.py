@@ -49,8 +49,8 @@ SM count by default), grid ``(num_programs,)``; work items are the (sequence, KV
 item ``i`` = sequence ``i // (num_kv_heads * num_splits)``, and CTA ``c`` runs items ``c, c + G, c + 2G, ...``.
 Both warpgroups count K/V steps across the CTA's items (slot ``g % num_stages``), so the memory warpgroup
 fills the ring with the next item's pages while the compute warpgroup finishes the current one. The query
-and output share the plain staging tile as above, double-buffered (``[2, 64, head_size]``, one when two
-do not fit ``tuning.MGPU_SMEM_BYTES`` beside the ring, whose depth comes first): the memory warpgroup
+and output share the plain staging tile as above, double-buffered (``[2, 64, head_size]``; one when two leave no room for a
+ring stage, ``tuning.mgpu_decode_ring``): the memory warpgroup
 copies item ``k``'s query into tile ``k % 2`` before its K/V steps, once the compute warpgroup has signalled
 that the output store of item ``k - 2`` finished reading that tile (a "q free" barrier per tile; the
 log-sum-exp rows are double-buffered with it). Outputs, per-partition log-sum-exps and the merge are the
@@ -573,7 +573,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         grid_names=grid_names,
         num_threads=2,
         thread_name="wg",
-        compiler_params=plgpu.CompilerParams(approx_math=True),
+        # No reduction scratch: the row max and sum stay within a warp (tuning.mgpu_decode_smem_bytes).
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq_lens, block_tables, q, kv_cache, *scales)
 
@@ -616,7 +617,7 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
            "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts",
-           "convert_ahead")
+           "convert_ahead", "num_q_buffers")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -648,6 +649,7 @@ def paged_attention_mgpu(
     pv_from_smem: bool | None = None,
     producer_converts: bool | None = None,
     convert_ahead: bool | None = None,
+    num_q_buffers: int | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -677,8 +679,7 @@ def paged_attention_mgpu(
             :func:`pallas_kernels.tuning.mgpu_decode_num_splits` (persistent: fill one round of CTAs),
             :func:`pallas_kernels.tuning.decode_num_splits` (one CTA per item: the Triton kernel's rule).
         interpret: run in the Mosaic GPU interpreter (CPU).
-        persistent: the persistent kernel (static); :func:`pallas_kernels.tuning.mgpu_decode_q_buffers`
-            picks two query/output staging tiles or one beside the ring.
+        persistent: the persistent kernel (static).
         num_programs: CTAs of the persistent grid (static, >= 1, only with ``persistent``); ``None``: the
             device's SM count (:func:`default_num_programs`), at most ``INTERPRET_MAX_PROGRAMS`` when
             interpreting; never more than ``num_seqs * num_kv_heads * num_splits``. More than the SM count
@@ -695,6 +696,8 @@ def paged_attention_mgpu(
             the other operand's ``wgmma`` (V during QKᵀ, the next step's K during PV) instead of in step
             order (static; :func:`_attend`); ``None``: :data:`pallas_kernels.tuning.MGPU_DECODE_CONVERT_AHEAD`.
             Ignored for a 16-bit cache and with ``producer_converts``.
+        num_q_buffers: query/output staging tiles of the persistent kernel, 1 or 2 (static); ``None``:
+            :func:`pallas_kernels.tuning.mgpu_decode_ring` (two where they fit beside the ring).
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -702,7 +705,8 @@ def paged_attention_mgpu(
     Raises:
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
             that is not a positive multiple of 64, ``num_stages`` or ``num_splits`` < 1, ``num_programs``
-            < 1 or given without ``persistent``.
+            < 1 or given without ``persistent``, ``num_q_buffers`` not 1 or 2 or given without
+            ``persistent``.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
@@ -723,6 +727,8 @@ def paged_attention_mgpu(
         raise ValueError(f"num_programs={num_programs} needs persistent=True")
     if num_programs is not None and num_programs < 1:
         raise ValueError(f"num_programs={num_programs} must be >= 1")
+    if num_q_buffers is not None and (not persistent or num_q_buffers not in (1, 2)):
+        raise ValueError(f"num_q_buffers={num_q_buffers} must be 1 or 2, with persistent=True")
     if persistent and num_programs is None:
         num_programs = min(default_num_programs(), INTERPRET_MAX_PROGRAMS) if interpret else default_num_programs()
     # More programs than SMs: several CTAs share an SM's shared memory (the grid's CTAs are dealt to SMs).
@@ -735,9 +741,10 @@ def paged_attention_mgpu(
     if producer_converts:
         num_stages, num_stages16, producer_q_tiles = tuning.mgpu_decode_producer_stages(
             block_kv, head_size, p_tile=pv_from_smem, num_stages=num_stages, budget=budget)
-    elif num_stages is None:
-        num_stages = tuning.mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, p_tile=pv_from_smem,
-                                                   budget=budget)
+    else:
+        num_stages, num_q_buffers = tuning.mgpu_decode_ring(
+            block_kv, head_size, fp8=fp8, p_tile=pv_from_smem, budget=budget, persistent=persistent,
+            num_stages=num_stages, num_q_buffers=num_q_buffers)
     if num_splits is None and persistent:
         num_splits = tuning.mgpu_decode_num_splits(q.shape[0], num_kv_heads, block_tables.shape[1], block_size,
                                                    block_kv, num_programs)
@@ -758,5 +765,4 @@ def paged_attention_mgpu(
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
         num_programs=num_programs, num_stages16=num_stages16,
-        num_q_buffers=producer_q_tiles if producer_converts else tuning.mgpu_decode_q_buffers(
-            block_kv, head_size, num_stages, fp8=fp8, p_tile=pv_from_smem, budget=budget))
+        num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers)

@@ -108,8 +108,9 @@ def prefill_num_warps(rows: int, head_size: int) -> int:
 
 # Mosaic GPU decode (pallas_kernels.paged_attention_mgpu): ring depth chosen so the shared-memory ring
 # fits the 227 KiB of an H100 SM (not swept).
-MGPU_SMEM_BYTES = 200 * 1024      # what the ring + q + converted tiles may take (headroom for barriers)
+MGPU_SMEM_BYTES = 200 * 1024      # prefill: what the ring + q tiles may take (headroom for barriers)
 MGPU_DECODE_MAX_STAGES = 4
+MGPU_DECODE_Q_BUFFERS = 2         # persistent decode: query/output staging tiles before ring depth
 # Head sizes whose decode query/output rows go through a plain (untiled) staging tile, so q and the
 # output keep their own layout; above it Mosaic's lowering of the 64 x 256 plain-tile load does not finish
 # (jax 0.11.2 on the H100 and 0.12 on CPU), and q is padded to whole 8-row tiles in XLA instead.
@@ -144,78 +145,112 @@ def mgpu_decode_block_kv(head_size: int) -> int:
     return 64 if head_size > 128 else 128
 
 
-# Two or more CTAs on one SM (a persistent grid of more programs than SMs) share its 228 KiB; each CTA
-# keeps 1 KiB for the system and some for barriers, so a CTA's tiles get that share less MGPU_CTA_HEADROOM.
+# Shared memory of the Mosaic decode kernel, counted as Mosaic GPU counts it (a kernel past
+# MGPU_CTA_SMEM_BYTES fails to lower: "exceeds available shared memory"): Pallas aligns every allocation to
+# MGPU_SMEM_ALIGNMENT bytes, each mbarrier takes MGPU_BARRIER_BYTES, and the decode kernel reserves no
+# reduction scratch (CompilerParams(reduction_scratch_bytes=0): its row max and sum stay within a warp).
+# tests/pallas_kernels/test_paged_attention_mgpu.py checks this count against Mosaic's own, byte for byte.
+# Two or more CTAs on one SM (a persistent grid of more programs than SMs) share its 228 KiB, less 1 KiB
+# the system keeps per CTA.
+MGPU_CTA_SMEM_BYTES = 227 * 1024          # an sm_90 CTA's opt-in maximum (Mosaic's default bound)
 MGPU_SM_SMEM_BYTES = 228 * 1024
-MGPU_CTA_HEADROOM = 3 * 1024
+MGPU_CTA_RESERVED_BYTES = 1024
+MGPU_SMEM_ALIGNMENT = 1024
+MGPU_BARRIER_BYTES = 8
 
 
 def mgpu_decode_smem_budget(ctas_per_sm: int = 1) -> int:
-    """Shared memory the Mosaic decode kernel's tiles may take per CTA: ``MGPU_SMEM_BYTES`` with one CTA
-    per SM, else an equal share of ``MGPU_SM_SMEM_BYTES`` less ``MGPU_CTA_HEADROOM`` (110 KiB each for 2)."""
+    """Shared memory one CTA of the Mosaic decode kernel may take: ``MGPU_CTA_SMEM_BYTES`` with one CTA per
+    SM, else an equal share of ``MGPU_SM_SMEM_BYTES`` less ``MGPU_CTA_RESERVED_BYTES`` (113 KiB each for 2)."""
     if ctas_per_sm <= 1:
-        return MGPU_SMEM_BYTES
-    return MGPU_SM_SMEM_BYTES // ctas_per_sm - MGPU_CTA_HEADROOM
+        return MGPU_CTA_SMEM_BYTES
+    return min(MGPU_CTA_SMEM_BYTES, MGPU_SM_SMEM_BYTES // ctas_per_sm - MGPU_CTA_RESERVED_BYTES)
 
 
-def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool,
-                           q_tiles: int = 1, p_tile: bool = True) -> int:
-    """Shared memory the Mosaic decode kernel's tiles take: ``num_stages`` K+V ring stages (fp8 or 16-bit),
-    ``q_tiles`` 64-row query/output staging tiles, the swizzled 64-row query tile ``wgmma`` reads (head
-    sizes up to ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile),
-    the 64-row P tile (``p_tile``: P through shared memory, the interpreted kernel) and, for fp8, the two
-    16-bit converted tiles (the float32 log-sum-exp rows and the barriers fit the headroom under the
-    227 KiB of an SM)."""
-    itemsize = 1 if fp8 else 2
-    q_tiles += head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE     # the swizzled tile beside the staging ones
-    fixed = (q_tiles * 64 * head_size * 2 + (64 * block_kv * 2 if p_tile else 0)
-             + (2 * block_kv * head_size * 2 if fp8 else 0))
-    return fixed + num_stages * 2 * block_kv * head_size * itemsize
+def _smem_aligned(nbytes: int) -> int:
+    return -(-nbytes // MGPU_SMEM_ALIGNMENT) * MGPU_SMEM_ALIGNMENT
+
+
+def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool, q_tiles: int = 1,
+                           p_tile: bool = True, persistent: bool = True, num_stages16: int = 0) -> int:
+    """Bytes of shared memory the Mosaic decode kernel allocates (each allocation aligned, as Mosaic counts):
+
+    * ``q_tiles`` 64-row query/output staging tiles (1 without ``persistent``) and as many 64-row float32
+      log-sum-exp rows; the swizzled 64-row query tile ``wgmma`` reads (head sizes up to
+      ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile);
+    * the K and the V ring of ``num_stages`` slots of ``block_kv x head_size`` (fp8 or 16-bit);
+    * for fp8, the 16-bit K and V tiles the compute warpgroup converts into, or the memory warpgroup's
+      16-bit rings of ``num_stages16`` slots (``producer_converts``);
+    * the 64-row P tile (``p_tile``: P through shared memory, the interpreted kernel);
+    * the barriers: per ring slot K and V "full" and "consumed", per staging tile its query's "loaded" and
+      (persistent) its "free", and four per 16-bit ring slot.
+    """
+    staged = head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE
+    q_tiles = q_tiles if persistent else 1
+    tile16 = block_kv * head_size * 2
+    tiles = [q_tiles * 64 * head_size * 2, q_tiles * 64 * 4]
+    tiles += [num_stages * block_kv * head_size * (1 if fp8 else 2)] * 2
+    if fp8:
+        tiles += [max(num_stages16, 1) * tile16] * 2
+    if p_tile:
+        tiles.append(64 * block_kv * 2)
+    if staged:
+        tiles.append(64 * head_size * 2)
+    barriers = q_tiles * (2 if persistent else 1) + 4 * num_stages + 4 * num_stages16
+    return sum(_smem_aligned(t) for t in tiles) + barriers * MGPU_BARRIER_BYTES
 
 
 def mgpu_decode_num_stages(block_kv: int, head_size: int, *, fp8: bool, q_tiles: int = 1, p_tile: bool = True,
-                           budget: int = MGPU_SMEM_BYTES) -> int:
+                           budget: int = MGPU_CTA_SMEM_BYTES, persistent: bool = True) -> int:
     """Ring depth: as many K+V stages as fit ``budget`` bytes (:func:`mgpu_decode_smem_budget`) beside
-    ``q_tiles`` staging tiles and the other fixed tiles (:func:`mgpu_decode_smem_bytes`), at most
-    ``MGPU_DECODE_MAX_STAGES``, at least 1. The kernel asks with one staging tile and adds the persistent
-    kernel's second where it still fits (:func:`mgpu_decode_q_buffers`): the ring's depth comes first."""
-    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=fp8, q_tiles=q_tiles, p_tile=p_tile)
-    fixed = size(0)
-    per_stage = size(1) - fixed
-    return max(1, min(MGPU_DECODE_MAX_STAGES, (budget - fixed) // per_stage))
+    ``q_tiles`` staging tiles and the other tiles (:func:`mgpu_decode_smem_bytes`), at most
+    ``MGPU_DECODE_MAX_STAGES``, at least 1."""
+    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=fp8, q_tiles=q_tiles, p_tile=p_tile,
+                             persistent=persistent)
+    stages = 1
+    while stages < MGPU_DECODE_MAX_STAGES and size(stages + 1) <= budget:
+        stages += 1
+    return stages
 
 
-def mgpu_decode_q_buffers(block_kv: int, head_size: int, num_stages: int, *, fp8: bool, p_tile: bool = True,
-                          budget: int = MGPU_SMEM_BYTES) -> int:
-    """Query/output staging tiles of the persistent Mosaic decode kernel: 2 (the next item's query lands
-    while the current one computes) when they fit ``budget`` beside the ring, else 1."""
-    fits = mgpu_decode_smem_bytes(block_kv, head_size, num_stages, fp8=fp8, q_tiles=2, p_tile=p_tile) <= budget
-    return 2 if fits else 1
-
-
-def mgpu_decode_producer_smem_bytes(block_kv: int, head_size: int, num_stages: int, num_stages16: int, *,
-                                    q_tiles: int, p_tile: bool) -> int:
-    """Shared memory of the Mosaic decode kernel whose memory warpgroup converts fp8 (``producer_converts``):
-    ``num_stages`` fp8 K+V stages, ``num_stages16`` 16-bit K+V stages, ``q_tiles`` staging tiles, the
-    swizzled query tile, and the P tile (``p_tile``)."""
-    fixed = (q_tiles + 1) * 64 * head_size * 2 + (64 * block_kv * 2 if p_tile else 0)
-    return fixed + 2 * block_kv * head_size * (num_stages + 2 * num_stages16)
+def mgpu_decode_ring(block_kv: int, head_size: int, *, fp8: bool, p_tile: bool = True,
+                     budget: int = MGPU_CTA_SMEM_BYTES, persistent: bool = True,
+                     num_stages: int | None = None, num_q_buffers: int | None = None) -> tuple[int, int]:
+    """``(num_stages, num_q_buffers)`` of the Mosaic decode kernel: the persistent kernel's second
+    query/output staging tile first (the next item's query lands while the current one computes;
+    ``MGPU_DECODE_Q_BUFFERS``), then as deep a ring as fits ``budget`` beside it; given values are kept
+    (the depth then decides whether two staging tiles fit). Without ``persistent``: one staging tile."""
+    want_q = (num_q_buffers or MGPU_DECODE_Q_BUFFERS) if persistent else 1
+    if num_stages is not None:
+        if num_q_buffers is None and want_q > 1 and mgpu_decode_smem_bytes(
+                block_kv, head_size, num_stages, fp8=fp8, q_tiles=want_q, p_tile=p_tile) > budget:
+            want_q = 1
+        return num_stages, want_q
+    stages = mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, q_tiles=want_q, p_tile=p_tile, budget=budget,
+                                    persistent=persistent)
+    if num_q_buffers is None and want_q > 1 and mgpu_decode_smem_bytes(
+            block_kv, head_size, stages, fp8=fp8, q_tiles=want_q, p_tile=p_tile, persistent=persistent) > budget:
+        want_q = 1                       # not even one stage beside two staging tiles
+        stages = mgpu_decode_num_stages(block_kv, head_size, fp8=fp8, p_tile=p_tile, budget=budget,
+                                        persistent=persistent)
+    return stages, want_q
 
 
 def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, num_stages: int | None = None,
-                                budget: int = MGPU_SMEM_BYTES) -> tuple[int, int, int]:
+                                budget: int = MGPU_CTA_SMEM_BYTES) -> tuple[int, int, int]:
     """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose memory warpgroup converts
     fp8 pages into 16-bit slots: the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and staging
     tiles that leaves room for two fp8 stages in ``budget`` bytes, then as many fp8 stages as fit (at most
-    ``MGPU_DECODE_MAX_STAGES``; ``num_stages``, when given, is kept). Head size 128 without a P tile: 64
-    keys a step gives (4, 2, 2), 128 keys (2, 1, 2), 176 KiB each."""
-    size = functools.partial(mgpu_decode_producer_smem_bytes, block_kv, head_size, p_tile=p_tile)
+    ``MGPU_DECODE_MAX_STAGES``; ``num_stages``, when given, is kept)."""
+    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=True, p_tile=p_tile)
     for stages16, q_tiles in ((2, 2), (1, 2), (2, 1), (1, 1)):
-        if size(num_stages or 2, stages16, q_tiles=q_tiles) <= budget:
+        if size(num_stages or 2, q_tiles=q_tiles, num_stages16=stages16) <= budget:
             break
     if num_stages is None:
-        per_stage = size(1, stages16, q_tiles=q_tiles) - size(0, stages16, q_tiles=q_tiles)
-        num_stages = max(1, min(MGPU_DECODE_MAX_STAGES, (budget - size(0, stages16, q_tiles=q_tiles)) // per_stage))
+        num_stages = 1
+        while (num_stages < MGPU_DECODE_MAX_STAGES
+               and size(num_stages + 1, q_tiles=q_tiles, num_stages16=stages16) <= budget):
+            num_stages += 1
     return num_stages, stages16, q_tiles
 
 

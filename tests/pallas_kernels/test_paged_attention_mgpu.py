@@ -17,7 +17,9 @@ two query/output tiles (or one, ``PERSISTENT_CASES``' last default case).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
+import re
 import warnings
 
 import jax
@@ -75,9 +77,8 @@ def test_matches_float64_reference(cls, lens, num_splits):
     assert _run(cls, lens, num_splits, persistent=False) <= fuzz.TOLERANCE[cls.dtype]
 
 
-# One query/output staging tile: 5 stages of 64 keys (head size 128) leave no room for two under
-# MGPU_SMEM_BYTES (tuning.mgpu_decode_q_buffers) but fit an SM's 227 KiB with one.
-ONE_Q_TILE = dict(block_kv=64, num_stages=5)
+# One query/output staging tile, 5 stages of 64 keys (head size 128).
+ONE_Q_TILE = dict(block_kv=64, num_stages=5, num_q_buffers=1)
 
 # The persistent kernel: (class, lengths, num_splits, num_programs, kwargs). Items are (sequence, KV head,
 # partition) in that order, dealt round-robin to the programs; a 1-stage ring makes every step wait for
@@ -332,40 +333,75 @@ def test_fp8_cache_with_a_query_past_float16_range():
     assert fuzz.error(out, case) <= fuzz.TOLERANCE[cls.dtype]
 
 
-def test_shared_memory_rules_fit_their_budget():
-    """The ring-depth rules against a byte count written out here: the chosen layout fits the budget, one
-    more stage would not (or the depth is at its cap), and two CTAs per SM each get half an SM's shared
-    memory less the headroom. Sizes: head size 128, 64/128 keys a step, with and without the P tile."""
+def _mosaic_smem_bytes(fp8, head, block_kv, kw) -> int:
+    """The shared memory Mosaic GPU counts for one kernel configuration, from its own check: lowered for
+    sm_90 on CPU under an artificial limit of 0 bytes, the "exceeds available shared memory" error names
+    the kernel's ``smem_bytes``."""
+    from jax import export
+    from jax.experimental.mosaic.gpu import core as mgpu_core
+    cls = _cls(head=head, block=16, group=4, fp8=fp8, width=8)
+    case = fuzz.make_case(np.random.default_rng(0), cls, [(100, 1), (30, 1)])
+    arrays, kwargs = case.kernel_args()
+    fn = jax.jit(lambda *a: paged_attention_mgpu(*a, **kwargs, num_splits=1, block_kv=block_kv, **kw))
+    with mgpu_core.artificial_shared_memory_limit(0), pytest.raises(ValueError, match="smem_bytes=") as err:
+        export.export(fn, platforms=("cuda",))(*arrays)
+    return int(re.search(r"smem_bytes=(\d+)", str(err.value)).group(1))
+
+
+# (fp8, head size, keys a step, kernel kwargs): both kernels, one and two staging tiles, P through shared
+# memory or not, fp8 and 16-bit rings, head size 256 (no separate swizzled query tile), the producer rings.
+SMEM_CONFIGS = [
+    (False, 128, 128, dict(persistent=True, num_stages=2, num_q_buffers=2, pv_from_smem=False)),
+    (True, 128, 128, dict(persistent=True, num_stages=4, num_q_buffers=1, pv_from_smem=False)),
+    (True, 128, 128, dict(persistent=False, num_stages=3, pv_from_smem=True)),
+    (False, 256, 64, dict(persistent=True, num_stages=3, num_q_buffers=2, pv_from_smem=False)),
+    (True, 64, 64, dict(persistent=True, num_stages=1, num_q_buffers=2, pv_from_smem=True)),
+    (True, 128, 64, dict(persistent=True, num_stages=3, producer_converts=True, pv_from_smem=False)),
+]
+
+
+@pytest.mark.skipif(ON_GPU, reason="CPU lowering check (sm_90); the GPU compiles the real kernels")
+@pytest.mark.parametrize("fp8,head,block_kv,kw", SMEM_CONFIGS, ids=[str(i) for i in range(len(SMEM_CONFIGS))])
+def test_shared_memory_count_matches_mosaic(fp8, head, block_kv, kw):
+    """``tuning.mgpu_decode_smem_bytes`` is Mosaic GPU's own count, byte for byte (so the ring-depth rule
+    may fill a CTA's 227 KiB exactly: a kernel past it fails to lower)."""
     from pallas_kernels import tuning
+    kw = dict(kw)
+    persistent = kw["persistent"]
+    if kw.get("producer_converts"):
+        stages, stages16, q_tiles = tuning.mgpu_decode_producer_stages(block_kv, head, p_tile=kw["pv_from_smem"],
+                                                                       num_stages=kw["num_stages"])
+    else:
+        stages, stages16, q_tiles = kw["num_stages"], 0, kw.get("num_q_buffers", 1)
+    want = tuning.mgpu_decode_smem_bytes(block_kv, head, stages, fp8=fp8, q_tiles=q_tiles, p_tile=kw["pv_from_smem"],
+                                         persistent=persistent, num_stages16=stages16)
+    assert _mosaic_smem_bytes(fp8, head, block_kv, dict(kw, interpret=False)) == want
 
-    def total(block_kv, stages, *, fp8, q_tiles, p_tile, stages16=0, d=128):
-        q = (q_tiles + 1) * 64 * d * 2                       # staging tiles + the swizzled wgmma tile
-        p = 64 * block_kv * 2 if p_tile else 0
-        conv = 2 * block_kv * d * 2 * (stages16 if stages16 else (1 if fp8 else 0))
-        ring = stages * 2 * block_kv * d * (1 if fp8 else 2)
-        return q + p + conv + ring
 
-    assert tuning.mgpu_decode_smem_budget(1) == tuning.MGPU_SMEM_BYTES
-    assert tuning.mgpu_decode_smem_budget(2) == 228 * 1024 // 2 - tuning.MGPU_CTA_HEADROOM
+def test_ring_rule_fills_the_budget():
+    """The ring rule (``tuning.mgpu_decode_ring``) against the byte count: two staging tiles where a stage
+    still fits beside them, then the deepest ring that fits (or the cap), for one CTA per SM and for two
+    (each half an SM's shared memory less the 1 KiB the system keeps per CTA)."""
+    from pallas_kernels import tuning
+    assert tuning.mgpu_decode_smem_budget(1) == 227 * 1024
+    assert tuning.mgpu_decode_smem_budget(2) == 113 * 1024
     for budget in (tuning.mgpu_decode_smem_budget(1), tuning.mgpu_decode_smem_budget(2)):
-        for block_kv in (64, 128):
-            for fp8 in (False, True):
-                for p_tile in (False, True):
-                    st = tuning.mgpu_decode_num_stages(block_kv, 128, fp8=fp8, p_tile=p_tile, budget=budget)
-                    fits = total(block_kv, st, fp8=fp8, q_tiles=1, p_tile=p_tile) <= budget
-                    more = total(block_kv, st + 1, fp8=fp8, q_tiles=1, p_tile=p_tile) <= budget
-                    assert (fits or st == 1) and (not more or st == tuning.MGPU_DECODE_MAX_STAGES)
-                    qb = tuning.mgpu_decode_q_buffers(block_kv, 128, st, fp8=fp8, p_tile=p_tile, budget=budget)
-                    assert qb == (2 if total(block_kv, st, fp8=fp8, q_tiles=2, p_tile=p_tile) <= budget else 1)
-                if fp8:
-                    st, st16, qt = tuning.mgpu_decode_producer_stages(block_kv, 128, p_tile=False, budget=budget)
-                    used = total(block_kv, st, fp8=True, q_tiles=qt, p_tile=False, stages16=st16)
-                    assert used == tuning.mgpu_decode_producer_smem_bytes(block_kv, 128, st, st16, q_tiles=qt,
-                                                                          p_tile=False)
-                    assert used <= budget or st == 1
-    # The measured configurations (docs/perf-notes.md, session 12): bf16 2 stages + 2 tiles, fp8 3 + 1
-    # (P from registers, 128 keys); the producer mode (4, 2, 2) at 64 keys and (2, 1, 2) at 128.
-    assert tuning.mgpu_decode_num_stages(128, 128, fp8=False, p_tile=False) == 2
-    assert tuning.mgpu_decode_num_stages(128, 128, fp8=True, p_tile=False) == 3
-    assert tuning.mgpu_decode_producer_stages(64, 128, p_tile=False) == (4, 2, 2)
-    assert tuning.mgpu_decode_producer_stages(128, 128, p_tile=False) == (2, 1, 2)
+        for head in (64, 128, 256):
+            for block_kv in (64, 128):
+                for fp8 in (False, True):
+                    for p_tile in (False, True):
+                        size = functools.partial(tuning.mgpu_decode_smem_bytes, block_kv, head, fp8=fp8,
+                                                 p_tile=p_tile)
+                        st, qb = tuning.mgpu_decode_ring(block_kv, head, fp8=fp8, p_tile=p_tile, budget=budget)
+                        assert qb == (2 if size(1, q_tiles=2) <= budget else 1)
+                        assert size(st, q_tiles=qb) <= budget or st == 1
+                        assert st == tuning.MGPU_DECODE_MAX_STAGES or size(st + 1, q_tiles=qb) > budget
+                        st1, qb1 = tuning.mgpu_decode_ring(block_kv, head, fp8=fp8, p_tile=p_tile, budget=budget,
+                                                           persistent=False)
+                        assert qb1 == 1 and (st1 == tuning.MGPU_DECODE_MAX_STAGES
+                                             or size(st1 + 1, persistent=False) > budget)
+    # Head size 128, 128 keys, P from registers, one CTA per SM: bf16 2 stages + 2 tiles (measured in
+    # session 12), fp8 3 + 2.
+    assert tuning.mgpu_decode_ring(128, 128, fp8=False, p_tile=False) == (2, 2)
+    assert tuning.mgpu_decode_ring(128, 128, fp8=True, p_tile=False) == (3, 2)
+    assert tuning.mgpu_decode_ring(128, 128, fp8=True, p_tile=False, num_q_buffers=1) == (4, 1)
