@@ -116,8 +116,9 @@ MGPU_DECODE_Q_BUFFERS = 2         # persistent decode: query/output staging tile
 # (jax 0.11.2 on the H100 and 0.12 on CPU), and q is padded to whole 8-row tiles in XLA instead.
 MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # fp8 decode, the compute warpgroup converting: each fp8 tile converted beside the other operand's wgmma
-# (paged_attention_mgpu's ``convert_ahead``) rather than in step order. Not yet measured compiled: off.
-MGPU_DECODE_CONVERT_AHEAD = False
+# (paged_attention_mgpu's ``convert_ahead``) rather than in step order. H100, batch >= 64 (64/256 x 1k/4k),
+# fp8 speed-up over bf16 in one run: 1.33-1.47x against 1.26-1.37x in order (docs/perf-notes.md, session 13).
+MGPU_DECODE_CONVERT_AHEAD = True
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
 # batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 12", logs docs/logs/mgpu-decode-producer-h100/):
