@@ -32,9 +32,8 @@ Slots a sequence does not own (past ``seq_len`` in its last page, pages outside 
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
 memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN). fp8 pages are copied as fp8 (half
 the bytes of bf16), converted to the compute dtype in registers and written to a 16-bit tile for
-``wgmma`` by the compute warpgroup (or, ``producer_converts``, by the memory warpgroup into a 16-bit ring:
-measured slower on the H100, off by default); ``k_scale`` is folded into the logit scale, ``v_scale`` into
-the output.
+``wgmma`` by the compute warpgroup (or, ``producer_converts``, by a third warpgroup into a 16-bit ring);
+``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
 
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
@@ -89,6 +88,12 @@ MIN_BLOCK_SIZE = 8             # a TMA box of one page: rows a multiple of the 8
 # overflows f16 only past 1.6e7; P in [0, 1] and fp8 V are exact or finer in f16 than in bf16.
 F16_Q_SCALE = 2.0 ** -8
 LOG2E = math.log2(math.e)
+
+
+# Registers per thread with a third (converter) warpgroup: the compute warpgroup's accumulator, logits and
+# P want more than the even split (168 each of 512); the memory warpgroup only issues copies.
+MGPU_COMPUTE_REGISTERS = 240
+MGPU_MEMORY_REGISTERS = 40
 
 
 def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_size: int,
@@ -372,17 +377,16 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
       ``k``'s query copy when ``k >= num_q_buffers`` (the phase of item ``k - num_q_buffers``). A second
       arrival on ``q_free[b]`` needs item ``k + num_q_buffers``'s query, so it never overtakes that wait.
 
-    ``producer_converts`` (fp8 cache): the memory warpgroup also converts the fp8 slots into a second ring
-    of ``num_stages16`` 16-bit slots, so the compute warpgroup's chain per step is the 16-bit cache's (QK,
-    softmax, PV) while the next step's tiles convert beside it. The memory warpgroup issues step ``g``'s
-    copies, then converts step ``g - L`` (``L = num_stages - 1``; the last ``L`` after the loop): it waits
-    the fp8 slot's ``k_bars``/``v_bars`` phase and, for ``g - L >= num_stages16``, the 16-bit slot's
-    ``k16_consumed``/``v16_consumed`` phase, and arrives on ``k16_ready``/``v16_ready``, which the compute
-    warpgroup waits as it waits ``k_bars`` otherwise. An fp8 slot is refilled (step ``g``) only after its
-    previous step ``g - num_stages`` was converted, by the same warpgroup, so ``k_consumed``/``v_consumed``
-    go unused. The compute warpgroup copies its own queries (item ``k + 1``'s at the start of item ``k``
-    with two tiles, after item ``k``'s output store with one): the memory warpgroup never waits for the
-    compute warpgroup's output, which could otherwise wait for a step it has not converted yet.
+    ``producer_converts`` (fp8 cache): a third warpgroup, the *converter*, turns the fp8 slots into a
+    second ring of ``num_stages16`` 16-bit slots, so the compute warpgroup's chain per step is the 16-bit
+    cache's (QK, softmax, PV) while the next step's tiles convert beside it, and the memory warpgroup only
+    copies. The converter walks the program's steps ``j`` as the others do: it waits the fp8 slot's
+    ``k_bars``/``v_bars`` phase and, for ``j >= num_stages16``, the 16-bit slot's
+    ``k16_consumed``/``v16_consumed`` phase (released by the compute warpgroup), converts, arrives on
+    ``k16_ready``/``v16_ready`` (which the compute warpgroup waits as it waits ``k_bars`` otherwise) and
+    releases the fp8 slot on ``k_consumed``/``v_consumed`` (which the memory warpgroup waits as usual).
+    The compute warpgroup copies its own queries (item ``k + 1``'s at the start of item ``k`` with two
+    tiles, after item ``k``'s output store with one), so the memory warpgroup never waits on an output.
     """
     (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch[:4]
     k_consumed, v_consumed = consumed
@@ -413,6 +417,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
         k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = v_scale_ref[0]
         if producer_converts:
+            plgpu.set_max_registers(MGPU_COMPUTE_REGISTERS, action="increase")
             pl.when(my_items > 0)(lambda: copy_q(0))
 
         def run_item(k, g):
@@ -441,18 +446,8 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
 
     @pl.when(wg == 1)
     def _memory():
-        lag = num_stages - 1
-
-        def convert(j):
-            """Step ``j``'s fp8 K and V slots into its 16-bit slots (producer_converts)."""
-            slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
-            for src, dst, bars, ready, released in ((k_smem, k16_smem, k_bars, k16_ready, k16_consumed),
-                                                    (v_smem, v16_smem, v_bars, v16_ready, v16_consumed)):
-                plgpu.barrier_wait(bars.at[slot])
-                pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
-                _convert_tile(src.at[slot], dst.at[slot16])
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(ready.at[slot16])
+        if producer_converts:
+            plgpu.set_max_registers(MGPU_MEMORY_REGISTERS, action="decrease")
 
         def run_item(k, g):
             s, h, part, b = item(k)
@@ -464,30 +459,48 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
             def one_step(i, g):
-                if not producer_converts:
-                    return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
-                                           num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
-                                           v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
-                slot = lax.rem(g, num_stages)          # its step g - num_stages was converted: free
-                t0 = origin + (first_step + i) * block_kv
-                issue(t0, slot, 0, k_smem, k_bars)
-                issue(t0, slot, 1, v_smem, v_bars)
-                pl.when(g >= lag)(lambda: convert(g - lag))
+                return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
+                                       num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
+                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
+            return lax.fori_loop(0, n, one_step, g)
+
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+
+    if not producer_converts:
+        return
+
+    @pl.when(wg == 2)
+    def _converter():
+        def convert(j):
+            """Step ``j``'s fp8 K and V slots into its 16-bit slots; the fp8 slots are then released."""
+            slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
+            for src, dst, bars, consumed, ready, released in (
+                    (k_smem, k16_smem, k_bars, k_consumed, k16_ready, k16_consumed),
+                    (v_smem, v16_smem, v_bars, v_consumed, v16_ready, v16_consumed)):
+                plgpu.barrier_wait(bars.at[slot])
+                pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
+                _convert_tile(src.at[slot], dst.at[slot16])
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(ready.at[slot16])
+                plgpu.barrier_arrive(consumed.at[slot])
+
+        def run_item(k, g):
+            s, _, part, _ = item(k)
+            n = partition(seq_lens_ref[s], part)[4]
+
+            def one_step(i, g):
+                convert(g)
                 return g + 1
             return lax.fori_loop(0, n, one_step, g)
 
-        g = lax.fori_loop(0, my_items, run_item, jnp.int32(0))
-        if producer_converts:                          # the last steps' conversions
-            @pl.loop(jnp.maximum(g - lag, 0), g)
-            def _drain(j):
-                convert(j)
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
 
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
                           persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0,
                           convert_ahead=False):
-    """``num_stages16`` > 0 (persistent, fp8 cache): the memory warpgroup converts the fp8 ring into a ring
+    """``num_stages16`` > 0 (persistent, fp8 cache): a converter warpgroup turns the fp8 ring into a ring
     of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`)."""
     num_seqs, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
@@ -521,7 +534,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     q_tiles = (num_q_buffers,) if persistent else ()
     producer_converts = num_stages16 > 0
     if producer_converts and not (persistent and fp8):
-        raise ValueError(f"num_stages16={num_stages16}: the memory warpgroup converts only fp8, persistent")
+        raise ValueError(f"num_stages16={num_stages16}: a converter warpgroup converts only fp8, persistent")
     converted_shape = (num_stages16, block_kv, head_size) if producer_converts else (block_kv, head_size)
     smem = (
         plgpu.SMEM((*q_tiles, ROWS, head_size), dtype,                           # q, then the output
@@ -571,7 +584,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
                   jax.ShapeDtypeStruct((*part, ROWS), jnp.float32)),
         grid=grid,
         grid_names=grid_names,
-        num_threads=2,
+        num_threads=3 if producer_converts else 2,
         thread_name="wg",
         # No reduction scratch: the row max and sum stay within a warp (tuning.mgpu_decode_smem_bytes).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
@@ -688,7 +701,7 @@ def paged_attention_mgpu(
         pv_from_smem: P through shared memory into a fresh accumulator each step (what the interpreter
             runs) instead of P from registers into the running accumulator (static); ``None``:
             ``interpret``.
-        producer_converts: with an fp8 cache and ``persistent``, the memory warpgroup converts the fp8
+        producer_converts: with an fp8 cache and ``persistent``, a third warpgroup converts the fp8
             pages into a ring of 16-bit tiles and the compute warpgroup runs the 16-bit cache's steps
             (static; :func:`pallas_kernels.tuning.mgpu_decode_producer_stages` sizes the rings); ``None``:
             off. Ignored for a 16-bit cache.

@@ -239,7 +239,7 @@ def mgpu_decode_ring(block_kv: int, head_size: int, *, fp8: bool, p_tile: bool =
 
 def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, num_stages: int | None = None,
                                 budget: int = MGPU_CTA_SMEM_BYTES) -> tuple[int, int, int]:
-    """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose memory warpgroup converts
+    """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose converter warpgroup converts
     fp8 pages into 16-bit slots: the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and staging
     tiles that leaves room for two fp8 stages in ``budget`` bytes, then as many fp8 stages as fit (at most
     ``MGPU_DECODE_MAX_STAGES``; ``num_stages``, when given, is kept)."""

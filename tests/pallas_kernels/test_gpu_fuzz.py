@@ -28,7 +28,7 @@ from tests.pallas_kernels import fuzz
 ON_GPU = jax.default_backend() == "gpu"
 KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention,
            "decode_mgpu": paged_attention_mgpu,    # Mosaic GPU (Hopper only): -k decode_mgpu
-           # its fp8 path with the memory warpgroup converting (every class made fp8)
+           # its fp8 path with a converter warpgroup (every class made fp8)
            "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True),
            # its fp8 path converting each tile beside the other operand's wgmma (every class made fp8)
            "decode_mgpu_ahead": functools.partial(paged_attention_mgpu, convert_ahead=True)}

@@ -91,10 +91,10 @@ PERSISTENT_CASES = [
     (_cls(head=128, block=16, group=4, num_seqs=4, width=20, window=70, cap=5.0), [300, 0, 17, 250], 3, 2,
      ONE_Q_TILE),
 ]
-# The memory warpgroup converting fp8 into a 16-bit ring (producer_converts): several items per program,
-# empty ones, windows (steps skipped, rows zeroed in the 16-bit slot), one fp8 stage (no lag: every step
-# converted as soon as it lands), one query tile (the compute warpgroup copies the next query after the
-# store), a page sliced over steps.
+# A converter warpgroup turning fp8 into a 16-bit ring (producer_converts): several items per program,
+# empty ones, windows (steps skipped, rows zeroed in the 16-bit slot), one fp8 stage (every copy waits for
+# the converter's release of the previous step), one query tile (the compute warpgroup copies the next
+# query after the store), a page sliced over steps.
 PRODUCER = dict(producer_converts=True)
 PERSISTENT_CASES += [
     (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
@@ -247,7 +247,7 @@ def test_lowers_for_sm90(fp8, persistent):
         arrays, kwargs = case.kernel_args()
         variants = extra + ([dict(persistent=True, num_programs=2, **ONE_Q_TILE)]
                             if persistent and k == 0 else [])
-        if persistent and fp8:      # the memory warpgroup converting: 128- and 64-key steps
+        if persistent and fp8:      # the converter warpgroup: 128- and 64-key steps
             variants += [dict(persistent=True, **PRODUCER), dict(persistent=True, block_kv=64, **PRODUCER),
                          dict(persistent=True, **AHEAD)]
         if fp8 and not persistent:
