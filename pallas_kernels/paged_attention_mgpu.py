@@ -385,9 +385,8 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
     ``k16_consumed``/``v16_consumed`` phase (released by the compute warpgroup), converts, arrives on
     ``k16_ready``/``v16_ready`` (which the compute warpgroup waits as it waits ``k_bars`` otherwise) and
     releases the fp8 slot on ``k_consumed``/``v_consumed`` (which the memory warpgroup waits as usual).
-    The compute warpgroup copies its own queries: with two tiles, item ``k + 1``'s once item ``k``'s query
-    has moved to the swizzled tile (waiting then for item ``k - 1``'s output store to have read the other
-    tiles, which it has had that long to do); with one, after item ``k``'s output store.
+    The compute warpgroup copies its own queries (item ``k + 1``'s at the start of item ``k`` with two
+    tiles, after item ``k``'s output store with one), so the memory warpgroup never waits on an output.
     """
     (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch[:4]
     k_consumed, v_consumed = consumed
@@ -427,19 +426,15 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             _, origin, window_start, first_step, n = partition(seq_len, part)
             io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
             plgpu.barrier_wait(q_bars.at[b])
-            q_wgmma = _tile_q(io_tile, q_tile)
-            own_two = producer_converts and num_q_buffers == 2
-            if own_two:   # item k - 1's output store has had the query's move to read tiles 1 - b
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+            if producer_converts and num_q_buffers == 2:    # the other tile's store was waited last item
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
-            acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step,
+            acc, m, l = _attend(_tile_q(io_tile, q_tile), ring, p_smem, n=n, origin=origin, first_step=first_step,
                                 seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
                                 block_kv=block_kv, logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
             _store_output(acc, m, l, v_scale, io_tile, lse_tile,
                           o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                           lse_ref.at[part, s, h])
-            if not own_two:
-                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may take item k + num_q_buffers
+            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may now take item k + num_q_buffers
             if not producer_converts:
                 plgpu.barrier_arrive(q_free.at[b])
             elif num_q_buffers == 1:
@@ -709,7 +704,8 @@ def paged_attention_mgpu(
         producer_converts: with an fp8 cache and ``persistent``, a third warpgroup converts the fp8
             pages into a ring of 16-bit tiles and the compute warpgroup runs the 16-bit cache's steps
             (static; :func:`pallas_kernels.tuning.mgpu_decode_producer_stages` sizes the rings); ``None``:
-            off. Ignored for a 16-bit cache.
+            :data:`pallas_kernels.tuning.MGPU_DECODE_PRODUCER_CONVERTS` with ``persistent``. Ignored for a
+            16-bit cache.
         convert_ahead: with an fp8 cache converted by the compute warpgroup, convert each fp8 tile beside
             the other operand's ``wgmma`` (V during QKᵀ, the next step's K during PV) instead of in step
             order (static; :func:`_attend`); ``None``: :data:`pallas_kernels.tuning.MGPU_DECODE_CONVERT_AHEAD`.
@@ -752,6 +748,8 @@ def paged_attention_mgpu(
     # More programs than SMs: several CTAs share an SM's shared memory (the grid's CTAs are dealt to SMs).
     ctas_per_sm = 1 if not persistent or interpret else -(-num_programs // default_num_programs())
     budget = tuning.mgpu_decode_smem_budget(ctas_per_sm)
+    if producer_converts is None:
+        producer_converts = tuning.MGPU_DECODE_PRODUCER_CONVERTS and persistent
     producer_converts = bool(producer_converts) and fp8
     if producer_converts and not persistent:
         raise ValueError("producer_converts=True needs persistent=True")

@@ -115,7 +115,14 @@ MGPU_DECODE_Q_BUFFERS = 2         # persistent decode: query/output staging tile
 # output keep their own layout; above it Mosaic's lowering of the 64 x 256 plain-tile load does not finish
 # (jax 0.11.2 on the H100 and 0.12 on CPU), and q is padded to whole 8-row tiles in XLA instead.
 MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
-# fp8 decode, the compute warpgroup converting: each fp8 tile converted beside the other operand's wgmma
+# fp8 decode on the persistent kernel: a converter warpgroup turns the fp8 slots into a 16-bit ring
+# (paged_attention_mgpu's ``producer_converts``) of MGPU_DECODE_PRODUCER_STAGES fp8 stages. H100, batch >= 64
+# (64/256 x 1k/4k), fp8 speed-up over bf16: 1.55-1.65x against 1.36-1.48x with the compute warpgroup
+# converting (convert_ahead, two staging tiles), in the same runs; fp8 stages 2 / 3 / 4 within 2 % of each
+# other, 64-key steps 1.42-1.47x (docs/perf-notes.md, session 13; docs/logs/mgpu-decode-converter-h100/).
+MGPU_DECODE_PRODUCER_CONVERTS = True
+MGPU_DECODE_PRODUCER_STAGES = 2
+# fp8 decode, the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False): each fp8 tile converted beside the other operand's wgmma
 # (paged_attention_mgpu's ``convert_ahead``) rather than in step order. H100, batch >= 64 (64/256 x 1k/4k),
 # fp8 speed-up over bf16 in one run: 1.33-1.47x against 1.26-1.37x in order (docs/perf-notes.md, session 13).
 MGPU_DECODE_CONVERT_AHEAD = True
@@ -240,18 +247,18 @@ def mgpu_decode_ring(block_kv: int, head_size: int, *, fp8: bool, p_tile: bool =
 def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, num_stages: int | None = None,
                                 budget: int = MGPU_CTA_SMEM_BYTES) -> tuple[int, int, int]:
     """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose converter warpgroup converts
-    fp8 pages into 16-bit slots: the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and staging
-    tiles that leaves room for two fp8 stages in ``budget`` bytes, then as many fp8 stages as fit (at most
-    ``MGPU_DECODE_MAX_STAGES``; ``num_stages``, when given, is kept)."""
+    fp8 pages into 16-bit slots: ``num_stages`` fp8 stages (``None``: ``MGPU_DECODE_PRODUCER_STAGES``,
+    fewer where they do not fit), then the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and
+    staging tiles that fits beside them in ``budget`` bytes. Head size 128, 128 keys, P in registers:
+    (2, 1, 2), 177 KiB."""
     size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=True, p_tile=p_tile)
+    given = num_stages is not None
+    num_stages = num_stages or MGPU_DECODE_PRODUCER_STAGES
+    while not given and num_stages > 1 and size(num_stages, q_tiles=1, num_stages16=1) > budget:
+        num_stages -= 1
     for stages16, q_tiles in ((2, 2), (1, 2), (2, 1), (1, 1)):
-        if size(num_stages or 2, q_tiles=q_tiles, num_stages16=stages16) <= budget:
+        if size(num_stages, q_tiles=q_tiles, num_stages16=stages16) <= budget:
             break
-    if num_stages is None:
-        num_stages = 1
-        while (num_stages < MGPU_DECODE_MAX_STAGES
-               and size(num_stages + 1, q_tiles=q_tiles, num_stages16=stages16) <= budget):
-            num_stages += 1
     return num_stages, stages16, q_tiles
 
 

@@ -30,8 +30,8 @@ KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention,
            "decode_mgpu": paged_attention_mgpu,    # Mosaic GPU (Hopper only): -k decode_mgpu
            # its fp8 path with a converter warpgroup (every class made fp8)
            "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True),
-           # its fp8 path converting each tile beside the other operand's wgmma (every class made fp8)
-           "decode_mgpu_ahead": functools.partial(paged_attention_mgpu, convert_ahead=True)}
+           # its fp8 path with the compute warpgroup converting each tile beside the other operand's wgmma
+           "decode_mgpu_ahead": functools.partial(paged_attention_mgpu, convert_ahead=True, producer_converts=False)}
 GPU_CLASSES, GPU_CASES_PER_CLASS = 64, 8       # 512 cases per kernel, + the regression shapes
 GPU_CLASSES = int(os.environ.get("JAXKV_FUZZ_CLASSES", GPU_CLASSES))  # fewer for a short run
 CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1

@@ -105,10 +105,11 @@ PERSISTENT_CASES += [
      dict(num_stages=1, **PRODUCER)),
     (_cls(head=256, block=32, group=1, fp8=True, width=6, window=100), [190, 64], 2, 2, PRODUCER),
 ]
-# fp8 tiles converted beside the other operand's wgmma (convert_ahead): step 0's K before each item's loop
+# fp8 tiles converted by the compute warpgroup beside the other operand's wgmma (convert_ahead; the
+# persistent default is the converter warpgroup, producer_converts): step 0's K before each item's loop
 # (several items per program, empty ones, windows skipping steps), a 1-stage ring (the next K waits for
 # the slot this step's V released), head size 256 (bf16 compute, q padded to 8 rows).
-AHEAD = dict(convert_ahead=True)
+AHEAD = dict(convert_ahead=True, producer_converts=False)
 PERSISTENT_CASES += [
     (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
           window=50), [130, 0, 300], 2, 3, AHEAD),
@@ -133,13 +134,15 @@ def test_persistent_matches_float64_reference(cls, lens, num_splits, num_program
     assert err <= fuzz.TOLERANCE[cls.dtype]
 
 
-@pytest.mark.parametrize("k", [2, 5], ids=["head64-s1", "head128-block128-cap"])
-def test_convert_ahead_matches_float64_reference(k):
-    """The one-CTA-per-item kernel with ``convert_ahead`` on the fp8 classes of ``CASES`` (NaN in the
-    slots no sequence owns)."""
+@pytest.mark.parametrize("k,ahead", [(2, True), (5, True), (5, False)],
+                         ids=["head64-s1-ahead", "head128-block128-cap-ahead", "head128-block128-cap-in-order"])
+def test_compute_warpgroup_conversion_matches_float64_reference(k, ahead):
+    """The one-CTA-per-item kernel on the fp8 classes of ``CASES`` (NaN in the slots no sequence owns),
+    each tile converted beside the other operand's ``wgmma`` (``convert_ahead``) or in step order."""
     cls, lens, num_splits = CASES[k]
     assert cls.fp8
-    assert _run(cls, lens, num_splits, persistent=False, **AHEAD) <= fuzz.TOLERANCE[cls.dtype]
+    err = _run(cls, lens, num_splits, persistent=False, convert_ahead=ahead, producer_converts=False)
+    assert err <= fuzz.TOLERANCE[cls.dtype]
 
 
 def test_persistent_agrees_with_non_persistent():
@@ -352,10 +355,11 @@ def _mosaic_smem_bytes(fp8, head, block_kv, kw) -> int:
 # memory or not, fp8 and 16-bit rings, head size 256 (no separate swizzled query tile), the producer rings.
 SMEM_CONFIGS = [
     (False, 128, 128, dict(persistent=True, num_stages=2, num_q_buffers=2, pv_from_smem=False)),
-    (True, 128, 128, dict(persistent=True, num_stages=4, num_q_buffers=1, pv_from_smem=False)),
+    (True, 128, 128, dict(persistent=True, num_stages=4, num_q_buffers=1, pv_from_smem=False,
+                          producer_converts=False)),
     (True, 128, 128, dict(persistent=False, num_stages=3, pv_from_smem=True)),
     (False, 256, 64, dict(persistent=True, num_stages=3, num_q_buffers=2, pv_from_smem=False)),
-    (True, 64, 64, dict(persistent=True, num_stages=1, num_q_buffers=2, pv_from_smem=True)),
+    (True, 64, 64, dict(persistent=True, num_stages=1, num_q_buffers=2, pv_from_smem=True, producer_converts=False)),
     (True, 128, 64, dict(persistent=True, num_stages=3, producer_converts=True, pv_from_smem=False)),
 ]
 
