@@ -118,11 +118,11 @@ def main(argv=None) -> int:
                    help="also print each kernel's device time per call (the kernel vs the XLA ops around "
                         "it): prefill for cuDNN, Triton and the Mosaic variants; decode for ours, Mosaic "
                         "(bf16, fp8) and JAX's kernel")
-    p.add_argument("--fp8-variants", default="auto,prod,prod64",
+    p.add_argument("--fp8-variants", default="auto,conv,inorder",
                    help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64, st4, ahead, "
-                        "inorder; 64: 64-key steps; st4: a 4-stage ring; conv/prod: the compute/memory warpgroup "
-                        "converts fp8 to 16 bits; ahead/inorder: each tile converted beside the other wgmma / in "
-                        "step order)")
+                        "inorder; 64: 64-key steps; st4: a 4-stage ring; conv/prod: the compute/a converter warpgroup "
+                        "converts fp8 to 16 bits (auto: prod on the persistent kernel); ahead/inorder: the compute "
+                        "warpgroup converts each tile beside the other wgmma / in step order)")
     p.add_argument("--shapes", default=None,
                    help="decode: comma-separated BATCHxCTX shapes instead of the grid (e.g. 64x1024,256x4096)")
     p.add_argument("--no-mosaic", action="store_true",
@@ -167,12 +167,12 @@ def main(argv=None) -> int:
                        "mosaic s=1": dict(num_splits=1), "mosaic per-item": dict(persistent=False),
                        "mosaic s*2": dict(splits_factor=2)})
     # fp8 e4m3 cache (scales 1) on the Mosaic kernel, bandwidth in fp8 bytes. "conv": the fp8 pages
-    # converted to 16 bits by the compute warpgroup (producer_converts=False), "prod": by the memory warpgroup
+    # converted to 16 bits by the compute warpgroup (producer_converts=False), "prod": by a converter warpgroup
     fp8_all = {"auto": dict(), "conv": dict(producer_converts=False), "prod": dict(producer_converts=True),
                "prod64": dict(producer_converts=True, block_kv=64),
                "conv64": dict(producer_converts=False, block_kv=64),
-               "st4": dict(num_stages=4), "ahead": dict(convert_ahead=True),
-               "inorder": dict(convert_ahead=False)}
+               "st4": dict(num_stages=4), "ahead": dict(producer_converts=False, convert_ahead=True),
+               "inorder": dict(producer_converts=False, convert_ahead=False)}
     mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all[k]
                                             for k in args.fp8_variants.split(",") if k}
     peers = {"jax default": dict()}
