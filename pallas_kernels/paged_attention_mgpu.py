@@ -15,14 +15,14 @@ sequence) with two warpgroups:
   TMA copy per page (or page slice) into slot ``step % num_stages`` of a shared-memory ring of K and of V
   tiles; the page ids come from the block table (scalar loads from global memory). A slot is refilled
   once the compute warpgroup has arrived on its "consumed" barrier.
-* the *compute* warpgroup holds the group's query heads in the first rows of a 64-row ``wgmma`` operand,
-  computes ``S = Q Kᵀ`` and ``O += P V`` with ``wgmma``, Q and P from registers and K, V from shared
-  memory (the interpreter, which runs ``wgmma`` only from shared memory, writes Q and P to tiles there:
-  ``pv_from_smem``) and keeps an online softmax in float32 with ``exp2`` (``log2 e`` folded into the
-  logit scale). Its query rows come from q's own layout ``[num_seqs * num_heads, head_size]`` in one TMA
-  box of the group's rows into a *plain* (untiled) 64-row staging tile, which may take a box starting on
-  any row (a swizzled tile takes only whole 8-row tiles, which needed q padded in XLA), and are loaded
-  from there into registers once per item. The output goes back the same way: normalised into the staging tile,
+* the *compute* warpgroup holds the group's query heads in the first rows of a 64-row ``wgmma`` tile,
+  computes ``S = Q Kᵀ`` with ``wgmma`` from shared memory and ``O += P V`` with P from registers into the
+  running accumulator (the interpreter, which runs ``wgmma`` only from shared memory, writes P to a tile
+  there: ``pv_from_smem``) and keeps an online softmax in float32 with ``exp2`` (``log2 e`` folded into the logit scale). Its query rows come
+  from q's own layout ``[num_seqs * num_heads, head_size]`` in one TMA box of the group's rows into a
+  *plain* (untiled) 64-row staging tile, which may take a box starting on any row (a swizzled tile
+  takes only whole 8-row tiles, which needed q padded in XLA), and are copied through registers into the
+  swizzled tile ``wgmma`` reads. The output goes back the same way: normalised into the staging tile,
   then one TMA box of the group's rows straight into the output, so no XLA pad or slice remains (head
   size 256 is the exception, ``tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE``: its staging tile is the
   swizzled one and q is padded to whole 8-row tiles). The tiles' other rows are stale, computed as
@@ -294,13 +294,11 @@ def _copy_q(q_ref, io_tile, bar, s, h, *, num_kv_heads: int, rows: int) -> None:
                             io_tile.at[pl.ds(0, rows)], bar)
 
 
-def _tile_q(io_tile, q_tile, *, in_registers: bool):
-    """The query operand of the ``Q Kᵀ`` ``wgmma``: the query rows of the plain staging tile loaded in the
-    WGMMA layout (all 64 rows; those past the group are stale and computed as garbage, row by row, then
-    dropped), kept in registers (``in_registers``: the compiled kernels, which then read no query tile
-    from shared memory each step) or copied into the swizzled tile ``q_tile`` (the interpreter runs
-    ``wgmma`` only from shared memory); or ``io_tile`` itself when there is no separate ``q_tile`` (head
-    size > 128: the staging tile is swizzled, :data:`pallas_kernels.tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE`)."""
+def _tile_q(io_tile, q_tile):
+    """The swizzled tile ``wgmma`` reads the query from: the query rows copied from the plain staging tile
+    into ``q_tile`` (all 64 rows; those past the group are stale and computed as garbage, row by row, then
+    dropped), or ``io_tile`` itself when there is no separate ``q_tile`` (head size > 128: the staging tile
+    is swizzled, :data:`pallas_kernels.tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE`)."""
     if q_tile is None:
         return io_tile
     q = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA)
@@ -308,8 +306,6 @@ def _tile_q(io_tile, q_tile, *, in_registers: bool):
         # Scaled in q's dtype first (exact: a power of two), then converted: written as f32 -> scale ->
         # f16, the compiled kernel converted before scaling and overflowed past 65504 (H100).
         q = (q * jnp.asarray(F16_Q_SCALE, q.dtype)).astype(q_tile.dtype)
-    if in_registers:
-        return q
     q_tile[...] = q
     plgpu.commit_smem()
     return q_tile
@@ -340,7 +336,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
     def _compute():
         _copy_q(q_ref, io_smem, q_bar.at[0], s, h, num_kv_heads=num_kv_heads, rows=rows)
         plgpu.barrier_wait(q_bar.at[0])
-        q_wgmma = _tile_q(io_smem, q_tile, in_registers=p_smem is None)
+        q_wgmma = _tile_q(io_smem, q_tile)
         k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = v_scale_ref[0]
         acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step, seq_len=seq_len,
@@ -432,7 +428,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             plgpu.barrier_wait(q_bars.at[b])
             if producer_converts and num_q_buffers == 2:    # the other tile's store was waited last item
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
-            acc, m, l = _attend(_tile_q(io_tile, q_tile, in_registers=p_smem is None), ring, p_smem, n=n, origin=origin, first_step=first_step,
+            acc, m, l = _attend(_tile_q(io_tile, q_tile), ring, p_smem, n=n, origin=origin, first_step=first_step,
                                 seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
                                 block_kv=block_kv, logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
             _store_output(acc, m, l, v_scale, io_tile, lse_tile,
