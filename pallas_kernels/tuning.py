@@ -117,23 +117,25 @@ MGPU_DECODE_Q_BUFFERS = 2         # persistent decode: query/output staging tile
 MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # fp8 decode on the persistent kernel: a converter warpgroup turns the fp8 slots into a 16-bit ring
 # (paged_attention_mgpu's ``producer_converts``) of MGPU_DECODE_PRODUCER_STAGES fp8 stages. H100, batch >= 64
-# (64/256 x 1k/4k), fp8 speed-up over bf16: 1.55-1.65x against 1.36-1.48x with the compute warpgroup
-# converting (convert_ahead, two staging tiles), in the same runs; fp8 stages 2 / 3 / 4 within 2 % of each
-# other, 64-key steps 1.42-1.47x (docs/perf-notes.md, session 13; docs/logs/mgpu-decode-converter-h100/).
+# (64/256 x 1k/4k), fp8 speed-up over bf16 in one run (docs/logs/mgpu-decode-converter-h100/bench-decode.txt):
+# 1.56-1.64x against 1.38-1.46x with the compute warpgroup converting (convert_ahead) and 1.32-1.40x in step
+# order; 2, 3 or 4 fp8 stages within ~2 % of each other, 64-key steps 1.42-1.47x (docs/perf-notes.md,
+# session 13).
 MGPU_DECODE_PRODUCER_CONVERTS = True
 MGPU_DECODE_PRODUCER_STAGES = 2
-# fp8 decode, the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False): each fp8 tile converted beside the other operand's wgmma
-# (paged_attention_mgpu's ``convert_ahead``) rather than in step order. H100, batch >= 64 (64/256 x 1k/4k),
-# fp8 speed-up over bf16 in one run: 1.33-1.47x against 1.26-1.37x in order (docs/perf-notes.md, session 13).
+# fp8 decode with the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False):
+# each fp8 tile converted beside the other operand's wgmma (paged_attention_mgpu's ``convert_ahead``) rather
+# than in step order: 1.38-1.46x against 1.32-1.40x at batch >= 64 in the run above.
 MGPU_DECODE_CONVERT_AHEAD = True
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
-# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 12", logs docs/logs/mgpu-decode-producer-h100/):
-# Mosaic bf16 51.9-102.4 % of copy bandwidth against Triton's 27.9-97.6 %, ahead at all 8 shapes (sessions
-# 9 and 10 too). Mosaic fp8 (f16 compute) is ahead of Triton's fp8 at 7 of the 8 but behind at 256 x 1k
-# (63.4 against 66.2 % in fp8 bytes; 63.9 / 66.3 in the run before), so fp8 stays on Triton; other head sizes
-# are not in that grid (SmolLM2's 64 measured slower in its decode step, session 9).
-MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16")})
+# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 13", logs docs/logs/mgpu-decode-converter-h100/):
+# Mosaic bf16 51.9-102.5 % of copy bandwidth against Triton's 27.5-97.7 %, ahead at all 8 shapes (sessions
+# 9-12 too); Mosaic fp8 e4m3 (f16 compute, converter warpgroup) 32.4-84.0 % against Triton fp8's
+# 15.0-68.6 % (in fp8 bytes), ahead at all 8 (session 12, before the converter warpgroup: behind at
+# 256 x 1k). e5m2 and other head sizes are not in that grid (SmolLM2's 64 measured slower in its decode
+# step, session 9).
+MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16"), (128, "float8_e4m3fn")})
 
 
 def mgpu_decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: int, block_size: int,

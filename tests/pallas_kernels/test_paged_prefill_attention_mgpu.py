@@ -322,7 +322,7 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
     """``impl="pallas"`` picks the Mosaic prefill kernel only where ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``
     says it was measured faster (sm_90, head size 128, bf16 cache, ``max_query_len`` >= 512, whole-prompt
     batches); the engine's mixed steps, short prompts, other head sizes, fp8 and other GPUs stay on Triton,
-    and decode moves only for the measured head size 128 with a bf16 cache."""
+    and decode moves only for the measured head size 128 with a bf16 or fp8 e4m3 cache."""
     import types
     from jaxkv.attention import _use_mosaic
     sds = jax.ShapeDtypeStruct
@@ -341,8 +341,10 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
     assert not pick(2048, 1, 2048, dtype=jnp.float8_e4m3fn)        # unsupported: fp8 cache
     q, kv = sds((2048, 32, 128), jnp.bfloat16), sds((2, 64, 8, 16, 128), jnp.bfloat16)
     assert _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv, "pallas", False)   # measured: bf16 D128
-    assert not _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv.update(dtype=jnp.float8_e4m3fn),
-                           "pallas", False)                                               # fp8: slower
+    assert _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv.update(dtype=jnp.float8_e4m3fn),
+                       "pallas", False)                                                   # measured: e4m3 D128
+    assert not _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv.update(dtype=jnp.float8_e5m2),
+                           "pallas", False)                                               # e5m2: not measured
     assert not _use_mosaic("decode", sds((8, 9, 64), jnp.bfloat16), sds((2, 64, 3, 16, 64), jnp.bfloat16),
                            "pallas", False)                                               # D 64: not measured
     monkeypatch.setattr(jax, "devices", lambda *a: [types.SimpleNamespace(platform="gpu", compute_capability="8.0")])
