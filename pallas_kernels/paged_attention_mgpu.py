@@ -387,14 +387,22 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
     releases the fp8 slot on ``k_consumed``/``v_consumed`` (which the memory warpgroup waits as usual).
     The compute warpgroup copies its own queries (item ``k + 1``'s at the start of item ``k`` with two
     tiles, after item ``k``'s output store with one), so the memory warpgroup never waits on an output.
+    With a separate swizzled query tile (head sizes up to ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``) the
+    converter also moves item ``k``'s query from its staging tile into swizzled tile ``k % 2`` before
+    item ``k``'s first step (it waits ``q_bars``, and ``q16_free[k % 2]`` for ``k >= 2``, then arrives
+    on ``q16_ready[k % 2]``); the compute warpgroup waits ``q16_ready`` instead of ``q_bars`` and arrives
+    on ``q16_free`` after the item's last ``wgmma``, so an item starts at its first ``wgmma``.
     """
     (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch[:4]
     k_consumed, v_consumed = consumed
+    moves_q = producer_converts and q_tile is not None
     if producer_converts:
         k16_ready, v16_ready, k16_consumed, v16_consumed = scratch[4]
         ring = _Ring(k16_smem, v16_smem, None, None, k16_ready, v16_ready, k16_consumed, v16_consumed, num_stages16)
     else:
         ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
+    if moves_q:
+        q16_ready, q16_free = scratch[5]
     block_size = kv_ref.shape[3]
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
@@ -425,12 +433,21 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             seq_len = seq_lens_ref[s]
             _, origin, window_start, first_step, n = partition(seq_len, part)
             io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
-            plgpu.barrier_wait(q_bars.at[b])
+            if moves_q:                                     # the converter moved it into tile k % 2
+                q2 = lax.rem(k, 2)
+                plgpu.barrier_wait(q16_ready.at[q2])
+                q_wgmma = q_tile.at[q2]
+            else:
+                plgpu.barrier_wait(q_bars.at[b])
             if producer_converts and num_q_buffers == 2:    # the other tile's store was waited last item
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
-            acc, m, l = _attend(_tile_q(io_tile, q_tile), ring, p_smem, n=n, origin=origin, first_step=first_step,
+            if not moves_q:
+                q_wgmma = _tile_q(io_tile, q_tile)
+            acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step,
                                 seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
                                 block_kv=block_kv, logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
+            if moves_q:                                     # its wgmmas were waited: tile k % 2 is free
+                plgpu.barrier_arrive(q16_free.at[q2])
             _store_output(acc, m, l, v_scale, io_tile, lse_tile,
                           o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
                           lse_ref.at[part, s, h])
@@ -485,8 +502,14 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                 plgpu.barrier_arrive(consumed.at[slot])
 
         def run_item(k, g):
-            s, _, part, _ = item(k)
+            s, _, part, b = item(k)
             n = partition(seq_lens_ref[s], part)[4]
+            if moves_q:                                     # item k's query into swizzled tile k % 2
+                q2 = lax.rem(k, 2)
+                plgpu.barrier_wait(q_bars.at[b])
+                pl.when(k >= 2)(functools.partial(plgpu.barrier_wait, q16_free.at[q2]))
+                _tile_q(io_smem.at[b], q_tile.at[q2])
+                plgpu.barrier_arrive(q16_ready.at[q2])
 
             def one_step(i, g):
                 convert(g)
@@ -546,7 +569,9 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         (plgpu.SMEM((ROWS, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype))   # P
          if pv_from_smem else None),
         plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
-        plgpu.SMEM((ROWS, head_size), cdtype, transforms=tile) if staged else None,  # q for wgmma
+        # q for wgmma (two with the converter warpgroup, which moves the next item's query into one)
+        plgpu.SMEM((2, ROWS, head_size) if producer_converts else (ROWS, head_size), cdtype, transforms=tile)
+        if staged else None,
     )
     copies = block_kv // tokens_per_copy
     barriers = (plgpu.Barrier(num_barriers=num_q_buffers if persistent else 1),
@@ -563,6 +588,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
     if producer_converts:
         extra += ((plgpu.Barrier(num_arrivals=1, num_barriers=num_stages16),) * 4,)
+        if staged:   # the swizzled query tiles' ready and free barriers
+            extra += ((plgpu.Barrier(num_arrivals=1, num_barriers=2),) * 2,)
     if persistent:
         kernel = functools.partial(kernel, num_programs=num_programs, num_kv_heads=num_kv_heads,
                                    num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,

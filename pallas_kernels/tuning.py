@@ -186,14 +186,15 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
     """Bytes of shared memory the Mosaic decode kernel allocates (each allocation aligned, as Mosaic counts):
 
     * ``q_tiles`` 64-row query/output staging tiles (1 without ``persistent``) and as many 64-row float32
-      log-sum-exp rows; the swizzled 64-row query tile ``wgmma`` reads (head sizes up to
-      ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile);
+      log-sum-exp rows; the swizzled 64-row query tile ``wgmma`` reads, two with the converter warpgroup
+      (head sizes up to ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile);
     * the K and the V ring of ``num_stages`` slots of ``block_kv x head_size`` (fp8 or 16-bit);
     * for fp8, the 16-bit K and V tiles the compute warpgroup converts into, or the memory warpgroup's
       16-bit rings of ``num_stages16`` slots (``producer_converts``);
     * the 64-row P tile (``p_tile``: P through shared memory, the interpreted kernel);
     * the barriers: per ring slot K and V "full" and "consumed", per staging tile its query's "loaded" and
-      (persistent) its "free", and four per 16-bit ring slot.
+      (persistent) its "free", four per 16-bit ring slot, and with those the two swizzled query tiles'
+      "ready" and "free".
     """
     staged = head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE
     q_tiles = q_tiles if persistent else 1
@@ -204,9 +205,10 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
         tiles += [max(num_stages16, 1) * tile16] * 2
     if p_tile:
         tiles.append(64 * block_kv * 2)
-    if staged:
-        tiles.append(64 * head_size * 2)
+    if staged:   # two with the converter warpgroup (it moves the next item's query into one)
+        tiles.append((2 if num_stages16 else 1) * 64 * head_size * 2)
     barriers = q_tiles * (2 if persistent else 1) + 4 * num_stages + 4 * num_stages16
+    barriers += 4 if num_stages16 and staged else 0
     return sum(_smem_aligned(t) for t in tiles) + barriers * MGPU_BARRIER_BYTES
 
 
