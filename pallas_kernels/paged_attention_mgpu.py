@@ -32,8 +32,10 @@ Slots a sequence does not own (past ``seq_len`` in its last page, pages outside 
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
 memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN). fp8 pages are copied as fp8 (half
 the bytes of bf16), converted to the compute dtype in registers and written to a 16-bit tile for
-``wgmma`` by the compute warpgroup (or, ``producer_converts``, by a third warpgroup into a 16-bit ring);
-``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
+``wgmma``: on the persistent kernel by default by a third, *converter* warpgroup into a ring of 16-bit
+slots (``producer_converts``; it also moves each item's query into the swizzled tile), else by the compute
+warpgroup beside the other operand's ``wgmma`` (``convert_ahead``); ``k_scale`` is folded into the logit
+scale, ``v_scale`` into the output.
 
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
