@@ -232,8 +232,9 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
 
 
 @pytest.mark.skipif(ON_GPU, reason="CPU-only lowering check; the GPU runs the compiled tests")
-@pytest.mark.parametrize("persistent", [False, True], ids=["grid", "persistent"])
-@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("fp8,persistent", [  # by default the 16-bit grid and every fp8 persistent variant
+    (False, False), pytest.param(False, True, marks=_SLOW), pytest.param(True, False, marks=_SLOW), (True, True),
+], ids=["False-grid", "False-persistent", "True-grid", "True-persistent"])
 def test_lowers_for_sm90(fp8, persistent):
     """Every class of ``CASES`` (fp8 or not) lowers through Pallas Mosaic GPU for CUDA on CPU, as the
     one-CTA-per-item grid and as the persistent kernel (default programs: the items, up to 132 on CPU; and
