@@ -189,7 +189,7 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
       log-sum-exp rows; the swizzled 64-row query tile ``wgmma`` reads, two with the converter warpgroup
       (head sizes up to ``MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; above, the staging tile is that tile);
     * the K and the V ring of ``num_stages`` slots of ``block_kv x head_size`` (fp8 or 16-bit);
-    * for fp8, the 16-bit K and V tiles the compute warpgroup converts into, or the memory warpgroup's
+    * for fp8, the 16-bit K and V tiles the compute warpgroup converts into, or the converter warpgroup's
       16-bit rings of ``num_stages16`` slots (``producer_converts``);
     * the 64-row P tile (``p_tile``: P through shared memory, the interpreted kernel);
     * the barriers: per ring slot K and V "full" and "consumed", per staging tile its query's "loaded" and
