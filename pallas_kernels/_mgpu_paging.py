@@ -11,7 +11,10 @@ tokens) arriving on the slot's barrier. A slot is refilled once the consumers ha
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
+
+import jax
 
 import jax.numpy as jnp
 from jax import lax
@@ -85,8 +88,9 @@ def issue_ring_step(g, step_token: Callable, issue: Callable, *, num_stages: int
     slot = lax.rem(g, num_stages)
     refill = g >= num_stages
     t0 = step_token()
-    pl.when(refill)(lambda: plgpu.barrier_wait(k_consumed.at[slot]))
-    issue(t0, slot, 0, k_smem, k_bars)
-    pl.when(refill)(lambda: plgpu.barrier_wait(v_consumed.at[slot]))
-    issue(t0, slot, 1, v_smem, v_bars)
+    for cache, (tiles, bars, consumed) in enumerate(((k_smem, k_bars, k_consumed), (v_smem, v_bars, v_consumed))):
+        with jax.named_scope("wait_slot"):                   # profiler regions (paged_attention_mgpu.PROFILE)
+            pl.when(refill)(functools.partial(plgpu.barrier_wait, consumed.at[slot]))
+        with jax.named_scope("issue"):
+            issue(t0, slot, cache, tiles, bars)
     return g + 1

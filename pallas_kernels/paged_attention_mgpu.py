@@ -97,6 +97,13 @@ LOG2E = math.log2(math.e)
 MGPU_COMPUTE_REGISTERS = 240
 MGPU_MEMORY_REGISTERS = 40
 
+# Extra ``plgpu.CompilerParams`` fields for Mosaic GPU's on-device profiler (``profile_space``,
+# ``profile_dir``), set before the first call (jit caches the kernel): each warpgroup then records the
+# kernel's named scopes (``wait_k``, ``qk``, ``softmax``, ``pv``, ``store``, ``convert``, ...) with the SM
+# clock into a trace per call (scripts/profile_mgpu_decode.py). Empty: no profiling, and the scopes cost
+# nothing.
+PROFILE: dict = {}
+
 
 def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_size: int,
                        block_size: int, *, alibi: bool) -> str | None:
@@ -198,9 +205,11 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
 
     def convert(slot, src, dst, bars, consumed):
         """Wait for fp8 slot ``slot`` of ``src``, convert it into ``dst`` and release the slot."""
-        plgpu.barrier_wait(bars.at[slot])
-        _convert_tile(src.at[slot], dst)
-        plgpu.commit_smem()
+        with jax.named_scope("wait_fp8"):
+            plgpu.barrier_wait(bars.at[slot])
+        with jax.named_scope("convert"):
+            _convert_tile(src.at[slot], dst)
+            plgpu.commit_smem()
         plgpu.barrier_arrive(consumed.at[slot])
 
     convert_k = functools.partial(convert, src=k_smem, dst=k16_smem, bars=k_bars, consumed=k_consumed)
@@ -218,7 +227,8 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             convert_k(slot)
             k_tile = k16_smem
         else:
-            plgpu.barrier_wait(k_bars.at[slot])
+            with jax.named_scope("wait_k"):
+                plgpu.barrier_wait(k_bars.at[slot])
             k_tile = k_smem.at[slot]
 
         def qk(acc_ref):
@@ -226,24 +236,26 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             if convert_ahead:
                 convert_v(slot)                                # beside the QK wgmma
             return acc_ref[...]
-        logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
+        with jax.named_scope("qk"):
+            logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
         if not fp8:
             plgpu.barrier_arrive(k_consumed.at[slot])
-        logits = logits * k_factor
-        if logits_soft_cap is not None:
-            logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
-        token = first_token + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
-                                                     layout=plgpu.Layout.WGMMA)
-        logits = jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
-
-        acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
+        with jax.named_scope("softmax"):
+            logits = logits * k_factor
+            if logits_soft_cap is not None:
+                logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
+            token = first_token + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
+                                                         layout=plgpu.Layout.WGMMA)
+            logits = jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
+            acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
 
         if fp8:
             if not convert_ahead:
                 convert_v(slot)
             v_tile = v16_smem
         else:
-            plgpu.barrier_wait(v_bars.at[slot])
+            with jax.named_scope("wait_v"):
+                plgpu.barrier_wait(v_bars.at[slot])
             v_tile = v_smem.at[slot]
 
         # Zero the V rows of invisible slots (they may hold NaN, and 0 * NaN is NaN): only steps that
@@ -259,7 +271,8 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
         during = None
         if convert_ahead:                                      # the next step's K beside the PV wgmma
             during = lambda: pl.when(i + 1 < n)(lambda: convert_k(slot_of(i + 1)))
-        acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem, during)   # P from registers unless p_smem
+        with jax.named_scope("pv"):
+            acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem, during)   # P from registers unless p_smem
         if not fp8:
             plgpu.barrier_arrive(v_consumed.at[slot])
         return acc, m_next, l
@@ -437,10 +450,12 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
             if moves_q:                                     # the converter moved it into tile k % 2
                 q2 = lax.rem(k, 2)
-                plgpu.barrier_wait(q16_ready.at[q2])
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q16_ready.at[q2])
                 q_wgmma = q_tile.at[q2]
             else:
-                plgpu.barrier_wait(q_bars.at[b])
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_bars.at[b])
             if producer_converts and num_q_buffers == 2:    # the other tile's store was waited last item
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
             if not moves_q:
@@ -450,10 +465,11 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                                 block_kv=block_kv, logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
             if moves_q:                                     # its wgmmas were waited: tile k % 2 is free
                 plgpu.barrier_arrive(q16_free.at[q2])
-            _store_output(acc, m, l, v_scale, io_tile, lse_tile,
-                          o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
-                          lse_ref.at[part, s, h])
-            plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may now take item k + num_q_buffers
+            with jax.named_scope("store"):
+                _store_output(acc, m, l, v_scale, io_tile, lse_tile,
+                              o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
+                              lse_ref.at[part, s, h])
+                plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may take item k + num_q_buffers
             if not producer_converts:
                 plgpu.barrier_arrive(q_free.at[b])
             elif num_q_buffers == 1:
@@ -496,10 +512,13 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             for src, dst, bars, consumed, ready, released in (
                     (k_smem, k16_smem, k_bars, k_consumed, k16_ready, k16_consumed),
                     (v_smem, v16_smem, v_bars, v_consumed, v16_ready, v16_consumed)):
-                plgpu.barrier_wait(bars.at[slot])
-                pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
-                _convert_tile(src.at[slot], dst.at[slot16])
-                plgpu.commit_smem()
+                with jax.named_scope("wait_fp8"):
+                    plgpu.barrier_wait(bars.at[slot])
+                with jax.named_scope("wait_free"):
+                    pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
+                with jax.named_scope("convert"):
+                    _convert_tile(src.at[slot], dst.at[slot16])
+                    plgpu.commit_smem()
                 plgpu.barrier_arrive(ready.at[slot16])
                 plgpu.barrier_arrive(consumed.at[slot])
 
@@ -508,9 +527,11 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
             n = partition(seq_lens_ref[s], part)[4]
             if moves_q:                                     # item k's query into swizzled tile k % 2
                 q2 = lax.rem(k, 2)
-                plgpu.barrier_wait(q_bars.at[b])
-                pl.when(k >= 2)(functools.partial(plgpu.barrier_wait, q16_free.at[q2]))
-                _tile_q(io_smem.at[b], q_tile.at[q2])
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_bars.at[b])
+                    pl.when(k >= 2)(functools.partial(plgpu.barrier_wait, q16_free.at[q2]))
+                with jax.named_scope("move_q"):
+                    _tile_q(io_smem.at[b], q_tile.at[q2])
                 plgpu.barrier_arrive(q16_ready.at[q2])
 
             def one_step(i, g):
@@ -616,7 +637,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         num_threads=3 if producer_converts else 2,
         thread_name="wg",
         # No reduction scratch: the row max and sum stay within a warp (tuning.mgpu_decode_smem_bytes).
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0),
+        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **PROFILE),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(seq_lens, block_tables, q, kv_cache, *scales)
 
