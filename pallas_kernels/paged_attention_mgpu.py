@@ -75,7 +75,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
-from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring, step_pages
+from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring
 from pallas_kernels._online_softmax import accumulate_pv, softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
@@ -96,10 +96,6 @@ LOG2E = math.log2(math.e)
 # P want more than the even split (168 each of 512); the memory warpgroup only issues copies.
 MGPU_COMPUTE_REGISTERS = 240
 MGPU_MEMORY_REGISTERS = 40
-# The converter warpgroup moves the next item's query after converting this step of the current item.
-MOVE_Q_STEP = 2
-# Mask the logits only at steps that hold invisible slots (a branch per step), not at every step.
-EDGE_MASK = True
 
 # Extra ``plgpu.CompilerParams`` fields for Mosaic GPU's on-device profiler (``profile_space``,
 # ``profile_dir``), set before the first call (jit caches the kernel): each warpgroup then records the
@@ -244,7 +240,10 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
         if not fp8:
             plgpu.barrier_arrive(k_consumed.at[slot])
-        # Steps that reach past the sequence's end or start before the window hold invisible slots.
+        # Only steps that reach past the sequence's end or start before the window hold invisible slots:
+        # their logits are masked and their V rows zeroed; the other steps skip both (a branch per step:
+        # 6-7 % less fp8 kernel time at batch >= 64 on the H100, where the compute warpgroup's chain per
+        # step is the bound; docs/perf-notes.md).
         edge = (first_token + block_kv > seq_len) | (first_token < window_start)
         with jax.named_scope("softmax"):
             logits = logits * k_factor
@@ -255,7 +254,7 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
                 token = first_token + plgpu.broadcasted_iota(jnp.int32, (ROWS, block_kv), 1,
                                                              layout=plgpu.Layout.WGMMA)
                 return jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
-            logits = lax.cond(edge, mask, lambda logits: logits, logits) if EDGE_MASK else mask(logits)
+            logits = lax.cond(edge, mask, lambda logits: logits, logits)
             acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
 
         if fp8:
@@ -267,8 +266,7 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
                 plgpu.barrier_wait(v_bars.at[slot])
             v_tile = v_smem.at[slot]
 
-        # Zero the V rows of invisible slots (they may hold NaN, and 0 * NaN is NaN): only steps that
-        # reach past the sequence's end or start before the window.
+        # Zero the V rows of invisible slots (they may hold NaN, and 0 * NaN is NaN).
         @pl.when(edge)
         def _zero_invisible_rows():
             row = first_token + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
@@ -426,7 +424,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
     else:
         ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
     if moves_q:
-        q16_ready, q16_free, q0_bar = scratch[5]
+        q16_ready, q16_free = scratch[5]
     block_size = kv_ref.shape[3]
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
@@ -444,59 +442,30 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
         s, h, _, b = item(k)
         _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=rows)
 
-    def copy_first_q():
-        """Item 0's query; with ``moves_q`` the compute warpgroup moves it itself, so it lands on a barrier
-        of its own (``q_bars`` are then the converter's: every waiter sees every phase)."""
-        s, h, _, _ = item(0)
-        _copy_q(q_ref, io_smem.at[0], q0_bar.at[0] if moves_q else q_bars.at[0], s, h,
-                num_kv_heads=num_kv_heads, rows=rows)
-
-    def seq_len_of(k):
-        """Item ``k``'s sequence length (the last item's past the program's items). Each warpgroup loads
-        the next item's at the start of an item and carries it, so no item starts on a global load."""
-        return seq_lens_ref[item(jnp.minimum(k, my_items - 1))[0]]
-
-    def move_q(k):
-        """The converter: item ``k``'s query from its staging tile into swizzled tile ``k % 2``."""
-        _, _, _, b = item(k)
-        q2 = lax.rem(k, 2)
-        with jax.named_scope("wait_q"):
-            plgpu.barrier_wait(q_bars.at[b])
-            pl.when(k >= 2)(functools.partial(plgpu.barrier_wait, q16_free.at[q2]))
-        with jax.named_scope("move_q"):
-            _tile_q(io_smem.at[b], q_tile.at[q2])
-        plgpu.barrier_arrive(q16_ready.at[q2])
-
     @pl.when(wg == 0)
     def _compute():
         k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E) * q_unscale
         v_scale = v_scale_ref[0]
         if producer_converts:
             plgpu.set_max_registers(MGPU_COMPUTE_REGISTERS, action="increase")
-            pl.when(my_items > 0)(copy_first_q)
+            pl.when(my_items > 0)(lambda: copy_q(0))
 
-        def run_item(k, carry):
-            g, seq_len = carry
+        def run_item(k, g):
             s, h, part, b = item(k)
-            next_seq_len = seq_len_of(k + 1)
+            seq_len = seq_lens_ref[s]
             _, origin, window_start, first_step, n = partition(seq_len, part)
             io_tile, lse_tile = io_smem.at[b], lse_smem.at[b]
-            q2 = lax.rem(k, 2)
-            if moves_q:   # the converter moved it into tile k % 2 (item 0's: this warpgroup, below)
+            if moves_q:                                     # the converter moved it into tile k % 2
+                q2 = lax.rem(k, 2)
                 with jax.named_scope("wait_q"):
-                    pl.when(k > 0)(functools.partial(plgpu.barrier_wait, q16_ready.at[q2]))
-                    pl.when(k == 0)(functools.partial(plgpu.barrier_wait, q0_bar.at[0]))
+                    plgpu.barrier_wait(q16_ready.at[q2])
+                q_wgmma = q_tile.at[q2]
             else:
                 with jax.named_scope("wait_q"):
                     plgpu.barrier_wait(q_bars.at[b])
             if producer_converts and num_q_buffers == 2:    # the other tile's store was waited last item
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
-            if moves_q:
-                @pl.when(k == 0)
-                def _move_first_q():
-                    _tile_q(io_tile, q_tile.at[q2])
-                q_wgmma = q_tile.at[q2]
-            else:
+            if not moves_q:
                 q_wgmma = _tile_q(io_tile, q_tile)
             acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step,
                                 seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
@@ -513,9 +482,9 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                 plgpu.barrier_arrive(q_free.at[b])
             elif num_q_buffers == 1:
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
-            return g + n, next_seq_len
+            return g + n
 
-        lax.fori_loop(0, my_items, run_item, (jnp.int32(0), seq_len_of(0)))
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
         plgpu.wait_smem_to_gmem(0)
 
     @pl.when(wg == 1)
@@ -523,26 +492,22 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
         if producer_converts:
             plgpu.set_max_registers(MGPU_MEMORY_REGISTERS, action="decrease")
 
-        def run_item(k, carry):
-            g, seq_len = carry
+        def run_item(k, g):
             s, h, part, b = item(k)
-            next_seq_len = seq_len_of(k + 1)
-            num_pages, origin, _, first_step, n = partition(seq_len, part)
+            num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
             if not producer_converts:
                 pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
                 copy_q(k)
             issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
                                       block_kv=block_kv, tokens_per_copy=tokens_per_copy)
-            pages = functools.partial(step_pages, kv_ref, tables_ref, s, num_pages=num_pages, block_kv=block_kv,
-                                      tokens_per_copy=tokens_per_copy)
 
             def one_step(i, g):
                 return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
                                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
-                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed, pages=pages)
-            return lax.fori_loop(0, n, one_step, g), next_seq_len
+                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
+            return lax.fori_loop(0, n, one_step, g)
 
-        lax.fori_loop(0, my_items, run_item, (jnp.int32(0), seq_len_of(0)))
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
     if not producer_converts:
         return
@@ -565,33 +530,24 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
                 plgpu.barrier_arrive(ready.at[slot16])
                 plgpu.barrier_arrive(consumed.at[slot])
 
-        def run_item(k, carry):
-            g, seq_len = carry
-            _, _, part, _ = item(k)
-            next_seq_len = seq_len_of(k + 1)
-            n = partition(seq_len, part)[4]
-            # The next item's query moves during this one, after the conversion of step MOVE_Q_STEP (by then
-            # the copy the compute warpgroup issued at this item's start has landed), or at the end of a
-            # shorter item; with one staging tile, after the item (its copy waits for this item's output).
-            early = moves_q and num_q_buffers == 2
-            move_at = jnp.minimum(n - 1, MOVE_Q_STEP)
-
-            def move_next():
-                pl.when(k + 1 < my_items)(lambda: move_q(k + 1))
+        def run_item(k, g):
+            s, _, part, b = item(k)
+            n = partition(seq_lens_ref[s], part)[4]
+            if moves_q:                                     # item k's query into swizzled tile k % 2
+                q2 = lax.rem(k, 2)
+                with jax.named_scope("wait_q"):
+                    plgpu.barrier_wait(q_bars.at[b])
+                    pl.when(k >= 2)(functools.partial(plgpu.barrier_wait, q16_free.at[q2]))
+                with jax.named_scope("move_q"):
+                    _tile_q(io_smem.at[b], q_tile.at[q2])
+                plgpu.barrier_arrive(q16_ready.at[q2])
 
             def one_step(i, g):
                 convert(g)
-                if early:
-                    pl.when(i == move_at)(move_next)
                 return g + 1
-            g = lax.fori_loop(0, n, one_step, g)
-            if early:
-                pl.when(n == 0)(move_next)
-            elif moves_q:
-                move_next()
-            return g, next_seq_len
+            return lax.fori_loop(0, n, one_step, g)
 
-        lax.fori_loop(0, my_items, run_item, (jnp.int32(0), seq_len_of(0)))
+        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
 
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
@@ -663,9 +619,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     extra = ((plgpu.Barrier(num_arrivals=1, num_barriers=num_q_buffers),) if persistent else ())
     if producer_converts:
         extra += ((plgpu.Barrier(num_arrivals=1, num_barriers=num_stages16),) * 4,)
-        if staged:   # the swizzled query tiles' ready and free barriers, item 0's query's own
-            extra += ((plgpu.Barrier(num_arrivals=1, num_barriers=2),) * 2
-                      + (plgpu.Barrier(num_arrivals=1, num_barriers=1),),)
+        if staged:   # the swizzled query tiles' ready and free barriers
+            extra += ((plgpu.Barrier(num_arrivals=1, num_barriers=2),) * 2,)
     if persistent:
         kernel = functools.partial(kernel, num_programs=num_programs, num_kv_heads=num_kv_heads,
                                    num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,

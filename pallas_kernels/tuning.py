@@ -194,7 +194,7 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
     * the 64-row P tile (``p_tile``: P through shared memory, the interpreted kernel);
     * the barriers: per ring slot K and V "full" and "consumed", per staging tile its query's "loaded" and
       (persistent) its "free", four per 16-bit ring slot, and with those the two swizzled query tiles'
-      "ready" and "free" and item 0's query's own "loaded".
+      "ready" and "free".
     """
     staged = head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE
     q_tiles = q_tiles if persistent else 1
@@ -208,7 +208,7 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
     if staged:   # two with the converter warpgroup (it moves the next item's query into one)
         tiles.append((2 if num_stages16 else 1) * 64 * head_size * 2)
     barriers = q_tiles * (2 if persistent else 1) + 4 * num_stages + 4 * num_stages16
-    barriers += 5 if num_stages16 and staged else 0
+    barriers += 4 if num_stages16 and staged else 0
     return sum(_smem_aligned(t) for t in tiles) + barriers * MGPU_BARRIER_BYTES
 
 
