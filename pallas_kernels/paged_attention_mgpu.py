@@ -30,7 +30,8 @@ sequence) with two warpgroups:
 
 Slots a sequence does not own (past ``seq_len`` in its last page, pages outside the sliding window that
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
-memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN). fp8 pages are copied as fp8 (half
+memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN); steps without such slots skip both.
+fp8 pages are copied as fp8 (half
 the bytes of bf16), converted to the compute dtype in registers and written to a 16-bit tile for
 ``wgmma``: on the persistent kernel by default by a third, *converter* warpgroup into a ring of 16-bit
 slots (``producer_converts``; it also moves each item's query into the swizzled tile), else by the compute

@@ -118,21 +118,21 @@ MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # fp8 decode on the persistent kernel: a converter warpgroup turns the fp8 slots into a 16-bit ring
 # (paged_attention_mgpu's ``producer_converts``) of MGPU_DECODE_PRODUCER_STAGES fp8 stages and moves each
 # item's query. H100, batch >= 64 (64/256 x 1k/4k), fp8 speed-up over bf16 in one run
-# (docs/logs/mgpu-decode-converter-h100/run9/bench-decode.txt): 1.59-1.67x against 1.35-1.49x with the compute
-# warpgroup converting (convert_ahead) and 1.31-1.40x in step order; 2, 3 or 4 fp8 stages within ~2 % of each
-# other, 64-key steps 1.42-1.47x (docs/perf-notes.md, session 13).
+# (docs/logs/mgpu-decode-profile-h100/run5/bench-decode.txt, session 14): 1.62-1.70x against 1.45-1.56x with
+# the compute warpgroup converting (convert_ahead) and 1.40-1.49x in step order; 2, 3 or 4 fp8 stages within
+# ~2 % of each other, 64-key steps 1.42-1.47x (docs/perf-notes.md, session 13).
 MGPU_DECODE_PRODUCER_CONVERTS = True
 MGPU_DECODE_PRODUCER_STAGES = 2
 # fp8 decode with the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False):
 # each fp8 tile converted beside the other operand's wgmma (paged_attention_mgpu's ``convert_ahead``) rather
-# than in step order: 1.35-1.49x against 1.31-1.40x at batch >= 64 in the run above.
+# than in step order: 1.45-1.56x against 1.40-1.49x at batch >= 64 in the run above.
 MGPU_DECODE_CONVERT_AHEAD = True
 # (head_size, kv dtype name) -> decode is at least as fast on Mosaic GPU as on Triton on sm_90, at every
 # shape measured. H100, bench_attention.py --mode decode --quick (32q/8kv heads, block 16; the issue-4 grid
-# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 13", logs docs/logs/mgpu-decode-converter-h100/run9/):
-# Mosaic bf16 52.1-102.0 % of copy bandwidth against Triton's 27.8-97.7 %, ahead at all 8 shapes (sessions
-# 9-12 too); Mosaic fp8 e4m3 (f16 compute, converter warpgroup) 32.2-85.3 % against Triton fp8's
-# 14.8-68.5 % (in fp8 bytes), ahead at all 8 (also in run 6; session 12, before the converter warpgroup:
+# batch 1/8/64/256 x 1k-32k; docs/benchmarks.md "session 14", logs docs/logs/mgpu-decode-profile-h100/run5/):
+# Mosaic bf16 52.5-103.2 % of copy bandwidth against Triton's 27.8-97.8 %, ahead at all 8 shapes (sessions
+# 9-13 too); Mosaic fp8 e4m3 (f16 compute, converter warpgroup) 33.4-87.6 % against Triton fp8's
+# 15.1-68.5 % (in fp8 bytes), ahead at all 8 (session 13 too; session 12, before the converter warpgroup:
 # behind at 256 x 1k). e5m2 and other head sizes are not in that grid (SmolLM2's 64 measured slower in its decode
 # step, session 9).
 MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16"), (128, "float8_e4m3fn")})
