@@ -1,11 +1,63 @@
-"""Shared test helpers: paged-cache data generator and a float64 dense reconstruction."""
+"""Shared test helpers: paged-cache data generator and a float64 dense reconstruction.
+
+Also: one persistent JAX compilation cache for the whole test run (:func:`_share_compiles_across_the_run`)
+and :data:`slow`, the marker of the long variants that ``JAXKV_SLOW=1`` turns on.
+"""
 
 from __future__ import annotations
 
+import os
+import shutil
+import sys
+import tempfile
 import zlib
 
 import numpy as np
 import pytest
+
+# ``@slow``: a long variant (chaos / end-to-end / sweep) that a plain run skips; ``JAXKV_SLOW=1 pytest ...``
+# runs it. A shorter variant of the same behaviour runs by default beside each one. (The Mosaic interpreter
+# files use their own ``JAXKV_MGPU_FUZZ=N``.)
+SLOW = bool(os.environ.get("JAXKV_SLOW"))
+slow = pytest.mark.skipif(not SLOW, reason="slow variant: set JAXKV_SLOW=1")
+
+_OWN_CACHE_DIR: str | None = None
+
+
+def _share_compiles_across_the_run() -> None:
+    """A fresh persistent JAX compilation cache (a temporary directory, removed when the run ends), set in
+    the environment before any test starts JAX, so the xdist workers and every subprocess a test starts
+    (CLI, benchmark, server, the 4-device mesh run) share it; ``JAX_COMPILATION_CACHE_DIR`` set by the
+    caller is used as is. conftest is imported first, in the xdist controller too.
+
+    The tests build many engines with the same shapes (every engine's jitted steps are new functions, so
+    the in-memory jit cache does not see the repeats): a program compiled once is then loaded from the
+    cache (tracing and lowering still run). What the tests count is unchanged: a cache hit is still one
+    backend-compile event (:func:`step_compiles`; JAX times ``compile_or_get_cached``) and one trace (the
+    engine's ``num_compiles``). A size limit turns on the cache's file lock, so a worker never reads an
+    entry another process is still writing.
+    """
+    global _OWN_CACHE_DIR
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="jaxkv-test-jax-cache-")
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
+        os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+    if "jax" in sys.modules:  # imported before this file: its config has read the environment already
+        import jax
+        jax.config.update("jax_compilation_cache_dir", os.environ["JAX_COMPILATION_CACHE_DIR"])
+        for name, var in (("jax_persistent_cache_min_compile_time_secs", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"),
+                          ("jax_compilation_cache_max_size", "JAX_COMPILATION_CACHE_MAX_SIZE")):
+            if var in os.environ:
+                jax.config.update(name, type(getattr(jax.config, name))(os.environ[var]))
+
+
+_share_compiles_across_the_run()
+
+
+def pytest_unconfigure(config):
+    if _OWN_CACHE_DIR is not None and not hasattr(config, "workerinput"):  # the controller (or a plain run)
+        shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
 
 # Tolerances on |out - ref| / max|ref| keyed by dtype (kernels accumulate in f32; inputs are rounded).
 TOLERANCE = {"float32": 2e-5, "bfloat16": 2e-2, "float16": 3e-3}
@@ -91,6 +143,16 @@ def gguf_path():
         return find_smollm2_gguf()
     except FileNotFoundError as e:
         pytest.skip(str(e))
+
+
+@pytest.fixture(scope="session")
+def gguf_reader(gguf_path):
+    """The SmolLM2 GGUF opened once per process: ``models.registry.open_gguf``'s memoised reader, the one
+    ``LLM`` uses too (parsing the 49k-token vocabulary takes 6-10 s on the CPU machine). The path-taking
+    entry points stay covered by the tests that pass ``gguf_path`` and by the small files of
+    test_gguf_loader.py."""
+    from models.registry import open_gguf
+    return open_gguf(gguf_path)
 
 
 @pytest.fixture

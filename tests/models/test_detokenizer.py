@@ -41,9 +41,9 @@ def test_broken_bytes_are_flushed_when_finished():
     assert detok.add_tokens([], finished=True) == "\ufffd"  # the request ended: emit what there is
 
 
-def test_real_tokenizer_stream_equals_full_decode(gguf_path):
+def test_real_tokenizer_stream_equals_full_decode(gguf_reader):
     from models.tokenizer import GGUFTokenizer
-    tok = GGUFTokenizer.from_gguf(gguf_path)
+    tok = GGUFTokenizer.from_gguf(gguf_reader)
     text = "Grüße aus 東京! 🙂 Ça va? <|im_end|> done"
     ids = tok.encode(text)
     detok = IncrementalDetokenizer(tok)

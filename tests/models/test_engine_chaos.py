@@ -3,8 +3,9 @@ lengths, shared prefixes and a cache small enough to force preemption, with the 
 after every step and every finished request's greedy tokens compared with its solo run (equal, or
 diverging only at a float near-tie: :func:`same_or_near_tie`; such cases are counted and must stay rare).
 
-``JAXKV_CHAOS_STEPS`` sets the number of engine steps (default 10,000, ~1.5 min on 2 CPU cores); e.g.
-``JAXKV_CHAOS_STEPS=100000 pytest tests/models/test_engine_chaos.py`` for the long version.
+``JAXKV_CHAOS_STEPS`` sets the number of engine steps: by default 2,000 (a quarter of them with async
+scheduling), 10,000 with ``JAXKV_SLOW=1`` (the long run, ~1.5 min on 2 CPU cores); e.g.
+``JAXKV_CHAOS_STEPS=100000 pytest tests/models/test_engine_chaos.py`` for a longer one.
 """
 
 from __future__ import annotations
@@ -16,9 +17,10 @@ import pytest
 
 import models
 from jaxkv import SamplingParams
+from tests.conftest import SLOW
 from tests.models.test_continuous_batching import TINY, _tiny_model
 
-STEPS = int(os.environ.get("JAXKV_CHAOS_STEPS", "10000"))
+STEPS = int(os.environ.get("JAXKV_CHAOS_STEPS", "10000" if SLOW else "2000"))
 NEAR_TIE = 1e-3  # top-2 logit gap below which f32 noise of a different batch shape may flip argmax
 
 

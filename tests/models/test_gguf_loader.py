@@ -119,8 +119,8 @@ def test_load_rejects_bad_dtype_and_missing_file(tmp_path):
 # The real SmolLM2-135M-Instruct Q4_1 GGUF.
 
 @pytest.fixture(scope="module")
-def loaded(gguf_path):
-    return load_llama_gguf(gguf_path, progress=False)
+def loaded(gguf_reader):
+    return load_llama_gguf(gguf_reader, progress=False)   # test_metadata reads the file from its path
 
 
 def test_find_smollm2_gguf(gguf_path):
@@ -195,8 +195,8 @@ def test_smollm2_rope_pairs_look_like_hf_layout(loaded):
     assert np.mean(ours) > np.mean(raw) + 0.3
 
 
-def test_dtype_float16(gguf_path):
-    _, w = load_llama_gguf(gguf_path, dtype=np.float16, progress=False)
+def test_dtype_float16(gguf_reader):
+    _, w = load_llama_gguf(gguf_reader, dtype=np.float16, progress=False)
     assert w["layers.3.k_proj"].dtype == np.float16
     assert np.isfinite(w["embed_tokens"]).all()
 

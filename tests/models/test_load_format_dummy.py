@@ -4,13 +4,14 @@ random weights; what GPU speed runs use instead of carrying the checkpoint."""
 
 from __future__ import annotations
 
-import gguf
+import numpy as np
 import pytest
 
 import models
 from jaxkv import SamplingParams
 from models import registry
-from tests.conftest import load_script
+from tests.conftest import load_script, slow
+from tests.models.test_llama_paged import TINY, _tiny_model
 
 
 def _script():
@@ -24,8 +25,8 @@ def header(gguf_path, tmp_path_factory):
     return dst
 
 
-def test_header_copy_keeps_every_key_and_no_tensor(gguf_path, header):
-    src, dst = gguf.GGUFReader(str(gguf_path)), gguf.GGUFReader(str(header))
+def test_header_copy_keeps_every_key_and_no_tensor(gguf_path, gguf_reader, header):
+    src, dst = gguf_reader, registry.open_gguf(header)   # the readers LLM(...) uses (parsed once)
     keys = lambda r: {k for k in r.fields if not k.startswith("GGUF.")}  # noqa: E731
     assert keys(dst) == keys(src)
     for k in ("general.architecture", "llama.block_count", "tokenizer.ggml.tokens"):
@@ -34,13 +35,14 @@ def test_header_copy_keeps_every_key_and_no_tensor(gguf_path, header):
     assert header.stat().st_size < gguf_path.stat().st_size / 10
 
 
-def test_dummy_llm_has_the_real_geometry_and_generates(gguf_path, header):
+def test_dummy_llm_has_the_real_geometry_and_generates(gguf_path, gguf_reader, header):
     real = registry.load_config(gguf_path)
+    # the engine options of test_smollm2_generate.py's LLM: the same step programs (compiled once a run)
     llm = models.LLM(header, load_format="dummy", dtype="float32", attention_impl="reference",
-                     max_model_len=64, num_gpu_blocks=16, max_num_seqs=2, max_num_batched_tokens=64)
+                     max_model_len=64, num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
     assert llm.config == real
     assert llm.tokenizer.encode("The capital of France is") == \
-        models.GGUFTokenizer.from_gguf(gguf_path).encode("The capital of France is")
+        models.GGUFTokenizer.from_gguf(gguf_reader).encode("The capital of France is")
     outs = llm.generate(["The capital of France is", "Hi"], SamplingParams(max_tokens=5, ignore_eos=True),
                         use_tqdm=False)
     assert [len(o.outputs[0].token_ids) for o in outs] == [5, 5]
@@ -55,15 +57,29 @@ def test_unknown_load_format_is_refused(gguf_path):
         models.LLM(gguf_path, load_format="safetensors", dtype="float32", num_gpu_blocks=4)
 
 
-def test_block_size_64_gives_the_tokens_of_block_size_16(header):
+@pytest.mark.parametrize("model", ["tiny", pytest.param("smollm2-dummy", marks=slow)])
+def test_block_size_64_gives_the_tokens_of_block_size_16(request, model):
     """The Pallas backend's larger pages (64, 128: covered by the kernels' compiled fuzz) through the whole
-    engine: greedy tokens of a small batch equal those with 16-token blocks (same random weights)."""
+    engine: greedy tokens of a small batch equal those with 16-token blocks (same random weights). By
+    default on the tiny random Llama of test_llama_paged.py, whose logits must agree as well; with
+    ``JAXKV_SLOW=1`` also through ``LLM(load_format="dummy")`` at SmolLM2's geometry."""
     prompts = [list(range(5, 75)), list(range(100, 103)), list(range(7, 40))]
     greedy = SamplingParams(max_tokens=6, temperature=0)
-    got = {}
+    got, logits = {}, {}
     for block_size in (16, 64):
-        llm = models.LLM(header, load_format="dummy", dtype="float32", attention_impl="reference",
-                         max_model_len=128, num_gpu_blocks=2048 // block_size, max_num_seqs=4,
-                         max_num_batched_tokens=64, block_size=block_size)
-        got[block_size] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+        if model == "tiny":
+            eng = models.make_engine(_tiny_model(), attention_impl="reference", block_size=block_size,
+                                     num_blocks=2048 // block_size, max_model_len=128, max_num_seqs=4,
+                                     max_num_batched_tokens=64, return_logits=True)
+            outs = eng.generate([[t % TINY.vocab_size for t in p] for p in prompts], greedy)
+            logits[block_size] = [o.outputs[0].logits for o in outs]
+        else:
+            llm = models.LLM(request.getfixturevalue("header"), load_format="dummy", dtype="float32",
+                             attention_impl="reference", max_model_len=128, num_gpu_blocks=2048 // block_size,
+                             max_num_seqs=4, max_num_batched_tokens=64, block_size=block_size)
+            outs = llm.generate(prompts, greedy, use_tqdm=False)
+        got[block_size] = [o.outputs[0].token_ids for o in outs]
     assert got[64] == got[16] and all(len(t) == 6 for t in got[16])
+    assert len(logits.get(64, [])) == len(logits.get(16, [])) == (3 if model == "tiny" else 0)
+    for a, b in zip(logits.get(64, []), logits.get(16, [])):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)

@@ -391,7 +391,7 @@ def test_async_llm_abort_early_close_and_dead_engine():
     asyncio.run(scenario())
 
 
-def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_path):
+def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_reader):
     """The serving benchmark's requests are bench_throughput's (same loader, rule, seed), sent as ids."""
     import pathlib
     import sys
@@ -407,7 +407,7 @@ def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_path):
     text = json.dumps(records)
     path = tmp_path / "sharegpt.json"
     path.write_text(text[:-40])  # truncated mid-record, as the packaged file is
-    tok = GGUFTokenizer.from_gguf(gguf_path)
+    tok = GGUFTokenizer.from_gguf(gguf_reader)
     saved = tmp_path / "requests.json"
     args = bench_serving.parse_args(["--dataset", str(path), "--seed", "3", "--save-requests", str(saved)])
     got = bench_serving.load_requests(args, tok, 5)

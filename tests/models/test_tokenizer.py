@@ -11,13 +11,13 @@ from models.tokenizer import GGUFTokenizer
 
 
 @pytest.fixture(scope="module")
-def meta(gguf_path):
-    return read_gguf_metadata(gguf_path)
+def meta(gguf_reader):
+    return read_gguf_metadata(gguf_reader)
 
 
 @pytest.fixture(scope="module")
-def tok(gguf_path):
-    return GGUFTokenizer.from_gguf(gguf_path)
+def tok(gguf_reader):
+    return GGUFTokenizer.from_gguf(gguf_reader)
 
 
 ROUND_TRIP = [
