@@ -133,9 +133,14 @@ MGPU_DECODE_CONVERT_AHEAD = True
 # Mosaic bf16 52.5-103.2 % of copy bandwidth against Triton's 27.8-97.8 %, ahead at all 8 shapes (sessions
 # 9-13 too); Mosaic fp8 e4m3 (f16 compute, converter warpgroup) 33.4-87.6 % against Triton fp8's
 # 15.1-68.5 % (in fp8 bytes), ahead at all 8 (session 13 too; session 12, before the converter warpgroup:
-# behind at 256 x 1k). e5m2 and other head sizes are not in that grid (SmolLM2's 64 measured slower in its decode
-# step, session 9).
-MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset({(128, "bfloat16"), (128, "float8_e4m3fn")})
+# behind at 256 x 1k). Head size 256, bf16 (Gemma 3: 4 query heads, 1 KV head; session 14,
+# docs/logs/mgpu-decode-heads-h100/heads.txt, batch 1/64/256 x 256/1k/4k tokens, with and without a 512-token
+# sliding window): Mosaic 1.05-2.57x Triton's speed at all 18 shapes; Gemma 3's decode step (random weights,
+# 1k-token prompts) 1.663 -> 1.484 ms at batch 1, 2.205 -> 2.094 at batch 64. Head size 64 (SmolLM2: 9 query
+# heads, 3 KV heads): Mosaic faster at batch 1 (1.21-2.23x), slower at batch 64 and 256 (0.80-1.04x), so it
+# stays on Triton. e5m2 is not measured.
+MGPU_DECODE_FASTER: frozenset[tuple[int, str]] = frozenset(
+    {(128, "bfloat16"), (128, "float8_e4m3fn"), (256, "bfloat16")})
 
 
 def mgpu_decode_num_splits(num_seqs: int, num_kv_heads: int, max_num_blocks_per_seq: int, block_size: int,

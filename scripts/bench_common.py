@@ -9,12 +9,12 @@ _TEXT = ("The history of the city of Paris begins with a small settlement on an 
 
 
 def decode_prompts(tok, batch: int, length: int) -> list[list[int]]:
-    """``batch`` prompts of exactly ``length`` tokens (shifted windows of one English text), after the BOS
-    token where the tokenizer adds one (Gemma; SmolLM2 adds none, so its prompts are unchanged)."""
-    base = tok.encode(_TEXT)
+    """``batch`` prompts of exactly ``length`` tokens (shifted windows of one English text, repeated as often
+    as a long prompt needs), after the BOS token where the tokenizer adds one (Gemma; SmolLM2 adds none, so
+    its prompts are unchanged)."""
+    text = tok.encode(_TEXT)
+    base = text * -(-(length + 7) // len(text))
     bos = tok.encode("", add_special_tokens=True)
-    if length + 7 > len(base):
-        raise ValueError(f"length={length} exceeds the benchmark text ({len(base) - 7} tokens)")
     if length <= len(bos):
         raise ValueError(f"length={length} leaves no text token after the BOS token")
     return [bos + base[i % 7: i % 7 + length - len(bos)] for i in range(batch)]
