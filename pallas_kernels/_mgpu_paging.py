@@ -15,7 +15,6 @@ import functools
 from typing import Callable
 
 import jax
-
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl

@@ -31,10 +31,9 @@ sequence) with two warpgroups:
 Slots a sequence does not own (past ``seq_len`` in its last page, pages outside the sliding window that
 share a step with visible ones) are read but get ``-inf`` logits, and their V rows are zeroed in shared
 memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN); steps without such slots skip both.
-fp8 pages are copied as fp8 (half
-the bytes of bf16), converted to the compute dtype in registers and written to a 16-bit tile for
-``wgmma``: on the persistent kernel by default by a third, *converter* warpgroup into a ring of 16-bit
-slots (``producer_converts``; it also moves each item's query into the swizzled tile), else by the compute
+fp8 pages are copied as fp8 (half the bytes of bf16), converted to the compute dtype in registers and
+written to a 16-bit tile for ``wgmma``: on the persistent kernel by default by a third, *converter*
+warpgroup into a ring of 16-bit slots (``producer_converts``; it also moves each item's query into the swizzled tile), else by the compute
 warpgroup beside the other operand's ``wgmma`` (``convert_ahead``); ``k_scale`` is folded into the logit
 scale, ``v_scale`` into the output.
 
@@ -243,8 +242,7 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             plgpu.barrier_arrive(k_consumed.at[slot])
         # Only steps that reach past the sequence's end or start before the window hold invisible slots:
         # their logits are masked and their V rows zeroed; the other steps skip both (a branch per step:
-        # 6-7 % less fp8 kernel time at batch >= 64 on the H100, where the compute warpgroup's chain per
-        # step is the bound; docs/perf-notes.md).
+        # 6-7 % less fp8 kernel time at batch >= 64 on the H100; docs/perf-notes.md, session 14).
         edge = (first_token + block_kv > seq_len) | (first_token < window_start)
         with jax.named_scope("softmax"):
             logits = logits * k_factor
