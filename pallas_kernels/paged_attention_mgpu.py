@@ -33,9 +33,9 @@ share a step with visible ones) are read but get ``-inf`` logits, and their V ro
 memory before ``P V`` (the page may hold NaN, and ``0 * NaN`` is NaN); steps without such slots skip both.
 fp8 pages are copied as fp8 (half the bytes of bf16), converted to the compute dtype in registers and
 written to a 16-bit tile for ``wgmma``: on the persistent kernel by default by a third, *converter*
-warpgroup into a ring of 16-bit slots (``producer_converts``; it also moves each item's query into the swizzled tile), else by the compute
-warpgroup beside the other operand's ``wgmma`` (``convert_ahead``); ``k_scale`` is folded into the logit
-scale, ``v_scale`` into the output.
+warpgroup into a ring of 16-bit slots (``producer_converts``; it also moves each item's query into the
+swizzled tile), else by the compute warpgroup beside the other operand's ``wgmma`` (``convert_ahead``);
+``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
 
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
