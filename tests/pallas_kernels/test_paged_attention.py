@@ -9,7 +9,7 @@ import pytest
 
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
-from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
+from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err, slow
 
 ON_GPU = jax.default_backend() == "gpu"  # the tests marked "compiled on a GPU" run interpreted elsewhere
 
@@ -279,8 +279,17 @@ EXTRAS = [
 ]
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-@pytest.mark.parametrize("extra", EXTRAS, ids=lambda e: "-".join(f"{k}={v}" for k, v in e.items()))
+def _extra_id(extra, num_splits):
+    return "-".join(f"{k}={v}" for k, v in extra.items()) + f"-{num_splits}"
+
+
+# Every extra with 3 splits (partitions a window leaves empty, the merge), all of them together with one;
+# each alone with one split as well with JAXKV_SLOW=1 (the masks are the same code with any split).
+EXTRA_CASES = ([pytest.param(e, 3, id=_extra_id(e, 3)) for e in EXTRAS]
+               + [pytest.param(e, 1, id=_extra_id(e, 1), marks=() if e is EXTRAS[-1] else slow) for e in EXTRAS])
+
+
+@pytest.mark.parametrize("extra,num_splits", EXTRA_CASES)
 def test_decode_extras_match_loop(rng, extra, num_splits):
     """Sliding window, soft cap and ALiBi, alone and together, vs the float64 loop."""
     bs, nh, nkv, d = 16, 6, 2, 64
