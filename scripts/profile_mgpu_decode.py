@@ -112,7 +112,10 @@ def main(argv=None) -> int:
             once = {"reps": 1} if "reps" in inspect.signature(time_calls).parameters else {}   # CUPTI timer
             profiled = statistics.median(time_calls(fn, ins, 5, **once)) * 1e6
             trace = sorted(glob.glob(os.path.join(out_dir, "*-trace.json")))[-1]
-            warpgroups = 3 if fp8 and mgpu.tuning.MGPU_DECODE_PRODUCER_CONVERTS else 2
+            converter = extra.get("producer_converts")   # resolved as the kernel resolves it (a third warpgroup)
+            if converter is None:
+                converter = mgpu.tuning.MGPU_DECODE_PRODUCER_CONVERTS
+            warpgroups = 3 if fp8 and converter and extra.get("persistent", True) else 2
             s = summarize(trace, warpgroups)
             print(f"\n{shape} {dt}: {plain:.1f} us without the profiler, {profiled:.1f} us with it; trace {trace}")
             for role in ROLES[:warpgroups]:
