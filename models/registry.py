@@ -106,6 +106,11 @@ def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto"):
     return config, weights, GGUFTokenizer.from_gguf(reader)
 
 
+def load_tokenizer(path) -> GGUFTokenizer:
+    """The tokenizer of a checkpoint alone (no weights): what a front end needs beside engine cores."""
+    return GGUFTokenizer.from_gguf(open_gguf(path))
+
+
 def load_config(path):
     """The model config from the GGUF's metadata alone (no weights)."""
     from models.gemma3_loader import gemma3_config_from_metadata

@@ -95,6 +95,7 @@ class Request:
         self.new_token_ids: list[int] = []  # tokens of the last step
         self.num_output_placeholders = 0  # tokens sampled by dispatched steps, not yet back
         self.logits: list = []  # per generated token, only when the engine returns logits
+        self.final_only = False  # an engine core sends its tokens once, at the end (vLLM FINAL_ONLY)
 
     @property
     def num_tokens(self) -> int:

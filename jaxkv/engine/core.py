@@ -30,6 +30,7 @@ from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
 from jaxkv.engine.model_runner import ModelFn, ModelRunner
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
+from jaxkv.engine.protocol import EngineCoreOutput
 from jaxkv.engine.sampling_params import SamplingParams
 
 
@@ -243,9 +244,12 @@ class LLMEngine:
         return kv
 
     # -- requests -------------------------------------------------------------------------------------
-    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams
-                    ) -> None:
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    *, final_only: bool = False) -> None:
         """Queue a request (WAITING). vLLM: ``LLMEngine.add_request``.
+
+        ``final_only``: :meth:`step_core_outputs` reports it only when it finishes (vLLM
+        ``RequestOutputKind.FINAL_ONLY``).
 
         Raises:
             ValueError: a live request with this id, an empty prompt, a prompt of ``>= max_model_len``
@@ -276,9 +280,28 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r}: {len(req.stop_ids_for_min_tokens)} EOS/stop token "
                              f"ids with min_tokens > 0; max_num_stop_token_ids="
                              f"{self.runner.max_num_stop_token_ids}")
+        req.final_only = final_only
         self._arrivals += 1
         self._requests[request_id] = req
         self.scheduler.add_request(req)
+
+    def add_requests(self, requests: Iterable[tuple[str, list[int], SamplingParams, bool]]) -> None:
+        """Queue ``(request_id, prompt_token_ids, sampling_params, final_only)`` requests: all or none.
+
+        Raises:
+            ValueError: what :meth:`add_request` raises for one of them; none of them is then queued
+                (and no output is produced for them).
+        """
+        added: list[str] = []
+        try:
+            for rid, prompt, params, final_only in requests:
+                self.add_request(rid, prompt, params, final_only=final_only)
+                added.append(rid)
+        except ValueError:
+            aborted = len(self._aborted)
+            self.abort_request(added)
+            del self._aborted[aborted:]  # rolled back, not aborted: no output for them
+            raise
 
     def abort_request(self, request_id: str | Iterable[str]) -> None:
         """Finish requests as aborted and free their blocks now; unknown ids are ignored. Their final
@@ -313,6 +336,29 @@ class LLMEngine:
         Returns:
             A :class:`RequestOutput` for every request that got tokens or finished (aborts included).
         """
+        aborted, touched = self.step_requests()
+        return [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
+
+    def step_core_outputs(self) -> list[EngineCoreOutput]:
+        """:meth:`step` as an engine-core process sends it: only token ids, one
+        :class:`EngineCoreOutput` per request that got tokens or finished; a request added with
+        ``final_only`` appears once, when it finishes, with all its tokens."""
+        aborted, touched = self.step_requests()
+        outs = []
+        for req in aborted + touched:
+            finished = req.is_finished
+            if req.final_only and not finished:
+                continue
+            outs.append(EngineCoreOutput(
+                req.request_id, list(req.output_token_ids) if req.final_only else req.new_token_ids,
+                RequestStatus.get_finished_reason(req.status) if finished else None, req.stop_reason,
+                req.num_cached_prompt_tokens or 0))
+        return outs
+
+    def step_requests(self) -> tuple[list[Request], list[Request]]:
+        """One step (see :meth:`step`); returns ``(aborted, touched)``: the requests aborted since the
+        last step and those that got tokens in this one (finished ones included), without building
+        outputs."""
         t0 = time.perf_counter()
         aborted, self._aborted = self._aborted, []
         compiles = self.num_compiles
@@ -323,7 +369,7 @@ class LLMEngine:
             t_sched = time.perf_counter() - t0
             if sched.is_empty:
                 self._busy_until = None
-                return [self._output(r) for r in aborted]
+                return aborted, []
             t = time.perf_counter()
             self._inflight = (sched, self._execute(sched, None))
             t_exec = time.perf_counter() - t
@@ -361,7 +407,6 @@ class LLMEngine:
         if not loop:
             c["num_prompt_tokens_computed"] += sum(n for (_, n), k in zip(sched.scheduled, sched.samples)
                                                    if n > 1 or not k)
-        outputs = [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
         for req in touched:
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
@@ -377,7 +422,7 @@ class LLMEngine:
             c["decode_s"] += t1 - t0
             c["decode_steps"] += loop
             c["decode_tokens"] += generated
-        return outputs
+        return aborted, touched
 
     def _note_idle(self, queued) -> None:
         """Right after a dispatch (input preparation included): if the device had nothing else to run
@@ -432,15 +477,7 @@ class LLMEngine:
         for i, p in enumerate(prompt_token_ids):  # validate all before adding any
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}] is empty")
-        added = []
-        try:
-            for rid, p, sp in zip(ids, prompt_token_ids, params):
-                self.add_request(rid, p, sp)
-                added.append(rid)
-        except ValueError:
-            self.abort_request(added)
-            self._aborted = []
-            raise
+        self.add_requests((rid, p, sp, True) for rid, p, sp in zip(ids, prompt_token_ids, params))
         final: dict[str, RequestOutput] = {}
         wanted = set(ids)
         while len(final) < len(ids):

@@ -10,20 +10,17 @@ from __future__ import annotations
 
 import logging
 import os
+import pathlib
 import time
 from typing import Any, Mapping, Sequence
 
-import jax
-import jax.numpy as jnp
-from flax import nnx
-
-import jaxkv
-import jaxkv.parallel
 from jaxkv import RequestOutput, SamplingParams
+from jaxkv.engine.core_client import DataParallelConfig, EngineDeadError, SyncMPClient
+from jaxkv.engine.outputs import CompletionOutput
+from jaxkv.engine.protocol import EngineCoreRequest
 from models import registry
-from models.parallel import check_llama_tensor_parallel
+from models.entrypoints.engine_args import EngineArgs, EngineCoreFactory, build_engine, multiprocessing_enabled
 from models.registry import resolve_model
-from models.runner import kv_cache_spec
 
 log = logging.getLogger(__name__)
 
@@ -33,123 +30,114 @@ __all__ = ["LLM", "resolve_model"]
 class LLM:
     """Load a model, size its paged KV cache, and generate with continuous batching.
 
+    By default the engine runs in engine-core processes of its own (one per data-parallel rank, vLLM V1's
+    ``EngineCoreProc``), reached through :class:`jaxkv.engine.core_client.SyncMPClient`; this object keeps
+    the tokenizer and turns token ids into :class:`RequestOutput` s. ``enable_multiprocessing=False`` (or
+    ``JAXKV_ENABLE_MULTIPROCESSING=0``; vLLM's ``VLLM_ENABLE_V1_MULTIPROCESSING=0``) builds the engine in
+    this process instead (tests, debugging): same engine, same greedy outputs, and ``llm.engine`` /
+    ``llm.model`` are then the live objects.
+
     Args:
         model: ``"smollm2-135m"``, ``"gemma3-270m"`` or a GGUF path (architecture ``llama`` or ``gemma3``;
             Gemma 3 runs with hybrid KV-cache groups: sliding-window layers keep only their window's blocks).
-        dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``,
-            ``"float16"``.
-        kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
-        block_size: tokens per block.
-        max_model_len: longest sequence (default: the model's ``max_position_embeddings``, at most 4096).
-        max_num_seqs, max_num_batched_tokens, enable_prefix_caching, long_prefill_token_threshold,
-            num_scheduler_steps, max_admission_delay_steps, async_scheduling, seed: see :class:`jaxkv.LLMEngine` (``max_num_batched_tokens`` defaults
-            to ``max(2048, max_num_seqs)``; ``max_admission_delay_steps`` defaults to 8 here, 0 in
-            the engine: a waiting request may wait up to 8 decode steps so the device runs whole
-            decode loops; on an H200, 4000 ShareGPT requests, that gave 1.81x the output tokens/s
-            of 0, docs/benchmarks.md; 0 admits at once, as vLLM).
-        gpu_memory_utilization: fraction of device memory for weights + cache (used when
-            ``num_gpu_blocks`` is not given, on a device that reports its memory).
-        num_gpu_blocks: cache size in blocks (vLLM ``num_gpu_blocks_override``); on a device without
-            memory statistics (CPU) the default is enough blocks for ``max_num_seqs`` sequences of
-            ``max_model_len`` tokens, at most 1024 blocks.
-        attention_impl: ``"pallas"`` / ``"pallas_interpret"`` / ``"reference"`` (default per device).
-        return_logits: keep the logits of every sampled token (tests).
-        tensor_parallel_size: devices each model replica is split over (heads and MLP, Megatron-style;
-            vLLM ``tensor_parallel_size``).
-        data_parallel_size: model replicas, each with its own KV block pool; every request runs on one
-            (vLLM ``data_parallel_size``). With either above 1 the model runs on a ``(dp, tp)``
-            :func:`jaxkv.parallel.make_mesh` mesh of ``dp * tp`` devices; ``num_gpu_blocks`` is then per
-            ``dp`` rank, while ``max_num_seqs`` / ``max_num_batched_tokens`` stay engine-wide (all ranks;
-            vLLM sets them per rank).
-        load_format: ``"auto"`` (the GGUF's weights) or ``"dummy"`` (vLLM's ``--load-format dummy``:
-            config and tokenizer from the GGUF's metadata, random weights from ``seed``; for speed
-            measurements, with a header-only GGUF from ``scripts/make_header_gguf.py``).
+        dtype, kv_cache_dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+            gpu_memory_utilization, num_gpu_blocks, enable_prefix_caching, long_prefill_token_threshold,
+            num_scheduler_steps, max_admission_delay_steps, async_scheduling, attention_impl, seed,
+            return_logits, tensor_parallel_size, load_format, compile_ahead, compilation_cache_dir: see
+            :class:`models.entrypoints.engine_args.EngineArgs` (the defaults are shared with ``serve.py``
+            and ``bench_throughput.py``). ``max_num_seqs``, ``max_num_batched_tokens`` and ``num_gpu_blocks``
+            are per data-parallel rank (vLLM's semantics). ``return_logits`` needs the in-process engine.
+        data_parallel_size: independent engine replicas, each in its own process on its own
+            ``tensor_parallel_size`` devices, with its own scheduler and block pool; each request runs on
+            the rank with the fewest outstanding requests (vLLM ``data_parallel_size``).
+        enable_multiprocessing: see above (``None``: the environment variable, default on).
 
     Raises:
         ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block, too few
-            devices for the mesh, head counts that do not split over ``tensor_parallel_size`` (the
-            message lists the valid sizes).
+            devices, head counts that do not split over ``tensor_parallel_size`` (the message lists the
+            valid sizes).
+        EngineDeadError: an engine-core process failed while starting for another reason.
     """
 
-    def __init__(self, model: str | os.PathLike = "smollm2-135m", *, dtype: str = "auto",
-                 kv_cache_dtype: str = "auto", block_size: int = 16, max_model_len: int | None = None,
-                 max_num_seqs: int = 256, max_num_batched_tokens: int | None = None,
-                 gpu_memory_utilization: float = 0.9, num_gpu_blocks: int | None = None,
-                 enable_prefix_caching: bool = True, long_prefill_token_threshold: int = 0,
-                 num_scheduler_steps: int = 8, max_admission_delay_steps: int = 8,
-                 async_scheduling: bool = False, attention_impl: str | None = None, seed: int = 0,
-                 return_logits: bool = False, tensor_parallel_size: int = 1, data_parallel_size: int = 1,
-                 load_format: str = "auto"):
-        path = resolve_model(model)
-        self.mesh = jaxkv.parallel.make_mesh(tensor_parallel_size, data_parallel_size)
-        if tensor_parallel_size * data_parallel_size == 1:
-            self.mesh = None  # one device: no mesh, exactly the single-device program
-        on_gpu = jax.default_backend() == "gpu"
-        if dtype == "auto":
-            dtype = "bfloat16" if on_gpu else "float32"
-        if dtype not in ("float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={dtype!r} not one of auto, float32, bfloat16, float16")
-        self.dtype = jnp.dtype(dtype)
-        self.attention_impl = jaxkv.attention.check_attention_impl(
-            attention_impl or jaxkv.default_attention_impl())
-        snapshot = None
-        if num_gpu_blocks is None and _has_memory_stats():
-            snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
-        self.config, weights, self.tokenizer = registry.load_checkpoint(path, progress=False,
-                                                                        load_format=load_format)
-        if self.mesh is not None:
-            registry.check_mesh_support(self.config)
-            check_llama_tensor_parallel(self.config, tensor_parallel_size)
-        self.model = registry.build_model(self.config, weights, dtype=self.dtype, seed=seed)
-        del weights
-        self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
-        if self.max_model_len > self.config.max_position_embeddings:
-            raise ValueError(f"max_model_len={self.max_model_len} > the model's max_position_embeddings="
-                             f"{self.config.max_position_embeddings}")
-        max_num_batched_tokens = max_num_batched_tokens or max(2048, max_num_seqs)
-        cache_dtype = jaxkv.resolve_kv_cache_dtype(kv_cache_dtype, self.dtype)
-        if num_gpu_blocks is None:
-            num_gpu_blocks = self._blocks_from_memory(snapshot, gpu_memory_utilization, block_size,
-                                                      cache_dtype, max_num_seqs, max_num_batched_tokens)
-        self.num_gpu_blocks = num_gpu_blocks
-        parts = registry.make_engine_caches(self.model, block_size=block_size, num_blocks=num_gpu_blocks,
-                                            dtype=cache_dtype, attention_impl=self.attention_impl,
-                                            mesh=self.mesh)
-        if self.mesh is not None:
-            nnx.update(self.model, parts.params)  # the sharded weights replace the single-device copy
-        self.kv_cache_config = parts.kv_cache_config
-        self.engine = jaxkv.LLMEngine(
-            parts.model_fn, parts.params, parts.kv_caches, kv_cache_groups=parts.kv_cache_groups,
-            block_size=block_size, max_model_len=self.max_model_len,
-            max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            enable_prefix_caching=enable_prefix_caching, eos_token_id=self.tokenizer.stop_token_ids,
-            long_prefill_token_threshold=long_prefill_token_threshold,
-            num_scheduler_steps=num_scheduler_steps, max_admission_delay_steps=max_admission_delay_steps,
-            async_scheduling=async_scheduling,
-            seed=seed, return_logits=return_logits, mesh=self.mesh)
+    def __init__(self, model: str | os.PathLike = "smollm2-135m", *, data_parallel_size: int = 1,
+                 enable_multiprocessing: bool | None = None, **engine_kwargs):
+        self.engine_args = EngineArgs(model=str(model), **engine_kwargs)
+        if data_parallel_size < 1:
+            raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
+        self.data_parallel_size = data_parallel_size
+        self.multiprocessing = multiprocessing_enabled(enable_multiprocessing) and not self.engine_args.return_logits
+        self.engine = None  # the in-process engine (multiprocessing off)
+        self.model = None
+        self._client = None
+        self._next_id = 0
         self.last_summary: dict[str, float] = {}
-        log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens%s, attention=%s, mesh=%s",
-                 path.name, self.dtype, cache_dtype, num_gpu_blocks, block_size,
-                 " per dp rank" if self.mesh is not None else "", self.attention_impl,
-                 None if self.mesh is None else dict(self.mesh.shape))
+        if not self.multiprocessing:
+            if data_parallel_size > 1:
+                raise ValueError(f"data_parallel_size={data_parallel_size} needs the engine-core processes "
+                                 "(enable_multiprocessing=True): each rank is its own engine")
+            built = build_engine(self.engine_args)
+            self.engine, self.model, self.config = built.engine, built.model, built.config
+            self.tokenizer, self.kv_cache_config, self.mesh = built.tokenizer, built.kv_cache_config, built.mesh
+            self.engine_info = [built.info]
+        else:
+            path = resolve_model(self.engine_args.model)  # a bad name fails here, before any process starts
+            self.tokenizer = registry.load_tokenizer(path)
+            self.config = registry.load_config(path)
+            self._client = SyncMPClient(
+                EngineCoreFactory(self.engine_args),
+                DataParallelConfig(data_parallel_size=data_parallel_size,
+                                   devices_per_rank=self.engine_args.tensor_parallel_size))
+            try:
+                self.engine_info = self._client.wait_ready()
+            except EngineDeadError as e:
+                self._client.shutdown()
+                if e.error_type in ("ValueError", "FileNotFoundError"):
+                    raise (ValueError if e.error_type == "ValueError" else FileNotFoundError)(e.message) from None
+                raise
+        info = self.engine_info[0]
+        self.num_gpu_blocks = info["num_gpu_blocks"]
+        self.max_model_len = info["max_model_len"]
+        self.attention_impl = info["attention_impl"]
+        self.dtype = info["dtype"]
+        log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens per rank, attention=%s, tp=%d, dp=%d, %s",
+                 pathlib.Path(info["model"]).name, self.dtype, info["kv_cache_dtype"], self.num_gpu_blocks,
+                 info["block_size"], self.attention_impl, info["tensor_parallel_size"], data_parallel_size,
+                 "engine-core processes" if self.multiprocessing else "in-process engine")
 
-    def _blocks_from_memory(self, snapshot, utilization, block_size, cache_dtype, max_num_seqs,
-                            max_num_batched_tokens) -> int:
-        spec = kv_cache_spec(self.config, block_size=block_size, dtype=cache_dtype)
-        dp, _ = jaxkv.parallel.mesh_sizes(self.mesh)
-        if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
-            per_seq = registry.blocks_per_sequence(self.config, self.max_model_len, block_size=block_size,
-                                                   max_num_batched_tokens=max_num_batched_tokens)
-            return min(max(1024, per_seq), -(-max_num_seqs // dp) * per_seq)
-        devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
-        in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
-        # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
-        activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size
-                          + 64 * max_num_batched_tokens * self.config.hidden_size * 4)
-        return jaxkv.num_blocks_from_device_memory(
-            spec, num_layers=registry.num_cache_tensors(self.config), gpu_memory_utilization=utilization,
-            reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes,
-            free_bytes=snapshot.free_bytes, mesh=self.mesh)
+    @property
+    def llm_engine(self):
+        """The in-process :class:`jaxkv.LLMEngine` (``None`` with engine-core processes). vLLM: ``llm_engine``."""
+        return self.engine
+
+    @property
+    def engine_pids(self) -> list[int]:
+        """The engine-core processes' ids (empty in-process)."""
+        return [] if self._client is None else self._client.pids
+
+    def get_engine_stats(self) -> list[dict]:
+        """Every rank's engine counters (:class:`jaxkv.engine.EngineStats` fields as a dict), by rank."""
+        if self._client is None:
+            from jaxkv.engine.core_proc import engine_stats
+            return [engine_stats(self.engine)]
+        return self._client.call_utility("stats")
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block on every rank (vLLM ``LLM.reset_prefix_cache``)."""
+        if self._client is None:
+            self.engine.reset_prefix_cache()
+        else:
+            self._client.call_utility("reset_prefix_cache")
+
+    def shutdown(self) -> None:
+        """Stop the engine-core processes now (otherwise when this object is collected or at exit)."""
+        if self._client is not None:
+            self._client.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
 
     def get_tokenizer(self):
         return self.tokenizer
@@ -189,7 +177,10 @@ class LLM:
                 bar.update(1)
 
         try:
-            outputs = self.engine.generate(token_ids, sampling_params, progress=progress)
+            if self._client is None:
+                outputs = self.engine.generate(token_ids, sampling_params, progress=progress)
+            else:
+                outputs = self._generate_mp(token_ids, sampling_params, progress)
         finally:
             if bar is not None:
                 bar.close()
@@ -204,6 +195,38 @@ class LLM:
             for c in out.outputs:
                 c.text = self.tokenizer.decode(c.token_ids)
         return outputs
+
+    def _generate_mp(self, token_ids: list[list[int]], sampling_params, progress) -> list[RequestOutput]:
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(token_ids))
+        if len(params) != len(token_ids):
+            raise ValueError(f"{len(params)} sampling_params for {len(token_ids)} prompts")
+        for i, p in enumerate(token_ids):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+        base = f"gen-{self._next_id}-"
+        self._next_id += 1
+        ids = [f"{base}{i}" for i in range(len(token_ids))]
+        self._client.add_requests([EngineCoreRequest(rid, p, sp, final_only=True)
+                                   for rid, p, sp in zip(ids, token_ids, params)])
+        index = {rid: i for i, rid in enumerate(ids)}
+        final: list[RequestOutput | None] = [None] * len(ids)
+        left = len(ids)
+        while left:
+            for o in self._client.get_output().outputs:
+                i = index.get(o.request_id)
+                if i is None or not o.finished or final[i] is not None:
+                    continue
+                completion = CompletionOutput(index=0, token_ids=list(o.new_token_ids),
+                                              new_token_ids=list(o.new_token_ids),
+                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                final[i] = RequestOutput(request_id=o.request_id, prompt_token_ids=token_ids[i],
+                                         outputs=[completion], finished=True,
+                                         num_cached_tokens=o.num_cached_tokens)
+                left -= 1
+                if progress is not None:
+                    progress(final[i])
+        return final
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None, *,
@@ -237,8 +260,3 @@ class LLM:
                 raise ValueError(f"prompts[{i}]={p!r} is not a string, token ids or "
                                  "{'prompt_token_ids': [...]}")
         return texts, ids
-
-
-def _has_memory_stats() -> bool:
-    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
-    return bool(stats) and "bytes_limit" in stats

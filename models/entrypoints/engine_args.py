@@ -1,0 +1,252 @@
+"""``EngineArgs``: every engine option in one picklable object, and the engine built from it.
+
+vLLM: ``vllm/engine/arg_utils.py`` (``EngineArgs``). The front ends (``LLM``, ``scripts/serve.py``,
+``scripts/bench_throughput.py``) fill one :class:`EngineArgs` with the same defaults; :func:`build_engine`
+turns it into a :class:`jaxkv.LLMEngine` in the process that owns the device: an engine-core process
+(through :class:`EngineCoreFactory`, pickled by reference, so ``jaxkv`` never imports ``models``) or, with
+multiprocessing off, the caller's own process.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from typing import Any
+
+log = logging.getLogger(__name__)
+
+ENV_MULTIPROCESSING = "JAXKV_ENABLE_MULTIPROCESSING"  # vLLM: VLLM_ENABLE_V1_MULTIPROCESSING
+
+
+def default_compilation_cache_dir() -> str:
+    """``$JAX_COMPILATION_CACHE_DIR`` if set, else ``$XDG_CACHE_HOME/jaxkv/jax-compilation-cache`` (default
+    ``~/.cache/jaxkv/...``)."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        return os.environ["JAX_COMPILATION_CACHE_DIR"]
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "jaxkv", "jax-compilation-cache")
+
+
+def multiprocessing_enabled(flag: bool | None) -> bool:
+    """``flag``, or (``None``) ``$JAXKV_ENABLE_MULTIPROCESSING`` (default on; ``0`` turns it off)."""
+    if flag is not None:
+        return bool(flag)
+    return os.environ.get(ENV_MULTIPROCESSING, "1").strip().lower() not in ("0", "false", "no", "off")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class EngineArgs:
+    """Options of one engine (one data-parallel rank). The defaults are the fastest measured correct
+    configuration, shared by ``LLM``, ``serve.py`` and ``bench_throughput.py`` (docs/benchmarks.md).
+
+    Attributes:
+        model: a model name, a GGUF path (see :func:`models.resolve_model`).
+        dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``, ``"float16"``.
+        kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
+        block_size: tokens per block.
+        max_model_len: longest sequence (default: the model's ``max_position_embeddings``, at most 4096).
+        max_num_seqs, max_num_batched_tokens: per-step limits of this engine (per data-parallel rank, as in
+            vLLM); ``max_num_batched_tokens`` defaults to ``max(2048, max_num_seqs)``.
+        gpu_memory_utilization: share of device memory for weights + cache (without ``num_gpu_blocks``).
+        num_gpu_blocks: cache size in blocks (vLLM ``num_gpu_blocks_override``).
+        enable_prefix_caching, long_prefill_token_threshold, num_scheduler_steps, max_admission_delay_steps,
+            async_scheduling, seed, return_logits: see :class:`jaxkv.LLMEngine`.
+        attention_impl: ``"pallas"`` / ``"pallas_interpret"`` / ``"reference"`` / ... (default per device).
+        tensor_parallel_size: devices the model is split over (heads and MLP).
+        load_format: ``"auto"`` or ``"dummy"`` (random weights; speed runs).
+        compile_ahead: ``"auto"`` (on GPU), ``"on"`` or ``"off"``: compile every step bucket before the
+            engine reports ready (vLLM captures its CUDA graphs at start-up).
+        compile_top_k_top_p: with ``compile_ahead``, also each bucket's top-k/top-p program.
+        compilation_cache_dir: JAX's persistent compilation cache (``"auto"``:
+            :func:`default_compilation_cache_dir`; ``None`` or ``""``: off), so a second start of the same
+            model and settings loads its programs instead of compiling them.
+    """
+
+    model: str = "smollm2-135m"
+    dtype: str = "auto"
+    kv_cache_dtype: str = "auto"
+    block_size: int = 16
+    max_model_len: int | None = None
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks: int | None = None
+    enable_prefix_caching: bool = True
+    long_prefill_token_threshold: int = 0
+    num_scheduler_steps: int = 8
+    max_admission_delay_steps: int = 8
+    async_scheduling: bool = True
+    attention_impl: str | None = None
+    seed: int = 0
+    return_logits: bool = False
+    tensor_parallel_size: int = 1
+    load_format: str = "auto"
+    compile_ahead: str = "auto"
+    compile_top_k_top_p: bool = False
+    compilation_cache_dir: str | None = "auto"
+
+    def __post_init__(self):
+        if self.compile_ahead not in ("auto", "on", "off"):
+            raise ValueError(f"compile_ahead={self.compile_ahead!r} is not one of auto, on, off")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype={self.dtype!r} not one of auto, float32, bfloat16, float16")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+
+    def replace(self, **changes) -> "EngineArgs":
+        return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass
+class BuiltEngine:
+    """:func:`build_engine`'s result: the engine and what an in-process front end may want to see."""
+
+    engine: Any
+    model: Any
+    config: Any
+    tokenizer: Any
+    kv_cache_config: Any
+    mesh: Any
+    info: dict[str, Any]
+
+
+def configure_compilation_cache(cache_dir: str | None) -> str | None:
+    """Turn on JAX's persistent compilation cache at ``cache_dir`` ("auto": the default directory) unless
+    this process already configured one; every program is cached (no minimum compile time). Returns the
+    directory in use."""
+    import jax
+    from jax._src import compilation_cache
+
+    if not cache_dir:
+        return jax.config.jax_compilation_cache_dir
+    if jax.config.jax_compilation_cache_dir:  # the caller (or JAX_COMPILATION_CACHE_DIR) chose already
+        return jax.config.jax_compilation_cache_dir
+    path = default_compilation_cache_dir() if cache_dir == "auto" else cache_dir
+    pathlib.Path(path).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    compilation_cache.reset_cache()
+    return path
+
+
+def build_engine(args: EngineArgs) -> BuiltEngine:
+    """Load ``args.model``, size its paged KV cache, build the engine (and compile ahead if asked).
+
+    Raises:
+        ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block, too few
+            devices, head counts that do not split over ``tensor_parallel_size``.
+        FileNotFoundError: the model's files are missing.
+    """
+    import jax
+    import jax.numpy as jnp
+    from flax import nnx
+
+    import jaxkv
+    import jaxkv.parallel
+    from models import registry
+    from models.parallel import check_llama_tensor_parallel
+    from models.registry import resolve_model
+    from models.runner import kv_cache_spec
+
+    t_start = time.perf_counter()
+    cache_dir = configure_compilation_cache(args.compilation_cache_dir)
+    path = resolve_model(args.model)
+    tp = args.tensor_parallel_size
+    mesh = jaxkv.parallel.make_mesh(tp, 1) if tp > 1 else None  # one device: exactly the plain program
+    on_gpu = jax.default_backend() == "gpu"
+    dtype = jnp.dtype(("bfloat16" if on_gpu else "float32") if args.dtype == "auto" else args.dtype)
+    attention_impl = jaxkv.attention.check_attention_impl(args.attention_impl or jaxkv.default_attention_impl())
+    snapshot = None
+    if args.num_gpu_blocks is None and _has_memory_stats():
+        snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
+    config, weights, tokenizer = registry.load_checkpoint(path, progress=False, load_format=args.load_format)
+    if mesh is not None:
+        registry.check_mesh_support(config)
+        check_llama_tensor_parallel(config, tp)
+    model = registry.build_model(config, weights, dtype=dtype, seed=args.seed)
+    del weights
+    max_model_len = args.max_model_len or min(config.max_position_embeddings, 4096)
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} > the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
+    cache_dtype = jaxkv.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    num_blocks = args.num_gpu_blocks
+    if num_blocks is None:
+        spec = kv_cache_spec(config, block_size=args.block_size, dtype=cache_dtype)
+        num_blocks = _blocks_from_memory(config, spec, snapshot, mesh, args, max_model_len, max_num_batched_tokens)
+    parts = registry.make_engine_caches(model, block_size=args.block_size, num_blocks=num_blocks,
+                                        dtype=cache_dtype, attention_impl=attention_impl, mesh=mesh)
+    if mesh is not None:
+        nnx.update(model, parts.params)  # the sharded weights replace the single-device copy
+    engine = jaxkv.LLMEngine(
+        parts.model_fn, parts.params, parts.kv_caches, kv_cache_groups=parts.kv_cache_groups,
+        block_size=args.block_size, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
+        eos_token_id=tokenizer.stop_token_ids, long_prefill_token_threshold=args.long_prefill_token_threshold,
+        num_scheduler_steps=args.num_scheduler_steps, max_admission_delay_steps=args.max_admission_delay_steps,
+        async_scheduling=args.async_scheduling, seed=args.seed, return_logits=args.return_logits, mesh=mesh)
+    t_built = time.perf_counter()
+    warmup_s = 0.0
+    if args.compile_ahead == "on" or (args.compile_ahead == "auto" and on_gpu):
+        engine.warmup(top_k_top_p=args.compile_top_k_top_p)
+        warmup_s = time.perf_counter() - t_built
+    caches = list(engine.kv_caches)
+    info = dict(model=str(path), device=f"{jax.default_backend()}:{jax.devices()[0].device_kind}",
+                attention_impl=attention_impl, dtype=str(dtype), kv_cache_dtype=str(cache_dtype),
+                num_gpu_blocks=int(num_blocks), block_size=args.block_size,
+                kv_cache_tokens=int(num_blocks) * args.block_size,
+                kv_cache_mib=round(sum(int(c.size) * c.dtype.itemsize for c in caches) / 2**20, 1),
+                max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
+                max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp,
+                num_buckets=engine.num_buckets, num_compiles=engine.num_compiles,
+                load_s=round(t_built - t_start, 2), warmup_s=round(warmup_s, 2),
+                compilation_cache_dir=cache_dir, async_scheduling=args.async_scheduling,
+                prefix_caching=args.enable_prefix_caching)
+    log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
+    return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineCoreFactory:
+    """The picklable ``() -> (engine, info)`` an engine-core process runs (:mod:`jaxkv.engine.core_proc`)."""
+
+    args: EngineArgs
+
+    def __call__(self):
+        built = build_engine(self.args)
+        return built.engine, built.info
+
+
+def _has_memory_stats() -> bool:
+    import jax
+    stats = getattr(jax.devices()[0], "memory_stats", lambda: None)()
+    return bool(stats) and "bytes_limit" in stats
+
+
+def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_model_len: int,
+                        max_num_batched_tokens: int) -> int:
+    import jax
+
+    import jaxkv
+    from models import registry
+
+    if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
+        per_seq = registry.blocks_per_sequence(config, max_model_len, block_size=args.block_size,
+                                               max_num_batched_tokens=max_num_batched_tokens)
+        return min(max(1024, per_seq), args.max_num_seqs * per_seq)
+    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+    in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
+    # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
+    activations = max(1 << 30, 4 * 4 * max(args.max_num_seqs, 256) * config.vocab_size
+                      + 64 * max_num_batched_tokens * config.hidden_size * 4)
+    return jaxkv.num_blocks_from_device_memory(
+        spec, num_layers=registry.num_cache_tensors(config), gpu_memory_utilization=args.gpu_memory_utilization,
+        reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes, free_bytes=snapshot.free_bytes,
+        mesh=mesh)
