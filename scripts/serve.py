@@ -3,21 +3,32 @@
     python scripts/serve.py --model smollm2-135m [--gguf PATH] [--host 127.0.0.1] [--port 8000]
         [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-dtype auto|fp8]
         [--block-size 16] [--num-gpu-blocks N | --gpu-memory-utilization F] [--no-enable-prefix-caching]
-        [--served-model-name NAME ...]
+        [-tp N] [-dp N] [--served-model-name NAME ...]
 
 Then ``curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'``
 or the ``openai`` client with ``base_url="http://localhost:8000/v1"``. Routes: ``/v1/completions``,
-``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/stats`` (JSON), ``/metrics`` (Prometheus).
-Logs one start-up line (device, attention, KV-cache blocks and memory) and, while requests run, a stats
-line every ``--log-stats-interval`` seconds. Needs the ``serve`` extra (``pip install -e ".[serve]"``).
+``/v1/chat/completions``, ``/v1/models``, ``/health`` (503 until the engine is loaded and compiled, then
+200; 503 again if it dies), ``/stats`` (JSON), ``/metrics`` (Prometheus).
+
+Processes (docs/serving.md): this process serves HTTP, tokenizes, detokenizes and streams; the engine runs
+in one engine-core process per data-parallel rank (``-dp N``), each on its own ``-tp`` devices with its
+own scheduler, block pool and ``--max-num-seqs``. HTTP answers at once; the cores load and compile
+meanwhile. If a core dies, in-flight requests fail, new ones get 503 and the server exits with code 1.
+SIGTERM / Ctrl-C stop the server and its cores.
+
+Multi-host data parallelism (vLLM's flags): the front end ``--data-parallel-address HOST
+--data-parallel-rpc-port P -dp 4 --data-parallel-size-local 2`` starts ranks 0-1; another host runs
+``--headless --data-parallel-address HOST --data-parallel-rpc-port P -dp 4 --data-parallel-size-local 2
+--data-parallel-start-rank 2`` with the same model flags: its two cores connect to the front end.
+Needs the ``serve`` extra (``pip install -e ".[serve]"``).
 """
 
 from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
-import time
 
 log = logging.getLogger("jaxkv.serve")
 
@@ -31,28 +42,50 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
     p.add_argument("--max-model-len", type=int, default=None, help="longest prompt + completion in tokens")
-    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once")
-    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step")
+    p.add_argument("--max-num-seqs", type=int, default=None, help="most requests running at once, per rank")
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="token budget of one step, per rank")
     p.add_argument("--kv-cache-dtype", choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"), default="auto")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16", "float16"), default="auto",
                    help="model dtype (auto: bfloat16 on GPU, float32 on CPU)")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache capacity in blocks")
+    p.add_argument("--num-gpu-blocks", type=int, default=None, help="KV-cache capacity in blocks, per rank")
     p.add_argument("--gpu-memory-utilization", type=float, default=None,
                    help="share of device memory for weights + KV cache (sizes the cache)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=None,
+                   help="dispatch step N+1 before fetching step N's tokens (default: on)")
+    p.add_argument("--num-scheduler-steps", type=int, default=None, help="decode steps per host round trip")
     p.add_argument("--attention-impl", default=None, help="default: pallas on GPU, reference on CPU")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights from the checkpoint's config (speed runs)")
+    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                   help="devices each model replica is split over (heads, MLP)")
+                   help="devices each engine (data-parallel rank) is split over (heads, MLP)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="model replicas, each with its own KV block pool (max-num-seqs is for all of them)")
+                   help="independent engines, one process each, on their own devices")
+    p.add_argument("--data-parallel-size-local", type=int, default=None,
+                   help="ranks started on this host (default: all)")
+    p.add_argument("--data-parallel-start-rank", type=int, default=0, help="first rank started here (--headless)")
+    p.add_argument("--data-parallel-address", default=None,
+                   help="the front end's host: ranks connect over TCP (default: local ipc sockets)")
+    p.add_argument("--data-parallel-rpc-port", type=int, default=13345,
+                   help="the front end's engine input port (outputs on the next one)")
+    p.add_argument("--headless", action="store_true",
+                   help="start only this host's engine cores, which connect to --data-parallel-address")
+    p.add_argument("--enable-multiprocessing", action=argparse.BooleanOptionalAction, default=None,
+                   help="engine-core processes (default; JAXKV_ENABLE_MULTIPROCESSING=0 turns them off): "
+                        "off runs the engine in a thread of this process (debugging)")
     p.add_argument("--compile-ahead", choices=("auto", "on", "off"), default="auto",
                    help="compile every step bucket before serving, as vLLM captures its CUDA graphs at "
                         "start-up (auto: on GPU only; on CPU it takes minutes)")
     p.add_argument("--compile-top-k-top-p", action=argparse.BooleanOptionalAction, default=True,
                    help="with --compile-ahead, also compile each bucket's program for batches with a top-k/"
-                        "top-p request (about doubles start-up; off: compiled when first needed, a stall of "
-                        "seconds for the requests of that step)")
+                        "top-p request (about doubles a cold start; off: compiled when first needed, a stall "
+                        "of seconds for the requests of that step)")
+    p.add_argument("--compilation-cache-dir", default="auto",
+                   help="JAX's persistent compilation cache (auto: ~/.cache/jaxkv/jax-compilation-cache or "
+                        "$JAX_COMPILATION_CACHE_DIR); a second start loads its programs instead of compiling")
+    p.add_argument("--no-compilation-cache", action="store_true", help="turn the persistent cache off")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     return p.parse_args(argv)
@@ -69,112 +102,121 @@ def main(argv=None) -> int:
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is missing: pip install -e '.[serve]'") from None
     try:
-        server = build_server(args)
+        if args.headless:
+            return run_headless(args)
+        server, async_llm = build_server(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     server.run()
+    if async_llm.dead_error is not None:
+        log.error("exiting: %s", async_llm.dead_error)
+        return 1
     return 0
 
 
-def llm_kwargs(args: argparse.Namespace) -> dict:
-    """Keyword arguments of :class:`models.LLM` from the command line (unset ones left to its defaults)."""
-    kwargs = dict(model=args.gguf or args.model, max_model_len=args.max_model_len,
+def engine_args(args: argparse.Namespace):
+    """The :class:`EngineArgs` of the command line (unset options keep the shared defaults)."""
+    from models.entrypoints.engine_args import EngineArgs
+
+    kwargs = dict(model=str(args.gguf or args.model), max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                   num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
-                  dtype=None if args.dtype == "auto" else args.dtype,
-                  tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
-    return {k: v for k, v in kwargs.items() if v is not None}
+                  dtype=args.dtype, tensor_parallel_size=args.tensor_parallel_size,
+                  async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
+                  load_format=args.load_format, seed=args.seed, compile_ahead=args.compile_ahead,
+                  compile_top_k_top_p=args.compile_top_k_top_p,
+                  compilation_cache_dir=None if args.no_compilation_cache else args.compilation_cache_dir)
+    return EngineArgs(**{k: v for k, v in kwargs.items() if v is not None})
 
 
-def _attr(obj, *paths: str, default=None):
-    """The first of ``paths`` (dotted attribute paths) that ``obj`` has, else ``default``."""
-    for path in paths:
-        value = obj
-        try:
-            for name in path.split("."):
-                value = getattr(value, name)
-        except AttributeError:
-            continue
-        return value
-    return default
-
-
-def engine_of(llm):
-    """The ``LLMEngine`` behind an ``LLM`` (vLLM names it ``llm_engine``)."""
-    return _attr(llm, "llm_engine", "engine")
-
-
-def describe(llm, args: argparse.Namespace) -> dict:
-    """The facts of the start-up line (also served in ``/stats``): device, attention, dtype, cache size."""
-    import jax
-
-    import jaxkv
-
-    engine = engine_of(llm)
-    caches = list(_attr(engine, "kv_caches", default=[]))
-    cache_bytes = sum(int(c.size) * c.dtype.itemsize for c in caches)
-    num_blocks = _attr(engine, "num_blocks", "runner.num_blocks", default=getattr(llm, "num_gpu_blocks", None))
-    block_size = _attr(engine, "block_size", default=args.block_size)
-    return {
-        "device": f"{jax.default_backend()}:{jax.devices()[0].device_kind}",
-        "attention": _attr(llm, "attention_impl", default=None) or args.attention_impl
-        or jaxkv.default_attention_impl(),
-        "dtype": str(_attr(llm, "dtype", default="?")),
-        "kv_cache_dtype": str(caches[0].dtype) if caches else "?",
-        "num_gpu_blocks": num_blocks, "block_size": block_size,
-        "kv_cache_tokens": num_blocks * block_size if num_blocks else "?",
-        "kv_cache_mib": round(cache_bytes / 2**20, 1),
-        "max_model_len": _attr(engine, "max_model_len", default=getattr(llm, "max_model_len", None)),
-        "max_num_seqs": _attr(engine, "max_num_seqs", "config.max_num_seqs", default=args.max_num_seqs),
-        "max_num_batched_tokens": _attr(engine, "max_num_batched_tokens", "config.max_num_batched_tokens",
-                                        default=args.max_num_batched_tokens),
-        "prefix_caching": args.enable_prefix_caching,
-        "tensor_parallel_size": getattr(args, "tensor_parallel_size", 1),
-        "data_parallel_size": getattr(args, "data_parallel_size", 1),  # num_gpu_blocks: per dp rank
-    }
-
-
-def compile_ahead(engine, args: argparse.Namespace) -> None:
-    """``engine.warmup``: every bucket compiled (concurrently) before the first request. Sampling
-    parameters are per-row arrays, but whether a batch filters by top-k/top-p is static (no device-side
-    ``lax.cond``, which would make each step's dispatch wait for the GPU), so each bucket has a plain and a
-    filtering program; ``--compile-top-k-top-p`` compiles both."""
-    import jax
-
-    on = args.compile_ahead == "on" or (args.compile_ahead == "auto" and jax.default_backend() == "gpu")
-    if not on or not hasattr(engine, "warmup"):
-        return
-    t0 = time.perf_counter()
-    engine.warmup(top_k_top_p=args.compile_top_k_top_p)
-    compiles = _attr(engine, "num_compiles", default="?")
-    log.info("compiled %s step shapes ahead in %.1f s", compiles, time.perf_counter() - t0)
+def data_parallel_config(args: argparse.Namespace):
+    from jaxkv.engine.core_client import DataParallelConfig
+    return DataParallelConfig(data_parallel_size=args.data_parallel_size,
+                              data_parallel_size_local=args.data_parallel_size_local,
+                              data_parallel_start_rank=args.data_parallel_start_rank,
+                              data_parallel_address=args.data_parallel_address,
+                              data_parallel_rpc_port=args.data_parallel_rpc_port,
+                              devices_per_rank=args.tensor_parallel_size)
 
 
 def build_server(args: argparse.Namespace):
-    """Load the model, build the app; returns a ``uvicorn.Server`` ready to ``run()``."""
+    """The ``uvicorn.Server`` (not yet running) and its :class:`AsyncLLM`. With engine-core processes the
+    cores start loading now and the server answers ``/health`` with 503 until they are ready."""
     import uvicorn
 
+    from jaxkv.engine.core_client import AsyncMPClient
+    from models import registry
     from models.entrypoints.async_llm import AsyncLLM
-    from models.entrypoints.llm import LLM
+    from models.entrypoints.engine_args import EngineCoreFactory, multiprocessing_enabled, resolve_max_model_len
     from models.entrypoints.openai.api_server import build_app
 
-    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
-        raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
-    llm = LLM(**llm_kwargs(args))
-    info = describe(llm, args)
-    log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in info.items()))
+    eargs = engine_args(args)
+    dp = data_parallel_config(args)
+    path = registry.resolve_model(eargs.model)  # a bad name fails here, before any process starts
     names = args.served_model_name or [args.model]
-    engine = engine_of(llm)
-    compile_ahead(engine, args)
-    async_llm = AsyncLLM(engine, llm.tokenizer, log_stats_interval_s=args.log_stats_interval)
-    app = build_app(async_llm, llm.tokenizer, served_model_names=names, max_model_len=info["max_model_len"],
-                    default_stop_token_ids=getattr(llm, "default_stop_token_ids", ()), extra_stats=info)
+    if multiprocessing_enabled(args.enable_multiprocessing):
+        tokenizer = registry.load_tokenizer(path)
+        max_model_len = resolve_max_model_len(eargs, registry.load_config(path))
+        client = AsyncMPClient(EngineCoreFactory(eargs), dp)
+        async_llm = AsyncLLM.from_client(client, tokenizer, log_stats_interval_s=args.log_stats_interval)
+        info = dict(model=path.name, tensor_parallel_size=eargs.tensor_parallel_size,
+                    data_parallel_size=dp.data_parallel_size, engine="engine-core processes")
+
+        def ready():
+            log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in (client.engine_info[0] or {}).items()))
+            log.info("engine ready: %d data-parallel rank(s), pids %s", dp.data_parallel_size, client.pids)
+
+        client.ready_handler = ready
+    else:
+        from models.entrypoints.llm import LLM
+        if dp.data_parallel_size > 1:
+            raise ValueError(f"--data-parallel-size={dp.data_parallel_size} needs engine-core processes")
+        llm = LLM(**dict(vars(eargs), model=eargs.model), enable_multiprocessing=False)
+        tokenizer, max_model_len = llm.tokenizer, llm.max_model_len
+        async_llm = AsyncLLM(llm.engine, llm.tokenizer, log_stats_interval_s=args.log_stats_interval)
+        info = dict(llm.engine_info[0], engine="in-process thread")
+        log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in info.items()))
+    app = build_app(async_llm, tokenizer, served_model_names=names, max_model_len=max_model_len,
+                    extra_stats={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
                             log_level="info", timeout_keep_alive=30)
+    server = uvicorn.Server(config)
+
+    def on_dead(error):  # vLLM: EngineDeadError shuts the API server down
+        log.error("engine core died (%s): shutting the server down", error)
+        server.should_exit = True
+
+    async_llm.on_dead = on_dead
     log.info("serving %s on http://%s:%d/v1", names[0], args.host, args.port)
-    return uvicorn.Server(config)
+    return server, async_llm
+
+
+def run_headless(args: argparse.Namespace) -> int:
+    """Start this host's engine cores for a front end elsewhere; wait for them; stop them on SIGTERM."""
+    from jaxkv.engine.core_client import launch_engine_cores, stop_processes
+    from models import registry
+    from models.entrypoints.engine_args import EngineCoreFactory
+
+    dp = data_parallel_config(args)
+    if dp.data_parallel_address is None:
+        raise ValueError("--headless needs --data-parallel-address (the front end's host)")
+    eargs = engine_args(args)
+    registry.resolve_model(eargs.model)
+    input_address, output_address = dp.addresses()
+    procs = launch_engine_cores(EngineCoreFactory(eargs), dp, input_address, output_address)
+    log.info("headless: engine cores %s (pids %s) -> %s", list(procs), [p.pid for p in procs.values()],
+             input_address)
+
+    def stop(signum, frame):
+        stop_processes(list(procs.values()))
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    codes = [p.wait() for p in procs.values()]
+    return max(codes)
 
 
 if __name__ == "__main__":

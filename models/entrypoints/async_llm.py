@@ -1,22 +1,27 @@
-"""The engine behind an asyncio server: one thread owns the device, requests stream their tokens.
+"""The engine behind an asyncio server: requests stream their tokens while the engine steps elsewhere.
 
-vLLM: ``v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``) and the engine-core busy loop. jaxkv's
-:class:`jaxkv.engine.LLMEngine` is synchronous and not thread-safe, so :class:`AsyncLLM` gives it one thread
-of its own, the *engine thread*, which is the only caller of the engine:
+vLLM: ``v1/engine/async_llm.py`` (``AsyncLLM.generate`` / ``abort``) and ``v1/engine/output_processor.py``.
+:class:`AsyncLLM` is the front end's half: per request, an ``asyncio.Queue`` of engine outputs, the
+incremental detokenizer and the stop strings (vLLM's ``OutputProcessor``), all on the event loop. The engine
+steps in one of two places:
+
+* **engine-core processes** (:meth:`AsyncLLM.from_client`, what ``scripts/serve.py`` uses): one process
+  per data-parallel rank behind :class:`jaxkv.engine.core_client.AsyncMPClient`; the client's reader task
+  hands each step's :class:`EngineCoreOutputs` to :meth:`AsyncLLM._deliver` on the loop;
+* **an engine thread** in this process (``AsyncLLM(engine, tokenizer)``; tests and debugging), the only
+  caller of the synchronous :class:`jaxkv.LLMEngine`:
 
 ```
-request handlers (event loop)                      engine thread
-  generate() ── ("add", id, ...) ──► command queue ──► add_request / abort_request (between steps)
-                                                       step() ──► RequestOutputs
-  per-request asyncio.Queue ◄── call_soon_threadsafe ◄─┘        (one hand-off per step)
+request handlers (event loop)                      engine thread / engine-core process(es)
+  generate() ── add ─────────────────────────────────► add_request / abort_request (between steps)
+  per-request asyncio.Queue ◄── one hand-off per step ◄── step() (token ids only)
   detokenize, stop strings ──► async generator ──► HTTP response
 ```
 
 A consumer that stops iterating (client disconnected, stop string found) aborts its request; the abort is
-applied before the next step, so the request's blocks are free within one step. The engine thread sleeps
-on the command queue while no request is unfinished. Stats (running / waiting requests, prompt and
-generation tokens/s, KV-cache usage) are snapshotted after every step for ``/metrics`` and logged
-periodically like vLLM's ``LoggingStatLogger``.
+applied before the engine's next step, so the request's blocks are free within one step. Stats (running /
+waiting requests, prompt and generation tokens/s, KV-cache usage) are logged periodically like vLLM's
+``LoggingStatLogger``.
 """
 
 from __future__ import annotations
@@ -31,13 +36,13 @@ import time
 import traceback
 from typing import Any, AsyncIterator, Iterable, Sequence
 
+from jaxkv.engine.core_client import AsyncMPClient, EngineDeadError, EngineNotReadyError, aggregate_stats
+from jaxkv.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
 from models.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
 
 logger = logging.getLogger("jaxkv.serve")
 
-
-class EngineDeadError(RuntimeError):
-    """The engine thread stopped after an unexpected error; no request can be served any more."""
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineNotReadyError", "StreamOutput"]
 
 
 @dataclasses.dataclass
@@ -80,11 +85,10 @@ class _RequestState:
         self.finished = False
 
     def process(self, out) -> StreamOutput:
-        """Fold an engine ``RequestOutput`` into the request's text; applies stop strings."""
-        completion = out.outputs[0]
-        finished = bool(out.finished)
-        self.detok.add_tokens(completion.new_token_ids, finished=finished)
-        finish_reason, stop_reason = completion.finish_reason, completion.stop_reason
+        """Fold one step's :class:`EngineCoreOutput` into the request's text; applies stop strings."""
+        finished = out.finish_reason is not None
+        self.detok.add_tokens(out.new_token_ids, finished=finished)
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
         text = self.detok.text
         hit = self.stops.check(text)
         if hit is not None:
@@ -132,6 +136,7 @@ class AsyncLLM:
 
     def __init__(self, engine, tokenizer, *, log_stats_interval_s: float | None = 10.0):
         self.engine = engine
+        self.client: AsyncMPClient | None = None
         self.tokenizer = tokenizer
         self.log_stats_interval_s = log_stats_interval_s
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -166,7 +171,19 @@ class AsyncLLM:
 
     @property
     def is_running(self) -> bool:
+        """The engine can take requests (or will, once started): not dead, not shut down."""
         return self._thread is not None and self._thread.is_alive() and self.dead_error is None
+
+    @property
+    def is_ready(self) -> bool:
+        """Built and warm: what ``/health`` reports (vLLM's readiness)."""
+        return self.is_running
+
+    @classmethod
+    def from_client(cls, client: AsyncMPClient, tokenizer, *,
+                    log_stats_interval_s: float | None = 10.0) -> "AsyncLLM":
+        """An :class:`AsyncLLM` over engine-core processes (``client``, started or starting)."""
+        return _MPAsyncLLM(client, tokenizer, log_stats_interval_s=log_stats_interval_s)
 
     # ---------------------------------------------------------------------------------- requests
 
@@ -194,12 +211,10 @@ class AsyncLLM:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already running")
-        if self._thread is None:
-            self.start()
         prompt = [int(t) for t in prompt_token_ids]
         state = _RequestState(request_id, prompt, self.tokenizer, stop, skip_special_tokens)
+        self._submit(request_id, prompt, sampling_params)  # raises before anything is registered
         self._requests[request_id] = state
-        self._commands.put(("add", request_id, prompt, sampling_params))
         try:
             while True:
                 item = await state.queue.get()
@@ -210,15 +225,15 @@ class AsyncLLM:
                     yield state.aborted()
                     return
                 out = state.process(item)
-                if out.finished and not item.finished:  # a stop string ended it: the engine still runs it
-                    self._commands.put(("abort", request_id))
+                if out.finished and item.finish_reason is None:  # a stop string ended it: the engine runs on
+                    self._abort_in_core([request_id])
                 yield out
                 if out.finished:
                     return
         finally:
             self._requests.pop(request_id, None)
             if not state.finished:
-                self._commands.put(("abort", request_id))
+                self._abort_in_core([request_id])
 
     def abort(self, request_ids: str | Iterable[str]) -> None:
         """Abort requests (unknown or finished ids are ignored); their blocks are freed before the next step."""
@@ -227,6 +242,16 @@ class AsyncLLM:
             state = self._requests.get(rid)
             if state is not None:
                 state.queue.put_nowait(_ABORTED)  # its generator ends with finish_reason "abort"
+        self._abort_in_core(ids)
+
+    # hooks of the engine's side: the engine thread here, engine-core processes in _MPAsyncLLM
+    def _submit(self, request_id: str, prompt: list[int], sampling_params) -> None:
+        if self._thread is None:
+            self.start()
+        self._commands.put(("add", request_id, prompt, sampling_params))
+
+    def _abort_in_core(self, request_ids: list[str]) -> None:
+        for rid in request_ids:
             self._commands.put(("abort", rid))
 
     @property
@@ -360,7 +385,10 @@ class AsyncLLM:
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is not None:  # else: aborted / gone
-                state.queue.put_nowait(out)
+                c = out.outputs[0]
+                state.queue.put_nowait(EngineCoreOutput(out.request_id, list(c.new_token_ids),
+                                                        c.finish_reason if out.finished else None,
+                                                        c.stop_reason))
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         state = self._requests.get(request_id)
@@ -369,4 +397,91 @@ class AsyncLLM:
 
     def _fail_all(self, error: BaseException) -> None:
         for state in list(self._requests.values()):
-            state.queue.put_nowait(EngineDeadError(f"engine is dead: {error!r}"))
+            dead = EngineDeadError(f"engine is dead: {error!r}")
+            dead.in_flight = True  # the request was running: a server error (500), not unavailability
+            state.queue.put_nowait(dead)
+
+
+class _MPAsyncLLM(AsyncLLM):
+    """:class:`AsyncLLM` whose engine runs in engine-core processes (:class:`AsyncMPClient`)."""
+
+    def __init__(self, client: AsyncMPClient, tokenizer, *, log_stats_interval_s: float | None = 10.0):
+        super().__init__(None, tokenizer, log_stats_interval_s=log_stats_interval_s)
+        self.client = client
+        self._started = False
+        self._closed = False
+        self._log_task: asyncio.Task | None = None
+        self.on_dead = lambda error: None  # the server's hook: stop serving, exit non-zero
+
+    def start(self) -> None:
+        if self._started:
+            return
+        self._started = True
+        self._loop = asyncio.get_running_loop()
+        self.client.output_handler = self._deliver_core
+        self.client.dead_handler = self._core_died
+        self.client.start()
+        if self.log_stats_interval_s is not None:
+            self._log_task = self._loop.create_task(self._log_periodically())
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._closed = True
+        if self._log_task is not None:
+            self._log_task.cancel()
+        self.client.shutdown()
+
+    @property
+    def is_running(self) -> bool:
+        return not self._closed and self.dead_error is None and self.client.dead_error is None
+
+    @property
+    def is_ready(self) -> bool:
+        return self.is_running and self.client.is_ready
+
+    def _submit(self, request_id: str, prompt: list[int], sampling_params) -> None:
+        if not self._started:
+            self.start()
+        if self.client.dead_error is not None:
+            raise EngineDeadError(f"engine is dead: {self.client.dead_error}")
+        self.client.add_request(EngineCoreRequest(request_id, prompt, sampling_params))
+
+    def _abort_in_core(self, request_ids: list[str]) -> None:
+        if self.client.is_alive:
+            self.client.abort(request_ids)
+        self._num_requests_aborted += len(request_ids)
+
+    def _deliver_core(self, msg: EngineCoreOutputs) -> None:
+        for out in msg.outputs:
+            state = self._requests.get(out.request_id)
+            if out.error is not None:
+                if state is not None:
+                    state.queue.put_nowait(ValueError(out.error))
+                continue
+            new = len(out.new_token_ids)
+            if state is not None:
+                if new and not state.detok.token_ids:  # first tokens: the prompt was computed
+                    self._num_prompt_tokens += len(state.prompt_token_ids)
+                state.queue.put_nowait(out)
+            self._num_generation_tokens += new
+            if out.finish_reason is not None and out.finish_reason != "abort":
+                self._num_requests_finished += 1
+        self._num_steps += 1
+
+    def _core_died(self, error: EngineDeadError) -> None:
+        self.dead_error = error
+        self._fail_all(error)
+        self.on_dead(error)
+
+    def stats(self) -> dict[str, Any]:
+        self._stats = aggregate_stats(self.client.engine_stats)
+        out = super().stats()
+        out.update(engine_ready=self.is_ready, data_parallel_size=self.client.num_engines,
+                   num_outstanding_requests=sum(self.client.outstanding))
+        return out
+
+    async def _log_periodically(self) -> None:
+        logged = (0, 0, 0)
+        while True:
+            await asyncio.sleep(self.log_stats_interval_s)
+            self._stats = aggregate_stats(self.client.engine_stats)
+            logged = self._log_stats(self.log_stats_interval_s, logged)

@@ -116,6 +116,19 @@ class BuiltEngine:
     info: dict[str, Any]
 
 
+def resolve_max_model_len(args: EngineArgs, config) -> int:
+    """``args.max_model_len`` or the model's ``max_position_embeddings`` capped at 4096.
+
+    Raises:
+        ValueError: longer than the model's ``max_position_embeddings``.
+    """
+    max_model_len = args.max_model_len or min(config.max_position_embeddings, 4096)
+    if max_model_len > config.max_position_embeddings:
+        raise ValueError(f"max_model_len={max_model_len} > the model's max_position_embeddings="
+                         f"{config.max_position_embeddings}")
+    return max_model_len
+
+
 def configure_compilation_cache(cache_dir: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache at ``cache_dir`` ("auto": the default directory) unless
     this process already configured one; every program is cached (no minimum compile time). Returns the
@@ -171,10 +184,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         check_llama_tensor_parallel(config, tp)
     model = registry.build_model(config, weights, dtype=dtype, seed=args.seed)
     del weights
-    max_model_len = args.max_model_len or min(config.max_position_embeddings, 4096)
-    if max_model_len > config.max_position_embeddings:
-        raise ValueError(f"max_model_len={max_model_len} > the model's max_position_embeddings="
-                         f"{config.max_position_embeddings}")
+    max_model_len = resolve_max_model_len(args, config)
     max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
     cache_dtype = jaxkv.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     num_blocks = args.num_gpu_blocks

@@ -3,7 +3,7 @@
 vLLM: ``entrypoints/openai/api_server.py``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true → server-sent events ending
-in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 while the engine thread runs, else 503),
+in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 once the engine is loaded and compiled and while it runs, else 503),
 ``GET /stats`` (JSON: running / waiting requests, KV-cache usage, token counters — what the tests and the
 benchmark read), ``GET /metrics`` (the same as Prometheus gauges).
 
@@ -30,7 +30,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from models.entrypoints.async_llm import AsyncLLM, EngineDeadError
+from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError
 from models.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                 ModelList, OpenAIError, error_from_validation, random_id)
 from models.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -120,8 +120,14 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
     async def _openai_error(_: Request, e: OpenAIError):
         return error_response(e)
 
-    async def _engine_dead(_: Request, e: EngineDeadError):
-        return error_response(OpenAIError(str(e), status_code=503, code="engine_dead"))
+    async def _engine_dead(_: Request, e: EngineDeadError):  # in flight: 500; new requests: 503
+        return error_response(OpenAIError(str(e), status_code=500 if getattr(e, "in_flight", False) else 503,
+                                          code="engine_dead"))
+
+    async def _not_ready(_: Request, e: EngineNotReadyError):
+        response = error_response(OpenAIError(str(e), status_code=503, code="engine_not_ready"))
+        response.headers["Retry-After"] = "5"
+        return response
 
     async def _value_error(_: Request, e: ValueError):  # the engine rejected a request
         return error_response(OpenAIError(f"Invalid request: {e}"))
@@ -132,8 +138,11 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
                                           status_code=500, code="internal_error"))
 
     async def health(_: Request) -> Response:
-        if async_llm.is_running:
+        if async_llm.is_ready:
             return Response(status_code=200)
+        if async_llm.is_running:
+            return error_response(OpenAIError("engine is starting (loading, compiling)", status_code=503,
+                                              code="engine_not_ready"))
         return error_response(OpenAIError("engine is not running", status_code=503, code="engine_dead"))
 
     async def stats(_: Request) -> JSONResponse:
@@ -176,7 +185,8 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
                 Route("/metrics", metrics, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
                 Route("/v1/completions", create_completion, methods=["POST"]),
                 Route("/v1/chat/completions", create_chat_completion, methods=["POST"])],
-        exception_handlers={OpenAIError: _openai_error, EngineDeadError: _engine_dead, ValueError: _value_error,
+        exception_handlers={OpenAIError: _openai_error, EngineDeadError: _engine_dead,
+                            EngineNotReadyError: _not_ready, ValueError: _value_error,
                             Exception: _internal},
         lifespan=lifespan)
     app.state.async_llm = async_llm

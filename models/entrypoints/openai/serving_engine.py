@@ -57,6 +57,9 @@ class OpenAIServing:
         if not self.async_llm.is_running:
             raise OpenAIError("The engine is not running (see the server log).", status_code=503,
                               code="engine_dead")
+        if not getattr(self.async_llm, "is_ready", True):
+            raise OpenAIError("The engine is starting (loading weights, compiling); retry shortly.",
+                              status_code=503, code="engine_not_ready")
 
     def encode(self, text: str, field: str, *, add_special_tokens: bool) -> list[int]:
         """Tokenize a prompt (``add_special_tokens``: BOS as the GGUF asks, as ``LLM.generate`` does for
