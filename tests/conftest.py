@@ -56,6 +56,12 @@ def _share_compiles_across_the_run() -> None:
 
 _share_compiles_across_the_run()
 
+# Tests build many small engines: in this process by default (what the engine-core processes run is the same
+# LLMEngine; tests/models/test_engine_core_processes.py and the server tests start real core processes and
+# compare them with in-process references). A test that wants processes passes enable_multiprocessing=True
+# or sets the variable for its subprocess.
+os.environ.setdefault("JAXKV_ENABLE_MULTIPROCESSING", "0")
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _compile_cache_where_it_pays(request):

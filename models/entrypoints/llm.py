@@ -12,6 +12,7 @@ import logging
 import os
 import pathlib
 import time
+import weakref
 from typing import Any, Mapping, Sequence
 
 from jaxkv import RequestOutput, SamplingParams
@@ -50,6 +51,10 @@ class LLM:
         data_parallel_size: independent engine replicas, each in its own process on its own
             ``tensor_parallel_size`` devices, with its own scheduler and block pool; each request runs on
             the rank with the fewest outstanding requests (vLLM ``data_parallel_size``).
+        data_parallel_size_local, data_parallel_address, data_parallel_rpc_port: ranks on several hosts
+            (vLLM's names, :class:`jaxkv.engine.core_client.DataParallelConfig`): this process starts
+            ``data_parallel_size_local`` ranks and waits for the others to connect to the TCP endpoints
+            at ``data_parallel_address:data_parallel_rpc_port`` (``scripts/serve.py --headless``).
         enable_multiprocessing: see above (``None``: the environment variable, default on).
 
     Raises:
@@ -60,7 +65,9 @@ class LLM:
     """
 
     def __init__(self, model: str | os.PathLike = "smollm2-135m", *, data_parallel_size: int = 1,
-                 enable_multiprocessing: bool | None = None, **engine_kwargs):
+                 data_parallel_size_local: int | None = None, data_parallel_address: str | None = None,
+                 data_parallel_rpc_port: int = 13345, enable_multiprocessing: bool | None = None,
+                 **engine_kwargs):
         self.engine_args = EngineArgs(model=str(model), **engine_kwargs)
         if data_parallel_size < 1:
             raise ValueError(f"data_parallel_size={data_parallel_size} must be >= 1")
@@ -86,7 +93,12 @@ class LLM:
             self._client = SyncMPClient(
                 EngineCoreFactory(self.engine_args),
                 DataParallelConfig(data_parallel_size=data_parallel_size,
+                                   data_parallel_size_local=data_parallel_size_local,
+                                   data_parallel_address=data_parallel_address,
+                                   data_parallel_rpc_port=data_parallel_rpc_port,
                                    devices_per_rank=self.engine_args.tensor_parallel_size))
+            # the client's reader thread keeps the client alive: this LLM's collection (or exit) stops it
+            weakref.finalize(self, self._client.shutdown)
             try:
                 self.engine_info = self._client.wait_ready()
             except EngineDeadError as e:

@@ -32,7 +32,7 @@ import json, sys
 from jaxkv.engine import SamplingParams
 from models.entrypoints.llm import LLM
 engine, prompts, max_tokens = (json.loads(a) for a in sys.argv[2:])
-llm = LLM(model=sys.argv[1], **engine)
+llm = LLM(model=sys.argv[1], enable_multiprocessing=False, **engine)  # the server runs core processes
 outs = llm.generate(prompts, [SamplingParams(max_tokens=m, temperature=0.0) for m in max_tokens], use_tqdm=False)
 print(json.dumps([[o.outputs[0].text, o.outputs[0].finish_reason] for o in outs]))
 """
@@ -60,7 +60,7 @@ def served(gguf_path, tmp_path_factory):
     """``(base_url, reference [(text, finish_reason)], server_log_path)``; the server is stopped afterwards."""
     tmp = tmp_path_factory.mktemp("serve")
     log_path = tmp / "server.log"
-    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"),
+    env = dict(os.environ, JAX_COMPILATION_CACHE_DIR=str(tmp / "jax-cache"), JAXKV_ENABLE_MULTIPROCESSING="1",
                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0",
                PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
     port = _free_port()
