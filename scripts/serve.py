@@ -107,6 +107,10 @@ def main(argv=None) -> int:
         server, async_llm = build_server(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
+    # uvicorn handles SIGTERM/SIGINT during run() (stops serving, shuts the engine down) and raises the
+    # signal again afterwards: let that land here, so a requested stop exits 0
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: None)
     server.run()
     if async_llm.dead_error is not None:
         log.error("exiting: %s", async_llm.dead_error)
@@ -118,6 +122,8 @@ def engine_args(args: argparse.Namespace):
     """The :class:`EngineArgs` of the command line (unset options keep the shared defaults)."""
     from models.entrypoints.engine_args import EngineArgs
 
+    if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
     kwargs = dict(model=str(args.gguf or args.model), max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
