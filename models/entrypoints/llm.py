@@ -156,7 +156,7 @@ class LLM:
 
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, on_finished=None) -> list[RequestOutput]:
         """Complete every prompt; outputs in input order, with ``text`` decoded.
 
         Args:
@@ -164,6 +164,8 @@ class LLM:
                 these.
             sampling_params: one for every prompt or one per prompt (default ``SamplingParams()``).
             use_tqdm: show a progress bar with the running tokens/s.
+            on_finished: optional ``(RequestOutput) -> None`` called as each request ends (before its text
+                is decoded); benchmarks time the run's phases with it.
 
         Raises:
             ValueError: bad prompts (empty, too long for ``max_model_len`` or the cache) or a list of
@@ -187,6 +189,8 @@ class LLM:
                 bar.set_postfix_str(f"est. speed input: {counts['in'] / dt:.2f} toks/s, "
                                     f"output: {counts['out'] / dt:.2f} toks/s", refresh=False)
                 bar.update(1)
+            if on_finished is not None:
+                on_finished(out)
 
         try:
             if self._client is None:
