@@ -20,8 +20,10 @@ ITL (inter-token latency: time between streamed chunks) as mean / median / p99 i
 counters over the run from ``/stats`` (preemptions, prefix-cache hits, compiles). A summary table of all
 rates is printed last (``--markdown`` prints it as a Markdown table for docs/benchmarks.md).
 
-Client: ``aiohttp`` (one connection per in-flight request; the parsing per chunk is a few microseconds, so
-the client does not limit the server on one host).
+Client (``--client``): the official ``openai`` client (``AsyncOpenAI.completions.create(stream=True)``, what
+users run; default), or raw ``aiohttp``. ``--client-processes N`` splits each run's requests over N client
+processes (request ``i`` to process ``i mod N``, every one keeping the run's global arrival schedule), so the
+client's own parsing never limits the server at rate inf; their results are merged into one run.
 """
 
 from __future__ import annotations
@@ -92,12 +94,46 @@ class RequestResult:
     itl: list[float] = dataclasses.field(default_factory=list)  # seconds between chunks
     text: str = ""
     error: str = ""
+    started_at: float = 0.0  # wall-clock (time.time) when sent, and when its stream ended
+    finished_at: float = 0.0
+
+
+async def send_request_openai(client, model: str, req: SampleRequest, *, ignore_eos: bool,
+                              max_tokens: int | None = None) -> RequestResult:
+    """One streaming completion through the official ``openai`` client, its chunks timed."""
+    result = RequestResult(prompt_len=req.prompt_len, started_at=time.time())
+    start = last = time.perf_counter()
+    pieces = []
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=req.prompt, max_tokens=max_tokens or req.output_len, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                result.output_len = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].text:
+                now = time.perf_counter()
+                if not pieces:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                pieces.append(chunk.choices[0].text)
+        result.latency = last - start
+        result.text = "".join(pieces)
+        result.success = result.output_len > 0
+        if not result.success:
+            result.error = "no tokens (or no usage chunk) in the stream"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    result.finished_at = time.time()
+    return result
 
 
 async def send_request(session, url: str, model: str, req: SampleRequest, *, ignore_eos: bool,
                        max_tokens: int | None = None) -> RequestResult:
     """POST one streaming completion and time its chunks."""
-    result = RequestResult(prompt_len=req.prompt_len)
+    result = RequestResult(prompt_len=req.prompt_len, started_at=time.time())
     payload = {"model": model, "prompt": req.prompt, "max_tokens": max_tokens or req.output_len,
                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
                "stream_options": {"include_usage": True}}
@@ -136,6 +172,7 @@ async def send_request(session, url: str, model: str, req: SampleRequest, *, ign
             result.error = "no tokens (or no usage chunk) in the stream"
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         result.error = f"{type(e).__name__}: {e}"
+    result.finished_at = time.time()
     return result
 
 
@@ -183,6 +220,75 @@ def _server_delta(before: dict, after: dict) -> dict:
 
 
 # ------------------------------------------------------------------------------------------------ a run
+
+async def _send_scheduled(args, requests: list[SampleRequest], arrivals: Sequence[float], t0: float
+                          ) -> list[RequestResult]:
+    """Send ``requests[i]`` at wall-clock ``t0 + arrivals[i]`` (one client process's share of a run)."""
+    import httpx
+    import openai
+
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
+                             timeout=args.request_timeout, trust_env=False)
+    client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
+                                max_retries=0, http_client=http)
+
+    async def one(req, at):
+        delay = t0 + at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if semaphore is None:
+            return await send_request_openai(client, args.model, req, ignore_eos=args.ignore_eos)
+        async with semaphore:
+            return await send_request_openai(client, args.model, req, ignore_eos=args.ignore_eos)
+
+    try:
+        return await asyncio.gather(*[one(r, a) for r, a in zip(requests, arrivals)])
+    finally:
+        await client.close()
+
+
+def _client_process(args, requests, arrivals, t0) -> list[RequestResult]:
+    return asyncio.run(_send_scheduled(args, requests, arrivals, t0))
+
+
+def run_rate_openai(args, requests: list[SampleRequest], rate: float, seed: int) -> dict:
+    """One run through the official ``openai`` client in ``--client-processes`` processes."""
+    import concurrent.futures
+    import multiprocessing
+    import urllib.request
+
+    def stats() -> dict:
+        try:
+            with urllib.request.urlopen(args.base_url.rstrip("/") + "/stats", timeout=30) as r:
+                return json.load(r)
+        except Exception:  # noqa: BLE001 - another server may have no /stats
+            return {}
+
+    intervals = arrival_intervals(len(requests), rate, args.burstiness, np.random.default_rng(seed))
+    arrivals = np.concatenate([[0.0], np.cumsum(intervals[:-1])])
+    n = max(1, min(args.client_processes, len(requests)))
+    before = stats()
+    t0 = time.time() + 1.0 + 0.1 * n  # every client process is up before the first arrival
+    if n == 1:
+        results = asyncio.run(_send_scheduled(args, requests, arrivals, t0))
+    else:
+        ctx = multiprocessing.get_context("fork")  # the workers need this script's functions, not a re-import
+        with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as ex:
+            parts = [ex.submit(_client_process, args, requests[k::n], arrivals[k::n], t0) for k in range(n)]
+            results = [None] * len(requests)
+            for k, fut in enumerate(parts):
+                results[k::n] = fut.result()
+    duration = max(r.finished_at for r in results) - t0
+    after = stats()
+    metrics = compute_metrics(results, duration)
+    metrics.update(request_rate=rate, num_prompts=len(requests), server=_server_delta(before, after),
+                   client="openai", client_processes=n)
+    errors = [r.error for r in results if not r.success]
+    if errors:
+        metrics["errors"] = errors[:5]
+    return metrics
+
 
 async def run_rate(args, requests: list[SampleRequest], rate: float, seed: int) -> dict:
     import aiohttp
@@ -335,6 +441,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=3 * 3600)
     p.add_argument("--result-json", default=None, help="write every run's metrics here")
     p.add_argument("--markdown", action="store_true", help="summary as a Markdown table")
+    p.add_argument("--client", choices=("openai", "aiohttp"), default="openai",
+                   help="the official openai client (default) or raw aiohttp")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="openai client: processes sharing each run's requests (the client's parsing never "
+                        "limits the server)")
+    p.add_argument("--api-key", default=None, help="Bearer key for a server started with --api-key")
     args = p.parse_args(argv)
     try:
         args.rates = parse_rates(args.request_rate)
@@ -389,7 +501,9 @@ def main(argv=None) -> int:
     for i, spec in enumerate(args.rates):
         rate = spec if isinstance(spec, float) else float(spec[:-1]) * saturation
         requests = pool[:per_run] if args.same_prompts else pool[i * per_run:(i + 1) * per_run]
-        m = asyncio.run(run_rate(args, requests, rate, seed=rng.randrange(2 ** 31)))
+        seed = rng.randrange(2 ** 31)
+        m = (run_rate_openai(args, requests, rate, seed) if args.client == "openai"
+             else asyncio.run(run_rate(args, requests, rate, seed=seed)))
         if isinstance(spec, str):
             m["rate_spec"] = f"{spec} of {saturation:.2f} req/s"
         elif math.isinf(rate):

@@ -328,13 +328,17 @@ def test_bench_serving_measures_a_run(server):
     assert args.rates == [200.0, math.inf]
     reqs = [bench_serving.SampleRequest(prompt=f"p{i}", prompt_len=2, output_len=4 + i) for i in range(6)]
     runs = [asyncio.run(bench_serving.run_rate(args, reqs, rate, seed=0)) for rate in args.rates]
+    # the official openai client, the requests split over 2 client processes
+    args.client_processes = 2
+    runs.append(bench_serving.run_rate_openai(args, reqs, math.inf, seed=0))
+    assert runs[-1]["client_processes"] == 2
     for m in runs:
         assert m["completed"] == 6 and m["failed"] == 0
         assert m["total_output_tokens"] == sum(4 + i for i in range(6)) and m["total_input_tokens"] == 12
         assert 0 < m["ttft_ms"]["median"] <= m["e2el_ms"]["p99"] and m["tpot_ms"]["mean"] > 0
         assert m["server"]["num_generation_tokens_total"] == m["total_output_tokens"]
     table = bench_serving.summary_table(runs, markdown=True)
-    assert "| 200 | 6/6 |" in table and "| inf | 6/6 |" in table
+    assert "| 200 | 6/6 |" in table and table.count("| inf | 6/6 |") == 2
     assert bench_serving.parse_rates("inf, 0.5x,2") == [math.inf, "0.5x", 2.0]
     for text in ("0.5x,inf", "0", "-1", "inf,0x"):
         with pytest.raises(ValueError):
