@@ -469,9 +469,11 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the client only tokenizes: never take the server's GPU
     try:
-        import aiohttp  # noqa: F401
-    except ImportError:
-        raise SystemExit("error: aiohttp is missing: pip install -e '.[bench]'") from None
+        import aiohttp  # noqa: F401 - the warm-up and --client aiohttp
+        if args.client == "openai":
+            import openai  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"error: {e.name} is missing: pip install -e '.[bench]'") from None
     from models.tokenizer import GGUFTokenizer
     from models.gguf_loader import find_smollm2_gguf
     try:

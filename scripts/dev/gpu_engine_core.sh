@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Issue 27's GPU evidence (engine-core processes), one device-tool call per stage on an H100 pair
+# (nvidia-h100-x2). Carries .whl (server/bench wheels, pyzmq, msgspec, gguf, nvidia-ml-py) and .dummy
+# (header-only GGUFs: SmolLM2 and a Llama-3-8B shape; requests.json sampled by
+#  `bench_serving.py --sample-only --num-prompts 1000 --request-rate inf,0.5x,0.9x,inf --warmup-requests 256`).
+#   stage smol : SmolLM2 (random weights): offline LLM defaults, engine-core process (cold start) and
+#                in-process engine; serve.py warm start + bench_serving (openai client) at inf, 0.5x, 0.9x on
+#                the same requests; -dp 2 vs one GPU on 3000 requests; greedy text -dp 2 vs one GPU.
+#   stage big  : the Llama-3-8B shape: one GPU, -dp 2 (2000 requests, max_num_seqs 512) and greedy -dp 2 vs 1.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
+python3 - <<'PY'
+import json
+r = json.load(open(".dummy/requests.json"))
+json.dump(r[256:1256], open("/tmp/req1000.json", "w"))   # = bench_serving's inf run
+json.dump(r[256:2256], open("/tmp/req2000.json", "w"))
+json.dump(r[256:3256], open("/tmp/req3000.json", "w"))
+PY
+quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initialize backend"; }
+S=.dummy/smollm2-header.gguf
+L=.dummy/llama8b-header.gguf
+B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
+case $1 in
+smol)
+  echo "== offline, 1 GPU: LLM defaults (engine-core process, cold start), then the in-process engine"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --backend jaxkv-inproc --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | tee $OUT/offline.txt | grep -v "^engine\|^LLM"
+  echo "== server, 1 GPU (warm start), bench_serving with the openai client"
+  t0=$(date +%s.%N)
+  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > $OUT/server.log 2>&1 &
+  SERVER=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
+  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
+    --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
+    --result-json $OUT/serving.json 2>&1 | quiet | tee $OUT/serving.txt | tail -8
+  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core_proc)" | tee -a $OUT/serve-start.txt
+  echo "== data parallel: 3000 requests, one GPU vs -dp 2"
+  for dp in 1 2; do
+    timeout 150 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv -dp $dp \
+      --output-json $OUT/dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" | tee -a $OUT/dp.txt
+  done
+  echo "== greedy text, -dp 2 vs one GPU (bf16, 256 prompts x 128 tokens)"
+  timeout 120 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
+    --num-prompts 256 --max-tokens 128 --a data_parallel_size=1 --b data_parallel_size=2 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp.txt | head -12
+  ;;
+big)
+  echo "== Llama-3-8B shape, 2000 requests, max_num_seqs 512: one GPU vs -dp 2"
+  for dp in 1 2; do
+    timeout 280 $B --model $L --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv -dp $dp \
+      --max-num-seqs 512 --nvml-busy --output-json $OUT/big-dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" -e "nvml" | tee -a $OUT/big-dp.txt
+  done
+  ;;
+esac
+ls -la /tmp/jaxcache | head -3; du -sh /tmp/jaxcache
