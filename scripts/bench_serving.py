@@ -224,12 +224,14 @@ def _server_delta(before: dict, after: dict) -> dict:
 async def _send_scheduled(args, requests: list[SampleRequest], arrivals: Sequence[float], t0: float
                           ) -> list[RequestResult]:
     """Send ``requests[i]`` at wall-clock ``t0 + arrivals[i]`` (one client process's share of a run)."""
-    import httpx
     import openai
 
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
-    http = httpx.AsyncClient(limits=httpx.Limits(max_connections=None, max_keepalive_connections=None),
-                             timeout=args.request_timeout, trust_env=False)
+    # the openai client's own HTTP client class (its httpx flavour), without its default cap of 1000
+    # connections (a run may hold more streams than that)
+    limits = sys.modules[openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]].Limits(
+        max_connections=None, max_keepalive_connections=None)
+    http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=args.request_timeout, trust_env=False)
     client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
                                 max_retries=0, http_client=http)
 

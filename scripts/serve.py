@@ -163,9 +163,9 @@ def build_server(args: argparse.Namespace):
     path = registry.resolve_model(eargs.model)  # a bad name fails here, before any process starts
     names = args.served_model_name or [args.model]
     if multiprocessing_enabled(args.enable_multiprocessing):
+        client = AsyncMPClient(EngineCoreFactory(eargs), dp)  # the cores start loading now
         tokenizer = registry.load_tokenizer(path)
         max_model_len = resolve_max_model_len(eargs, registry.load_config(path))
-        client = AsyncMPClient(EngineCoreFactory(eargs), dp)
         async_llm = AsyncLLM.from_client(client, tokenizer, log_stats_interval_s=args.log_stats_interval)
         info = dict(model=path.name, tensor_parallel_size=eargs.tensor_parallel_size,
                     data_parallel_size=dp.data_parallel_size, engine="engine-core processes")

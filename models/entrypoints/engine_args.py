@@ -178,12 +178,15 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     snapshot = None
     if args.num_gpu_blocks is None and _has_memory_stats():
         snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
+    t_backend = time.perf_counter()
     config, weights, tokenizer = registry.load_checkpoint(path, progress=False, load_format=args.load_format)
+    t_checkpoint = time.perf_counter()
     if mesh is not None:
         registry.check_mesh_support(config)
         check_llama_tensor_parallel(config, tp)
     model = registry.build_model(config, weights, dtype=dtype, seed=args.seed)
     del weights
+    t_model = time.perf_counter()
     max_model_len = resolve_max_model_len(args, config)
     max_num_batched_tokens = args.max_num_batched_tokens or max(2048, args.max_num_seqs)
     cache_dtype = jaxkv.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
@@ -217,6 +220,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp,
                 num_buckets=engine.num_buckets, num_compiles=engine.num_compiles,
                 load_s=round(t_built - t_start, 2), warmup_s=round(warmup_s, 2),
+                load_breakdown_s=dict(backend=round(t_backend - t_start, 2),
+                                      checkpoint=round(t_checkpoint - t_backend, 2),
+                                      model=round(t_model - t_checkpoint, 2), caches=round(t_built - t_model, 2)),
                 compilation_cache_dir=cache_dir, async_scheduling=args.async_scheduling,
                 prefix_caching=args.enable_prefix_caching)
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))

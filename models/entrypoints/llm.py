@@ -88,8 +88,6 @@ class LLM:
             self.engine_info = [built.info]
         else:
             path = resolve_model(self.engine_args.model)  # a bad name fails here, before any process starts
-            self.tokenizer = registry.load_tokenizer(path)
-            self.config = registry.load_config(path)
             self._client = SyncMPClient(
                 EngineCoreFactory(self.engine_args),
                 DataParallelConfig(data_parallel_size=data_parallel_size,
@@ -100,6 +98,9 @@ class LLM:
             # the client's reader thread keeps the client alive: this LLM's collection (or exit) stops it
             weakref.finalize(self, self._client.shutdown)
             try:
+                # while the cores start, this process reads what it needs itself (in parallel with them)
+                self.tokenizer = registry.load_tokenizer(path)
+                self.config = registry.load_config(path)
                 self.engine_info = self._client.wait_ready()
             except EngineDeadError as e:
                 self._client.shutdown()
