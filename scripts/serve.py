@@ -3,19 +3,29 @@
     python scripts/serve.py --model smollm2-135m [--gguf PATH] [--host 127.0.0.1] [--port 8000]
         [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-dtype auto|fp8]
         [--block-size 16] [--num-gpu-blocks N | --gpu-memory-utilization F] [--no-enable-prefix-caching]
-        [--served-model-name NAME ...]
+        [--served-model-name NAME ...] [--api-key KEY ...] [--max-request-body-bytes N] [--max-json-depth N]
+        [--max-stop-strings N] [--max-stop-chars N] [--max-stop-token-ids N] [--max-prompts-per-request N]
+        [--max-pending-requests N] [--shutdown-timeout S]
 
 Then ``curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'``
 or the ``openai`` client with ``base_url="http://localhost:8000/v1"``. Routes: ``/v1/completions``,
 ``/v1/chat/completions``, ``/v1/models``, ``/health``, ``/stats`` (JSON), ``/metrics`` (Prometheus).
 Logs one start-up line (device, attention, KV-cache blocks and memory) and, while requests run, a stats
 line every ``--log-stats-interval`` seconds. Needs the ``serve`` extra (``pip install -e ".[serve]"``).
+
+Exposing it: ``--api-key`` (or ``JAXKV_API_KEY``) makes every ``/v1/*`` request need ``Authorization: Bearer
+KEY``; the input limits fail closed (413 / 400 / 503, docs/server.md lists them); SIGTERM drains: new
+requests get 503, those in flight may finish for ``--shutdown-timeout`` seconds, the rest are aborted with an
+error, and the process exits 0.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import logging
+import os
 import sys
 import time
 
@@ -55,24 +65,84 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "seconds for the requests of that step)")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    add_exposure_args(p)
     return p.parse_args(argv)
+
+
+# flag -> help of each ServerLimits field (the defaults come from ServerLimits itself)
+_LIMIT_HELP = {
+    "max_request_body_bytes": "largest request body in bytes, counted while it streams in (413 past it)",
+    "max_json_depth": "deepest JSON nesting of a request body (400 past it)",
+    "max_stop_strings": "most strings in 'stop' (400 past it)",
+    "max_stop_chars": "most characters of all 'stop' strings together (400 past it)",
+    "max_stop_token_ids": "most ids in 'stop_token_ids' (400 past it)",
+    "max_prompts_per_request": "most prompts in one /v1/completions request (400 past it)",
+    "max_pending_requests": "most POST /v1/* requests in the server at once: reading, waiting, running or "
+                            "streaming (503 with Retry-After past it)",
+    "retry_after_s": "seconds in the Retry-After header of a 503",
+}
+
+
+def add_exposure_args(p: argparse.ArgumentParser) -> None:
+    """``--api-key``, the input limits (one flag per :class:`ServerLimits` field) and ``--shutdown-timeout``."""
+    from models.entrypoints.openai.limits import ServerLimits
+
+    g = p.add_argument_group("exposing the server")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: $JAXKV_API_KEY if "
+                        "set, else no auth); /health, /metrics and /stats stay open")
+    defaults = ServerLimits()
+    for f in dataclasses.fields(ServerLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=getattr(defaults, f.name),
+                       help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="seconds requests in flight may run after SIGTERM / SIGINT before they are aborted "
+                        "(new ones get 503 at once; default: %(default)s)")
+
+
+def server_limits(args: argparse.Namespace):
+    """:class:`ServerLimits` from the command line (ValueError naming the flag for a bad value)."""
+    from models.entrypoints.openai.limits import ServerLimits
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+    try:
+        return ServerLimits(**values)
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
+
+
+def api_keys(args: argparse.Namespace, environ=os.environ) -> list[str]:
+    """``--api-key`` values, else ``JAXKV_API_KEY`` (vLLM: ``--api-key`` over ``VLLM_API_KEY``)."""
+    keys = list(args.api_key) if args.api_key else [environ["JAXKV_API_KEY"]] if environ.get("JAXKV_API_KEY") else []
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key must not be empty")
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    args = parse_args(argv)
     try:
-        import uvicorn  # noqa: F401 - fail before loading weights
+        import uvicorn  # noqa: F401 - fail before loading weights (and before the flags, which need them)
         import starlette  # noqa: F401
         import pydantic  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is missing: pip install -e '.[serve]'") from None
+    args = parse_args(argv)
     try:
         server = build_server(args)
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     server.run()
+    if server.drain_result is not None:
+        log.info("stopped after draining: %s", server.drain_result)
     return 0
 
 
@@ -153,15 +223,21 @@ def compile_ahead(engine, args: argparse.Namespace) -> None:
 
 
 def build_server(args: argparse.Namespace):
-    """Load the model, build the app; returns a ``uvicorn.Server`` ready to ``run()``."""
+    """Load the model, build the app; returns a :class:`GracefulServer` (a ``uvicorn.Server`` that drains
+    on SIGTERM) ready to ``run()``."""
     import uvicorn
 
     from models.entrypoints.async_llm import AsyncLLM
     from models.entrypoints.llm import LLM
     from models.entrypoints.openai.api_server import build_app
+    from models.entrypoints.openai.drain import GracefulServer
 
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
+    limits = server_limits(args)  # bad flags fail before the weights load
+    keys = api_keys(args)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
     llm = LLM(**llm_kwargs(args))
     info = describe(llm, args)
     log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in info.items()))
@@ -170,11 +246,19 @@ def build_server(args: argparse.Namespace):
     compile_ahead(engine, args)
     async_llm = AsyncLLM(engine, llm.tokenizer, log_stats_interval_s=args.log_stats_interval)
     app = build_app(async_llm, llm.tokenizer, served_model_names=names, max_model_len=info["max_model_len"],
-                    default_stop_token_ids=getattr(llm, "default_stop_token_ids", ()), extra_stats=info)
+                    default_stop_token_ids=getattr(llm, "default_stop_token_ids", ()), extra_stats=info,
+                    limits=limits, api_keys=keys)
+    # timeout_graceful_shutdown: uvicorn's own wait for connections after the drain (a slow client's)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
-                            log_level="info", timeout_keep_alive=30)
+                            log_level="info", timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    log.info("limits: %s; api keys: %d; shutdown timeout %g s",
+             " ".join(f"{k}={v}" for k, v in limits.as_stats().items()), len(keys), args.shutdown_timeout)
+    if not keys and not _is_loopback(args.host):
+        log.warning("no --api-key (or JAXKV_API_KEY): anyone who reaches %s:%d can use this server",
+                    args.host, args.port)
     log.info("serving %s on http://%s:%d/v1", names[0], args.host, args.port)
-    return uvicorn.Server(config)
+    return GracefulServer(config, admission=app.state.admission, engine=app.state.aborting_engine,
+                          shutdown_timeout_s=args.shutdown_timeout)
 
 
 if __name__ == "__main__":
