@@ -379,3 +379,21 @@ def test_soak_checks_fail_on_failures_growth_leaks_and_drift():
     assert run(refused=0) == {"bursts over the pending cap get 503 + Retry-After"}
     assert run(ttft_late=0.111) == {"p99 TTFT does not drift"}  # bound 2 x 50 ms + 10 ms
     assert run(ttft_late=0.109) == set()
+
+
+def test_stats_before_the_first_step_is_json():
+    """/stats answers JSON (null for a 0/0 ratio) before any step; /metrics too."""
+    class FreshEngine(FakeEngine):
+        @property
+        def stats(self):
+            return dict(super().stats, gpu_idle_share=float("nan"))
+
+    srv, thread, port = _start(_app(FreshEngine()))
+    try:
+        r = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=5)
+        assert r.status_code == 200 and r.json()["gpu_idle_share"] is None and r.json()["max_model_len"] == 64
+        assert r.json()["process_rss_bytes"] > 0 and r.json()["num_pending_requests"] == 0
+        assert httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5).status_code == 200
+    finally:
+        srv.should_exit = True
+        thread.join(10)

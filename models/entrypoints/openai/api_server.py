@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import sys
 from typing import Any, Awaitable, Sequence
@@ -182,7 +183,9 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return error_response(OpenAIError("engine is not running", status_code=503, code="engine_dead"))
 
     async def stats(_: Request) -> JSONResponse:
-        return JSONResponse(all_stats())
+        # JSON has no NaN / inf (a ratio before the first step is 0/0): null instead
+        return JSONResponse({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                             for k, v in all_stats().items()})
 
     async def metrics(_: Request) -> PlainTextResponse:
         return PlainTextResponse(_prometheus(all_stats()))
