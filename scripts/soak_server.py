@@ -28,8 +28,8 @@ requests, and the TTFT / TPOT of the good streams that ended in the window. At t
 waits for the server to go idle, and fails (exit status 1, each reason printed) if
 
 - any good, chat or burst request failed, or a bad request got another status than its own;
-- RSS (or device memory) grew more than ``--max-rss-growth-mib`` (``--max-device-growth-mib``) between the
-  first samples after ``--warmup`` and the last ones;
+- RSS (or device memory) grew more than ``--max-rss-growth-mib`` (``--max-device-growth-mib``) from the
+  first samples after ``--warmup`` (median of up to 3) to the last ones (the idle one included);
 - any KV block is still in use, or any request pending, once the server is idle;
 - the p99 TTFT or TPOT of the last third of the run (outside bursts) exceeds ``--max-p99-drift`` times the
   first third's plus ``--p99-slack-ms``;
@@ -519,7 +519,7 @@ def judge(args, records: list[Record], samples: list[dict], idle: dict, bursts: 
                        f"{len(bursts)} bursts, {sum(b['refused_503'] for b in bursts)} refused, "
                        f"{sum(b['served'] for b in bursts)} served"
                        + (f"; none refused in the burst at {no_refusal[0]['t']} s" if no_refusal else "")))
-    load = [s for s in samples if s["phase"] == "load"]
+    load = [s for s in samples if s["phase"] in ("load", "idle")]  # the idle one last
     for key, bound, name in (("rss_mib", args.max_rss_growth_mib, "RSS"),
                              ("device_mib", args.max_device_growth_mib, "device memory")):
         values = [s[key] for s in load if s[key] is not None]
@@ -756,6 +756,8 @@ async def _soak(args, base: str, server_pid: int | None) -> dict:
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0),
                                      trust_env=False) as session:
         async with session.get(base.rstrip("/") + "/stats") as resp:
+            if resp.status != 200:
+                raise SystemExit(f"error: GET /stats answered {resp.status}: {(await resp.text())[:300]}")
             server = await resp.json()
         key = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         async with session.get(base.rstrip("/") + "/v1/models", headers=key) as resp:
