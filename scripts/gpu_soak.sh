@@ -28,5 +28,4 @@ python3 scripts/soak_server.py "${SOAK_ARGS[@]}" -- "${SERVE_ARGS[@]}" 2>&1 | te
 rc=${PIPESTATUS[0]}
 grep -m1 "jaxkv server:" "$OUT/server.log"; grep -m1 "compiled .* step shapes" "$OUT/server.log"
 grep -E "Avg prompt throughput" "$OUT/server.log" | tail -3; grep -E "drain" "$OUT/server.log" | tail -3
-echo "$rc" > "$OUT/rc"  # the run is over (for a caller polling a run started with setsid)
 exit $rc
