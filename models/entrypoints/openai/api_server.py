@@ -92,16 +92,30 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> tuple[b
     return False, None
 
 
+def _jax_with_devices():
+    """JAX if this process already uses a device backend, else ``None``. Never imports JAX or initializes a
+    backend: the front end of engine-core processes must not take device memory."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    try:
+        from jax._src import xla_bridge
+        return jax if xla_bridge._backends else None  # private: initialized backends (empty until first use)
+    except Exception:  # noqa: BLE001 - another JAX layout: do not risk initializing one
+        return None
+
+
 def process_stats() -> dict[str, Any]:
-    """This process's resident memory (``process_rss_bytes``, Linux) and, where JAX runs in it and reports
-    it (GPU), device memory in use summed over its local devices (``device_memory_bytes_in_use``)."""
+    """This process's resident memory (``process_rss_bytes``, Linux) and, where this process runs the model
+    and JAX reports it (GPU), device memory in use summed over its local devices
+    (``device_memory_bytes_in_use``; engine stats of the same name, from engine-core processes, win)."""
     stats: dict[str, Any] = {"pid": os.getpid()}
     try:
         with open("/proc/self/statm") as f:
             stats["process_rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
     except (OSError, ValueError, IndexError):
         pass
-    jax = sys.modules.get("jax")  # never import JAX here (an API-only process has no devices)
+    jax = _jax_with_devices()
     if jax is not None:
         try:
             mems = [d.memory_stats() for d in jax.local_devices()]
@@ -158,7 +172,10 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
                           api_key_required=bool(api_keys))
 
     def all_stats() -> dict[str, Any]:
-        return dict(constant_stats, **process_stats(), **admission.stats(), **async_llm.stats())
+        out = dict(constant_stats)
+        for part in (process_stats(), admission.stats(), async_llm.stats()):  # the engine's own keys win
+            out.update(part)
+        return out
 
     async def _openai_error(_: Request, e: OpenAIError):
         return error_response(e)

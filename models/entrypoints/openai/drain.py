@@ -54,6 +54,11 @@ class AbortingEngine:
         return self.async_llm.is_running
 
     @property
+    def is_ready(self) -> bool:
+        """``AsyncLLM.is_ready`` where it has one (engine-core processes loaded and compiled)."""
+        return getattr(self.async_llm, "is_ready", self.async_llm.is_running)
+
+    @property
     def num_live(self) -> int:
         return len(self._live)
 
