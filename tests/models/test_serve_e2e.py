@@ -92,10 +92,10 @@ def served(gguf_path, tmp_path_factory):
                     break
             except httpx.TransportError:
                 pass
-        stats = httpx.get(base + "/stats", timeout=5)  # before any request too (0/0 ratios are null)
-        assert stats.status_code == 200 and stats.json()["max_model_len"] == ENGINE["max_model_len"], stats.text
             assert time.monotonic() < deadline, f"server did not start:\n{log_path.read_text()[-3000:]}"
             time.sleep(0.5)
+        stats = httpx.get(base + "/stats", timeout=5)  # before any request too (0/0 ratios are null)
+        assert stats.status_code == 200 and stats.json()["max_model_len"] == ENGINE["max_model_len"], stats.text
         yield base, reference, log_path, server
     finally:
         for proc in procs:
