@@ -3,7 +3,9 @@
     python scripts/serve.py --model smollm2-135m [--gguf PATH] [--host 127.0.0.1] [--port 8000]
         [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-dtype auto|fp8]
         [--block-size 16] [--num-gpu-blocks N | --gpu-memory-utilization F] [--no-enable-prefix-caching]
-        [-tp N] [-dp N] [--served-model-name NAME ...]
+        [-tp N] [-dp N] [--served-model-name NAME ...] [--api-key KEY ...] [--max-request-body-bytes N]
+        [--max-json-depth N] [--max-stop-strings N] [--max-stop-chars N] [--max-stop-token-ids N]
+        [--max-prompts-per-request N] [--max-pending-requests N] [--shutdown-timeout S]
 
 Then ``curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'``
 or the ``openai`` client with ``base_url="http://localhost:8000/v1"``. Routes: ``/v1/completions``,
@@ -14,19 +16,26 @@ Processes (docs/serving.md): this process serves HTTP, tokenizes, detokenizes an
 in one engine-core process per data-parallel rank (``-dp N``), each on its own ``-tp`` devices with its
 own scheduler, block pool and ``--max-num-seqs``. HTTP answers at once; the cores load and compile
 meanwhile. If a core dies, in-flight requests fail, new ones get 503 and the server exits with code 1.
-SIGTERM / Ctrl-C stop the server and its cores.
 
 Multi-host data parallelism (vLLM's flags): the front end ``--data-parallel-address HOST
 --data-parallel-rpc-port P -dp 4 --data-parallel-size-local 2`` starts ranks 0-1; another host runs
 ``--headless --data-parallel-address HOST --data-parallel-rpc-port P -dp 4 --data-parallel-size-local 2
 --data-parallel-start-rank 2`` with the same model flags: its two cores connect to the front end.
+
+Exposing it: ``--api-key`` (or ``JAXKV_API_KEY``) makes every ``/v1/*`` request need ``Authorization: Bearer
+KEY``; the input limits fail closed (413 / 400 / 503, docs/server.md lists them); SIGTERM drains: new
+requests get 503, those in flight may finish for ``--shutdown-timeout`` seconds, the rest are aborted with an
+error, and the process (and its cores) exits 0.
 Needs the ``serve`` extra (``pip install -e ".[serve]"``).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import ipaddress
 import logging
+import os
 import signal
 import sys
 
@@ -88,19 +97,77 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--no-compilation-cache", action="store_true", help="turn the persistent cache off")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    add_exposure_args(p)
     return p.parse_args(argv)
+
+
+# flag -> help of each ServerLimits field (the defaults come from ServerLimits itself)
+_LIMIT_HELP = {
+    "max_request_body_bytes": "largest request body in bytes, counted while it streams in (413 past it)",
+    "max_json_depth": "deepest JSON nesting of a request body (400 past it)",
+    "max_stop_strings": "most strings in 'stop' (400 past it)",
+    "max_stop_chars": "most characters of all 'stop' strings together (400 past it)",
+    "max_stop_token_ids": "most ids in 'stop_token_ids' (400 past it)",
+    "max_prompts_per_request": "most prompts in one /v1/completions request (400 past it)",
+    "max_pending_requests": "most POST /v1/* requests in the server at once: reading, waiting, running or "
+                            "streaming (503 with Retry-After past it)",
+    "retry_after_s": "seconds in the Retry-After header of a 503",
+}
+
+
+def add_exposure_args(p: argparse.ArgumentParser) -> None:
+    """``--api-key``, the input limits (one flag per :class:`ServerLimits` field) and ``--shutdown-timeout``."""
+    from models.entrypoints.openai.limits import ServerLimits
+
+    g = p.add_argument_group("exposing the server")
+    g.add_argument("--api-key", action="append", default=None, metavar="KEY",
+                   help="require 'Authorization: Bearer KEY' on /v1/* (repeatable; default: $JAXKV_API_KEY if "
+                        "set, else no auth); /health, /metrics and /stats stay open")
+    defaults = ServerLimits()
+    for f in dataclasses.fields(ServerLimits):
+        g.add_argument("--" + f.name.replace("_", "-"), type=int, default=getattr(defaults, f.name),
+                       help=f"{_LIMIT_HELP[f.name]} (default: %(default)s)")
+    g.add_argument("--shutdown-timeout", type=float, default=20.0,
+                   help="seconds requests in flight may run after SIGTERM / SIGINT before they are aborted "
+                        "(new ones get 503 at once; default: %(default)s)")
+
+
+def server_limits(args: argparse.Namespace):
+    """:class:`ServerLimits` from the command line (ValueError naming the flag for a bad value)."""
+    from models.entrypoints.openai.limits import ServerLimits
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServerLimits)}
+    try:
+        return ServerLimits(**values)
+    except ValueError as e:
+        raise ValueError(f"--{str(e).replace('_', '-')}") from None
+
+
+def api_keys(args: argparse.Namespace, environ=os.environ) -> list[str]:
+    """``--api-key`` values, else ``JAXKV_API_KEY`` (vLLM: ``--api-key`` over ``VLLM_API_KEY``)."""
+    keys = list(args.api_key) if args.api_key else [environ["JAXKV_API_KEY"]] if environ.get("JAXKV_API_KEY") else []
+    if any(not k.strip() for k in keys):
+        raise ValueError("--api-key must not be empty")
+    return keys
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
-    args = parse_args(argv)
     try:
-        import uvicorn  # noqa: F401 - fail before loading weights
+        import uvicorn  # noqa: F401 - fail before loading weights (and before the flags, which need them)
         import starlette  # noqa: F401
         import pydantic  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is missing: pip install -e '.[serve]'") from None
+    args = parse_args(argv)
     try:
         if args.headless:
             return run_headless(args)
@@ -115,6 +182,8 @@ def main(argv=None) -> int:
     if async_llm.dead_error is not None:
         log.error("exiting: %s", async_llm.dead_error)
         return 1
+    if server.drain_result is not None:
+        log.info("stopped after draining: %s", server.drain_result)
     return 0
 
 
@@ -148,8 +217,9 @@ def data_parallel_config(args: argparse.Namespace):
 
 
 def build_server(args: argparse.Namespace):
-    """The ``uvicorn.Server`` (not yet running) and its :class:`AsyncLLM`. With engine-core processes the
-    cores start loading now and the server answers ``/health`` with 503 until they are ready."""
+    """The :class:`GracefulServer` (a ``uvicorn.Server`` that drains on SIGTERM; not yet running) and its
+    :class:`AsyncLLM`. With engine-core processes the cores start loading now and the server answers
+    ``/health`` with 503 until they are ready."""
     import uvicorn
 
     from jaxkv.engine.core_client import AsyncMPClient
@@ -157,7 +227,12 @@ def build_server(args: argparse.Namespace):
     from models.entrypoints.async_llm import AsyncLLM
     from models.entrypoints.engine_args import EngineCoreFactory, multiprocessing_enabled, resolve_max_model_len
     from models.entrypoints.openai.api_server import build_app
+    from models.entrypoints.openai.drain import GracefulServer
 
+    limits = server_limits(args)  # bad flags fail before any process starts
+    keys = api_keys(args)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
     eargs = engine_args(args)
     dp = data_parallel_config(args)
     path = registry.resolve_model(eargs.model)  # a bad name fails here, before any process starts
@@ -185,16 +260,24 @@ def build_server(args: argparse.Namespace):
         info = dict(llm.engine_info[0], engine="in-process thread")
         log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     app = build_app(async_llm, tokenizer, served_model_names=names, max_model_len=max_model_len,
-                    extra_stats={k: v for k, v in info.items() if isinstance(v, (int, float, str))})
+                    extra_stats={k: v for k, v in info.items() if isinstance(v, (int, float, str))},
+                    limits=limits, api_keys=keys)
+    # timeout_graceful_shutdown: uvicorn's own wait for connections after the drain (a slow client's)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
-                            log_level="info", timeout_keep_alive=30)
-    server = uvicorn.Server(config)
+                            log_level="info", timeout_keep_alive=30, timeout_graceful_shutdown=5)
+    server = GracefulServer(config, admission=app.state.admission, engine=app.state.aborting_engine,
+                            shutdown_timeout_s=args.shutdown_timeout)
 
     def on_dead(error):  # vLLM: EngineDeadError shuts the API server down
         log.error("engine core died (%s): shutting the server down", error)
         server.should_exit = True
 
     async_llm.on_dead = on_dead
+    log.info("limits: %s; api keys: %d; shutdown timeout %g s",
+             " ".join(f"{k}={v}" for k, v in limits.as_stats().items()), len(keys), args.shutdown_timeout)
+    if not keys and not _is_loopback(args.host):
+        log.warning("no --api-key (or JAXKV_API_KEY): anyone who reaches %s:%d can use this server",
+                    args.host, args.port)
     log.info("serving %s on http://%s:%d/v1", names[0], args.host, args.port)
     return server, async_llm
 

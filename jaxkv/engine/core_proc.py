@@ -79,7 +79,15 @@ def engine_stats(engine) -> dict[str, Any]:
     kv = engine.kv_cache_manager
     out["num_free_blocks"] = int(getattr(kv, "num_free_blocks", 0))
     out["num_gpu_blocks"] = int(getattr(kv, "num_blocks", 0))
+    in_use = [d.memory_stats() or {} for d in _local_devices()]
+    if any("bytes_in_use" in m for m in in_use):  # device memory, where the backend reports it (GPU)
+        out["device_memory_bytes_in_use"] = sum(int(m.get("bytes_in_use", 0)) for m in in_use)
     return out
+
+
+def _local_devices():
+    import jax
+    return jax.local_devices()
 
 
 class EngineCoreProc:

@@ -23,3 +23,24 @@ def test_bad_options_fail_fast_with_one_line(script, args, message):
     assert proc.returncode != 0
     assert message in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
+
+
+def test_exposure_flags_build_limits_and_keys():
+    """serve.py's --api-key / JAXKV_API_KEY and limit flags (in-process: no model is loaded)."""
+    sys.path.insert(0, str(SCRIPTS))
+    import serve
+    from models.entrypoints.openai.limits import ServerLimits
+
+    args = serve.parse_args([])
+    assert serve.server_limits(args) == ServerLimits() and args.shutdown_timeout == 20.0
+    assert serve.api_keys(args, environ={}) == []
+    assert serve.api_keys(args, environ={"JAXKV_API_KEY": "k0"}) == ["k0"]
+    args = serve.parse_args(["--api-key", "k1", "--api-key", "k2", "--max-pending-requests", "7",
+                             "--max-request-body-bytes", "1000", "--shutdown-timeout", "3"])
+    assert serve.api_keys(args, environ={"JAXKV_API_KEY": "k0"}) == ["k1", "k2"]  # the flag wins, as in vLLM
+    limits = serve.server_limits(args)
+    assert (limits.max_pending_requests, limits.max_request_body_bytes, args.shutdown_timeout) == (7, 1000, 3.0)
+    with pytest.raises(ValueError, match=r"^--max-stop-strings=0 must be an integer >= 1$"):
+        serve.server_limits(serve.parse_args(["--max-stop-strings", "0"]))
+    with pytest.raises(ValueError, match="--api-key must not be empty"):
+        serve.api_keys(serve.parse_args(["--api-key", " "]), environ={})

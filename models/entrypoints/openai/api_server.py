@@ -4,8 +4,15 @@ vLLM: ``entrypoints/openai/api_server.py``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true → server-sent events ending
 in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 once the engine is loaded and compiled and while it runs, else 503),
-``GET /stats`` (JSON: running / waiting requests, KV-cache usage, token counters — what the tests and the
-benchmark read), ``GET /metrics`` (the same as Prometheus gauges).
+``GET /stats`` (JSON: running / waiting requests, KV-cache usage, token counters, the server's limits and
+pending requests, its memory — what the tests, the benchmark and the soak test read), ``GET /metrics`` (the
+same as Prometheus gauges).
+
+In front of the routes, outermost first: :class:`~models.entrypoints.openai.auth.ApiKeyMiddleware` (401 on
+``/v1/*`` without a key, when keys are set) and
+:class:`~models.entrypoints.openai.limits.RequestLimitsMiddleware` (413 for a body over the limit, 503 +
+``Retry-After`` past the pending-request cap or while draining); the handlers check JSON depth and stop
+strings (:mod:`models.entrypoints.openai.limits`). ``/health`` answers 503 while the server drains.
 
 Errors are OpenAI's JSON ``{"error": {"message", "type", "param", "code"}}``: 400 for a malformed body or
 a bad / unsupported / out-of-range field (the message and ``param`` name it) and for prompts that do not fit
@@ -20,17 +27,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import logging
-from typing import Any, Awaitable
+import math
+import os
+import sys
+from typing import Any, Awaitable, Sequence
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError
+from models.entrypoints.openai.auth import ApiKeyMiddleware
+from models.entrypoints.openai.drain import AbortingEngine
+from models.entrypoints.openai.limits import Admission, RequestLimitsMiddleware, ServerLimits, parse_json_object
 from models.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
                                                 ModelList, OpenAIError, error_from_validation, random_id)
 from models.entrypoints.openai.serving_chat import OpenAIServingChat
@@ -42,18 +55,14 @@ SSE_HEADERS = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
 def error_response(e: OpenAIError) -> JSONResponse:
-    return JSONResponse(e.to_dict(), status_code=e.status_code)
+    headers = {"Connection": "close"} if e.status_code == 413 else None  # the rest of the body is unread
+    return JSONResponse(e.to_dict(), status_code=e.status_code, headers=headers)
 
 
-async def _parse(request: Request, model_cls):
-    """The JSON body validated into ``model_cls``; OpenAIError (400) naming the field otherwise."""
-    body = await request.body()
-    try:
-        data = json.loads(body)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise OpenAIError(f"Invalid request body: not JSON ({e})", param=None) from None
-    if not isinstance(data, dict):
-        raise OpenAIError("Invalid request body: expected a JSON object", param=None)
+async def _parse(request: Request, model_cls, limits: ServerLimits):
+    """The JSON body validated into ``model_cls``; OpenAIError (400) naming the field otherwise, 413 for a
+    body over ``limits.max_request_body_bytes`` (raised by RequestLimitsMiddleware's ``receive``)."""
+    data = parse_json_object(await request.body(), limits)
     try:
         return model_cls.model_validate(data)
     except ValidationError as e:
@@ -83,6 +92,41 @@ async def _until_disconnected(request: Request, work: Awaitable[Any]) -> tuple[b
     return False, None
 
 
+def _jax_with_devices():
+    """JAX if this process already uses a device backend, else ``None``. Never imports JAX or initializes a
+    backend: the front end of engine-core processes must not take device memory."""
+    jax = sys.modules.get("jax")
+    if jax is None:
+        return None
+    try:
+        from jax._src import xla_bridge
+        return jax if xla_bridge._backends else None  # private: initialized backends (empty until first use)
+    except Exception:  # noqa: BLE001 - another JAX layout: do not risk initializing one
+        return None
+
+
+def process_stats() -> dict[str, Any]:
+    """This process's resident memory (``process_rss_bytes``, Linux) and, where this process runs the model
+    and JAX reports it (GPU), device memory in use summed over its local devices
+    (``device_memory_bytes_in_use``; engine stats of the same name, from engine-core processes, win)."""
+    stats: dict[str, Any] = {"pid": os.getpid()}
+    try:
+        with open("/proc/self/statm") as f:
+            stats["process_rss_bytes"] = int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        pass
+    jax = _jax_with_devices()
+    if jax is not None:
+        try:
+            mems = [d.memory_stats() for d in jax.local_devices()]
+        except Exception:  # noqa: BLE001 - backends without memory stats
+            mems = []
+        if mems and all(m and "bytes_in_use" in m for m in mems):
+            stats["device_memory_bytes_in_use"] = sum(int(m["bytes_in_use"]) for m in mems)
+            stats["device_memory_peak_bytes_in_use"] = sum(int(m.get("peak_bytes_in_use", 0)) for m in mems)
+    return stats
+
+
 def _prometheus(stats: dict[str, Any]) -> str:
     lines = []
     for key, value in sorted(stats.items()):
@@ -93,7 +137,8 @@ def _prometheus(stats: dict[str, Any]) -> str:
 
 
 def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], max_model_len: int,
-              default_stop_token_ids=(), extra_stats=None) -> Starlette:
+              default_stop_token_ids=(), extra_stats=None, limits: ServerLimits | None = None,
+              api_keys: Sequence[str] = ()) -> Starlette:
     """The ASGI app serving ``async_llm``; the engine thread starts with the app and stops with it.
 
     Args:
@@ -103,7 +148,15 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         max_model_len: longest prompt + completion in tokens.
         default_stop_token_ids: ids that end generation unless ``ignore_eos``.
         extra_stats: constant facts merged into ``/stats`` (cache blocks, device, ...).
+        limits: the input limits (default :class:`ServerLimits`' defaults).
+        api_keys: keys a ``/v1`` request must present as ``Authorization: Bearer <key>``; empty: no auth.
+
+    ``app.state`` holds ``async_llm``, ``admission`` (:class:`Admission`) and ``aborting_engine``
+    (:class:`AbortingEngine`), which :class:`~models.entrypoints.openai.drain.GracefulServer` drains.
     """
+    limits = limits or ServerLimits()
+    admission = Admission(limits.max_pending_requests)
+    engine = AbortingEngine(async_llm)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette):
@@ -112,10 +165,17 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         async_llm.shutdown()
 
     options = dict(served_model_names=served_model_names, max_model_len=max_model_len,
-                   default_stop_token_ids=default_stop_token_ids)
-    completion = OpenAIServingCompletion(async_llm, tokenizer, **options)
-    chat = OpenAIServingChat(async_llm, tokenizer, **options)
-    constant_stats = dict(extra_stats or {}, max_model_len=max_model_len)
+                   default_stop_token_ids=default_stop_token_ids, limits=limits)
+    completion = OpenAIServingCompletion(engine, tokenizer, **options)
+    chat = OpenAIServingChat(engine, tokenizer, **options)
+    constant_stats = dict(extra_stats or {}, max_model_len=max_model_len, **limits.as_stats(),
+                          api_key_required=bool(api_keys))
+
+    def all_stats() -> dict[str, Any]:
+        out = dict(constant_stats)
+        for part in (process_stats(), admission.stats(), async_llm.stats()):  # the engine's own keys win
+            out.update(part)
+        return out
 
     async def _openai_error(_: Request, e: OpenAIError):
         return error_response(e)
@@ -138,6 +198,9 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
                                           status_code=500, code="internal_error"))
 
     async def health(_: Request) -> Response:
+        if not admission.accepting:
+            return error_response(OpenAIError("the server is shutting down", status_code=503,
+                                              code="server_shutting_down"))
         if async_llm.is_ready:
             return Response(status_code=200)
         if async_llm.is_running:
@@ -146,10 +209,12 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return error_response(OpenAIError("engine is not running", status_code=503, code="engine_dead"))
 
     async def stats(_: Request) -> JSONResponse:
-        return JSONResponse(dict(constant_stats, **async_llm.stats()))
+        # JSON has no NaN / inf (a ratio before the first step is 0/0): null instead
+        return JSONResponse({k: None if isinstance(v, float) and not math.isfinite(v) else v
+                             for k, v in all_stats().items()})
 
     async def metrics(_: Request) -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(dict(constant_stats, **async_llm.stats())))
+        return PlainTextResponse(_prometheus(all_stats()))
 
     async def models(_: Request) -> JSONResponse:
         root = served_model_names[0]
@@ -157,7 +222,7 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return JSONResponse(ModelList(data=cards).model_dump())
 
     async def create_completion(request: Request):
-        body = await _parse(request, CompletionRequest)
+        body = await _parse(request, CompletionRequest, limits)
         request_id = random_id("cmpl")
         if body.stream:
             prepared = completion.prepare(body)  # errors before the stream starts are plain 4xx
@@ -169,7 +234,7 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return JSONResponse(result.model_dump())
 
     async def create_chat_completion(request: Request):
-        body = await _parse(request, ChatCompletionRequest)
+        body = await _parse(request, ChatCompletionRequest, limits)
         request_id = random_id("chatcmpl")
         if body.stream:
             prepared = chat.prepare(body)
@@ -180,7 +245,10 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
             return Response(status_code=499)
         return JSONResponse(result.model_dump())
 
+    middleware = [Middleware(ApiKeyMiddleware, api_keys=list(api_keys))] if api_keys else []
+    middleware.append(Middleware(RequestLimitsMiddleware, limits=limits, admission=admission))
     app = Starlette(
+        middleware=middleware,
         routes=[Route("/health", health, methods=["GET"]), Route("/stats", stats, methods=["GET"]),
                 Route("/metrics", metrics, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
                 Route("/v1/completions", create_completion, methods=["POST"]),
@@ -190,4 +258,6 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
                             Exception: _internal},
         lifespan=lifespan)
     app.state.async_llm = async_llm
+    app.state.admission = admission
+    app.state.aborting_engine = engine
     return app

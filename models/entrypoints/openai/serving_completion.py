@@ -16,9 +16,6 @@ from models.entrypoints.openai.protocol import (CompletionChoice, CompletionRequ
 from models.entrypoints.openai.serving_engine import (SSE_DONE, ChunkFormatter, OpenAIServing, error_event,
                                                       merge_streams, sse, usage_of)
 
-MAX_PROMPTS_PER_REQUEST = 256
-
-
 class OpenAIServingCompletion(OpenAIServing):
     """Handles text completions."""
 
@@ -28,9 +25,10 @@ class OpenAIServingCompletion(OpenAIServing):
         request.check_supported()
         self.check_alive()
         prompts = request.prompts
-        if len(prompts) > MAX_PROMPTS_PER_REQUEST:
-            raise OpenAIError(f"Invalid value for 'prompt': at most {MAX_PROMPTS_PER_REQUEST} prompts per "
-                              f"request (got {len(prompts)})", param="prompt")
+        most = self.limits.max_prompts_per_request
+        if len(prompts) > most:
+            raise OpenAIError(f"Invalid value for 'prompt': {len(prompts)} prompts; this server accepts at most "
+                              f"{most} per request (--max-prompts-per-request)", param="prompt")
         prepared = []
         for p in prompts:
             if isinstance(p, str):

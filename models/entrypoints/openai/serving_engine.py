@@ -15,6 +15,7 @@ from pydantic import BaseModel
 
 from jaxkv.engine import SamplingParams
 from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, StreamOutput
+from models.entrypoints.openai.limits import ServerLimits, check_stop
 from models.entrypoints.openai.protocol import OpenAIError, UsageInfo, _SamplingFields
 
 _FIELD_IN_MESSAGE = re.compile(r"^\s*'?([a-z_]+)'?\s*=")
@@ -24,17 +25,20 @@ class OpenAIServing:
     """Shared state of the OpenAI handlers.
 
     Args:
-        async_llm: the running engine.
+        async_llm: the running engine (``generate``, ``is_running``: :class:`AsyncLLM` or the drain's
+            :class:`~models.entrypoints.openai.drain.AbortingEngine` around it).
         tokenizer: :class:`models.GGUFTokenizer` (``encode``, ``decode``, ``apply_chat_template``,
             ``vocab_size``).
         served_model_names: names the ``model`` field may take (the first is reported in responses).
         max_model_len: longest prompt + completion, in tokens.
         default_stop_token_ids: ids that end every request unless ``ignore_eos`` (EOS, ``<|im_end|>``);
             the same set ``LLM.generate`` uses, so the server's greedy output equals the offline one.
+        limits: the server's input limits (stop strings, prompts per request).
     """
 
     def __init__(self, async_llm: AsyncLLM, tokenizer, *, served_model_names: Sequence[str],
-                 max_model_len: int, default_stop_token_ids: Sequence[int] = ()):
+                 max_model_len: int, default_stop_token_ids: Sequence[int] = (),
+                 limits: ServerLimits | None = None):
         if not served_model_names:
             raise ValueError("served_model_names must not be empty")
         self.async_llm = async_llm
@@ -42,6 +46,7 @@ class OpenAIServing:
         self.served_model_names = list(served_model_names)
         self.max_model_len = int(max_model_len)
         self.default_stop_token_ids = tuple(int(t) for t in default_stop_token_ids)
+        self.limits = limits or ServerLimits()
 
     @property
     def model_name(self) -> str:
@@ -104,6 +109,7 @@ class OpenAIServing:
 
     def sampling_params(self, request: _SamplingFields, max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams` for a request (OpenAI defaults: temperature 1, top_p 1)."""
+        check_stop(request.stop_strings, request.stop_token_ids, self.limits)
         stop_ids = list(request.stop_token_ids or ())
         if stop_ids:
             self.check_token_ids(stop_ids, "stop_token_ids")
