@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from flax import nnx
 
 import jaxkv
-from models import gemma3_runner, runner
+import jaxkv.parallel
+from models import runner
 from models.gemma3 import Gemma3ForCausalLM
 from models.gemma3 import from_weights as gemma3_from_weights
 from models.gemma3_config import Gemma3Config
@@ -141,34 +142,30 @@ class EngineCaches:
 
 
 def check_mesh_support(config) -> None:
-    """Raise ``ValueError`` for a model family that cannot run on a device mesh yet."""
-    if isinstance(config, Gemma3Config):
-        raise ValueError("tensor_parallel_size / data_parallel_size > 1 is not supported for gemma3 yet "
-                         "(only Llama-family models are sharded); use 1")
+    """Every family runs on a ``(dp, tp)`` mesh now; kept for callers (raises nothing)."""
+
+
+def use_hybrid(mesh) -> bool:
+    """Whether sliding-window layers get their own KV-cache groups: yes, except on a lockstep data-parallel
+    mesh (``dp > 1``), whose runner has one block table per row (windows then only limit compute)."""
+    return jaxkv.parallel.mesh_sizes(mesh)[0] == 1
 
 
 def make_engine_caches(model, *, block_size: int, num_blocks: int, dtype, attention_impl: str,
                        hybrid: bool = True, mesh=None) -> EngineCaches:
-    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for Gemma 3).
-    With a ``(dp, tp)`` ``mesh`` (Llama family only) the caches and parameters are sharded over it."""
-    if mesh is not None:
-        check_mesh_support(model.config)
-    if isinstance(model, Gemma3ForCausalLM):
-        kv_config, caches = gemma3_runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
-                                                         num_blocks=num_blocks, hybrid=hybrid)
-        params, fn = gemma3_runner.make_model_fn(model, kv_config, attention_impl=attention_impl)
-        return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
+    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for models with
+    sliding-window layers). With a ``(dp, tp)`` ``mesh`` the caches and parameters are sharded over it."""
     kv_config, caches = runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
-                                              num_blocks=num_blocks, mesh=mesh)
-    params, fn = runner.make_model_fn(model, attention_impl=attention_impl, mesh=mesh)
-    return EngineCaches(kv_config, caches, None, params, fn)
+                                              num_blocks=num_blocks, mesh=mesh, hybrid=hybrid and use_hybrid(mesh))
+    params, fn = runner.make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
+    return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
 
 
 def num_cache_tensors(config, *, hybrid: bool = True) -> int:
     """Cache tensors of ``num_blocks`` pages each (bytes per block = this x page size)."""
-    if isinstance(config, Gemma3Config) and hybrid:
-        num_full = config.layer_types.count("full_attention")
-        return min(num_full, config.num_layers - num_full) or config.num_layers
+    if config.has_sliding_layers and hybrid:
+        return len(runner.get_kv_cache_config(config, block_size=16, dtype="float32", num_blocks=1)
+                   .kv_cache_tensors)
     return config.num_layers
 
 
@@ -176,10 +173,10 @@ def blocks_per_sequence(config, num_tokens: int, *, block_size: int, max_num_bat
                         hybrid: bool = True) -> int:
     """Most blocks one sequence of ``num_tokens`` tokens holds, every group together (sizing on CPU)."""
     full = -(-num_tokens // block_size)
-    if not (isinstance(config, Gemma3Config) and hybrid):
+    if not (config.has_sliding_layers and hybrid):
         return full
-    groups = gemma3_runner.get_kv_cache_config(config, block_size=block_size, dtype="float32",
-                                               num_blocks=1).kv_cache_groups
+    groups = runner.get_kv_cache_config(config, block_size=block_size, dtype="float32",
+                                        num_blocks=1).kv_cache_groups
     total = 1  # the null block
     for g in groups:
         w = getattr(g.kv_cache_spec, "sliding_window", None)
