@@ -1,4 +1,4 @@
-"""``LLM``: vLLM's offline entry point: a model name or GGUF path in, completions out.
+"""``LLM``: vLLM's offline entry point: a model name, GGUF path or HF checkpoint directory in, completions out.
 
 It lives in ``models/`` (not ``jaxkv/``) because it needs a concrete model, loader and tokenizer, and the
 package direction is ``pallas_kernels <- jaxkv <- models``: the engine under it (:class:`jaxkv.LLMEngine`)
@@ -21,7 +21,7 @@ import jaxkv
 import jaxkv.parallel
 from jaxkv import RequestOutput, SamplingParams
 from models import registry
-from models.parallel import check_llama_tensor_parallel
+from models.parallel import check_model_tensor_parallel
 from models.registry import resolve_model
 from models.runner import kv_cache_spec
 
@@ -34,8 +34,12 @@ class LLM:
     """Load a model, size its paged KV cache, and generate with continuous batching.
 
     Args:
-        model: ``"smollm2-135m"``, ``"gemma3-270m"`` or a GGUF path (architecture ``llama`` or ``gemma3``;
-            Gemma 3 runs with hybrid KV-cache groups: sliding-window layers keep only their window's blocks).
+        model: ``"smollm2-135m"``, ``"gemma3-270m"``, a GGUF path (architecture ``llama`` or ``gemma3``), an HF
+            checkpoint directory (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+            ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``; docs/models.md), or with ``load_format="dummy"`` a
+            ``config.json`` or a built-in name (``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``, ``mistral-7b``,
+            ``gemma-3-4b``). Models with sliding-window layers (Gemma 3, Mistral) run with hybrid KV-cache
+            groups: sliding-window layers keep only their window's blocks.
         dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``,
             ``"float16"``.
         kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
@@ -61,9 +65,11 @@ class LLM:
             :func:`jaxkv.parallel.make_mesh` mesh of ``dp * tp`` devices; ``num_gpu_blocks`` is then per
             ``dp`` rank, while ``max_num_seqs`` / ``max_num_batched_tokens`` stay engine-wide (all ranks;
             vLLM sets them per rank).
-        load_format: ``"auto"`` (the GGUF's weights) or ``"dummy"`` (vLLM's ``--load-format dummy``:
-            config and tokenizer from the GGUF's metadata, random weights from ``seed``; for speed
-            measurements, with a header-only GGUF from ``scripts/make_header_gguf.py``).
+        load_format: ``"auto"`` (the checkpoint's weights) or ``"dummy"`` (vLLM's ``--load-format dummy``:
+            config and tokenizer only, random weights from ``seed`` made on the device(s); for speed
+            measurements: a header-only GGUF from ``scripts/make_header_gguf.py``, a ``config.json`` or a
+            built-in name; a built-in name has a byte-level placeholder tokenizer,
+            :class:`models.hf_tokenizer.PlaceholderTokenizer`).
 
     Raises:
         ValueError: unknown model, bad sizes or dtypes, a memory budget that holds no block, too few
@@ -98,9 +104,8 @@ class LLM:
         self.config, weights, self.tokenizer = registry.load_checkpoint(path, progress=False,
                                                                         load_format=load_format)
         if self.mesh is not None:
-            registry.check_mesh_support(self.config)
-            check_llama_tensor_parallel(self.config, tensor_parallel_size)
-        self.model = registry.build_model(self.config, weights, dtype=self.dtype, seed=seed)
+            check_model_tensor_parallel(self.config, tensor_parallel_size)
+        self.model = registry.build_model(self.config, weights, dtype=self.dtype, seed=seed, mesh=self.mesh)
         del weights
         self.max_model_len = max_model_len or min(self.config.max_position_embeddings, 4096)
         if self.max_model_len > self.config.max_position_embeddings:
@@ -129,7 +134,7 @@ class LLM:
             seed=seed, return_logits=return_logits, mesh=self.mesh)
         self.last_summary: dict[str, float] = {}
         log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens%s, attention=%s, mesh=%s",
-                 path.name, self.dtype, cache_dtype, num_gpu_blocks, block_size,
+                 registry.model_name(path), self.dtype, cache_dtype, num_gpu_blocks, block_size,
                  " per dp rank" if self.mesh is not None else "", self.attention_impl,
                  None if self.mesh is None else dict(self.mesh.shape))
 
@@ -139,7 +144,8 @@ class LLM:
         dp, _ = jaxkv.parallel.mesh_sizes(self.mesh)
         if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
             per_seq = registry.blocks_per_sequence(self.config, self.max_model_len, block_size=block_size,
-                                                   max_num_batched_tokens=max_num_batched_tokens)
+                                                   max_num_batched_tokens=max_num_batched_tokens,
+                                                   hybrid=registry.use_hybrid(self.mesh))
             return min(max(1024, per_seq), -(-max_num_seqs // dp) * per_seq)
         devices = [jax.devices()[0]] if self.mesh is None else list(self.mesh.devices.flat)
         in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
@@ -147,12 +153,23 @@ class LLM:
         activations = max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * self.config.vocab_size
                           + 64 * max_num_batched_tokens * self.config.hidden_size * 4)
         return jaxkv.num_blocks_from_device_memory(
-            spec, num_layers=registry.num_cache_tensors(self.config), gpu_memory_utilization=utilization,
+            spec, num_layers=registry.num_cache_tensors(self.config, hybrid=registry.use_hybrid(self.mesh)),
+            gpu_memory_utilization=utilization,
             reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes,
             free_bytes=snapshot.free_bytes, mesh=self.mesh)
 
     def get_tokenizer(self):
         return self.tokenizer
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's default sampling (``generation_config.json``'s ``temperature``, ``top_p``,
+        ``top_k``), what :meth:`generate` uses when given none; ``SamplingParams()`` without one. vLLM:
+        ``LLM.get_default_sampling_params`` (``--generation-config auto``)."""
+        gen = getattr(self.tokenizer, "generation_config", None) or {}
+        known = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
+        if known.get("top_k") == 0:
+            known["top_k"] = -1
+        return SamplingParams(**known)
 
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -162,7 +179,8 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or a list of
                 these.
-            sampling_params: one for every prompt or one per prompt (default ``SamplingParams()``).
+            sampling_params: one for every prompt or one per prompt (default
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar with the running tokens/s.
 
         Raises:
@@ -171,7 +189,7 @@ class LLM:
         """
         texts, token_ids = self._normalise(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
