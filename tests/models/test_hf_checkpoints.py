@@ -81,15 +81,17 @@ def test_loads_and_matches_the_dense_reference(checkpoint):
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True),
                         use_tqdm=False)
     ref = from_weights(want, hfc.reference_weights(stored, cfg), dtype=jnp.float32)
-    for out in outs:
+    seqs = [out.prompt_token_ids + out.outputs[0].token_ids for out in outs]
+    width = max(map(len, seqs))  # one batch, right-padded (causal: padding cannot change earlier logits)
+    ids = np.array([s + [0] * (width - len(s)) for s in seqs])
+    dense_all = np.asarray(runner.dense_logits(ref, ids, ids * 0 == 0))
+    for out, dense in zip(outs, dense_all):
         c = out.outputs[0]
         assert out.prompt_token_ids[0] == 0  # BOS from tokenizer.json's post-processor
         assert c.logits.shape == (DECODE_STEPS + 1, cfg["vocab_size"])
-        seq = out.prompt_token_ids + c.token_ids
-        dense = np.asarray(runner.dense_logits(ref, np.array([seq])))[0]
         start = len(out.prompt_token_ids) - 1
         np.testing.assert_allclose(c.logits, dense[start:start + DECODE_STEPS + 1], rtol=1e-4, atol=1e-4)
-        np.testing.assert_array_equal(c.token_ids, dense[start:-1].argmax(-1))
+        np.testing.assert_array_equal(c.token_ids, dense[start:start + DECODE_STEPS + 1].argmax(-1))
     if want.has_sliding_layers:  # sliding-window groups through the hybrid KV-cache manager
         assert any(type(g.kv_cache_spec).__name__ == "SlidingWindowSpec" for g in llm.engine.kv_cache_groups)
 
