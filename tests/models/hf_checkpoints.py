@@ -61,7 +61,9 @@ def build_tokenizer() -> tokenizers.Tokenizer:
 
 def hf_config(arch: str, vocab_size: int) -> dict:
     extra, dtype = ARCHS[arch]
-    cfg = dict(architectures=[arch], vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTER,
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "Qwen3ForCausalLM": "qwen3",
+                  "MistralForCausalLM": "mistral", "Gemma3ForCausalLM": "gemma3_text"}[arch]
+    cfg = dict(architectures=[arch], model_type=model_type, vocab_size=vocab_size, hidden_size=HIDDEN, intermediate_size=INTER,
                num_hidden_layers=LAYERS, num_attention_heads=HEADS, num_key_value_heads=KV_HEADS,
                max_position_embeddings=128, bos_token_id=0, eos_token_id=1, torch_dtype=dtype)
     if arch != "Gemma3ForCausalLM":
