@@ -194,8 +194,10 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
         from tqdm.auto import tqdm
         bar = tqdm(total=len(plan), desc="loading safetensors")
     for path, entries in by_file.items():
-        with safe_open(str(path), framework="numpy") as f:
-            for entry in entries:
+        for entry in entries:
+            # one mapping per tensor: its pages leave the process's RSS when the file is closed (a shard of
+            # several GB stays mapped otherwise, every page read counted, until the shard is done)
+            with safe_open(str(path), framework="numpy") as f:
                 param = get_param(model, entry.path)
                 shape, want = tuple(param.get_value().shape), param.get_value().dtype
                 sl = f.get_slice(entry.name)
@@ -204,9 +206,11 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
                 if got != expected:
                     raise ValueError(f"tensor {entry.name!r} in {path.name} has shape {list(got)}, expected "
                                      f"{list(expected)} for this config.json")
-                param.set_value(_place(sl, entry, shape, want, _sharding(entry.path, config, mesh)))
-                if bar is not None:
-                    bar.update(1)
+                value = _place(sl, entry, shape, want, _sharding(entry.path, config, mesh))
+                value.block_until_ready()  # the host slices are freed before the next tensor is read
+                param.set_value(value)
+            if bar is not None:
+                bar.update(1)
     if bar is not None:
         bar.close()
     return model

@@ -77,6 +77,9 @@ def test_loads_and_matches_the_dense_reference(checkpoint):
                      return_logits=True, max_admission_delay_steps=0)
     want = expected_config(arch, cfg["vocab_size"])
     assert llm.config == want
+    default = llm.get_default_sampling_params()  # generation_config.json's
+    assert (default.temperature, default.top_p, default.top_k) == (0.6, 0.9, -1)
+    assert llm.engine.eos_token_ids == {1, 2}
     assert type(llm.model).__name__ == ("Gemma3ForCausalLM" if arch.startswith("Gemma") else "LlamaForCausalLM")
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=DECODE_STEPS + 1, temperature=0, ignore_eos=True),
                         use_tqdm=False)
