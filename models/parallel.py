@@ -1,4 +1,4 @@
-"""How a Llama-family model's parameters lie on a ``(dp, tp)`` mesh (Megatron-style tensor parallelism).
+"""How a decoder's parameters lie on a ``(dp, tp)`` mesh (Megatron-style tensor parallelism), every family.
 
 vLLM: ``ColumnParallelLinear`` / ``QKVParallelLinear`` / ``RowParallelLinear`` /
 ``VocabParallelEmbedding``. Here the rules are :class:`jax.sharding.PartitionSpec` s on the weights
@@ -11,6 +11,9 @@ weight                                      spec                   parallel styl
 q_proj, gate_proj, up_proj ``[hidden, out]``  ``P(None, "tp")``      column (heads / intermediate)
 k_proj, v_proj                              ``P(None, "tp")``      column; replicated ``P()`` when
                                                                    ``num_kv_heads < tp``
+q/k/v_proj bias ``[out]`` (Qwen 2)          ``P("tp")``            as its kernel's columns
+q_norm, k_norm ``[head_size]`` (Qwen 3,     ``P()``                replicated (one weight for all heads)
+Gemma 3)
 o_proj, down_proj ``[in, hidden]``          ``P("tp", None)``      row (one all-reduce each)
 embed_tokens ``[vocab, hidden]``            ``P()``                replicated
 lm_head ``[hidden, vocab]``                 ``P()``                replicated
@@ -28,39 +31,60 @@ import jax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from jaxkv.parallel import TP, check_tensor_parallel, mesh_sizes
-from models.config import LlamaConfig
+from models.decoder_config import DecoderConfig
 
 _COLUMN = {"q_proj", "gate_proj", "up_proj"}
 _ROW = {"o_proj", "down_proj"}
 
 
-def check_llama_tensor_parallel(config: LlamaConfig, tensor_parallel_size: int) -> None:
-    """Raise ``ValueError`` naming the head counts and the valid sizes unless ``tp`` splits the model."""
+def check_model_tensor_parallel(config: DecoderConfig, tensor_parallel_size: int) -> None:
+    """Raise ``ValueError`` naming the field, its value and the valid sizes unless ``tp`` splits the model
+    (vLLM's rules: ``num_heads``, ``num_kv_heads`` (or ``tp`` a multiple of it), ``intermediate_size``)."""
     check_tensor_parallel(config.num_heads, config.num_kv_heads, tensor_parallel_size,
                           config.intermediate_size)
 
 
-def llama_partition_spec(path: tuple, config: LlamaConfig, tensor_parallel_size: int) -> P:
+check_llama_tensor_parallel = check_model_tensor_parallel
+
+
+def partition_spec(path: tuple, config: DecoderConfig, tensor_parallel_size: int) -> P:
     """The :class:`PartitionSpec` of the parameter at pytree ``path`` (keys of ``nnx.split``'s state)."""
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    if "kernel" not in names:
+    leaf = next((n for n in ("kernel", "bias") if n in names), None)
+    if leaf is None:
         return P()
-    layer = names[names.index("kernel") - 1]
-    if layer in _COLUMN or (layer in ("k_proj", "v_proj") and config.num_kv_heads >= tensor_parallel_size):
-        return P(None, TP)
-    if layer in _ROW:
+    layer = names[names.index(leaf) - 1]
+    column = layer in _COLUMN or (layer in ("k_proj", "v_proj") and config.num_kv_heads >= tensor_parallel_size)
+    if column:
+        return P(None, TP) if leaf == "kernel" else P(TP)
+    if layer in _ROW and leaf == "kernel":
         return P(TP, None)
     return P()
 
 
-def shard_llama_params(state, config: LlamaConfig, mesh: Mesh):
-    """``state`` (from ``nnx.split``) placed on ``mesh`` by :func:`llama_partition_spec`.
+llama_partition_spec = partition_spec
+
+
+def param_shardings(state, config: DecoderConfig, mesh: Mesh):
+    """A tree like ``state`` (from ``nnx.split`` or ``nnx.eval_shape``) of the parameters' :class:`NamedSharding` s.
 
     Raises:
         ValueError: the model's heads / intermediate size do not split over the mesh's ``tp``.
     """
     _, tp = mesh_sizes(mesh)
-    check_llama_tensor_parallel(config, tp)
-    shardings = jax.tree_util.tree_map_with_path(
-        lambda path, _: NamedSharding(mesh, llama_partition_spec(path, config, tp)), state)
-    return jax.device_put(state, shardings)
+    check_model_tensor_parallel(config, tp)
+    return jax.tree_util.tree_map_with_path(lambda path, _: NamedSharding(mesh, partition_spec(path, config, tp)),
+                                            state)
+
+
+def shard_params(state, config: DecoderConfig, mesh: Mesh):
+    """``state`` (from ``nnx.split``) placed on ``mesh`` by :func:`partition_spec` (a no-op for parameters
+    already placed so, e.g. loaded by :mod:`models.hf_loader` onto the mesh).
+
+    Raises:
+        ValueError: the model's heads / intermediate size do not split over the mesh's ``tp``.
+    """
+    return jax.device_put(state, param_shardings(state, config, mesh))
+
+
+shard_llama_params = shard_params

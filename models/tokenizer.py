@@ -108,6 +108,33 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
+def _strftime_now(fmt: str) -> str:
+    import datetime
+    return datetime.datetime.now().strftime(fmt)
+
+
+def compile_chat_template(source: str) -> jinja2.Template:
+    """A chat template compiled as ``transformers`` compiles it: a sandboxed Jinja environment with
+    ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension and the ``raise_exception`` /
+    ``strftime_now`` globals (Llama 3's template asks for the date).
+
+    Raises:
+        jinja2.TemplateSyntaxError: the template does not parse.
+    """
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env.from_string(source)
+
+
+def check_messages(messages) -> None:
+    """Raise ``ValueError`` unless every message is a mapping with string ``role`` and ``content``."""
+    for i, message in enumerate(messages):
+        if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
+            raise ValueError(f"messages[{i}]={message!r} must be a dict with str 'role' and 'content'")
+
+
 class GGUFTokenizer:
     """Byte-level BPE tokenizer and chat template of a GGUF checkpoint.
 
@@ -131,11 +158,8 @@ class GGUFTokenizer:
         self._tokens = list(tokens)
         self._bos, self._eos = bos_token_id, eos_token_id
         self._add_bos, self._add_eos = add_bos, add_eos
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-            trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
-        env.globals["raise_exception"] = _raise_exception
         self.chat_template = chat_template or CHATML_TEMPLATE
-        self._template = env.from_string(self.chat_template)
+        self._template = compile_chat_template(self.chat_template)
 
     @classmethod
     def from_gguf(cls, path_or_reader: str | os.PathLike | gguf.GGUFReader) -> GGUFTokenizer:
@@ -298,11 +322,7 @@ class GGUFTokenizer:
         Raises:
             ValueError: a message is not a mapping with string ``role`` and ``content``.
         """
-        for i, message in enumerate(messages):
-            if not isinstance(message, Mapping) or not all(
-                    isinstance(message.get(k), str) for k in ("role", "content")):
-                raise ValueError(f"messages[{i}]={message!r} must be a dict with str "
-                                 f"'role' and 'content'")
+        check_messages(messages)
         special = lambda i: None if i is None else self._tokens[i]  # noqa: E731
         return self._template.render(
             messages=[dict(m) for m in messages],

@@ -529,10 +529,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", action="append", choices=BACKENDS, default=None,
                    help="repeatable; default jaxkv")
     p.add_argument("--compare", action="store_true", help="run every backend (hf only where torch is)")
-    p.add_argument("--model", default="smollm2-135m", help="smollm2-135m or a GGUF path")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="smollm2-135m, a GGUF path, an HF checkpoint directory; with --load-format dummy also a "
+                        "config.json or a built-in name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, mistral-7b, gemma-3-4b)")
     p.add_argument("--load-format", default="auto", choices=("auto", "dummy"),
-                   help="dummy: random weights, config and tokenizer from the GGUF's metadata (a header-only "
-                        "GGUF from scripts/make_header_gguf.py will do); speed only, the text is noise")
+                   help="dummy: random weights made on the device; config and tokenizer from the GGUF's metadata "
+                        "(a header-only GGUF from scripts/make_header_gguf.py will do), the HF directory / "
+                        "config.json, or the built-in table; speed only, the text is noise")
+    p.add_argument("--tokenizer", default=None,
+                   help="tokenize the dataset with this model's tokenizer (a name, GGUF or HF directory; vLLM "
+                        "--tokenizer); default: --model's. The ids must be < the model's vocab_size")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
@@ -633,7 +639,14 @@ def make_llm(args, gguf, *, multiprocessing: bool) -> models.LLM:
 def run(args) -> int:
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
-    tok = models.GGUFTokenizer.from_gguf(gguf)
+    if args.tokenizer:  # vLLM's --tokenizer: sample (count) the prompts with another model's tokenizer
+        tok = models.registry.load_tokenizer(models.resolve_model(args.tokenizer))
+    else:
+        tok = models.registry.load_tokenizer(gguf)
+    if getattr(tok, "is_placeholder", False):
+        print(f"note: {models.registry.model_name(gguf)} has no tokenizer here: prompts are tokenized by a byte-level "
+              "placeholder (~4x the tokens of a BPE vocabulary); give --tokenizer smollm2-135m (or an HF directory) "
+              "for realistic ShareGPT lengths")
     if args.requests:  # sampled elsewhere with the same rule and tokenizer (e.g. where the dataset is)
         path, truncated = pathlib.Path(args.requests), False
         pairs = json.loads(path.read_text())[:args.num_prompts]
@@ -658,6 +671,11 @@ def run(args) -> int:
     print(f"requests: {len(requests)}, prompt tokens {sum(len(r.prompt_token_ids) for r in requests)}, "
           f"output tokens {sum(r.output_len for r in requests)} (seed {args.seed})")
     batch_size = args.static_batch_size or args.max_num_seqs
+    if args.tokenizer:
+        vocab = models.registry.load_config(gguf).vocab_size
+        big = max((max(r.prompt_token_ids) for r in requests), default=0)
+        if big >= vocab:
+            raise ValueError(f"--tokenizer={args.tokenizer!r} gives token id {big} >= the model's vocab_size={vocab}")
     if args.load_format == "dummy" and "hf" in backends:
         raise ValueError("--backend hf needs the checkpoint's weights; it cannot run with --load-format dummy")
     results = []
@@ -665,6 +683,9 @@ def run(args) -> int:
     device = None
     for backend in sorted(backends, key=BACKENDS.index):  # engine-core processes first, then in-process
         if backend == "hf":
+            if models.registry.model_format(gguf) != "gguf":
+                print("hf: skipped (the transformers backend reads GGUF files only)")
+                continue
             try:
                 import torch
                 if not torch.cuda.is_available():
@@ -710,7 +731,7 @@ def run(args) -> int:
     for llm in llms.values():
         llm.shutdown()
 
-    print(f"\ndevice: {device}  jax {jax.__version__}  model {gguf.name}  "
+    print(f"\ndevice: {device}  jax {jax.__version__}  model {models.registry.model_name(gguf)}  "
           f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
     head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
             f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'nvml':>6} {'time s':>8}")

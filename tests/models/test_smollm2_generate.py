@@ -9,9 +9,8 @@ from jaxkv import SamplingParams
 
 
 @pytest.fixture(scope="module")
-def llm(gguf_path):
-    return models.LLM(gguf_path, dtype="float32", attention_impl="reference", max_model_len=64,
-                      num_gpu_blocks=16, max_num_seqs=4, max_num_batched_tokens=64)
+def llm(smollm2_llm):
+    return smollm2_llm  # conftest: one per process, shared with test_gguf_hf_equal.py
 
 
 def test_greedy_capital_of_france_is_paris(llm):

@@ -218,3 +218,17 @@ def test_gap_histogram_bins_the_idle_time_between_merged_spans():
     assert bins[(20, 100)] == pytest.approx(50e-6)
     assert bins[(100, 1000)] == pytest.approx(1e-3)
     assert sum(bins.values()) == pytest.approx((1_058_000 - 0) * 1e-9 - mod.union_seconds(spans))
+
+
+def test_dummy_run_from_a_bare_config_json(tmp_path):
+    """``--model DIR/config.json --load-format dummy``: a Qwen 3 config of tiny size with no weights and no
+    tokenizer (the byte-level placeholder tokenizes the prompts, and says so); the path
+    ``--model llama-3.1-8b --load-format dummy`` takes on a GPU with a built-in config."""
+    from tests.models import hf_checkpoints as hfc
+    cfg = tmp_path / "tiny-qwen3"
+    cfg.mkdir()
+    (cfg / "config.json").write_text(json.dumps(hfc.hf_config("Qwen3ForCausalLM", 300)))
+    proc = _run_small(tmp_path, 3, "--backend", "jaxkv", "--model", str(cfg / "config.json"), "--load-format", "dummy")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "byte-level placeholder" in proc.stdout
+    assert "model config.json" in proc.stdout and "\njaxkv " in proc.stdout

@@ -115,11 +115,14 @@ class OpenAIServing:
             self.check_token_ids(stop_ids, "stop_token_ids")
         if not request.ignore_eos:
             stop_ids += [t for t in self.default_stop_token_ids if t not in stop_ids]
-        top_k = request.top_k if request.top_k not in (None, 0) else -1
+        # unset fields: the checkpoint's generation_config.json defaults (vLLM --generation-config auto), else OpenAI's
+        gen = getattr(self.tokenizer, "generation_config", None) or {}
+        top_k = request.top_k if request.top_k is not None else gen.get("top_k")
+        top_k = top_k if top_k not in (None, 0) else -1
         kwargs: dict[str, Any] = dict(
             max_tokens=max_tokens,
-            temperature=1.0 if request.temperature is None else request.temperature,
-            top_p=1.0 if request.top_p is None else request.top_p, top_k=top_k, seed=request.seed,
+            temperature=gen.get("temperature", 1.0) if request.temperature is None else request.temperature,
+            top_p=gen.get("top_p", 1.0) if request.top_p is None else request.top_p, top_k=top_k, seed=request.seed,
             stop_token_ids=tuple(stop_ids), ignore_eos=request.ignore_eos, min_tokens=request.min_tokens)
         try:
             return SamplingParams(**kwargs)
