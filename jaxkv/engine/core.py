@@ -230,6 +230,8 @@ class LLMEngine:
         Raises:
             ValueError: requests are still running or waiting.
         """
+        while self._inflight is not None and not self.scheduler.has_unfinished_requests():
+            self.step()  # async scheduling: a step dispatched for requests that have finished since
         if self.has_unfinished_requests():
             raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
         self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)

@@ -294,7 +294,7 @@ class _MPClient:
         key = hash(tuple(prompt_token_ids[:prefix_tokens])) if len(prompt_token_ids) >= prefix_tokens else None
         if key is not None:
             r = self._prefix_rank.get(key)
-            if r is not None and self.outstanding[r] <= low + 2 + low // 8:
+            if r is not None and self.outstanding[r] <= low + 1 + low // 32:
                 self._prefix_rank.move_to_end(key)
                 return r
         start = next(self._next)

@@ -6,7 +6,10 @@
 #   stage smol : SmolLM2 (random weights): offline LLM defaults, engine-core process (cold start) and
 #                in-process engine; serve.py warm start + bench_serving (openai client) at inf, 0.5x, 0.9x on
 #                the same requests; -dp 2 vs one GPU on 3000 requests; greedy text -dp 2 vs one GPU.
-#   stage big  : the Llama-3-8B shape: one GPU, -dp 2 (2000 requests, max_num_seqs 512) and greedy -dp 2 vs 1.
+#   stage smol2: the same offline run, then the server at three rates on its requests in the same call,
+#                max_num_batched_tokens 2048 vs 8192, greedy -dp 2 vs one GPU in float32.
+#   stage big  : llama-3.1-8b (built-in config, dummy weights): 1000 requests on one GPU, then 2000 requests
+#                on one GPU vs -dp 2.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -47,11 +50,41 @@ smol)
   timeout 120 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
     --num-prompts 256 --max-tokens 128 --a data_parallel_size=1 --b data_parallel_size=2 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp.txt | head -12
   ;;
+smol2)
+  echo "== offline, 1 GPU: LLM defaults (engine-core process, cold start)"
+  CUDA_VISIBLE_DEVICES=0 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" -e nvml | tee $OUT/offline.txt
+  echo "== server, 1 GPU (warm start), bench_serving with the openai client, same requests"
+  t0=$(date +%s.%N)
+  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > /tmp/server.log 2>&1 &
+  SERVER=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
+  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
+    --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
+    --result-json $OUT/serving.json 2>&1 | quiet > /tmp/serving.txt; tail -8 /tmp/serving.txt | tee $OUT/serving-table.txt
+  grep -e "Output token throughput" -e "Failed" -e "error" /tmp/serving.txt | head -12
+  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core_proc)" | tee -a $OUT/serve-start.txt
+  grep -e "Avg prompt" /tmp/server.log | tail -3
+  echo "== max_num_batched_tokens 2048 vs 8192, 3000 requests, 1 GPU"
+  for t in 2048 8192; do
+    CUDA_VISIBLE_DEVICES=0 timeout 150 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv \
+      --max-num-batched-tokens $t --nvml-busy --output-json $OUT/mbt$t.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee -a $OUT/mbt.txt
+  done
+  echo "== greedy text, -dp 2 vs one GPU, float32"
+  timeout 150 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
+    --num-prompts 128 --max-tokens 64 --dtype float32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
+    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | head -12
+  ;;
 big)
-  echo "== Llama-3-8B shape, 2000 requests, max_num_seqs 512: one GPU vs -dp 2"
+  echo "== llama-3.1-8b (built-in config, dummy weights made on the device), 1000 requests, 1 GPU, LLM defaults"
+  CUDA_VISIBLE_DEVICES=0 timeout 330 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --nvml-busy --output-json $OUT/big1000.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" -e nvml -e "host loop" | tee $OUT/big.txt
+  echo "== 2000 requests: one GPU vs -dp 2 (per-rank defaults)"
   for dp in 1 2; do
-    timeout 280 $B --model $L --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv -dp $dp \
-      --max-num-seqs 512 --nvml-busy --output-json $OUT/big-dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" -e "nvml" | tee -a $OUT/big-dp.txt
+    timeout 200 $B --model llama-3.1-8b --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv -dp $dp \
+      --output-json $OUT/big-dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" | tee -a $OUT/big.txt
   done
   ;;
 esac
