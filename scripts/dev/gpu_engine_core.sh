@@ -77,6 +77,31 @@ smol2)
     --num-prompts 128 --max-tokens 64 --dtype float32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
     --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | head -12
   ;;
+ab)  # new code on GPU 0 vs the pre-merge tree (.old = git archive d72f1e2) on GPU 1, at once; then the server on
+  # GPU 0 while llama-3.1-8b runs on GPU 1
+  (CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site:$PWD/.old JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-old timeout 240 \
+     python3 .old/scripts/bench_throughput.py --load-format dummy --no-progress --model $S --requests /tmp/req1000.json \
+     --num-prompts 1000 --backend jaxkv 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "host loop" > $OUT/old.txt) &
+  OLD=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 240 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee $OUT/offline.txt
+  wait $OLD; echo "-- old tree:"; cat $OUT/old.txt
+  (CUDA_VISIBLE_DEVICES=1 timeout 330 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
+     --backend jaxkv --output-json $OUT/big1000.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "host loop" > $OUT/big.txt) &
+  BIG=$!
+  t0=$(date +%s.%N)
+  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > /tmp/server.log 2>&1 &
+  SERVER=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
+  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  timeout 150 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
+    --request-rate inf,0.9x --warmup-requests 256 --client-processes 6 --markdown \
+    --result-json $OUT/serving.json 2>&1 | quiet > /tmp/serving.txt; tail -5 /tmp/serving.txt | tee $OUT/serving-table.txt
+  kill -TERM $SERVER; wait $SERVER
+  grep -e "Avg prompt" /tmp/server.log | tail -4 > $OUT/server-stats.txt
+  wait $BIG; echo "-- llama-3.1-8b:"; cat $OUT/big.txt
+  ;;
 big)
   echo "== llama-3.1-8b (built-in config, dummy weights made on the device), 1000 requests, 1 GPU, LLM defaults"
   CUDA_VISIBLE_DEVICES=0 timeout 330 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
