@@ -79,8 +79,8 @@ smol2)
   ;;
 ab)  # new code on GPU 0 vs the pre-merge tree (.old = git archive d72f1e2) on GPU 1, at once; then the server on
   # GPU 0 while llama-3.1-8b runs on GPU 1
-  (CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site:$PWD/.old JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-old timeout 240 \
-     python3 .old/scripts/bench_throughput.py --load-format dummy --no-progress --model $S --requests /tmp/req1000.json \
+  (cd .old && CUDA_VISIBLE_DEVICES=1 PYTHONPATH=/tmp/site:$PWD JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-old timeout 240 \
+     python3 scripts/bench_throughput.py --load-format dummy --no-progress --model ../$S --requests /tmp/req1000.json \
      --num-prompts 1000 --backend jaxkv 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "host loop" > $OUT/old.txt) &
   OLD=$!
   CUDA_VISIBLE_DEVICES=0 timeout 240 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
