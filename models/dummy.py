@@ -13,7 +13,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import SingleDeviceSharding
 
 from models.decoder import DecoderForCausalLM
 from models.decoder_config import DecoderConfig
@@ -41,8 +40,11 @@ def dummy_model(config: DecoderConfig, *, dtype=jnp.bfloat16, seed: int = 0, mes
 
     graphdef, abstract = nnx.eval_shape(make)
     if mesh is None:
-        shardings = jax.tree.map(lambda _: SingleDeviceSharding(jax.devices()[0]), abstract)
+        # one device: uncommitted arrays on the default device, as every other single-device path makes them.
+        # Committed (SingleDeviceSharding) parameters made the engine's step programs carry a device
+        # sharding, and on an H200 each step's dispatch then took 130 ms of host time instead of 1 ms
+        # (docs/perf-notes.md, session 15).
+        state = jax.jit(lambda: make()[1])()
     else:
-        shardings = param_shardings(abstract, config, mesh)
-    state = jax.jit(lambda: make()[1], out_shardings=shardings)()
+        state = jax.jit(lambda: make()[1], out_shardings=param_shardings(abstract, config, mesh))()
     return nnx.merge(graphdef, state)

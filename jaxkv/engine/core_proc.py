@@ -25,6 +25,7 @@ SIGINT is ignored: the front end decides (a Ctrl-C reaches the whole process gro
 from __future__ import annotations
 
 import dataclasses
+import gc
 import logging
 import os
 import pickle
@@ -245,6 +246,11 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
     try:
         t0 = time.perf_counter()
         engine, info = launch.factory()
+        # what start-up made (traced programs, the tokenizer...) lives as long as the process: keep it out of
+        # the collector's full passes, which otherwise walk it (~1M objects) in the middle of steps (vLLM does
+        # the same after start-up)
+        gc.collect()
+        gc.freeze()
         info = dict(info, startup_s=time.perf_counter() - t0, pid=os.getpid())
         out.send(protocol.encode(Ready(launch.engine_index, info)))
         EngineCoreProc(engine, engine_index=launch.engine_index, input_socket=inp, output_socket=out,
