@@ -2,7 +2,6 @@
 
     python scripts/profile_engine_host.py [--requests 1000] [--max-num-seqs 256] [--steps 100]
     python scripts/profile_engine_host.py --workload requests-1000.json [--max-admission-delay-steps 8]
-    python scripts/profile_engine_host.py --workload requests-4000.json --data-parallel-size 2   # dp's host cost
 
 ``--workload FILE`` (token ids and output lengths, as ``bench_throughput.py --save-requests`` writes them)
 runs that whole workload through ``LLM.generate``'s path instead and prints its host wall and CPU time,
@@ -20,7 +19,6 @@ from __future__ import annotations
 import argparse
 import cProfile
 import json
-import os
 import pathlib
 import pstats
 import sys
@@ -34,24 +32,12 @@ import jaxkv
 
 
 def _engine(args, model_fn, vocab: int, num_blocks: int) -> jaxkv.LLMEngine:
-    """With ``--data-parallel-size D`` > 1: a ``(D, 1)`` mesh of CPU devices, ``num_blocks`` blocks per
-    rank, ``max_num_seqs`` and the token budget times ``D`` (engine-wide limits, as
-    ``scripts/gpu_mesh.sh bench`` gives them), so each rank gets the single-device batch."""
-    dp = args.data_parallel_size
     table = jax.random.normal(jax.random.key(0), (vocab, vocab))
-    caches = [jnp.zeros((2, dp * num_blocks, 1, 16, 8))]
-    mesh = None
-    if dp > 1:
-        from jax.sharding import NamedSharding, PartitionSpec
-
-        from jaxkv.parallel import kv_cache_sharding, make_mesh
-        mesh = make_mesh(1, dp)
-        table = jax.device_put(table, NamedSharding(mesh, PartitionSpec()))
-        caches = [jax.device_put(caches[0], kv_cache_sharding(mesh))]
+    caches = [jnp.zeros((2, num_blocks, 1, 16, 8))]
     return jaxkv.LLMEngine(model_fn, table, caches, block_size=16, max_model_len=2048,
-                           max_num_seqs=dp * args.max_num_seqs, max_num_batched_tokens=dp * 4096,
+                           max_num_seqs=args.max_num_seqs, max_num_batched_tokens=4096,
                            max_admission_delay_steps=args.max_admission_delay_steps,
-                           num_scheduler_steps=args.num_scheduler_steps, mesh=mesh)
+                           num_scheduler_steps=args.num_scheduler_steps)
 
 
 def _record_decode_rows(engine: jaxkv.LLMEngine) -> list[tuple[int, int]]:
@@ -112,13 +98,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-admission-delay-steps", type=int, default=0)
     p.add_argument("--num-scheduler-steps", type=int, default=8, help="most decode steps per host round trip")
     p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default 4096; 16384 with --workload)")
-    p.add_argument("--data-parallel-size", type=int, default=1,
-                   help="D > 1: the data-parallel engine on D CPU devices (the host cost of dp=D)")
     args = p.parse_args(argv)
-    if args.data_parallel_size > 1:  # before JAX starts its CPU backend, which fixes the device count
-        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
-                                   + f" --xla_force_host_platform_device_count={args.data_parallel_size}")
-        os.environ.setdefault("JAX_PLATFORMS", "cpu")
     vocab = 128
 
     def model_fn(table, ids, positions, caches, metadata, logits_indices):

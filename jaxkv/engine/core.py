@@ -128,9 +128,9 @@ class LLMEngine:
             config's tensors (shared by one layer of each group). ``None``: one group.
         check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
             device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
-        mesh: a ``(dp, tp)`` :func:`jaxkv.parallel.make_mesh` mesh the model and caches are sharded over
-            (``model_fn`` attends through it); with ``dp > 1`` each rank has its own block pool of
-            ``num_blocks / dp`` blocks and every request runs on one rank (:mod:`jaxkv.parallel`).
+        mesh: a :func:`jaxkv.parallel.make_mesh` mesh (``dp == 1``) the model and caches are sharded over
+            for tensor parallelism (``model_fn`` attends through it). Data parallelism is one engine per
+            rank, each in its own process (:mod:`jaxkv.engine.core_client`).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -150,24 +150,19 @@ class LLMEngine:
                                       num_scheduler_steps=num_scheduler_steps,
                                       max_admission_delay_steps=max_admission_delay_steps)
         self.mesh = mesh
-        runner_cls, extra = ModelRunner, {}
         if mesh is not None and mesh.shape.get("dp", 1) > 1:
-            from jaxkv.parallel.data_parallel import DataParallelModelRunner
-            runner_cls, extra = DataParallelModelRunner, dict(mesh=mesh)
-        self.runner = runner_cls(model_fn, params, kv_caches, block_size=block_size,
+            raise ValueError(f"mesh with dp={mesh.shape['dp']}: data-parallel ranks are engines of their own "
+                             "(engine-core processes, LLM(data_parallel_size=...)); an engine's mesh has dp == 1")
+        self.runner = ModelRunner(model_fn, params, kv_caches, block_size=block_size,
                                   max_model_len=max_model_len, max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=max_num_batched_tokens,
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
                                   check_kernel_inputs=check_kernel_inputs,
-                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1, **extra)
+                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
-        if self._per_group_blocks and runner_cls is not ModelRunner:
-            raise ValueError(f"kv_cache_groups ({len(self.kv_cache_groups)} groups) with data_parallel_size="
-                             f"{mesh.shape['dp']}: hybrid / sliding-window caches are not supported with dp > 1 "
-                             "yet (disable the hybrid KV-cache manager)")
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         if eos_token_id is None:
@@ -243,16 +238,7 @@ class LLMEngine:
         if self._per_group_blocks:
             return HybridKVCacheManager(self.kv_cache_groups, self.runner.num_blocks,
                                         enable_prefix_caching=enable_prefix_caching)
-        if not hasattr(self.runner, "rank_of"):
-            return KVCacheManager(self.runner.num_blocks, self.block_size,
-                                  enable_prefix_caching=enable_prefix_caching)
-        from jaxkv.parallel.data_parallel import DataParallelKVCacheManager
-        kv = DataParallelKVCacheManager(self.runner.num_blocks, self.block_size,
-                                        data_parallel_size=self.runner.dp,
-                                        max_num_seqs_per_rank=self.runner.max_num_seqs_per_rank,
-                                        enable_prefix_caching=enable_prefix_caching)
-        self.runner.rank_of = kv.rank_of  # the runner lays rows out by the manager's placement
-        return kv
+        return KVCacheManager(self.runner.num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching)
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,

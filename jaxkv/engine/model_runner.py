@@ -102,9 +102,7 @@ def _pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, tuple]
 
 
 def _unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.Array]:
-    """Inverse of :func:`_pack` on the device (static slices, no copies after fusion). Buffers with
-    leading axes (``[dp, n]``: one packed row per data-parallel rank) give arrays with the same leading
-    axes, ``[dp, *shape]``."""
+    """Inverse of :func:`_pack` on the device (static slices, no copies after fusion)."""
     out, offsets = {}, {"float32": 0, "int32": 0}
     for name, shape, dtype in layout:
         kind = "float32" if dtype == "float32" else "int32"
@@ -293,18 +291,14 @@ class ModelRunner:
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
                                           metadata, inputs["logits_indices"])
         tokens = self._sample(logits, sampling, top_k_top_p)
-        if "out_rows" in inputs:  # rows laid out per data-parallel rank: back to the schedule's order
-            tokens, logits = tokens[inputs["out_rows"]], logits[inputs["out_rows"]]
         return tokens, (logits if self.return_logits else None), kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, order=None, *, top_k_top_p):
+                     sampling: SamplingArrays, *, top_k_top_p):
         """Runs ``num_scheduler_steps`` steps; row ``r`` decodes in the first ``steps[r]`` and writes
         nothing after them (every iteration computes: no ``lax.cond``, see the module docstring).
         Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
-        token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches. ``order``
-        (``int32[R]``, optional): row ``order[r]`` holds the schedule's request ``r`` (rows laid out per
-        data-parallel rank); the outputs come back in the schedule's order."""
+        token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches."""
         self.num_compiles += 1
         tokens = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], tokens)
         num_reqs = tokens.shape[0]
@@ -334,9 +328,6 @@ class ModelRunner:
         (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
             lambda carry, i: run(i, carry), carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
-        if order is not None:
-            last, out_tokens = last[order], out_tokens[:, order]
-            out_logits = None if out_logits is None else out_logits[:, order]
         last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
         return out_tokens, last, out_logits, kv_caches
 

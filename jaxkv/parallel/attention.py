@@ -27,9 +27,9 @@ def paged_attention_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: ja
     With a mesh both run inside one :func:`jax.shard_map` over ``(dp, tp)``:
 
     * tokens and rows (``q``, ``k``, ``v``, ``slot_mapping``, ``seq_lens``, ``block_tables``,
-      ``query_start_loc``) are split over ``dp``: each ``dp`` rank's rows and tokens form a contiguous
-      slice of the padded batch (:class:`jaxkv.parallel.DataParallelModelRunner` lays them out so), and
-      its block ids, slots and ``query_start_loc`` are local to that slice and to its block pool;
+      ``query_start_loc``) are split over ``dp`` (size 1 in the engine, whose data-parallel ranks are
+      engine-core processes of their own; a caller with ``dp > 1`` lays each rank's rows and tokens out as
+      a contiguous slice with block ids, slots and ``query_start_loc`` local to it);
     * heads are split over ``tp``: ``q`` on its heads, the cache and ``k``/``v`` on their KV heads. When
       the model has fewer KV heads than ``tp`` ranks, the cache holds one head per rank (a replica, vLLM's
       rule) and ``k``/``v`` are first expanded to ``tp`` heads (rank ``r`` gets head ``r * num_kv_heads //
@@ -89,9 +89,8 @@ def paged_attention_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: ja
 def gather_logits_rows(x: jax.Array, logits_indices: jax.Array, mesh: Mesh | None = None) -> jax.Array:
     """``x[logits_indices]``: the hidden state of each row's last new token.
 
-    With ``dp > 1`` the gather runs per ``dp`` rank (a rank's rows index its own token slice, as
-    :class:`jaxkv.parallel.DataParallelModelRunner` lays them out), so no rank's activations travel;
-    left to XLA, the global gather became an all-gather of ``x`` over ``dp``.
+    With ``dp > 1`` the gather runs per ``dp`` rank (a rank's rows index its own token slice), so no
+    rank's activations travel; left to XLA, the global gather became an all-gather of ``x`` over ``dp``.
 
     Args:
         x: ``[num_tokens, hidden]``.

@@ -38,7 +38,8 @@ def make_mesh(tensor_parallel_size: int = 1, data_parallel_size: int = 1,
 
     Args:
         tensor_parallel_size: devices a model's heads and MLP are split over (vLLM ``tensor_parallel_size``).
-        data_parallel_size: model replicas, each with its own KV block pool (vLLM ``data_parallel_size``).
+        data_parallel_size: the ``dp`` axis (1 for an engine: vLLM's ``data_parallel_size`` is engine-core
+            processes, :mod:`jaxkv.engine.core_client`).
         devices: the devices to use (default ``jax.devices()``).
 
     Raises:

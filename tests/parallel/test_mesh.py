@@ -1,11 +1,11 @@
-"""Tensor and data parallelism on 4 CPU devices (f32, a tiny random Llama): greedy tokens on every mesh
-equal the single-device tokens, the caches hold the shards they should, a request reads only its own
-rank's blocks, and the compiled step holds one all-reduce per o_proj and down_proj.
+"""Tensor parallelism on 4 CPU devices (f32, a tiny random Llama): greedy tokens on every mesh equal the
+single-device tokens, the caches hold the shards they should, and the compiled step holds one all-reduce
+per o_proj and down_proj. (Data parallelism is engine-core processes: tests/models/test_engine_core_processes.py.)
 
 JAX fixes its device count when it starts, and the pytest process has usually started it with one CPU
 device. So :func:`test_mesh_suite_on_4_cpu_devices` runs this file again in a subprocess with
 ``XLA_FLAGS=--xla_force_host_platform_device_count=4``; there the tests below run and the launcher skips.
-Set ``JAXKV_SLOW=1`` to add the SmolLM2 tests (``LLM(tensor_parallel_size=3)`` / ``data_parallel_size=2``).
+Set ``JAXKV_SLOW=1`` to add the SmolLM2 test (``LLM(tensor_parallel_size=3)``).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from flax import nnx
 import jaxkv
 import models
 from jaxkv import AttentionMetadata, SamplingParams
-from jaxkv.parallel import make_mesh, paged_attention_layer
+from jaxkv.parallel import make_mesh
 from models.config import LlamaConfig
 from models.llama import LlamaForCausalLM
 from models.runner import init_kv_caches, make_model_fn
@@ -53,7 +53,7 @@ def test_mesh_suite_on_4_cpu_devices():
     print(out[-3000:])
     assert r.returncode == 0, out[-6000:]
     passed = re.search(r"(\d+) passed", out)
-    assert passed and int(passed.group(1)) >= 10, out[-3000:]
+    assert passed and int(passed.group(1)) >= 5, out[-3000:]
 
 
 # -- a tiny random Llama, its single-device tokens --------------------------------------------------------
@@ -109,34 +109,26 @@ def _check_shards(engine, num_kv_heads, tp, dp, num_blocks):
 
 
 @needs_mesh
-@pytest.mark.parametrize("num_kv_heads,tp,dp,options", [
-    (2, 2, 1, {}),
-    (2, 1, 2, dict(async_scheduling=True, num_blocks=7)),  # small pools: ranks preempt
-    (2, 2, 2, {}),
-    (1, 2, 2, dict(async_scheduling=True)),  # 1 KV head, tp=2: one replica per rank
-], ids=["tp2", "dp2-async", "tp2xdp2", "tp2xdp2-kv1-replicated"])
-def test_greedy_tokens_equal_single_device(num_kv_heads, tp, dp, options):
+@pytest.mark.parametrize("num_kv_heads,tp,options", [
+    (2, 2, dict(async_scheduling=True, num_blocks=7)),  # a small pool: the engine preempts
+    (1, 2, {}),  # 1 KV head, tp=2: one replica per rank
+], ids=["tp2-async-preempt", "tp2-kv1-replicated"])
+def test_greedy_tokens_equal_single_device(num_kv_heads, tp, options):
     """A batch of 6 requests (prompts of 3..30 tokens, chunked prefill, 4 running at most) on the mesh."""
-    engine = _engine(num_kv_heads, make_mesh(tp, dp), **options)
+    engine = _engine(num_kv_heads, make_mesh(tp, 1), **options)
     assert _tokens(engine) == _single_device_tokens(num_kv_heads)
-    _check_shards(engine, num_kv_heads, tp, dp, options.get("num_blocks", 32))
-    if dp > 1:
-        kv = engine.kv_cache_manager
-        assert all(n > 0 for n in kv.num_placed)  # both ranks served requests
-        assert len(kv.managers) == dp and not kv.rank_of  # every block given back
+    _check_shards(engine, num_kv_heads, tp, 1, options.get("num_blocks", 32))
     if options.get("num_blocks") == 7:
-        # 7 blocks per rank for requests of up to 6 blocks, 2 per rank: the ranks preempt on their own
+        # 7 blocks for requests of up to 6 blocks, 4 running at once: the engine preempts
         assert engine.stats.num_preemptions > 0
 
 
 @needs_mesh
-@pytest.mark.parametrize("tp,dp", [(2, 1), (2, 2)])
-def test_warmup_on_a_mesh_compiles_each_bucket_once(tp, dp):
-    """tp=2 (one runner) and tp=2 x dp=2 (the data-parallel runner), async scheduling: the warm-up's concurrent compiles serve the dummy runs and the
-    real steps (no compile while serving; before, every bucket compiled again at its first real step,
-    its previous tokens being sharded where the warm-up's were not); the tokens stay the
-    single-device ones."""
-    engine = _engine(2, make_mesh(tp, dp), async_scheduling=True)  # steps read the last step's tokens
+def test_warmup_on_a_mesh_compiles_each_bucket_once():
+    """tp=2, async scheduling: the warm-up's concurrent compiles serve the dummy runs and the real steps (no
+    compile while serving; before, every bucket compiled again at its first real step, its previous tokens
+    being sharded where the warm-up's were not); the tokens stay the single-device ones."""
+    engine = _engine(2, make_mesh(2, 1), async_scheduling=True)  # steps read the last step's tokens
     names = step_compiles(engine.warmup)
     assert len(names) == engine.num_buckets == engine.num_compiles, names
     tokens = []
@@ -144,65 +136,12 @@ def test_warmup_on_a_mesh_compiles_each_bucket_once(tp, dp):
     assert tokens == _single_device_tokens(2)
 
 
-def _attention_case(rng, mesh, poisoned_rank: int, decode: bool):
-    """Rows of both dp ranks over a global cache whose ``poisoned_rank`` pool is NaN."""
-    dp, heads, kv_heads, d, nb = 2, 4, 2, 16, 6
-    cache = rng.standard_normal((2, dp * nb, kv_heads, BLOCK, d)).astype(np.float32)
-    cache[:, poisoned_rank * nb:(poisoned_rank + 1) * nb] = np.nan
-    rows = 2  # per rank
-    seq_lens = np.array([13, 20, 9, 17], np.int32)
-    q_lens = np.ones(4, np.int32) if decode else np.array([5, 3, 9, 1], np.int32)
-    tokens = int(q_lens.reshape(dp, rows).sum(1).max()) if not decode else rows
-    tables = np.stack([rng.permutation(nb)[:3] for _ in range(4)]).astype(np.int32)  # local ids
-    qsl = np.zeros((dp, rows + 1), np.int32)
-    slots = np.full((dp, tokens), -1, np.int32)
-    for r in range(dp):
-        for j in range(rows):
-            g = r * rows + j
-            qsl[r, j + 1] = qsl[r, j] + q_lens[g]
-            pos = np.arange(seq_lens[g] - q_lens[g], seq_lens[g])
-            slots[r, qsl[r, j]:qsl[r, j + 1]] = tables[g, pos // BLOCK] * BLOCK + pos % BLOCK
-    q = rng.standard_normal((dp * tokens, heads, d)).astype(np.float32)
-    k = rng.standard_normal((dp * tokens, kv_heads, d)).astype(np.float32)
-    v = rng.standard_normal((dp * tokens, kv_heads, d)).astype(np.float32)
-    md = dict(slot_mapping=slots.reshape(-1), seq_lens=seq_lens, block_tables=tables,
-              query_start_loc=qsl.reshape(-1), max_query_len=1 if decode else tokens, max_seq_len=3 * BLOCK)
-    return cache, q, k, v, md, tokens, rows, nb
-
-
-@needs_mesh
-@pytest.mark.parametrize("decode", [False, True], ids=["prefill", "decode"])
-@pytest.mark.parametrize("poisoned_rank,impl", [(0, "reference"), (1, "pallas_interpret")])
-def test_request_never_reads_another_ranks_blocks(rng, poisoned_rank, impl, decode):
-    """Local block ids are the same numbers on both ranks: a rank's rows must write and read only its
-    own pool. The other pool is NaN; the clean rank's output equals a single-device reference run on its
-    pool alone, and the NaN pool is left untouched. ``pallas_interpret``: the Pallas kernels (in the
-    interpreter) run per shard inside the shard_map."""
-    mesh = make_mesh(2, 2)
-    cache, q, k, v, md, tokens, rows, nb = _attention_case(rng, mesh, poisoned_rank, decode)
-    sharded = jax.device_put(cache, jaxkv.parallel.kv_cache_sharding(mesh))
-    fn = jax.jit(lambda q, k, v, c, m: paged_attention_layer(q, k, v, c, m, scale=0.25, impl=impl,
-                                                              mesh=mesh))
-    meta = AttentionMetadata(**{n: (jnp.asarray(x) if isinstance(x, np.ndarray) else x) for n, x in md.items()})
-    out, new_cache = (np.asarray(x) for x in fn(q, k, v, sharded, meta))
-    clean = 1 - poisoned_rank
-    t, r = slice(clean * tokens, (clean + 1) * tokens), slice(clean * rows, (clean + 1) * rows)
-    local = AttentionMetadata(slot_mapping=jnp.asarray(md["slot_mapping"][t]), seq_lens=jnp.asarray(md["seq_lens"][r]),
-                              block_tables=jnp.asarray(md["block_tables"][r]),
-                              query_start_loc=jnp.asarray(md["query_start_loc"].reshape(2, -1)[clean]),
-                              max_query_len=md["max_query_len"], max_seq_len=md["max_seq_len"])
-    pool = slice(clean * nb, (clean + 1) * nb)
-    want, want_cache = paged_attention_layer(q[t], k[t], v[t], jnp.asarray(cache[:, pool]), local, scale=0.25,
-                                             impl="reference")
-    assert np.isfinite(out[t]).all()
-    np.testing.assert_allclose(out[t], want, rtol=1e-5, atol=1e-5)
-    np.testing.assert_array_equal(new_cache[:, pool], np.asarray(want_cache))
-    bad = slice(poisoned_rank * nb, (poisoned_rank + 1) * nb)
-    written = md["slot_mapping"].reshape(2, -1)[poisoned_rank]
-    untouched = np.ones((nb * BLOCK,), bool)
-    untouched[written[written >= 0]] = False
-    np.testing.assert_array_equal(np.isnan(new_cache[:, bad].transpose(0, 2, 1, 3, 4).reshape(2, 2, -1, 16)
-                                           [:, :, untouched]), True)
+def test_an_engine_mesh_with_dp_is_refused():
+    """Data-parallel ranks are engines of their own; a mesh with dp > 1 names the alternative."""
+    mesh = type("M", (), {"shape": {"dp": 2, "tp": 1}})()
+    with pytest.raises(ValueError, match="dp=2: data-parallel ranks are engines of their own"):
+        jaxkv.LLMEngine(lambda *a: None, {}, [jnp.zeros((2, 4, 1, BLOCK, 16))], block_size=BLOCK,
+                        max_model_len=MAX_LEN, mesh=mesh)
 
 
 def _collectives(tp, dp, num_kv_heads=2):
@@ -226,14 +165,11 @@ def _collectives(tp, dp, num_kv_heads=2):
 @needs_mesh
 def test_compiled_step_has_one_all_reduce_per_row_parallel_matmul():
     """Megatron-style: per layer one all-reduce after o_proj and one after down_proj, each of the
-    hidden state ``[tokens, hidden]``; nothing else (embedding and LM head are replicated). dp adds no
-    collective (each rank's logits rows are gathered locally)."""
+    hidden state ``[tokens, hidden]``; nothing else (embedding and LM head are replicated)."""
     layers = _config(2).num_layers
-    for tp, dp in ((2, 2),):
-        counts, shapes = _collectives(tp, dp)
-        assert counts == {"all-reduce": 2 * layers}, counts
-        assert set(shapes) == {"f32[4,64]{1,0}"}, shapes  # 4 tokens per dp rank, hidden 64
-    assert _collectives(1, 2)[0] == {}
+    counts, shapes = _collectives(2, 1)
+    assert counts == {"all-reduce": 2 * layers}, counts
+    assert set(shapes) == {"f32[4,64]{1,0}"}, shapes  # 4 tokens, hidden 64
     counts, shapes = _collectives(2, 1, num_kv_heads=1)  # replicated KV heads: still only the two
     assert counts == {"all-reduce": 2 * layers} and set(shapes) == {"f32[4,64]{1,0}"}
 
@@ -247,13 +183,12 @@ def test_bad_head_counts_name_the_valid_sizes():
 # -- SmolLM2 (9 query heads, 3 KV heads: tp=3) ------------------------------------------------------------
 @needs_mesh
 @slow
-@pytest.mark.parametrize("tp,dp", [(3, 1), (1, 2)])
-def test_smollm2_text_equals_single_device(gguf_path, tp, dp):
+def test_smollm2_text_equals_single_device(gguf_path):
     prompts = ["The capital of France is", "Water is", "Once upon a time"]
     sp = SamplingParams(max_tokens=16, temperature=0)
     kw = dict(dtype="float32", max_model_len=128, max_num_seqs=4, num_gpu_blocks=64)
     solo = models.LLM(gguf_path, **kw).generate(prompts, sp, use_tqdm=False)
-    mesh = models.LLM(gguf_path, tensor_parallel_size=tp, data_parallel_size=dp, **kw).generate(
+    mesh = models.LLM(gguf_path, tensor_parallel_size=3, **kw).generate(
         prompts, sp, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in mesh] == [o.outputs[0].token_ids for o in solo]
     assert "Paris" in mesh[0].outputs[0].text
