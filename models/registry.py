@@ -245,8 +245,8 @@ def check_mesh_support(config) -> None:
 
 
 def use_hybrid(mesh) -> bool:
-    """Whether sliding-window layers get their own KV-cache groups: yes, except on a lockstep data-parallel
-    mesh (``dp > 1``), whose runner has one block table per row (windows then only limit compute)."""
+    """Whether sliding-window layers get their own KV-cache groups: always, an engine's mesh having
+    ``dp == 1`` (data-parallel ranks are engine-core processes); kept for callers."""
     return jaxkv.parallel.mesh_sizes(mesh)[0] == 1
 
 
