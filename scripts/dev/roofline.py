@@ -1,0 +1,80 @@
+"""The physical bound of an offline throughput run: how many output tokens/s the GPU's memory bandwidth and
+matrix throughput allow for a model and a set of requests (issue 28's roofline).
+
+    python scripts/dev/roofline.py --model llama-3.1-8b --requests requests.json --num-prompts 1000 \
+        [--max-num-seqs 256] [--bandwidth-tb-s 3.0] [--tflops 798] [--measured TOK_S]
+
+Model: every decode step reads all weights once (bf16) and, for each running sequence, its KV cache; with at
+most ``max_num_seqs`` sequences per step the decode phase needs at least ``ceil(output tokens / max_num_seqs)``
+steps. Prefill: ``2 * params * prompt tokens`` plus causal attention FLOPs. The bound on time is the decode
+bytes over bandwidth plus the prefill FLOPs over peak (they do not overlap in the engine's steps more than the
+mixed steps allow, so their sum is a fair bound; either term alone is a looser one). Defaults: H100 as
+measured here (device copy ~3.0 TB/s, bf16 matmul 798 TFLOP/s; KINDS.md); the H200: 4.3 TB/s, 788.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+
+
+def model_numbers(config) -> dict:
+    """Parameters (embedding counted once when tied), and KV bytes per token (bf16)."""
+    h, L, v = config.hidden_size, config.num_layers, config.vocab_size
+    attn = h * config.head_size * (config.num_heads + 2 * config.num_kv_heads) + config.num_heads * config.head_size * h
+    mlp = 3 * h * config.intermediate_size
+    params = L * (attn + mlp) + v * h * (1 if config.tie_word_embeddings else 2)
+    kv_per_token = 2 * L * config.num_kv_heads * config.head_size * 2
+    return dict(params=params, weight_bytes=2 * params, kv_bytes_per_token=kv_per_token,
+                attn_flops_per_pair=4 * L * config.num_heads * config.head_size)
+
+
+def bound(config, requests, *, max_num_seqs: int, bandwidth: float, flops: float) -> dict:
+    m = model_numbers(config)
+    prompt = sum(len(p) for p, _ in requests)
+    output = sum(n for _, n in requests)
+    steps = math.ceil(output / max_num_seqs)
+    kv_read = m["kv_bytes_per_token"] * sum(len(p) * n + n * (n - 1) / 2 for p, n in requests)
+    decode_s = (steps * m["weight_bytes"] + kv_read) / bandwidth
+    decode_flops_s = 2 * m["params"] * output / flops
+    prefill_flops = 2 * m["params"] * prompt + m["attn_flops_per_pair"] * sum(len(p) ** 2 / 2 for p, _ in requests)
+    prefill_s = prefill_flops / flops
+    total = max(decode_s, decode_flops_s) + prefill_s
+    return dict(params=m["params"], prompt_tokens=prompt, output_tokens=output, decode_steps=steps,
+                decode_weight_s=steps * m["weight_bytes"] / bandwidth, decode_kv_s=kv_read / bandwidth,
+                decode_flops_s=decode_flops_s, prefill_s=prefill_s, bound_s=total,
+                bound_output_tok_s=output / total)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="a model name, GGUF, HF directory, config.json or built-in name")
+    p.add_argument("--requests", required=True, help="[[prompt token ids, output len], ...]")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--bandwidth-tb-s", type=float, default=3.0)
+    p.add_argument("--tflops", type=float, default=798.0)
+    p.add_argument("--measured", type=float, default=None, help="a run's output tok/s, to compare")
+    args = p.parse_args(argv)
+    from models import registry
+    config = registry.load_config(registry.resolve_model(args.model))
+    with open(args.requests) as f:
+        requests = [(list(ids), int(n)) for ids, n in json.load(f)[:args.num_prompts]]
+    b = bound(config, requests, max_num_seqs=args.max_num_seqs, bandwidth=args.bandwidth_tb_s * 1e12,
+              flops=args.tflops * 1e12)
+    print(f"{registry.model_name(args.model)}: {b['params'] / 1e9:.2f} B parameters; {len(requests)} requests, "
+          f"{b['prompt_tokens']} prompt / {b['output_tokens']} output tokens; {args.bandwidth_tb_s} TB/s, "
+          f"{args.tflops} TFLOP/s, max_num_seqs {args.max_num_seqs}")
+    print("| part | seconds |\n|---|---|")
+    for k in ("decode_weight_s", "decode_kv_s", "decode_flops_s", "prefill_s", "bound_s"):
+        print(f"| {k} | {b[k]:.2f} |")
+    print(f"bound: {b['bound_output_tok_s']:,.0f} output tok/s ({b['decode_steps']} decode steps at least)")
+    if args.measured:
+        print(f"measured {args.measured:,.0f} = {args.measured / b['bound_output_tok_s']:.0%} of the bound")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
