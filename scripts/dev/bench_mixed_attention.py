@@ -1,6 +1,6 @@
 """The paged prefill kernel at the continuous-batching engine's mixed-step shapes, on a GPU.
 
-    python scripts/bench_mixed_attention.py [--iters 20]
+    python scripts/dev/bench_mixed_attention.py [--iters 20]
 
 A mixed step (``jaxkv.engine.model_runner``) attends all rows of the largest request bucket (256, dummy
 rows own no token) with ``max_query_len`` = the step's token bucket. The shapes below are what the
@@ -14,6 +14,7 @@ spends in attention. Every output is checked against ``paged_prefill_attention_r
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import sys
 
@@ -21,7 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from bench_attention import _timer
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/ (bench_attention)
+from bench_attention import _timer  # noqa: E402
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 
 ROWS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_LAYERS = 256, 16, 9, 3, 64, 30

@@ -1,6 +1,6 @@
 """KV-cache blocks of one long Gemma 3 sequence, hybrid groups vs every layer full attention.
 
-    python scripts/kv_memory.py [--tokens 1024 8192 32768] [--block-size 16]
+    python scripts/dev/kv_memory.py [--tokens 1024 8192 32768] [--block-size 16]
         [--max-num-batched-tokens 2048] [--num-scheduler-steps 1] [--gguf PATH]
 
 Runs the real scheduler and KV-cache manager (no model: the sampled tokens are dummies, which changes

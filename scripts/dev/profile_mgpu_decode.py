@@ -1,6 +1,6 @@
 """Where the Mosaic GPU decode kernel's time goes, per warpgroup (Hopper GPU only).
 
-    python scripts/profile_mgpu_decode.py [--shapes 64x1024,64x4096] [--dtypes bf16,fp8] [--out DIR]
+    python scripts/dev/profile_mgpu_decode.py [--shapes 64x1024,64x4096] [--dtypes bf16,fp8] [--out DIR]
 
 Runs ``paged_attention_mgpu`` on bench_attention's decode shapes with Mosaic GPU's on-device profiler
 (``paged_attention_mgpu.PROFILE``): every warpgroup of every CTA records the kernel's named scopes with the
@@ -29,9 +29,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # scripts/ (bench_attention)
+sys.path[:0] = [os.path.dirname(_SCRIPTS), _SCRIPTS]
 import pallas_kernels.paged_attention_mgpu as mgpu  # noqa: E402
-from scripts.bench_attention import HEAD_SIZE, _make_inputs, _timer  # noqa: E402
+from bench_attention import HEAD_SIZE, _make_inputs, _timer  # noqa: E402
 
 ROLES = ("compute", "memory", "converter")
 

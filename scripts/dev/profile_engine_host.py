@@ -1,7 +1,7 @@
 """Host cost of one engine step, with a trivial model (no real device work), profiled with cProfile.
 
-    python scripts/profile_engine_host.py [--requests 1000] [--max-num-seqs 256] [--steps 100]
-    python scripts/profile_engine_host.py --workload requests-1000.json [--max-admission-delay-steps 8]
+    python scripts/dev/profile_engine_host.py [--requests 1000] [--max-num-seqs 256] [--steps 100]
+    python scripts/dev/profile_engine_host.py --workload requests-1000.json [--max-admission-delay-steps 8]
 
 ``--workload FILE`` (token ids and output lengths, as ``bench_throughput.py --save-requests`` writes them)
 runs that whole workload through ``LLM.generate``'s path instead and prints its host wall and CPU time,

@@ -9,10 +9,10 @@
 # the outputs have the dataset's lengths through ignore_eos), so the first call carries only .dummy (the
 # header-only GGUF, the request samples, the gguf wheel) and the checkpoint's first half; the second call
 # carries the second half for the greedy text.
-#   call 1, carry [.dummy, .gguf1]:  bash scripts/gpu_mesh.sh prep1 && bash scripts/gpu_mesh.sh bench
+#   call 1, carry [.dummy, .gguf1]:  bash scripts/dev/gpu_mesh.sh prep1 && bash scripts/dev/gpu_mesh.sh bench
 #                                    (prep1 installs the gguf wheel every stage needs: models imports gguf)
-#   call 2, carry [.gguf2]:          bash scripts/gpu_mesh.sh prep2 && bash scripts/gpu_mesh.sh text \
-#                                      && bash scripts/gpu_mesh.sh step
+#   call 2, carry [.gguf2]:          bash scripts/dev/gpu_mesh.sh prep2 && bash scripts/dev/gpu_mesh.sh text \
+#                                      && bash scripts/dev/gpu_mesh.sh step
 # Stages:
 #   bench   ShareGPT throughput, dp=1 (one GPU) then dp=2 (both), on $N requests (N=4000 then 1000 by
 #           default: the 1000-request sample ends in a long tail of few requests that a second replica
@@ -61,12 +61,12 @@ bench)
   done
   ;;
 step)
-  echo "\$ python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64" | tee $OUT/mesh-step.txt
-  timeout ${STEP_TIMEOUT:-300} python scripts/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64 2>&1 | quiet | tee -a $OUT/mesh-step.txt
+  echo "\$ python scripts/dev/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64" | tee $OUT/mesh-step.txt
+  timeout ${STEP_TIMEOUT:-300} python scripts/dev/bench_mesh_step.py --preset llama-1b --tp 1,2 --batches ${BATCHES:-8,64} --new-tokens 64 2>&1 | quiet | tee -a $OUT/mesh-step.txt
   ;;
 hlo)
   rm -rf /tmp/hlo && mkdir -p /tmp/hlo
-  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" timeout 200 python scripts/bench_mesh_step.py \
+  XLA_FLAGS="--xla_dump_to=/tmp/hlo --xla_dump_hlo_as_text --xla_dump_hlo_pass_re=^$" timeout 200 python scripts/dev/bench_mesh_step.py \
     --preset llama-1b --tp 2 --batches 8 --new-tokens 8 --repeats 1 --no-profile 2>&1 | quiet | tail -3
   for f in /tmp/hlo/*after_optimizations.txt; do
     n=$(grep -cE "(all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(-start)?\(" "$f")

@@ -18,7 +18,7 @@
 # Each stage has its own timeout, so a hang or a compile failure in one still leaves the others' logs.
 # PREFILL_BENCH_ARGS / DECODE_BENCH_ARGS add bench_attention.py flags (e.g. --breakdown: each kernel's time per
 # call); DECODE_SKIP_TESTS=1 runs only the decode bench.
-# Usage (device tool, repository root): SECTIONS=prefill OUT=... bash scripts/gpu_mgpu.sh
+# Usage (device tool, repository root): SECTIONS=prefill OUT=... bash scripts/dev/gpu_mgpu.sh
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_mgpu}

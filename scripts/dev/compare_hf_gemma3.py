@@ -3,11 +3,11 @@
 Two halves, because transformers needs torch and jaxkv needs jax (they can live in different venvs):
 
     # 1. jaxkv side (this repo's venv): token ids + our logits of the last positions
-    python scripts/compare_hf_gemma3.py ours --out /tmp/g3 [--prompt-file docs/prompts/gemma3-long-qa.txt]
+    python scripts/dev/compare_hf_gemma3.py ours --out /tmp/g3 [--prompt-file docs/prompts/gemma3-long-qa.txt]
     # 2. transformers side (a venv with torch, transformers >= 4.50, gguf, numpy; no jax needed):
-    python scripts/compare_hf_gemma3.py hf --out /tmp/g3 --gguf PATH
+    python scripts/dev/compare_hf_gemma3.py hf --out /tmp/g3 --gguf PATH
     # 3. compare (either venv)
-    python scripts/compare_hf_gemma3.py compare --out /tmp/g3
+    python scripts/dev/compare_hf_gemma3.py compare --out /tmp/g3
 
 The transformers side builds ``Gemma3ForCausalLM`` from a ``Gemma3TextConfig`` with Gemma-3-270M's
 published hyper-parameters and loads the GGUF's tensors, dequantised by the ``gguf`` library, under HF
@@ -25,7 +25,7 @@ import sys
 
 import numpy as np
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 LAST = 16  # positions whose logits are compared
 
 

@@ -14,7 +14,7 @@
 #   stage idle1   : (carries .dummy: header-only GGUF + requests + gguf wheel, 3 MB; no checkpoint) random-weight
 #                   SmolLM2 at 1000 requests (continuous + static, NVML busy), a profiled 300-request run
 #                   (gap histogram, top kernels) and the optimized HLO of the decode and mixed programs
-#                   (read it with scripts/count_hlo_kernels.py: kernels per step by kind).
+#                   (read it with scripts/dev/count_hlo_kernels.py: kernels per step by kind).
 #   stage idle2   : (after idle1) 32 decode steps per round trip (the tail decodes alone: nothing waits),
 #                   max_num_seqs 1024 (vLLM's offline default on 80 GB GPUs), then XLA command buffers off.
 #   stage mgpu-step: (carries .dummy) the SmolLM2 decode step, Triton vs Mosaic GPU kernels (issue 13).
@@ -24,7 +24,7 @@
 #                   with HOST1_WARMUP_AB=1 also the warm-up one bucket at a time (--warmup-workers 1, no
 #                   persistent cache) against the first run's concurrent warm-up.
 #   stage serve   : (after cb1 carrying .serve = server wheels + serving-requests.json, and cb2) the
-#                   serving benchmark at three rates through scripts/gpu_serve.sh.
+#                   serving benchmark at three rates through scripts/dev/gpu_serve.sh.
 #   stage model   : generate.py (accuracy.py --part model,chunked: run separately, ~140 s), bench_decode.py (device loop, capacity, CUPTI), XLA command-buffer
 #                   flags, bench_hf_generate.py.
 set -uo pipefail
@@ -43,7 +43,7 @@ cb1)
   nvidia-smi --query-gpu=name,memory.total --format=csv,noheader | tee $OUT/device.txt
   # -v through tee (not tail): a run cut short still leaves every finished test's line in $OUT, and
   # faulthandler prints the stacks of a test that takes over 120 s
-  [ -n "${MIXED_BENCH:-}" ] && timeout 150 python scripts/bench_mixed_attention.py 2>&1 | quiet | tee $OUT/bench-mixed.txt
+  [ -n "${MIXED_BENCH:-}" ] && timeout 150 python scripts/dev/bench_mixed_attention.py 2>&1 | quiet | tee $OUT/bench-mixed.txt
   [ -n "${KERNEL_TESTS:-}" ] && timeout ${KERNEL_TESTS_TIMEOUT:-400} python -m pytest -v -p no:cacheprovider \
       -o faulthandler_timeout=120 --durations=10 ${KERNEL_TESTS_PATHS:-tests/pallas_kernels} \
       -k "not fuzz_compiled and not lower_for" 2>&1 | tee $OUT/kernel-tests.txt | tail -15
@@ -108,13 +108,13 @@ host1)  # carries .dummy (header GGUF, requests-1000/4000.json, gguf wheel)
 mgpu-step)  # carries .dummy (or after idle1): the SmolLM2 decode step on the Triton vs the Mosaic GPU kernels
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .dummy/*.whl
   for impl in pallas pallas_mosaic; do
-    echo "\$ python scripts/bench_decode.py --gguf .dummy/smollm2-header.gguf --load-format dummy --batches 1,64,256 --steps-per-sync 16 --attention-impl $impl" | tee -a $OUT/mgpu-step.txt
-    timeout 250 python scripts/bench_decode.py --gguf .dummy/smollm2-header.gguf --load-format dummy --batches 1,64,256 \
+    echo "\$ python scripts/dev/bench_decode.py --gguf .dummy/smollm2-header.gguf --load-format dummy --batches 1,64,256 --steps-per-sync 16 --attention-impl $impl" | tee -a $OUT/mgpu-step.txt
+    timeout 250 python scripts/dev/bench_decode.py --gguf .dummy/smollm2-header.gguf --load-format dummy --batches 1,64,256 \
       --steps-per-sync 16 --attention-impl $impl 2>&1 | quiet | head -12 | tee -a $OUT/mgpu-step.txt
   done
   ;;
 serve)  # after cb1 (carrying .serve too) and cb2 on the same warm machine: the three-rate serving table
-  REQUESTS=/tmp/serving-requests.json bash scripts/gpu_serve.sh $G ${NUM_PROMPTS:-1000} --num-gpu-blocks 16384
+  REQUESTS=/tmp/serving-requests.json bash scripts/dev/gpu_serve.sh $G ${NUM_PROMPTS:-1000} --num-gpu-blocks 16384
   ;;
 kernels)
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -142,13 +142,13 @@ model)
     echo '$ python scripts/generate.py --gguf $G --chat --prompt "What is the capital of France?" --prompt "Write a haiku about the sea." --max-new-tokens 48 --prefill-chunk-size 16'
     timeout 60 python scripts/generate.py --gguf $G --chat --prompt "What is the capital of France?" --prompt "Write a haiku about the sea." --max-new-tokens 48 --prefill-chunk-size 16
   } 2>&1 | quiet | tee $OUT/generate.txt
-  echo '$ python scripts/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16,64' | tee $OUT/bench-decode-step.txt
-  timeout 200 python scripts/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16,64 2>&1 | quiet | tee -a $OUT/bench-decode-step.txt
+  echo '$ python scripts/dev/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16,64' | tee $OUT/bench-decode-step.txt
+  timeout 200 python scripts/dev/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16,64 2>&1 | quiet | tee -a $OUT/bench-decode-step.txt
   for flags in "--xla_gpu_enable_command_buffer=" '--legacy_command_buffer_custom_call_targets=__gpu$xla.gpu.triton'; do
-    echo "\$ XLA_FLAGS='$flags' python scripts/bench_decode.py --gguf \$G --batches 1 --steps-per-sync 1,16" | tee -a $OUT/bench-decode-cmdbuf.txt
-    XLA_FLAGS="$flags" timeout 90 python scripts/bench_decode.py --gguf $G --batches 1 --steps-per-sync 1,16 2>&1 | quiet | head -14 | tee -a $OUT/bench-decode-cmdbuf.txt
+    echo "\$ XLA_FLAGS='$flags' python scripts/dev/bench_decode.py --gguf \$G --batches 1 --steps-per-sync 1,16" | tee -a $OUT/bench-decode-cmdbuf.txt
+    XLA_FLAGS="$flags" timeout 90 python scripts/dev/bench_decode.py --gguf $G --batches 1 --steps-per-sync 1,16 2>&1 | quiet | head -14 | tee -a $OUT/bench-decode-cmdbuf.txt
   done
-  echo '$ python scripts/bench_hf_generate.py --gguf $G --batches 1,64' | tee $OUT/bench-hf.txt
-  timeout 150 python scripts/bench_hf_generate.py --gguf $G --batches 1,64 2>&1 | quiet | tee -a $OUT/bench-hf.txt
+  echo '$ python scripts/dev/bench_hf_generate.py --gguf $G --batches 1,64' | tee $OUT/bench-hf.txt
+  timeout 150 python scripts/dev/bench_hf_generate.py --gguf $G --batches 1,64 2>&1 | quiet | tee -a $OUT/bench-hf.txt
   ;;
 esac

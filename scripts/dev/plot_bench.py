@@ -1,6 +1,6 @@
 """Bar chart of a decode benchmark: percent of copy bandwidth per shape and kernel.
 
-    python scripts/plot_bench.py docs/logs/bench-decode-h200.json docs/bench-decode-h200.png
+    python scripts/dev/plot_bench.py docs/logs/bench-decode-h200.json docs/bench-decode-h200.png
 
 Reads the JSON written by ``scripts/bench_attention.py --mode decode --json``; plots, per (batch, ctx),
 our kernel with its tuned defaults ("ours auto"), JAX's ``paged_attention`` with its defaults and the

@@ -3,15 +3,15 @@
 # carries <= 64 MiB, so it travels in 5 git-ignored parts of <= 60 MB over back-to-back calls (the machine
 # stays warm between them; /tmp survives) and is joined in /tmp.
 #
-#   here (CPU):   bash scripts/gpu_gemma.sh split             # -> .gemma1/ .. .gemma5/ (one part each:
+#   here (CPU):   bash scripts/dev/gpu_gemma.sh split             # -> .gemma1/ .. .gemma5/ (one part each:
 #                                                             #    13 MB, 3 x 60 MB, the rest; .gemma1 also
 #                                                             #    holds the gguf wheel)
-#   device call k = 1..4:  run(command="bash scripts/gpu_gemma.sh keep k", carry=[".gemmak"])
-#   device call 5:         run(command="bash scripts/gpu_gemma.sh run", carry=[".gemma5"])
-#   or, with a joined file already on the machine:  bash scripts/gpu_gemma.sh bench /tmp/gemma3.gguf
+#   device call k = 1..4:  run(command="bash scripts/dev/gpu_gemma.sh keep k", carry=[".gemmak"])
+#   device call 5:         run(command="bash scripts/dev/gpu_gemma.sh run", carry=[".gemma5"])
+#   or, with a joined file already on the machine:  bash scripts/dev/gpu_gemma.sh bench /tmp/gemma3.gguf
 #
 # "bench" prints greedy text (bf16, Pallas kernels, hybrid KV-cache groups), the KV blocks per group for a
-# long prompt, and decode ms/step at batch 1 and 64 (bf16) from scripts/bench_decode.py; logs go to $OUT.
+# long prompt, and decode ms/step at batch 1 and 64 (bf16) from scripts/dev/bench_decode.py; logs go to $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1
 G=/tmp/gemma3.gguf
@@ -25,7 +25,7 @@ split)
   src=$(.venv/bin/python -c "from models.gemma3_loader import find_gemma3_gguf; print(find_gemma3_gguf())")
   rm -rf .gemma[1-5]
   # part sizes in bytes (the last part takes the rest): the first one is small so that it can ride along
-  # with a call that already carries ~50 MB (the SmolLM2 half in scripts/gpu_run.sh cb2)
+  # with a call that already carries ~50 MB (the SmolLM2 half in scripts/dev/gpu_run.sh cb2)
   sizes=(${GEMMA_PART_SIZES:-13000000 60000000 60000000 60000000})
   off=0
   for i in 0 1 2 3 4; do
@@ -60,8 +60,8 @@ bench)
     timeout 150 python scripts/generate.py --gguf $G --prompt-file docs/prompts/gemma3-long-qa.txt --max-tokens 8 \
       --max-num-batched-tokens 512 --print-kv-blocks | cut -c1-400
   } 2>&1 | quiet | tee $OUT/gemma3-generate.txt
-  echo "\$ python scripts/bench_decode.py --gguf \$G --batches 1,64 --steps-per-sync 1,16" | tee $OUT/gemma3-bench-decode.txt
-  timeout 300 python scripts/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16 2>&1 | quiet | tee -a $OUT/gemma3-bench-decode.txt
+  echo "\$ python scripts/dev/bench_decode.py --gguf \$G --batches 1,64 --steps-per-sync 1,16" | tee $OUT/gemma3-bench-decode.txt
+  timeout 300 python scripts/dev/bench_decode.py --gguf $G --batches 1,64 --steps-per-sync 1,16 2>&1 | quiet | tee -a $OUT/gemma3-bench-decode.txt
   ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
