@@ -59,7 +59,7 @@ non-persistent kernel's (bit for bit in the interpreter).
 
 Tested in the Mosaic GPU interpreter on CPU (``tests/pallas_kernels/test_paged_attention_mgpu.py``; the
 persistent kernel with 2-3 programs of several items each) and lowered for sm_90 on CPU; the compiled
-kernel runs only on a Hopper GPU (``scripts/gpu_mgpu.sh``).
+kernel runs only on a Hopper GPU (``scripts/dev/gpu_mgpu.sh``).
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ MGPU_MEMORY_REGISTERS = 40
 # Extra ``plgpu.CompilerParams`` fields for Mosaic GPU's on-device profiler (``profile_space``,
 # ``profile_dir``), set before the first call (jit caches the kernel): each warpgroup then records the
 # kernel's named scopes (``wait_k``, ``qk``, ``softmax``, ``pv``, ``store``, ``convert``, ...) with the SM
-# clock into a trace per call (scripts/profile_mgpu_decode.py). Empty: no profiling, and the scopes cost
+# clock into a trace per call (scripts/dev/profile_mgpu_decode.py). Empty: no profiling, and the scopes cost
 # nothing.
 PROFILE: dict = {}
 

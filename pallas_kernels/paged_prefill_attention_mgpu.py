@@ -74,7 +74,7 @@ consumers are tested there only on request (``JAXKV_MGPU_FUZZ``) and compiled on
 
 Tested in the Mosaic GPU interpreter on CPU and lowered for sm_90 on CPU
 (``tests/pallas_kernels/test_paged_prefill_attention_mgpu.py``); the compiled kernel runs only on a Hopper
-GPU (``scripts/gpu_mgpu.sh``).
+GPU (``scripts/dev/gpu_mgpu.sh``).
 """
 
 from __future__ import annotations

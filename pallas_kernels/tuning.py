@@ -273,7 +273,7 @@ def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, 
 
 # Mosaic GPU prefill (pallas_kernels.paged_prefill_attention_mgpu). FA3's shape (two consumer warpgroups of
 # 64 query rows, 128 keys a step for head size <= 128) with as many ring stages as fit MGPU_SMEM_BYTES; not
-# swept (the H100 run measured these defaults only); scripts/gpu_mgpu.sh measures it against Triton and cuDNN.
+# swept (the H100 run measured these defaults only); scripts/dev/gpu_mgpu.sh measures it against Triton and cuDNN.
 MGPU_PREFILL_NUM_CONSUMERS = 2
 MGPU_PREFILL_MAX_STAGES = 4
 

@@ -199,13 +199,16 @@ def rng(request):
 
 
 def load_script(name: str):
-    """``scripts/<name>.py`` imported as module ``name`` (scripts are not a package); registered in
-    ``sys.modules`` first, since dataclasses look their module up."""
+    """``scripts/<name>.py`` (or, for maintainers' tools, ``scripts/dev/<name>.py``) imported as module
+    ``name`` (scripts are not a package); registered in ``sys.modules`` first, since dataclasses look their
+    module up."""
     import importlib.util
     import pathlib
     import sys
     if name not in sys.modules:
-        path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / f"{name}.py"
+        scripts = pathlib.Path(__file__).resolve().parents[1] / "scripts"
+        path = next((p for p in (scripts / f"{name}.py", scripts / "dev" / f"{name}.py") if p.exists()),
+                    scripts / f"{name}.py")
         spec = importlib.util.spec_from_file_location(name, path)
         mod = importlib.util.module_from_spec(spec)
         sys.modules[name] = mod

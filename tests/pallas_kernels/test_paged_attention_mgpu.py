@@ -5,7 +5,7 @@ simulated shared memory, TMA copies, barriers and the two warpgroups), which che
 (paging, masking, NaN slots, online softmax, split merge) but not what only the hardware shows (layouts,
 shared-memory budget, ptxas); ``test_lowers_for_sm90`` lowers every class through Mosaic GPU for CUDA on
 CPU, which catches unsupported ops and layouts. On a GPU the same tests run the compiled kernel
-(``scripts/gpu_mgpu.sh``, on an H100); only that run is evidence that the compiled kernel is right.
+(``scripts/dev/gpu_mgpu.sh``, on an H100); only that run is evidence that the compiled kernel is right.
 ``JAXKV_MGPU_FUZZ=N`` adds N random interpreted classes (slow: ~2 s a case) and every class of ``CASES``
 through the persistent kernel.
 

@@ -8,7 +8,7 @@ memory (``pv_from_smem=True``, the only ``wgmma`` form the interpreter runs); th
 hardware shows. ``test_lowers_for_sm90`` lowers every class through Mosaic GPU for CUDA on CPU, with P in
 registers (the compiled path) and through shared memory. On a GPU the same tests run the compiled kernel
 with P in registers, and ``test_compiled_p_through_smem`` the shared-memory variant
-(``scripts/gpu_mgpu.sh``); only that run is evidence that the compiled kernel is right.
+(``scripts/dev/gpu_mgpu.sh``); only that run is evidence that the compiled kernel is right.
 ``JAXKV_MGPU_FUZZ=N`` adds every case with one and two consumers and N random interpreted classes (slow).
 A plain CPU run interprets every case with one consumer warpgroup: with two (three warpgroups, three CPU
 threads) the interpreter intermittently deadlocks on the 2-core CI machine (module docstring of the kernel);
@@ -308,7 +308,7 @@ def test_lowers_for_sm90(pv_from_smem):
 def test_random_classes_match_float64():
     """``JAXKV_MGPU_FUZZ`` random shape classes of the shared fuzz (bf16/f16, the kernel's head sizes,
     NaN in unowned slots) against the float64 reference: in the interpreter on CPU, compiled on a GPU
-    (``scripts/gpu_mgpu.sh`` sets it)."""
+    (``scripts/dev/gpu_mgpu.sh`` sets it)."""
     rng = np.random.default_rng(13)
     failed = []
     for cls in fuzz.shape_classes(rng, "prefill", int(os.environ["JAXKV_MGPU_FUZZ"])):

@@ -1,4 +1,4 @@
-"""scripts/count_hlo_kernels.py on a hand-written optimized-HLO module and on a real XLA dump."""
+"""scripts/dev/count_hlo_kernels.py on a hand-written optimized-HLO module and on a real XLA dump."""
 
 from __future__ import annotations
 

@@ -1,10 +1,10 @@
-"""scripts/plot_bench.py: the per-shape percentages and the geomean it reports (no matplotlib needed)."""
+"""scripts/dev/plot_bench.py: the per-shape percentages and the geomean it reports (no matplotlib needed)."""
 
 import math
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts" / "dev"))
 import plot_bench  # noqa: E402
 
 

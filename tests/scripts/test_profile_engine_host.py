@@ -1,4 +1,4 @@
-"""scripts/profile_engine_host.py --workload: the decode census adds up to the engine's own step count."""
+"""scripts/dev/profile_engine_host.py --workload: the decode census adds up to the engine's own step count."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""scripts/profile_mgpu_decode.py: its summary of a Mosaic GPU profiler trace.
+"""scripts/dev/profile_mgpu_decode.py: its summary of a Mosaic GPU profiler trace.
 
 The trace is written by Mosaic GPU's own ``ProfilerSpec.dump`` (the code that writes the kernel's traces on
 the GPU) from a hand-built profile buffer with known cycle counts, so the test checks the script's reading

@@ -1,0 +1,121 @@
+"""Decode step time of a random-weight Llama on a ``(dp, tp)`` mesh, and the collectives' share of it.
+
+    python scripts/dev/bench_mesh_step.py --tp 1,2 [--batches 8,64] [--preset llama-1b] [--dtype bfloat16]
+
+For each ``tp`` (``dp`` = 1) it builds the model's engine on ``make_mesh(tp, 1)``, generates
+``--new-tokens`` tokens for each of ``batch`` prompts (no stop token) and reports the median decode
+wall time per step over repeats (decode loops that compiled excluded; the engine's ``decode_s /
+decode_steps``, as scripts/dev/bench_decode.py). With torch importable (GPU machine) it then records one
+``generate`` with CUPTI and splits the device time into collectives (NCCL kernels: all-reduce etc.) and
+the rest, per step and per GPU. The greedy tokens of every ``tp`` are compared with ``tp=1``'s (bf16:
+a differing reduction order may flip near-ties; the share of equal tokens is printed).
+
+Random weights because SmolLM2-135M's 9 query heads do not split over 2 ranks. Presets (all shapes
+divisible by 2 and 4): ``llama-1b`` (Llama-3.2-1B shapes: 16 layers, hidden 2048, 32/8 heads of 64,
+MLP 8192, vocab 32000) and ``tiny`` (CPU smoke runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+import jaxkv
+import models
+from jaxkv.parallel import make_mesh
+from models.config import LlamaConfig
+from models.llama import LlamaForCausalLM
+
+PRESETS = {
+    "llama-1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_layers=16, num_heads=32,
+                     num_kv_heads=8, head_size=64, rope_theta=500000.0, max_position_embeddings=4096),
+    "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=4,
+                 num_kv_heads=2, head_size=32, max_position_embeddings=1024),
+}
+
+
+def collective_share(engine, prompts, sampling, steps):
+    """(device µs per step over all GPUs, of which collectives) from CUPTI, or None without torch."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        return None
+    engine.generate(prompts, sampling)
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        engine.generate(prompts, sampling)
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    total = sum(e.device_time_total for e in events)
+    coll = sum(e.device_time_total for e in events
+               if any(k in e.key.lower() for k in ("nccl", "allreduce", "all_reduce", "all-reduce")))
+    top = sorted((e for e in events if "nccl" in e.key.lower()), key=lambda e: -e.device_time_total)[:3]
+    return total / steps, coll / steps, [(e.key[:50], e.device_time_total / steps) for e in top]
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
+    p.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
+    p.add_argument("--batches", default="8,64")
+    p.add_argument("--prompt-len", type=int, default=32)
+    p.add_argument("--new-tokens", type=int, default=128)
+    p.add_argument("--num-scheduler-steps", type=int, default=1, help="1: one host round trip per step")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--attention-impl", default=None)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-profile", action="store_true")
+    args = p.parse_args(argv)
+    impl = args.attention_impl or jaxkv.default_attention_impl()
+    config = LlamaConfig(**PRESETS[args.preset])
+    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    rng = np.random.default_rng(0)
+    sampling = jaxkv.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
+    print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
+          f"preset={args.preset} {args.dtype} attention={impl} num_scheduler_steps={args.num_scheduler_steps}")
+    rows, ref = [], {}
+    for batch in (int(b) for b in args.batches.split(",")):
+        prompts = [list(rng.integers(0, config.vocab_size, args.prompt_len)) for _ in range(batch)]
+        max_len = args.prompt_len + args.new_tokens
+        for tp in (int(t) for t in args.tp.split(",")):
+            mesh = None if tp == 1 else make_mesh(tp, 1)
+            engine = models.make_engine(model, attention_impl=impl, block_size=16,
+                                        num_blocks=-(-max_len // 16) * batch, max_model_len=max_len,
+                                        max_num_seqs=batch, max_num_batched_tokens=max(batch * args.prompt_len, 16),
+                                        num_scheduler_steps=args.num_scheduler_steps,
+                                        enable_prefix_caching=False, mesh=mesh)
+            times = []
+            for _ in range(args.repeats):
+                before = engine.stats
+                outs = engine.generate(prompts, sampling)
+                after = engine.stats
+                if after.decode_steps > before.decode_steps:
+                    times.append(1e3 * (after.decode_s - before.decode_s) / (after.decode_steps - before.decode_steps))
+            tokens = [o.outputs[0].token_ids for o in outs]
+            if tp == 1:
+                ref[batch] = tokens
+            same = (np.mean([a == b for x, y in zip(tokens, ref[batch]) for a, b in zip(x, y)])
+                    if batch in ref else float("nan"))  # nan: tp=1 not run in this process
+            prof = None if args.no_profile else collective_share(engine, prompts, sampling, args.new_tokens)
+            ms = statistics.median(times) if times else float("nan")
+            rows.append((batch, tp, ms, same, prof))
+            line = f"batch {batch:4d} tp {tp}: {ms:7.3f} ms/step  tokens equal to tp=1: {same:.3f}"
+            if prof:
+                total, coll, top = prof
+                line += (f"  device {total / tp:7.1f} us/step/GPU, collectives {coll / tp:6.1f} "
+                         f"({100 * coll / total:4.1f} %)  {top}")
+            print(line, flush=True)
+            del engine
+    print("\nbatch  tp  ms/step  speedup-vs-tp1  collective-share")
+    base = {b: ms for b, tp, ms, _, _ in rows if tp == 1}
+    for b, tp, ms, _, prof in rows:
+        share = f"{100 * prof[1] / prof[0]:.1f} %" if prof else "n/a (no torch)"
+        print(f"{b:5d} {tp:3d} {ms:8.3f} {base.get(b, float('nan')) / ms:10.2f}x    {share}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
