@@ -99,8 +99,10 @@ def read_gguf_metadata(path_or_reader: str | os.PathLike | gguf.GGUFReader) -> d
         Field name -> Python value (``int``, ``float``, ``bool``, ``str`` or ``list``
         of those). The file-header pseudo-fields (``GGUF.*``) are left out.
     """
-    reader = _open(path_or_reader)
-    return {name: field.contents() for name, field in reader.fields.items()
+    if not isinstance(path_or_reader, gguf.GGUFReader):  # a path: parsed once per file version
+        from models.gguf_header import read_header
+        return dict(read_header(path_or_reader).metadata)
+    return {name: field.contents() for name, field in path_or_reader.fields.items()
             if not name.startswith("GGUF.")}
 
 

@@ -143,7 +143,7 @@ def load_tokenizer(source, config: DecoderConfig | None = None):
     from models.hf_tokenizer import HFTokenizer, PlaceholderTokenizer
     fmt = model_format(source)
     if fmt == "gguf":
-        return GGUFTokenizer.from_gguf(open_gguf(source))
+        return GGUFTokenizer.from_gguf(source)  # the cached header (models/gguf_header.py)
     if fmt == "builtin":
         raw = BUILTIN_CONFIGS[source]
         return PlaceholderTokenizer(raw["vocab_size"], bos_token_id=raw.get("bos_token_id"),
@@ -174,9 +174,9 @@ def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto"):
         raise ValueError(f"load_format={load_format!r} is not one of {LOAD_FORMATS}")
     fmt = model_format(path)
     if fmt == "gguf":
+        if load_format == "dummy":  # metadata only: the cached header, no parse of the file
+            return load_config(path), None, GGUFTokenizer.from_gguf(path)
         reader = open_gguf(path)
-        if load_format == "dummy":
-            return load_config(path), None, GGUFTokenizer.from_gguf(reader)
         if architecture(reader) == "gemma3":
             config, weights = load_gemma3_gguf(reader, progress=progress)
         else:
@@ -199,13 +199,15 @@ def load_config(path) -> DecoderConfig:
     if fmt == "hf":
         return load_hf_config(path)
     from models.gemma3_loader import gemma3_config_from_metadata
-    from models.gguf_loader import config_from_metadata, read_gguf_metadata
-    reader = open_gguf(path)
-    meta = read_gguf_metadata(reader)
-    if architecture(reader) == "gemma3":
-        return gemma3_config_from_metadata(meta)
-    return config_from_metadata(meta, tie_word_embeddings="output.weight" not in
-                                {t.name for t in reader.tensors})
+    from models.gguf_header import read_header
+    from models.gguf_loader import config_from_metadata
+    header = read_header(path)  # parsed once per file version
+    arch = header.metadata.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"general.architecture={arch!r} is not supported (known: {ARCHITECTURES})")
+    if arch == "gemma3":
+        return gemma3_config_from_metadata(header.metadata)
+    return config_from_metadata(header.metadata, tie_word_embeddings="output.weight" not in header.tensor_names)
 
 
 def model_class(config: DecoderConfig):

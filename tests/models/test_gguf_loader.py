@@ -1,5 +1,7 @@
 """Tests of models.gguf_loader: q/k un-permutation (synthetic) and the real SmolLM2 GGUF."""
 
+import os
+
 import gguf
 import numpy as np
 import pytest
@@ -219,3 +221,23 @@ def test_load_rejects_other_architectures(tmp_path):
 def test_load_reports_missing_metadata(tmp_path):
     with pytest.raises(ValueError, match="llama.embedding_length"):
         load_llama_gguf(_tiny_gguf(tmp_path / "llama.gguf", "llama"), progress=False)
+
+
+def test_header_cache_equals_a_fresh_parse_and_follows_the_file(tmp_path, monkeypatch):
+    """models/gguf_header.py: the metadata and tensor names come back from the disk cache (the file is not
+    parsed again), equal to a parse; a rewritten file (new size or time) is parsed again."""
+    from models import gguf_header
+    from tests.tiny_gguf import write_tiny_llama_gguf
+
+    monkeypatch.setenv("JAXKV_CACHE_DIR", str(tmp_path / "cache"))
+    path = write_tiny_llama_gguf(tmp_path / "t.gguf")
+    first = gguf_header.read_header(path)
+    assert first == gguf_header._parse(path) and first.metadata["llama.block_count"] == 2
+    assert list((tmp_path / "cache" / "gguf-headers").glob("*.msgpack"))
+    parsed = []
+    real = gguf_header._parse
+    monkeypatch.setattr(gguf_header, "_parse", lambda p: parsed.append(p) or real(p))
+    assert gguf_header.read_header(path) == first and parsed == []  # from the cache
+    write_tiny_llama_gguf(path, block_count=3)
+    os.utime(path, ns=(1, 1))  # a different version of the file, even within one mtime tick
+    assert gguf_header.read_header(path).metadata["llama.block_count"] == 3 and len(parsed) == 1
