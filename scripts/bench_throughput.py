@@ -60,7 +60,7 @@ import jax
 
 import jaxkv
 import models
-from models.entrypoints.engine_args import multiprocessing_enabled
+from models.entrypoints.engine_args import add_kv_offload_arguments, multiprocessing_enabled
 
 log = logging.getLogger("bench_throughput")
 BACKENDS = ("jaxkv", "jaxkv-inproc", "jaxkv-static", "hf")
@@ -555,6 +555,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step N+1 before fetching step N's tokens (default on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_kv_offload_arguments(p)
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
@@ -633,7 +634,8 @@ def make_llm(args, gguf, *, multiprocessing: bool) -> models.LLM:
                       data_parallel_size=args.data_parallel_size, enable_multiprocessing=multiprocessing,
                       compile_ahead="off" if args.no_warmup else "on" if args.warmup else "auto",
                       compilation_cache_dir=None if args.no_compilation_cache else (
-                          args.compilation_cache_dir or "auto"))
+                          args.compilation_cache_dir or "auto"),
+                      kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
 
 
 def run(args) -> int:

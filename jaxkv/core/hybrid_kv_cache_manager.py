@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from jaxkv.core.host_kv_pool import HostBlockPool
 from jaxkv.core.kv_cache_manager import BlockPool, cdiv
 from jaxkv.core.request import Request
 from jaxkv.spec import FullAttentionSpec, SlidingWindowSpec
@@ -45,12 +46,16 @@ class HybridKVCacheManager(BlockPool):
             :class:`jaxkv.SlidingWindowSpec`, all with one block size.
         num_blocks: blocks in the pool (``KVCacheConfig.num_blocks``), the null block included.
         enable_prefix_caching: cache computed full blocks per group and reuse them (vLLM's rules above).
+        host_pool: the host tier, for swap preemption: a preempted request's real blocks of every group go
+            to host blocks and come back to new device blocks of the same groups (the null blocks stay
+            null). The second-tier prefix cache is not offered for hybrid groups yet.
 
     Raises:
         ValueError: no group, a spec of another type, different block sizes, ``num_blocks < 2``.
     """
 
-    def __init__(self, kv_cache_groups: Sequence, num_blocks: int, *, enable_prefix_caching: bool = False):
+    def __init__(self, kv_cache_groups: Sequence, num_blocks: int, *, enable_prefix_caching: bool = False,
+                 host_pool: HostBlockPool | None = None):
         groups = tuple(kv_cache_groups)
         if not groups:
             raise ValueError("kv_cache_groups=() holds no group")
@@ -72,7 +77,7 @@ class HybridKVCacheManager(BlockPool):
         (self.block_size,) = sizes
         self.sliding_windows: tuple[int | None, ...] = tuple(windows)
         self.num_groups = len(groups)
-        super().__init__(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        super().__init__(num_blocks, enable_prefix_caching=enable_prefix_caching, host_pool=host_pool)
         (self.null_block,) = self.allocator.allocate(1)
 
     # -- sizes ---------------------------------------------------------------------------------------
@@ -257,7 +262,9 @@ class HybridKVCacheManager(BlockPool):
 
     def free(self, request: Request) -> None:
         """Give back every real block of every group (last blocks first): cached ones become evictable, so
-        a prefix outlives its tail (vLLM frees in reverse order)."""
+        a prefix outlives its tail (vLLM frees in reverse order); a swapped-out request's host blocks go
+        back to the host pool."""
+        self._free_host_blocks(request)
         for blocks in request.group_block_ids or ():
             real = [b for b in reversed(blocks) if b != self.null_block]
             if real:
@@ -266,3 +273,13 @@ class HybridKVCacheManager(BlockPool):
         request.block_ids = []
         request.cached_block_ids = set()
         request.num_cached_blocks = 0
+
+    # -- the host tier ---------------------------------------------------------------------------------
+    def _device_layout(self, request: Request) -> list[list[int | None]]:
+        n = cdiv(request.num_computed_tokens, self.block_size)
+        return [[None if b == self.null_block else b for b in blocks[:n]]
+                for blocks in self._groups_of(request)]
+
+    def _restore_layout(self, request: Request, layout: list[list[int | None]]) -> None:
+        request.group_block_ids = [[self.null_block if b is None else b for b in blocks] for blocks in layout]
+        request.block_ids = request.group_block_ids[0]
