@@ -250,30 +250,3 @@ def swap_blocks_donated(src: KVCaches, dst: KVCaches, src_to_dst, *,
     rejected call raises ``ValueError`` (see :func:`swap_blocks`) without consuming ``dst``.
     """
     return _swap(src, dst, src_to_dst, block_axis, donate=True)
-
-
-def swap_blocks_padded_donated(src: KVCaches, dst: KVCaches, src_to_dst, num_pairs: int, *,
-                               block_axis: int = DEFAULT_BLOCK_AXIS) -> KVCaches:
-    """:func:`swap_blocks_donated` with ``src_to_dst`` padded to ``num_pairs`` rows by pairs that write
-    nothing, so that a stream of swaps of varying sizes shares one program per padded size (an engine pads
-    to powers of two: a bounded number of compiles). Memory-kinds path only (both sides ``jax.Array``).
-
-    Args:
-        src, dst: as :func:`swap_blocks`; ``dst`` is consumed.
-        src_to_dst: ``int[n, 2]`` pairs, ``n <= num_pairs``, validated as in :func:`swap_blocks`.
-        num_pairs: the padded size.
-
-    Raises:
-        ValueError: what :func:`swap_blocks` raises; ``n > num_pairs``; a NumPy array on either side.
-    """
-    src_leaves, _, num_src_blocks = _check_layers(src, block_axis, "src")
-    dst_leaves, _, num_dst_blocks = _check_layers(dst, block_axis, "dst")
-    if any(isinstance(x, np.ndarray) for x in src_leaves + dst_leaves):
-        raise ValueError("swap_blocks_padded_donated needs jax.Array caches on both sides (memory kinds)")
-    pairs = np.asarray(_check_pairs(src_to_dst, num_src_blocks, num_dst_blocks), np.int32).reshape(-1, 2)
-    if len(pairs) > num_pairs:
-        raise ValueError(f"src_to_dst has {len(pairs)} pairs > num_pairs={num_pairs}")
-    padded = np.zeros((num_pairs, 2), np.int32)
-    padded[:, 1] = num_dst_blocks  # out of range: the scatter drops it
-    padded[:len(pairs)] = pairs
-    return _swap_memory_kinds(src, dst, padded, block_axis, donate=True)

@@ -158,7 +158,7 @@ class LLMEngine:
             ``num_blocks / dp`` blocks and every request runs on one rank (:mod:`jaxkv.parallel`).
         kv_offloading_size: GiB of host memory for the KV cache's host tier (vLLM V1's
             ``--kv-offloading-size``; ``None``: no tier): host blocks with the device cache's layout
-            (:mod:`jaxkv.engine.kv_offload`, pinned host memory where JAX has memory kinds). With prefix
+            (:mod:`jaxkv.engine.kv_offload`). With prefix
             caching, full blocks evicted from the device prefix cache are kept there (least recently used
             out first) and a prompt's prefix lookup continues there after the device's hits (copied back
             before the step); with ``preemption_mode="swap"`` preempted requests' blocks go there.

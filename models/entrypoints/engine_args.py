@@ -252,7 +252,6 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 compilation_cache_dir=cache_dir, async_scheduling=args.async_scheduling,
                 prefix_caching=args.enable_prefix_caching, kv_offloading_size=args.kv_offloading_size,
                 num_host_blocks=engine.host_pool.num_blocks if engine.host_pool is not None else 0,
-                host_memory_kind=engine.offloader.memory_kind if engine.offloader is not None else None,
                 preemption_mode=args.preemption_mode)
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
