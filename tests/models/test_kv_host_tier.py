@@ -12,6 +12,7 @@ shapes of test_continuous_batching.py's (their step programs come from the run's
 from __future__ import annotations
 
 import functools
+import logging
 
 import numpy as np
 import pytest
@@ -191,8 +192,9 @@ def test_hybrid_gemma3_swaps_every_group(bench):
     assert host.allocator.num_free_blocks == host.num_blocks
 
 
-def test_stats_reach_the_front_ends(off_engine):
+def test_stats_reach_the_front_ends(off_engine, caplog):
     """The tier's counters are in the engine-core stats dict (what /stats, /metrics and the log line read)."""
+    from models.entrypoints.async_llm import AsyncLLM
     from models.entrypoints.openai.api_server import _prometheus
 
     engine = _make(preemption_mode="swap", kv_offloading_size=_gib(16, off_engine))
@@ -202,6 +204,12 @@ def test_stats_reach_the_front_ends(off_engine):
             "kv_offload_bytes_to_device", "kv_offload_copy_s")
     assert all(k in stats for k in keys) and stats["num_host_blocks"] == 16
     assert "jaxkv:num_swaps_out 0" in _prometheus(stats)
+    front = AsyncLLM(engine, tokenizer=None)
+    front._stats = dict(stats, num_running=1, num_swaps_out=3, num_swaps_in=2, kv_offload_bytes_to_host=3 * 2**20)
+    with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
+        front._log_stats(1.0, (0, 0, 0))
+    assert "Host KV tier: usage 0.0% of 16 blocks, swaps out/in: 3/2" in caplog.text
+    assert "moved 3.0 MiB to host" in caplog.text
     with pytest.raises(ValueError, match="kv_offloading_size"):
         _make(preemption_mode="swap")
     with pytest.raises(ValueError, match="kv_offloading_size=1e-09 GiB holds no block"):
