@@ -22,9 +22,23 @@ neither evicted nor reused by a device→host copy of the same pass (which would
 from __future__ import annotations
 
 import collections
+import dataclasses
 from collections.abc import Hashable, Sequence
 
 from jaxkv.block_allocator import BlockAllocator
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HostBlock:
+    """A prefix-cache hit held by the host tier, in a hit list beside device block ids: it needs a new device
+    block, filled by a host → device copy before the step."""
+
+    block_id: int
+
+
+def has_host_blocks(hits) -> bool:
+    """Whether a hit list (one group's, or one list per group) holds a :class:`HostBlock`."""
+    return any(isinstance(b, HostBlock) or (isinstance(b, list) and has_host_blocks(b)) for b in hits)
 
 
 class HostBlockPool:
@@ -44,6 +58,7 @@ class HostBlockPool:
         num_blocks_swapped_out, num_blocks_swapped_in: their blocks.
         num_blocks_offloaded: blocks evicted from the device prefix cache and written here.
         num_host_prefix_hit_blocks: host prefix-cache blocks copied back for a request.
+        num_host_prefix_hit_tokens: prompt tokens those hits served (a hybrid model's groups share them).
         num_host_evictions: host prefix-cache blocks dropped to make room.
     """
 
@@ -60,6 +75,7 @@ class HostBlockPool:
         self.num_swaps_out = self.num_swaps_in = 0
         self.num_blocks_swapped_out = self.num_blocks_swapped_in = 0
         self.num_blocks_offloaded = self.num_host_prefix_hit_blocks = self.num_host_evictions = 0
+        self.num_host_prefix_hit_tokens = 0
 
     # -- sizes -------------------------------------------------------------------------------------------
     @property

@@ -8,7 +8,7 @@ table :class:`jaxkv.prefix_cache.PrefixCache` (chained block hashes, reference c
 from __future__ import annotations
 
 from jaxkv.block_allocator import BlockAllocator
-from jaxkv.core.host_kv_pool import HostBlockPool
+from jaxkv.core.host_kv_pool import HostBlock, HostBlockPool
 from jaxkv.core.request import Request
 from jaxkv.prefix_cache import PrefixCache
 
@@ -53,17 +53,12 @@ class BlockPool:
         self.prefix_cache_hits += num_hit_tokens
 
     # -- the host tier ---------------------------------------------------------------------------------
+    @property
+    def has_host_prefix_cache(self) -> bool:
+        return self.host_pool is not None and self.prefix_cache is not None and self.supports_host_prefix_cache
+
     def _offload_evicted(self, key, block: int) -> None:
         self.host_pool.offload(key, block)
-
-    def get_host_computed_blocks(self, request: Request, num_device_blocks: int) -> list[int]:
-        """Host prefix-cache blocks continuing the ``num_device_blocks`` device hits of
-        :meth:`get_computed_blocks` (full blocks of ``all_token_ids[:-1]`` only); ``[]`` without a host
-        prefix cache. Takes nothing."""
-        if self.host_pool is None or self.prefix_cache is None or not self.supports_host_prefix_cache:
-            return []
-        hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)
-        return self.host_pool.match(hashes[num_device_blocks:])
 
     def _device_layout(self, request: Request) -> list[list[int | None]]:
         """Per group, the device blocks holding the request's computed tokens (``None``: a null block)."""
@@ -135,7 +130,7 @@ class KVCacheManager(BlockPool):
         enable_prefix_caching: keep computed full blocks under their chained hash so that a later
             request (or the re-prefill of a preempted one) with the same prefix reuses them.
         host_pool: the host tier (swap preemption; with prefix caching also the second-tier prefix cache:
-            blocks evicted from the device are kept there and found by :meth:`get_host_computed_blocks`).
+            blocks evicted from the device are kept there and found by ``get_computed_blocks(use_host=True)``).
 
     Raises:
         ValueError: ``num_blocks < 1`` or ``block_size < 1``.
@@ -159,21 +154,31 @@ class KVCacheManager(BlockPool):
         """Most blocks one request of ``num_tokens`` tokens holds (every layer keeps every token)."""
         return cdiv(num_tokens, self.block_size)
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[int], int]:
+    def get_computed_blocks(self, request: Request, *, use_host: bool = False) -> tuple[list, int]:
         """Cached blocks of the request's longest cached prefix and the tokens they hold.
 
         Only full blocks of ``all_token_ids[:-1]`` are looked up: the last token is always computed so
-        the step has logits to sample from (as vLLM does). Takes no reference.
+        the step has logits to sample from (as vLLM does). ``use_host``: after the device's hits, the host
+        prefix cache's, as :class:`jaxkv.core.host_kv_pool.HostBlock` entries. Takes no reference.
         """
         if self.prefix_cache is None:
             return [], 0
         hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)
         blocks = self.prefix_cache.match(hashes)
+        if use_host and self.has_host_prefix_cache:
+            blocks += [HostBlock(b) for b in self.host_pool.match(hashes[len(blocks):])]
         return blocks, len(blocks) * self.block_size
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
-        need = self._num_needed(request, num_new_tokens, new_computed_blocks)
-        return need == 0 or need <= self._available(new_computed_blocks)
+        device, host = self._split_hits(new_computed_blocks)
+        need = self._num_needed(request, num_new_tokens + len(host) * self.block_size, device)
+        return need == 0 or need <= self._available(device)
+
+    @staticmethod
+    def _split_hits(hits) -> tuple[list[int], list[int]]:
+        """Device hits and host hits (their host blocks; they follow the device hits)."""
+        host = [b.block_id for b in hits if isinstance(b, HostBlock)]
+        return list(hits[:len(hits) - len(host)]), host
 
     def _num_needed(self, request, num_new_tokens, new_computed_blocks) -> int:
         total = request.num_computed_tokens + len(new_computed_blocks) * self.block_size + num_new_tokens
@@ -185,19 +190,18 @@ class KVCacheManager(BlockPool):
         return (self.allocator.num_free_blocks
                 + self.prefix_cache.num_evictable_blocks_without(new_computed_blocks))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=(),
-                       host_computed_blocks=()) -> bool:
+    def allocate_slots(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
         """Give ``request`` the blocks for ``num_new_tokens`` more tokens (after its computed ones and
         the prefix-cache hits ``new_computed_blocks``, which it takes a reference on).
 
-        ``host_computed_blocks`` (admission only, from :meth:`get_host_computed_blocks`): host prefix-cache
-        hits after the device hits; each gets a new device block, copied from the host before the step
-        (a copy of this pass) and cached on the device under its hash. The caller counts their tokens as
-        computed.
+        Host prefix-cache hits in ``new_computed_blocks`` (``get_computed_blocks(use_host=True)``, admission
+        only) each get a new device block, copied from the host before the step (a copy of this pass) and
+        cached on the device under its hash.
 
         Returns ``False`` and changes nothing when too few blocks are free (evictable cached blocks
         count as free). vLLM: ``KVCacheManager.allocate_slots`` (returning ``None`` there).
         """
+        new_computed_blocks, host_computed_blocks = self._split_hits(new_computed_blocks)
         num_host = len(host_computed_blocks)
         need = self._num_needed(request, num_new_tokens + num_host * self.block_size, new_computed_blocks)
         # most decode steps fit in the last block: no free count (the prefix cache's evictable blocks)
@@ -221,6 +225,7 @@ class KVCacheManager(BlockPool):
             rejected = set(self.prefix_cache.register(hashes[start:], targets))
             request.cached_block_ids.update(b for b in targets if b not in rejected)
             request.num_cached_blocks = start + num_host
+            self.host_pool.num_host_prefix_hit_tokens += num_host * self.block_size
         return True
 
     def cache_blocks(self, request: Request) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from jaxkv.core.host_kv_pool import has_host_blocks
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 
@@ -222,20 +223,21 @@ class Scheduler:
         return SchedulerOutput(scheduled, 0, preempted)
 
     def _admit(self, req: Request, budget: int) -> int | None:
-        """Blocks for a waiting request (prefix-cache hits first: the device's, then the host tier's);
-        sets its computed tokens; returns the tokens it runs this step, ``None`` when blocks are short."""
+        """Blocks for a waiting request (prefix-cache hits first: the device's, then, with a host tier, the
+        host's); sets its computed tokens; returns the tokens it runs this step, ``None`` when blocks are
+        short. Host hits whose blocks do not fit with the step's new tokens are dropped (device hits only)."""
         kv = self.kv_cache_manager
-        hits, num_hit_tokens = kv.get_computed_blocks(req)
-        host_hits = kv.get_host_computed_blocks(req, len(hits)) if self.host_pool is not None else []
-        n = None
-        if host_hits:
-            with_host = num_hit_tokens + len(host_hits) * kv.block_size
-            n = self._num_new_tokens(req, with_host, budget)
-            if kv.allocate_slots(req, n, hits, host_hits):
-                num_hit_tokens = with_host
-            else:  # the host hits' blocks and the new tokens' do not fit together: without the host hits
+        if self.host_pool is not None:
+            hits, num_hit_tokens = kv.get_computed_blocks(req, use_host=True)
+            n = self._num_new_tokens(req, num_hit_tokens, budget)
+            if not kv.allocate_slots(req, n, hits):
+                if not has_host_blocks(hits):
+                    return None
                 n = None
+        else:
+            n = None
         if n is None:
+            hits, num_hit_tokens = kv.get_computed_blocks(req)
             n = self._num_new_tokens(req, num_hit_tokens, budget)
             if not kv.allocate_slots(req, n, hits):
                 return None

@@ -162,7 +162,7 @@ class LLMEngine:
             caching, full blocks evicted from the device prefix cache are kept there (least recently used
             out first) and a prompt's prefix lookup continues there after the device's hits (copied back
             before the step); with ``preemption_mode="swap"`` preempted requests' blocks go there.
-            Single-device caches only; hybrid models get swap preemption but no host prefix cache yet.
+            Single-device caches only (hybrid groups included: blocks are kept per ``(group, hash)``).
         preemption_mode: ``"recompute"`` (default; vLLM V1's behaviour) or ``"swap"`` (vLLM V0's: a
             preempted request's blocks are copied to the host tier and back when it resumes, without
             recomputing; when the tier is full it recomputes, counted in
@@ -277,7 +277,7 @@ class LLMEngine:
                     num_blocks_swapped_in=host.num_blocks_swapped_in,
                     num_swap_recompute_fallbacks=self.scheduler.num_swap_fallbacks,
                     num_blocks_offloaded=host.num_blocks_offloaded,
-                    num_host_prefix_hit_tokens=host.num_host_prefix_hit_blocks * self.block_size,
+                    num_host_prefix_hit_tokens=host.num_host_prefix_hit_tokens,
                     kv_offload_bytes_to_host=off.bytes_to_host, kv_offload_bytes_to_device=off.bytes_to_device,
                     kv_offload_copy_s=off.copy_s)
 

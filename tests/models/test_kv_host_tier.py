@@ -144,10 +144,11 @@ def test_abort_while_swapped_out_and_right_after_swap_in_leaks_nothing(off_engin
             assert out.outputs[0].token_ids == solo.outputs[0].token_ids
 
 
-def test_hybrid_gemma3_swaps_every_group(bench):
-    """A Gemma 3 with a sliding-window group (window 8) and a full-attention group: swapped-out requests hold
-    host blocks of both groups (the sliding group's skipped blocks stay null: ``None``), and the greedy
-    tokens equal the tier-off engine's and each request's solo run."""
+def test_hybrid_gemma3_swaps_every_group_and_hits_the_host(bench):
+    """A Gemma 3 with a sliding-window group (window 8) and a full-attention group, multi-turn conversations:
+    swapped-out requests hold host blocks of both groups (the sliding group's skipped blocks stay null:
+    ``None``), the host prefix cache serves hits under ``(group, hash)``, and the transcripts equal the
+    tier-off engine's and each conversation's solo run."""
     from models.gemma3 import random_weights
     from models.gemma3_config import Gemma3Config
     from models.gemma3_runner import make_engine
@@ -159,37 +160,36 @@ def test_hybrid_gemma3_swaps_every_group(bench):
     model = random_weights(cfg, seed=0)
 
     def engine(**options):
-        return make_engine(model, attention_impl="reference", block_size=BLOCK, num_blocks=16, max_model_len=96,
+        return make_engine(model, attention_impl="reference", block_size=BLOCK, num_blocks=18, max_model_len=96,
                            max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4, eos_token_id=None,
                            async_scheduling=True, **options)
 
-    rng = np.random.default_rng(5)
-    prompts = [rng.integers(0, cfg.vocab_size, int(n)).tolist() for n in (30, 12, 25, 18, 33)]
-    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    convs = bench.synthetic_conversations(6, seed=5, vocab_size=cfg.vocab_size, turns=3, user_tokens=(6, 16),
+                                          answer_tokens=(6, 14))
     off = engine()
     assert len(off.kv_cache_groups) == 2
-    ref = [o.outputs[0].token_ids for o in off.generate(prompts, params)]
-    solo = [off.generate([p], params)[0].outputs[0].token_ids for p in prompts]
+    ref = bench.transcripts(bench.run_workload(off, convs, max_active=4))
+    solo = {(i, t): out for i, c in enumerate(convs)
+            for (_, t), out in bench.transcripts(bench.run_workload(off, [c], max_active=1)).items()}
     on = engine(preemption_mode="swap", kv_offloading_size=_gib(48, off))
-    layouts = []
-    ids = [f"r{i}" for i in range(len(prompts))]
-    for rid, p in zip(ids, prompts):
-        on.add_request(rid, p, params)
-    got = {}
-    while on.has_unfinished_requests():
-        for out in on.step():
-            if out.finished:
-                got[out.request_id] = out.outputs[0].token_ids
-        layouts += [r.host_block_ids for r in on.scheduler.waiting if r.host_block_ids is not None]
-    assert [got[r] for r in ids] == ref == solo
-    assert on.stats.num_swaps_out > 0 and on.stats.num_swaps_in > 0
+    layouts, step = [], on.step
+
+    def step_and_look():  # the swapped-out requests' host blocks after every step
+        outs = step()
+        layouts.extend(r.host_block_ids for r in on.scheduler.waiting if r.host_block_ids is not None)
+        return outs
+    on.step = step_and_look
+    assert bench.transcripts(bench.run_workload(on, convs, max_active=4)) == ref == solo
+    s = on.stats
+    assert s.num_swaps_out > 0 and s.num_swaps_in > 0 and s.num_host_prefix_hit_tokens > 0
     assert layouts and all(len(layout) == 2 for layout in layouts)
     assert any(all(any(h is not None for h in g) for g in layout) for layout in layouts)  # both groups swapped
-    sliding = [g for g, grp in enumerate(on.kv_cache_groups) if isinstance(grp.kv_cache_spec, SlidingWindowSpec)]
-    assert sliding and any(None in layout[sliding[0]] for layout in layouts)  # skipped blocks stay null
+    (sliding,) = [g for g, grp in enumerate(on.kv_cache_groups) if isinstance(grp.kv_cache_spec, SlidingWindowSpec)]
+    assert any(None in layout[sliding] for layout in layouts)  # skipped blocks stay null
+    assert on.num_compiles <= on.num_buckets
     kv, host = on.kv_cache_manager, on.host_pool
     assert kv.allocator.num_free_blocks + kv.prefix_cache.num_evictable_blocks == kv.num_blocks - 1  # null block
-    assert host.allocator.num_free_blocks == host.num_blocks
+    assert host.allocator.num_free_blocks + host.num_cached_blocks == host.num_blocks
 
 
 def test_stats_reach_the_front_ends(off_engine, caplog):
