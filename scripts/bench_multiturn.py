@@ -206,8 +206,10 @@ def summarize(mode: str, turns: list[Turn], elapsed: float, before: dict, after:
                 ttft_later_p50_s=_pct(later, 50), ttft_later_p99_s=_pct(later, 99),
                 num_preemptions=d("num_preemptions"), num_swaps_out=d("num_swaps_out"), num_swaps_in=d("num_swaps_in"),
                 num_swap_recompute_fallbacks=d("num_swap_recompute_fallbacks"),
-                num_blocks_offloaded=d("num_blocks_offloaded"), num_host_prefix_hit_tokens=d("num_host_prefix_hit_tokens"),
-                mib_to_host=d("kv_offload_bytes_to_host") / 2**20, mib_to_device=d("kv_offload_bytes_to_device") / 2**20,
+                num_blocks_offloaded=d("num_blocks_offloaded"),
+                num_host_prefix_hit_tokens=d("num_host_prefix_hit_tokens"),
+                mib_to_host=d("kv_offload_bytes_to_host") / 2**20,
+                mib_to_device=d("kv_offload_bytes_to_device") / 2**20,
                 copy_dispatch_s=d("kv_offload_copy_s"), device_idle_bound_s=d("device_idle_s"),
                 num_host_blocks=after.get("num_host_blocks", 0))
 
@@ -234,7 +236,8 @@ def run_mode(args, mode: str, conversations: list[Conversation]) -> tuple[dict, 
     info = llm.engine_info[0]
     print(f"[{mode}] {info['model']} on {info['device']}: {info['num_gpu_blocks']} blocks of {info['block_size']} "
           f"tokens ({info['kv_cache_mib']} MiB), host tier: {info.get('num_host_blocks', 0)} blocks "
-          f"({args.kv_offloading_size if mode == 'on' else 0} GiB), preemption {info.get('preemption_mode')}", flush=True)
+          f"({args.kv_offloading_size if mode == 'on' else 0} GiB), preemption {info.get('preemption_mode')}",
+          flush=True)
     engine = llm.engine
     before = _engine_stats(engine)
     trace_dir = tempfile.mkdtemp(prefix="multiturn-trace-") if args.profile_busy else None

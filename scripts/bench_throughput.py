@@ -459,12 +459,13 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
     if after.get("num_host_blocks"):  # the KV cache's host tier (--kv-offloading-size)
         t = {k: after.get(k, 0) - before.get(k, 0) for k in (
             "num_swaps_out", "num_swaps_in", "num_swap_recompute_fallbacks", "num_blocks_offloaded",
-            "num_host_prefix_hit_tokens", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device", "kv_offload_copy_s")}
+            "num_host_prefix_hit_tokens", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device",
+            "kv_offload_copy_s")}
         print(f"{name}: host KV tier ({after['num_host_blocks']} blocks): swaps out/in {t['num_swaps_out']}/"
               f"{t['num_swaps_in']}, recompute fallbacks {t['num_swap_recompute_fallbacks']}, offloaded blocks "
               f"{t['num_blocks_offloaded']}, host prefix hits {t['num_host_prefix_hit_tokens']} tokens, moved "
-              f"{t['kv_offload_bytes_to_host'] / 2**20:.1f} MiB to host / {t['kv_offload_bytes_to_device'] / 2**20:.1f} "
-              f"MiB to device, {t['kv_offload_copy_s']:.2f} s host time issuing copies", flush=True)
+              f"{t['kv_offload_bytes_to_host'] / 2**20:.1f} MiB to host / "
+              f"{t['kv_offload_bytes_to_device'] / 2**20:.1f} MiB to device, {t['kv_offload_copy_s']:.2f} s host time issuing copies", flush=True)
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
                   sum(r.output_len for r in requests), generated,
                   num_preemptions=d["num_preemptions"], prefix_cache_hit_rate=after["prefix_cache_hit_rate"],

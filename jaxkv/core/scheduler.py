@@ -208,14 +208,12 @@ class Scheduler:
                     break
                 if req.host_block_ids is not None:  # swapped out: back from the host, nothing recomputed
                     n = self._num_new_tokens(req, req.num_computed_tokens, budget)
-                    if not kv.swap_in(req, n):
-                        break
-                    self.waiting.popleft()
+                    n = n if kv.swap_in(req, n) else None
                 else:
                     n = self._admit(req, budget)
-                    if n is None:
-                        break
-                    self.waiting.popleft()
+                if n is None:
+                    break
+                self.waiting.popleft()
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append((req, n))
@@ -225,22 +223,19 @@ class Scheduler:
     def _admit(self, req: Request, budget: int) -> int | None:
         """Blocks for a waiting request (prefix-cache hits first: the device's, then, with a host tier, the
         host's); sets its computed tokens; returns the tokens it runs this step, ``None`` when blocks are
-        short. Host hits whose blocks do not fit with the step's new tokens are dropped (device hits only)."""
+        short. When the host hits' blocks and the step's new tokens do not fit together, it tries the
+        device hits alone."""
         kv = self.kv_cache_manager
-        if self.host_pool is not None:
-            hits, num_hit_tokens = kv.get_computed_blocks(req, use_host=True)
+        for use_host in ((True, False) if self.host_pool is not None else (False,)):
+            options = dict(use_host=True) if use_host else {}  # (a data-parallel manager has no host tier)
+            hits, num_hit_tokens = kv.get_computed_blocks(req, **options)
             n = self._num_new_tokens(req, num_hit_tokens, budget)
-            if not kv.allocate_slots(req, n, hits):
-                if not has_host_blocks(hits):
-                    return None
-                n = None
-        else:
-            n = None
-        if n is None:
-            hits, num_hit_tokens = kv.get_computed_blocks(req)
-            n = self._num_new_tokens(req, num_hit_tokens, budget)
-            if not kv.allocate_slots(req, n, hits):
+            if kv.allocate_slots(req, n, hits):
+                break
+            if not has_host_blocks(hits):  # without host hits the device-only try would fail the same way
                 return None
+        else:
+            return None
         req.num_computed_tokens = num_hit_tokens
         if req.num_cached_prompt_tokens is None:  # first admission: prefix-cache statistics
             req.num_cached_prompt_tokens = num_hit_tokens
@@ -304,7 +299,8 @@ class Scheduler:
         if req.num_output_placeholders:
             return False
         if req.host_block_ids is not None:
-            n = self._num_new_tokens(req, req.num_computed_tokens, self.config.max_num_batched_tokens - len(self.running))
+            budget = self.config.max_num_batched_tokens - len(self.running)
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
             kv = self.kv_cache_manager
             return n > 0 and kv.num_blocks_to_swap_in(req, n) <= kv.num_free_blocks
         hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
