@@ -214,6 +214,61 @@ def summarize(mode: str, turns: list[Turn], elapsed: float, before: dict, after:
                 num_host_blocks=after.get("num_host_blocks", 0))
 
 
+def _merge(spans):
+    out: list[list[int]] = []
+    for a, b in sorted(spans):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return out
+
+
+def overlap_ns(xs, ys) -> int:
+    """Length of the intersection of two unions of ``(start, end)`` intervals."""
+    xs, ys, i, j, total = _merge(xs), _merge(ys), 0, 0, 0
+    while i < len(xs) and j < len(ys):
+        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
+        total += max(0, hi - lo)
+        if xs[i][1] < ys[j][1]:
+            i += 1
+        else:
+            j += 1
+    return total
+
+
+def copy_overlap(trace_dir) -> dict | None:
+    """From a JAX profiler trace of the run: the GPU streams' memory copies (CUPTI ``Memcpy*`` events: the
+    tier's transfers and the steps' input / output transfers) against the kernels: copy seconds, and the share
+    of them during which a kernel ran too (hidden). ``None`` without GPU stream events."""
+    from jax.profiler import ProfileData
+    files = sorted(pathlib.Path(trace_dir).rglob("*.xplane.pb"), key=lambda f: f.stat().st_mtime)
+    if not files:
+        return None
+    copies, kernels, names = [], [], {}
+    for plane in ProfileData.from_file(str(files[-1])).planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            if not line.name.startswith("Stream"):
+                continue
+            for e in line.events:
+                if e.duration_ns <= 0:
+                    continue
+                span = (e.start_ns, e.start_ns + e.duration_ns)
+                if "memcpy" in e.name.lower():
+                    copies.append(span)
+                    names[e.name] = names.get(e.name, 0) + e.duration_ns
+                else:
+                    kernels.append(span)
+    if not copies and not kernels:
+        return None
+    copy_ns = sum(b - a for a, b in _merge(copies))
+    hidden = overlap_ns(copies, kernels)
+    return dict(copy_s=copy_ns * 1e-9, copy_hidden_share=hidden / copy_ns if copy_ns else None,
+                copy_kinds={k: round(v * 1e-9, 4) for k, v in sorted(names.items(), key=lambda kv: -kv[1])[:6]})
+
+
 def _engine_stats(engine) -> dict:
     from jaxkv.engine.core_proc import engine_stats
     return engine_stats(engine)
@@ -251,6 +306,13 @@ def run_mode(args, mode: str, conversations: list[Conversation]) -> tuple[dict, 
     if trace_dir:
         busy = bt.device_busy_seconds(trace_dir)
         row["gpu_busy_share_trace"] = None if busy is None else busy / elapsed
+        overlap = copy_overlap(trace_dir)
+        if overlap is not None:
+            row.update(overlap)
+            hidden = overlap["copy_hidden_share"]
+            print(f"[{mode}] GPU memory copies {overlap['copy_s']:.3f} s, with a kernel running during "
+                  f"{'-' if hidden is None else format(hidden, '.1%')} of it; by kind (s): {overlap['copy_kinds']}",
+                  flush=True)
         shutil.rmtree(trace_dir, ignore_errors=True)
     if args.nvml_busy:
         row["gpu_busy_share_nvml"] = nvml.share
