@@ -10,6 +10,8 @@
 #                    once, a 1536-block device cache (24,576 tokens: 64 active x 1233 mean final tokens = 3.2x
 #                    that), an 8 GiB host tier, swap preemption; tier off then on in one process
 #   stage smol-rc  : the same, the tier on with recompute preemption (host prefix cache only)
+#   stage smol-trace: the tier on, 100 conversations, under JAX's profiler: GPU busy share from the trace and
+#                    the share of the GPU's memory-copy time during which a kernel ran (copies hidden)
 #   stage big      : llama-3.1-8b shape (built-in config, random bf16 weights): 100 conversations, 32 at once,
 #                    a 768-block device cache (12,288 tokens: 32 x 1233 = 3.2x), a 24 GiB host tier
 set -uo pipefail
@@ -36,10 +38,15 @@ smol-rc)
     --kv-offloading-size 8 --preemption-mode recompute --modes on --output-json $OUT/multiturn-smol-rc.json 2>&1 \
     | quiet | tee $OUT/multiturn-smol-rc.txt
   ;;
+smol-trace)
+  timeout 570 $B --model /tmp/smollm2/config.json --num-conversations 100 --max-active 64 --num-gpu-blocks 1536 \
+    --kv-offloading-size 8 --modes on --profile-busy --output-json $OUT/multiturn-smol-trace.json 2>&1 | quiet \
+    | tee $OUT/multiturn-smol-trace.txt
+  ;;
 big)
   timeout 590 $B --model llama-3.1-8b --num-conversations ${BIG_CONVERSATIONS:-100} --max-active 32 \
     --num-gpu-blocks 768 --kv-offloading-size 24 --output-json $OUT/multiturn-big.json 2>&1 | quiet \
     | tee $OUT/multiturn-big.txt
   ;;
-*) echo "stage: smol | smol-rc | big"; exit 2 ;;
+*) echo "stage: smol | smol-rc | smol-trace | big"; exit 2 ;;
 esac
