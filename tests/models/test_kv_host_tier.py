@@ -21,7 +21,7 @@ import models
 from jaxkv import SamplingParams, SlidingWindowSpec
 from jaxkv.engine.core_proc import engine_stats
 from jaxkv.engine.kv_offload import bytes_per_block
-from tests.conftest import load_script
+from tests.conftest import load_script, slow
 from tests.models.test_llama_paged import TINY, _tiny_model
 
 BLOCK, NUM_BLOCKS, MAX_LEN = 8, 14, 128
@@ -214,3 +214,68 @@ def test_stats_reach_the_front_ends(off_engine, caplog):
         _make(preemption_mode="swap")
     with pytest.raises(ValueError, match="kv_offloading_size=1e-09 GiB holds no block"):
         _make(kv_offloading_size=1e-9)
+
+
+@slow
+@pytest.mark.parametrize("host_blocks", [64, 5])
+def test_chaos_run_with_the_host_tier(host_blocks):
+    """test_engine_chaos.py's random arrivals, aborts and shared prefixes on a 12-block cache with swap
+    preemption, async scheduling and a roomy or a 5-block host pool: after every step no device or host block
+    is held twice or lost (free + held + cached = total on both sides); every finished request's tokens equal
+    its solo run (or a float near-tie). ``JAXKV_SLOW=1``."""
+    from tests.models.test_engine_chaos import make, run_solo, same_or_near_tie
+
+    model = _tiny_model(3)
+    rng = np.random.default_rng(host_blocks)
+    probe = make(model, num_blocks=12)
+    eng = make(model, num_blocks=12, max_num_seqs=6, max_num_batched_tokens=24, long_prefill_token_threshold=16,
+               num_scheduler_steps=4, async_scheduling=True, preemption_mode="swap",
+               kv_offloading_size=_gib(host_blocks, probe))
+    solo = make(model, num_blocks=16, max_num_seqs=1, enable_prefix_caching=False, num_scheduler_steps=4)
+    prefixes = [rng.integers(0, TINY.vocab_size, 16).tolist() for _ in range(3)]
+    solo_cache, specs, finished, near_ties = {}, {}, 0, 0
+    for i in range(1500):
+        if rng.random() < 0.3 and eng.get_num_unfinished_requests() < 12:
+            tail = rng.integers(0, TINY.vocab_size, int(rng.integers(1, 30))).tolist()
+            prompt = (prefixes[int(rng.integers(0, 3))] + tail) if rng.random() < 0.5 else tail
+            params = SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0)
+            eng.add_request(f"r{i}", prompt, params)
+            specs[f"r{i}"] = (prompt, params)
+        if rng.random() < 0.02 and specs:
+            victim = str(rng.choice(sorted(specs)))
+            eng.abort_request(victim)
+            specs.pop(victim)
+        for out in eng.step():
+            if not out.finished or out.outputs[0].finish_reason == "abort":
+                continue
+            prompt, params = specs.pop(out.request_id)
+            key = (tuple(prompt), params.max_tokens)
+            if key not in solo_cache:
+                solo_cache[key] = run_solo(solo, f"solo{len(solo_cache)}", prompt, params)
+            got = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+            if got != solo_cache[key]:
+                assert same_or_near_tie(model, prompt, got, solo_cache[key]), (out.request_id, got)
+                near_ties += 1
+            finished += 1
+        _check_accounting(eng)
+    while eng.has_unfinished_requests():
+        eng.step()
+    _assert_nothing_held(eng)
+    s = eng.stats
+    assert s.num_swaps_out > 0 and s.num_host_prefix_hit_tokens > 0 and near_ties <= max(2, finished // 100)
+    assert (s.num_swap_recompute_fallbacks > 0) == (host_blocks < 10)
+
+
+def _check_accounting(eng):
+    """Device: no block owned twice, free + owned + cached = total, waiting requests hold none. Host: no block
+    held twice, free + swapped-out + cached = total."""
+    kv, host = eng.kv_cache_manager, eng.host_pool
+    cached = set(kv.prefix_cache._hash_of)
+    own = [b for r in eng.scheduler.running for b in r.block_ids if b not in r.cached_block_ids]
+    assert len(own) == len(set(own)) and not set(own) & cached
+    assert kv.allocator.num_free_blocks + len(set(own) | cached) == kv.num_blocks
+    assert not any(r.block_ids for r in eng.scheduler.waiting)
+    swapped = [h for r in eng.scheduler.waiting if r.host_block_ids for g in r.host_block_ids for h in g
+               if h is not None]
+    assert len(swapped) == len(set(swapped)) and not set(swapped) & set(host._key_of)
+    assert host.allocator.num_free_blocks + len(swapped) + host.num_cached_blocks == host.num_blocks
