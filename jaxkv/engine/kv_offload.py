@@ -18,8 +18,9 @@ device). The copies:
 Ordering: every copy is dispatched between two model steps, in program order with them: the gather reads the
 caches the steps before it wrote, and the step after it, which takes the caches donated, runs once the
 gather has read them; the scatter is an input of the step after it. The engine issues a pass's device →
-host copies before its host → device copies (:mod:`jaxkv.core.host_kv_pool`). Pair counts are padded to
-powers of two (at least :data:`MIN_PAIRS`), so each copy program compiles once per size.
+host copies before its host → device copies (:mod:`jaxkv.core.host_kv_pool`). A pass's pairs go in chunks
+of power-of-two sizes (its count in binary; the last chunk padded to :data:`MIN_PAIRS`), so each copy program
+compiles once per size and at most ``MIN_PAIRS - 1`` padding blocks are moved.
 
 Why not JAX's ``pinned_host`` memory kind (:func:`jaxkv.swap.swap_blocks` supports it): a program that
 moves data between memory kinds places its outputs (JAX marks them *committed*), and the engine's step
@@ -41,8 +42,17 @@ import numpy as np
 MIN_PAIRS = 16
 
 
-def _padded(n: int) -> int:
-    return max(MIN_PAIRS, 1 << max(0, n - 1).bit_length())
+def chunks(n: int) -> list[tuple[int, int, int]]:
+    """``(start, count, size)`` pieces of ``n`` pairs: power-of-two ``size`` s down the binary digits of ``n``,
+    the rest (fewer than :data:`MIN_PAIRS`) in one piece padded to ``MIN_PAIRS``."""
+    out, start = [], 0
+    while n - start >= MIN_PAIRS:
+        size = 1 << ((n - start).bit_length() - 1)
+        out.append((start, size, size))
+        start += size
+    if start < n:
+        out.append((start, n - start, MIN_PAIRS))
+    return out
 
 
 def bytes_per_block(kv_caches) -> int:
@@ -121,12 +131,14 @@ class KVOffloader:
             return
         t = time.perf_counter()
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
-        ids = np.zeros(_padded(len(pairs)), np.int32)
-        ids[:len(pairs)] = pairs[:, 0]
-        blocks = _gather(list(kv_caches), ids)
-        for b in blocks:
-            b.copy_to_host_async()
-        self._pending.append((blocks, pairs[:, 1].copy()))
+        caches = list(kv_caches)
+        for start, count, size in chunks(len(pairs)):
+            ids = np.zeros(size, np.int32)
+            ids[:count] = pairs[start:start + count, 0]
+            blocks = _gather(caches, ids)
+            for b in blocks:
+                b.copy_to_host_async()
+            self._pending.append((blocks, pairs[start:start + count, 1].copy()))
         self.bytes_to_host += len(pairs) * self.block_bytes
         self.copy_s += time.perf_counter() - t
 
@@ -138,12 +150,13 @@ class KVOffloader:
         t = time.perf_counter()
         self._flush()
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
-        size = _padded(len(pairs))
-        host_ids = np.zeros(size, np.int32)
-        host_ids[:len(pairs)] = pairs[:, 0]
-        dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
-        dev_ids[:len(pairs)] = pairs[:, 1]
-        out = _scatter(list(kv_caches), dev_ids, [np.take(h, host_ids, axis=1) for h in self.host_caches])
+        out = list(kv_caches)
+        for start, count, size in chunks(len(pairs)):
+            host_ids = np.zeros(size, np.int32)
+            host_ids[:count] = pairs[start:start + count, 0]
+            dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
+            dev_ids[:count] = pairs[start:start + count, 1]
+            out = _scatter(out, dev_ids, [np.take(h, host_ids, axis=1) for h in self.host_caches])
         self.bytes_to_device += len(pairs) * self.block_bytes
         self.copy_s += time.perf_counter() - t
         return out
@@ -171,13 +184,13 @@ class KVOffloader:
         return [h[:, block].copy() for h in self.host_caches]
 
     def warmup(self, kv_caches):
-        """Compile the copy programs of every padded size up to the device's block count (the most blocks
-        one pass can copy), with copies that write nothing; returns the device caches."""
+        """Compile the copy programs of every chunk size up to the device's block count (the most blocks one
+        pass can copy), with copies that write nothing; returns the device caches."""
         size = MIN_PAIRS
         while True:
             jax.block_until_ready(_gather(list(kv_caches), np.zeros(size, np.int32)))
             kv_caches = _scatter(list(kv_caches), np.full(size, self.num_device_blocks, np.int32),
                                  [np.zeros((h.shape[0], size, *h.shape[2:]), h.dtype) for h in self.host_caches])
-            if size >= self.num_device_blocks:
-                return kv_caches
             size *= 2
+            if size > self.num_device_blocks:
+                return kv_caches

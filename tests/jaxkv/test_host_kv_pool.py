@@ -11,7 +11,7 @@ import pytest
 from jaxkv.core import KVCacheManager, Request, RequestStatus, Scheduler, SchedulerConfig
 from jaxkv.core.host_kv_pool import HostBlockPool
 from jaxkv.engine import SamplingParams
-from jaxkv.engine.kv_offload import KVOffloader, bytes_per_block, num_host_blocks_for
+from jaxkv.engine.kv_offload import MIN_PAIRS, KVOffloader, bytes_per_block, chunks, num_host_blocks_for
 from jaxkv.prefix_cache import block_hashes
 
 BS = 4
@@ -185,3 +185,12 @@ def test_kv_offloading_size_in_gib_rounds_down_and_rejects_bad_values():
             num_host_blocks_for(bad, caches)
     with pytest.raises(ValueError, match="holds no block of 256 bytes"):
         num_host_blocks_for(100 / 2**30, caches)
+
+
+def test_copies_go_in_power_of_two_chunks_with_little_padding():
+    for n in (1, 15, 16, 17, 20, 100, 600, 1536):
+        pieces = chunks(n)
+        assert [s for s, _, _ in pieces] == list(np.cumsum([0] + [c for _, c, _ in pieces[:-1]]))
+        assert sum(c for _, c, _ in pieces) == n
+        assert all(size & (size - 1) == 0 and size >= MIN_PAIRS and c <= size for _, c, size in pieces)
+        assert sum(size - c for _, c, size in pieces) < MIN_PAIRS
