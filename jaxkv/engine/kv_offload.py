@@ -11,7 +11,7 @@ device). The copies:
 * **device → host**: one jitted gather of the blocks into a small new device array, whose transfer to the
   host starts at once (``copy_to_host_async``: on a GPU the copy engine moves it while the next steps run);
   the host writes the arrived blocks into the pool after the next step's tokens are fetched
-  (:meth:`KVOffloader.poll`), or at once before a host → device copy needs them.
+  (:meth:`KVOffloader.poll`), or at once when a host → device copy reads one of them.
 * **host → device**: the blocks gathered on the host (NumPy), passed to one jitted scatter that takes the
   caches donated (updated in place) and returns them.
 
@@ -148,8 +148,8 @@ class KVOffloader:
         if not len(pairs):
             return kv_caches
         t = time.perf_counter()
-        self._flush()
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        self._flush(pairs[:, 0])
         out = list(kv_caches)
         for start, count, size in chunks(len(pairs)):
             host_ids = np.zeros(size, np.int32)
@@ -169,8 +169,14 @@ class KVOffloader:
                 self._write(*self._pending.pop(0))
             self.copy_s += time.perf_counter() - t
 
-    def _flush(self) -> None:
-        while self._pending:
+    def _flush(self, host_ids=None) -> None:
+        """Write pending device → host copies in order: all, or up to the last one into ``host_ids``."""
+        last = len(self._pending) - 1
+        if host_ids is not None:
+            wanted = set(np.asarray(host_ids).tolist())
+            last = max((i for i, (_, ids) in enumerate(self._pending) if not wanted.isdisjoint(ids.tolist())),
+                       default=-1)
+        for _ in range(last + 1):
             self._write(*self._pending.pop(0))
 
     def _write(self, blocks, host_ids) -> None:

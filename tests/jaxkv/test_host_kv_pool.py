@@ -194,3 +194,17 @@ def test_copies_go_in_power_of_two_chunks_with_little_padding():
         assert sum(c for _, c, _ in pieces) == n
         assert all(size & (size - 1) == 0 and size >= MIN_PAIRS and c <= size for _, c, size in pieces)
         assert sum(size - c for _, c, size in pieces) < MIN_PAIRS
+
+
+def test_a_host_to_device_copy_sees_the_latest_pending_write_and_leaves_unrelated_ones_pending():
+    rng = np.random.default_rng(1)
+    dev_np = rng.standard_normal((2, 8, 1, BS, 4)).astype(np.float32)
+    caches = [jnp.asarray(dev_np)]
+    off = KVOffloader(caches, 4)
+    off.swap_out(caches, [(1, 0)])  # host block 0 <- device block 1 ...
+    off.swap_out(caches, [(2, 0)])  # ... then <- device block 2 (a later pass reused host block 0)
+    off.swap_out(caches, [(3, 1)])  # unrelated to the copy below
+    caches = off.swap_in(caches, [(0, 5)])
+    np.testing.assert_array_equal(np.asarray(caches[0])[:, 5], dev_np[:, 2])
+    assert len(off._pending) == 1  # host block 1's copy is still on its way
+    np.testing.assert_array_equal(off.host_block(1)[0], dev_np[:, 3])
