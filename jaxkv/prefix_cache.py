@@ -34,8 +34,11 @@ class PrefixCache:
     with :meth:`evict` when the allocator runs short.
     """
 
-    def __init__(self, allocator: BlockAllocator):
+    def __init__(self, allocator: BlockAllocator, *, on_evict=None):
         self.allocator = allocator
+        # ``on_evict(block_hash, block)``: called for each evicted block before it is freed (the host tier
+        # copies it out: jaxkv.core.host_kv_pool)
+        self.on_evict = on_evict
         self._block_of: dict[int, int] = {}          # block hash → physical block
         self._hash_of: dict[int, int] = {}           # physical block → block hash
         self._refcount: collections.Counter = collections.Counter()
@@ -100,7 +103,10 @@ class PrefixCache:
         evicted = 0
         while evicted < n and self._evictable:
             b, _ = self._evictable.popitem(last=False)
-            del self._block_of[self._hash_of.pop(b)]
+            h = self._hash_of.pop(b)
+            del self._block_of[h]
+            if self.on_evict is not None:
+                self.on_evict(h, b)
             self.allocator.free([b])
             evicted += 1
         return evicted

@@ -60,7 +60,7 @@ import jax
 
 import jaxkv
 import models
-from models.entrypoints.engine_args import multiprocessing_enabled
+from models.entrypoints.engine_args import add_kv_offload_arguments, multiprocessing_enabled
 
 log = logging.getLogger("bench_throughput")
 BACKENDS = ("jaxkv", "jaxkv-inproc", "jaxkv-static", "hf")
@@ -456,6 +456,16 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                                             "step_s", "device_wait_s", "schedule_s", "execute_s", "update_s",
                                             "transfer_s", "call_s")}
     ranks = after["ranks"]
+    if after.get("num_host_blocks"):  # the KV cache's host tier (--kv-offloading-size)
+        t = {k: after.get(k, 0) - before.get(k, 0) for k in (
+            "num_swaps_out", "num_swaps_in", "num_swap_recompute_fallbacks", "num_blocks_offloaded",
+            "num_host_prefix_hit_tokens", "kv_offload_bytes_to_host", "kv_offload_bytes_to_device",
+            "kv_offload_copy_s")}
+        print(f"{name}: host KV tier ({after['num_host_blocks']} blocks): swaps out/in {t['num_swaps_out']}/"
+              f"{t['num_swaps_in']}, recompute fallbacks {t['num_swap_recompute_fallbacks']}, offloaded blocks "
+              f"{t['num_blocks_offloaded']}, host prefix hits {t['num_host_prefix_hit_tokens']} tokens, moved "
+              f"{t['kv_offload_bytes_to_host'] / 2**20:.1f} MiB to host / "
+              f"{t['kv_offload_bytes_to_device'] / 2**20:.1f} MiB to device, {t['kv_offload_copy_s']:.2f} s host time issuing copies", flush=True)
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
                   sum(r.output_len for r in requests), generated,
                   num_preemptions=d["num_preemptions"], prefix_cache_hit_rate=after["prefix_cache_hit_rate"],
@@ -555,6 +565,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--async-scheduling", action=argparse.BooleanOptionalAction, default=True,
                    help="dispatch step N+1 before fetching step N's tokens (default on)")
     p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
+    add_kv_offload_arguments(p)
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
@@ -633,7 +644,8 @@ def make_llm(args, gguf, *, multiprocessing: bool) -> models.LLM:
                       data_parallel_size=args.data_parallel_size, enable_multiprocessing=multiprocessing,
                       compile_ahead="off" if args.no_warmup else "on" if args.warmup else "auto",
                       compilation_cache_dir=None if args.no_compilation_cache else (
-                          args.compilation_cache_dir or "auto"))
+                          args.compilation_cache_dir or "auto"),
+                      kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
 
 
 def run(args) -> int:

@@ -27,6 +27,7 @@ import time
 
 import jaxkv
 import models
+from models.entrypoints.engine_args import add_kv_offload_arguments
 
 log = logging.getLogger("generate")
 
@@ -127,6 +128,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="independent engines, one process each, on their own devices")
     p.add_argument("--enable-multiprocessing", action=argparse.BooleanOptionalAction, default=None,
                    help="the engine in its own process (default; JAXKV_ENABLE_MULTIPROCESSING=0 turns it off)")
+    add_kv_offload_arguments(p)
     return p.parse_args(argv)
 
 
@@ -182,7 +184,8 @@ def run(args: argparse.Namespace) -> int:
                      attention_impl=args.attention_impl, seed=args.seed,
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                      enable_multiprocessing=args.enable_multiprocessing if mp is None else mp,
-                     load_format=args.load_format)
+                     load_format=args.load_format, kv_offloading_size=args.kv_offloading_size,
+                     preemption_mode=args.preemption_mode)
     info = llm.engine_info[0]
     impl = info["attention_impl"]
     if args.attention_impl is None and not info["device"].startswith("gpu"):

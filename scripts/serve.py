@@ -44,6 +44,8 @@ log = logging.getLogger("jaxkv.serve")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
+    from models.entrypoints.engine_args import add_kv_offload_arguments
+
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="smollm2-135m",
                    help="model name (smollm2-135m, gemma3-270m), a GGUF path or an HF checkpoint directory; with "
@@ -98,6 +100,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="JAX's persistent compilation cache (auto: ~/.cache/jaxkv/jax-compilation-cache or "
                         "$JAX_COMPILATION_CACHE_DIR); a second start loads its programs instead of compiling")
     p.add_argument("--no-compilation-cache", action="store_true", help="turn the persistent cache off")
+    add_kv_offload_arguments(p)
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
     add_exposure_args(p)
@@ -205,7 +208,8 @@ def engine_args(args: argparse.Namespace):
                   async_scheduling=args.async_scheduling, num_scheduler_steps=args.num_scheduler_steps,
                   load_format=args.load_format, seed=args.seed, compile_ahead=args.compile_ahead,
                   compile_top_k_top_p=args.compile_top_k_top_p,
-                  compilation_cache_dir=None if args.no_compilation_cache else args.compilation_cache_dir)
+                  compilation_cache_dir=None if args.no_compilation_cache else args.compilation_cache_dir,
+                  kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
     return EngineArgs(**{k: v for k, v in kwargs.items() if v is not None})
 
 

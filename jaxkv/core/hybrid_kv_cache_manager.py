@@ -26,6 +26,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from jaxkv.core.host_kv_pool import HostBlock, HostBlockPool
 from jaxkv.core.kv_cache_manager import BlockPool, cdiv
 from jaxkv.core.request import Request
 from jaxkv.spec import FullAttentionSpec, SlidingWindowSpec
@@ -34,6 +35,8 @@ log = logging.getLogger(__name__)
 
 
 class HybridKVCacheManager(BlockPool):
+    supports_host_prefix_cache = True
+
     """The blocks of every live request, one block list per KV-cache group (``request.group_block_ids``).
 
     Same interface as :class:`jaxkv.core.KVCacheManager`; ``request.block_ids`` is the first group's list
@@ -45,12 +48,20 @@ class HybridKVCacheManager(BlockPool):
             :class:`jaxkv.SlidingWindowSpec`, all with one block size.
         num_blocks: blocks in the pool (``KVCacheConfig.num_blocks``), the null block included.
         enable_prefix_caching: cache computed full blocks per group and reuse them (vLLM's rules above).
+        host_pool: the host tier. Swap preemption: a preempted request's real blocks of every group go to
+            host blocks and come back to new device blocks of the same groups (the null blocks stay null).
+            With prefix caching, the second-tier prefix cache: blocks evicted from the device are kept under
+            ``(group, block hash)``, and the hit rules above treat a block found there as cached
+            (``get_computed_blocks(use_host=True)``); it is copied back to a new device block.
 
     Raises:
         ValueError: no group, a spec of another type, different block sizes, ``num_blocks < 2``.
     """
 
-    def __init__(self, kv_cache_groups: Sequence, num_blocks: int, *, enable_prefix_caching: bool = False):
+    supports_host_prefix_cache = True
+
+    def __init__(self, kv_cache_groups: Sequence, num_blocks: int, *, enable_prefix_caching: bool = False,
+                 host_pool: HostBlockPool | None = None):
         groups = tuple(kv_cache_groups)
         if not groups:
             raise ValueError("kv_cache_groups=() holds no group")
@@ -72,7 +83,7 @@ class HybridKVCacheManager(BlockPool):
         (self.block_size,) = sizes
         self.sliding_windows: tuple[int | None, ...] = tuple(windows)
         self.num_groups = len(groups)
-        super().__init__(num_blocks, enable_prefix_caching=enable_prefix_caching)
+        super().__init__(num_blocks, enable_prefix_caching=enable_prefix_caching, host_pool=host_pool)
         (self.null_block,) = self.allocator.allocate(1)
 
     # -- sizes ---------------------------------------------------------------------------------------
@@ -98,26 +109,31 @@ class HybridKVCacheManager(BlockPool):
         return [sum(b != self.null_block for b in blocks) for blocks in groups]
 
     # -- prefix cache ----------------------------------------------------------------------------------
-    def _lookup(self, g: int, h) -> int | None:
-        return self.prefix_cache.get((g, h))
+    def _lookup(self, g: int, h, use_host: bool = False) -> int | HostBlock | None:
+        b = self.prefix_cache.get((g, h))
+        if b is None and use_host:
+            found = self.host_pool.match([(g, h)])
+            if found:
+                return HostBlock(found[0])
+        return b
 
-    def _full_hit(self, g: int, hashes: list, max_blocks: int) -> list[int]:
+    def _full_hit(self, g: int, hashes: list, max_blocks: int, use_host: bool = False) -> list:
         blocks = []
         for h in hashes[:max_blocks]:
-            b = self._lookup(g, h)
+            b = self._lookup(g, h, use_host)
             if b is None:
                 break
             blocks.append(b)
         return blocks
 
-    def _sliding_hit(self, g: int, hashes: list, max_blocks: int) -> list[int]:
+    def _sliding_hit(self, g: int, hashes: list, max_blocks: int, use_host: bool = False) -> list:
         """vLLM ``SlidingWindowManager.find_longest_cache_hit``: rightmost run of
         ``cdiv(window - 1, block_size)`` cached blocks ending at most at ``max_blocks``; earlier blocks null."""
         need = cdiv(self.sliding_windows[g] - 1, self.block_size)
         blocks = [self.null_block] * max_blocks
         run = 0
         for i in range(max_blocks - 1, -1, -1):
-            b = self._lookup(g, hashes[i])
+            b = self._lookup(g, hashes[i], use_host)
             if b is None:
                 run = 0
                 continue
@@ -127,17 +143,20 @@ class HybridKVCacheManager(BlockPool):
                 return blocks[:i + run]
         return blocks[:run]  # a cached run from block 0 shorter than the window still counts
 
-    def get_computed_blocks(self, request: Request) -> tuple[list[list[int]], int]:
+    def get_computed_blocks(self, request: Request, *, use_host: bool = False) -> tuple[list[list], int]:
         """Per group, the cached blocks (null where a window skips them) of the longest prefix every group
         can reuse, and its length in tokens. Only full blocks of ``all_token_ids[:-1]`` count (the last token
-        is always computed). Takes no reference. vLLM: ``HybridKVCacheCoordinator.find_longest_cache_hit``."""
+        is always computed). ``use_host``: blocks in the host prefix cache count as cached
+        (:class:`jaxkv.core.host_kv_pool.HostBlock` entries). Takes no reference. vLLM:
+        ``HybridKVCacheCoordinator.find_longest_cache_hit``."""
         if self.prefix_cache is None:
             return [], 0
+        use_host = use_host and self.has_host_prefix_cache
         hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)
         length = len(hashes)
         while True:  # each group's hit is monotone in the length it may use: shrink to a fixed point
-            hits = [self._full_hit(g, hashes, length) if w is None else self._sliding_hit(g, hashes, length)
-                    for g, w in enumerate(self.sliding_windows)]
+            hits = [self._full_hit(g, hashes, length, use_host) if w is None
+                    else self._sliding_hit(g, hashes, length, use_host) for g, w in enumerate(self.sliding_windows)]
             new = min(len(h) for h in hits)
             if new == length:
                 break
@@ -204,16 +223,20 @@ class HybridKVCacheManager(BlockPool):
                 self._release(request, removed)
 
     def _num_needed(self, request: Request, num_new_tokens: int, hits=()) -> int:
+        """New device blocks: for the tokens after the hits in every group, and one per host hit."""
         groups = request.group_block_ids or [[] for _ in range(self.num_groups)]
         num_hit = len(hits[0]) if hits else 0
         total = cdiv(request.num_computed_tokens + num_hit * self.block_size + num_new_tokens, self.block_size)
-        return sum(max(0, total - len(blocks) - num_hit) for blocks in groups)
+        host = sum(isinstance(b, HostBlock) for blocks in hits for b in blocks)
+        return host + sum(max(0, total - len(blocks) - num_hit) for blocks in groups)
+
+    def _device_hits(self, hits) -> list[int]:
+        return [b for blocks in hits for b in blocks if not isinstance(b, HostBlock) and b != self.null_block]
 
     def _available(self, hits=()) -> int:
         if self.prefix_cache is None:
             return self.allocator.num_free_blocks
-        real = [b for blocks in hits for b in blocks if b != self.null_block]
-        return self.allocator.num_free_blocks + self.prefix_cache.num_evictable_blocks_without(real)
+        return self.allocator.num_free_blocks + self.prefix_cache.num_evictable_blocks_without(self._device_hits(hits))
 
     def can_allocate(self, request: Request, num_new_tokens: int, new_computed_blocks=()) -> bool:
         groups = request.group_block_ids
@@ -240,9 +263,10 @@ class HybridKVCacheManager(BlockPool):
             if any(request.group_block_ids):
                 raise ValueError(f"request {request.request_id!r} already holds blocks; new_computed_blocks "
                                  "are for a request being admitted")
-            real = [b for blocks in new_computed_blocks for b in blocks if b != self.null_block]
+            real = self._device_hits(new_computed_blocks)
             self.prefix_cache.acquire(real)
-            for mine, hit in zip(request.group_block_ids, new_computed_blocks):
+            hits = self._load_host_hits(request, new_computed_blocks)
+            for mine, hit in zip(request.group_block_ids, hits):
                 mine.extend(hit)
             request.cached_block_ids.update(real)
             request.num_cached_blocks = len(new_computed_blocks[0])
@@ -257,7 +281,9 @@ class HybridKVCacheManager(BlockPool):
 
     def free(self, request: Request) -> None:
         """Give back every real block of every group (last blocks first): cached ones become evictable, so
-        a prefix outlives its tail (vLLM frees in reverse order)."""
+        a prefix outlives its tail (vLLM frees in reverse order); a swapped-out request's host blocks go
+        back to the host pool."""
+        self._free_host_blocks(request)
         for blocks in request.group_block_ids or ():
             real = [b for b in reversed(blocks) if b != self.null_block]
             if real:
@@ -266,3 +292,34 @@ class HybridKVCacheManager(BlockPool):
         request.block_ids = []
         request.cached_block_ids = set()
         request.num_cached_blocks = 0
+
+    # -- the host tier ---------------------------------------------------------------------------------
+    def _load_host_hits(self, request: Request, hits: list[list]) -> list[list[int]]:
+        """``hits`` with every host hit replaced by a new device block, filled from the host before the step
+        (copies of this pass) and cached on the device under ``(group, block hash)``."""
+        where = [(g, i, b.block_id) for g, blocks in enumerate(hits) for i, b in enumerate(blocks)
+                 if isinstance(b, HostBlock)]
+        if not where:
+            return hits
+        host = [h for *_, h in where]
+        self.host_pool.lock(host)  # before allocating: an eviction it causes must not reuse them
+        device = self.prefix_cache.allocate(len(where))
+        self.host_pool.load(host, device)
+        hashes = request.hashes_of_full_blocks(len(hits[0]) * self.block_size, self.block_size)
+        out = [list(blocks) for blocks in hits]
+        for (g, i, _), d in zip(where, device):
+            out[g][i] = d
+            if not self.prefix_cache.register([(g, hashes[i])], [d]):
+                request.cached_block_ids.add(d)
+        first = min(i for _, i, _ in where)
+        self.host_pool.num_host_prefix_hit_tokens += (len(hits[0]) - first) * self.block_size
+        return out
+
+    def _device_layout(self, request: Request) -> list[list[int | None]]:
+        n = cdiv(request.num_computed_tokens, self.block_size)
+        return [[None if b == self.null_block else b for b in blocks[:n]]
+                for blocks in self._groups_of(request)]
+
+    def _restore_layout(self, request: Request, layout: list[list[int | None]]) -> None:
+        request.group_block_ids = [[self.null_block if b is None else b for b in blocks] for blocks in layout]
+        request.block_ids = request.group_block_ids[0]

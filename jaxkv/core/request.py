@@ -65,6 +65,9 @@ class Request:
             generated.
         stop_reason: the stop token that ended it, if any.
         num_cached_prompt_tokens: prompt tokens served from the prefix cache at its first admission.
+        host_block_ids: swapped out (swap preemption): per KV-cache group, the host block holding each of
+            its logical blocks (``None`` where a sliding window had replaced it by the null block); its
+            ``num_computed_tokens`` stay valid. ``None`` otherwise.
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams", *,
@@ -81,6 +84,7 @@ class Request:
         self.block_hashes: list[int] = []
         self.num_cached_blocks = 0
         self.cached_block_ids: set[int] = set()
+        self.host_block_ids: list[list[int | None]] | None = None
         self.arrival_index = arrival_index
         self.seed = seed
         room = max_model_len - len(self.prompt_token_ids)

@@ -7,9 +7,13 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_fro
    while decoding; a prefill chunk otherwise), capped by ``long_prefill_token_threshold`` and the step's
    token budget ``max_num_batched_tokens``; blocks are allocated on demand; when none is free the most
    recently admitted running request is preempted (recompute: blocks freed, back to the front of the
-   waiting queue, its generated tokens kept);
+   waiting queue, its generated tokens kept; ``preemption_mode="swap"`` with a host tier: its blocks are
+   copied to host blocks instead and come back when it resumes, no token recomputed, falling back to
+   recompute when the host pool is full);
 2. then, if nothing was preempted, waiting requests in arrival order while the budget, ``max_num_seqs``
-   and the free blocks allow (prefix-cache hits skip their cached tokens);
+   and the free blocks allow (prefix-cache hits skip their cached tokens; with a host tier, hits in its
+   prefix cache after the device's hits are copied back and skipped too; a swapped-out request is
+   swapped back in);
 3. a step in which every running request decodes and no waiting request could be admitted runs up to
    ``num_scheduler_steps`` decode steps on the device (vLLM v0's multi-step scheduling), never more than
    the fewest tokens a running request has left while requests wait, so admission is not delayed by a
@@ -23,6 +27,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 
+from jaxkv.core.host_kv_pool import has_host_blocks
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 
@@ -41,6 +46,8 @@ class SchedulerConfig:
         max_admission_delay_steps: decode steps a waiting request that could be admitted may wait so
             that running requests decode in a device loop first (0 = admit at the next step, as vLLM;
             > 0 trades that much admission latency for fewer host round trips).
+        preemption_mode: ``"recompute"`` (free the blocks, prefill again on resume; vLLM V1's only mode)
+            or ``"swap"`` (copy the blocks to the KV-cache manager's host tier and back; vLLM V0's names).
     """
 
     max_num_seqs: int = 256
@@ -49,8 +56,11 @@ class SchedulerConfig:
     long_prefill_token_threshold: int = 0
     num_scheduler_steps: int = 8
     max_admission_delay_steps: int = 0
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of 'recompute', 'swap'")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -79,6 +89,10 @@ class SchedulerOutput:
             (dispatched, not yet fetched) step: the runner takes it from that step's device output.
         samples: per row, tokens this step samples for the request (0 for a prompt chunk that does not
             finish the known tokens).
+        blocks_to_swap_out: ``(device_block, host_block)`` copies to issue before this step (swap
+            preemption, blocks evicted from the device prefix cache), all before ``blocks_to_swap_in``.
+        blocks_to_swap_in: ``(host_block, device_block)`` copies to issue before this step (swap-ins,
+            host prefix-cache hits). vLLM V0: ``SchedulerOutputs.blocks_to_swap_out`` / ``_in``.
     """
 
     scheduled: list[tuple[Request, int]]
@@ -88,6 +102,8 @@ class SchedulerOutput:
     gen_idx: list[int] = dataclasses.field(default_factory=list)
     pending_input: list[bool] = dataclasses.field(default_factory=list)
     samples: list[int] = dataclasses.field(default_factory=list)
+    blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -107,6 +123,10 @@ class Scheduler:
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_swap_fallbacks = 0  # swap preemptions that recomputed: the host pool was full
+        self.host_pool = getattr(kv_cache_manager, "host_pool", None)
+        if config.preemption_mode == "swap" and self.host_pool is None:
+            raise ValueError("preemption_mode='swap' needs a host tier (kv_offloading_size > 0)")
         self._admission_delayed = 0  # decode steps run while an admissible request waited
 
     # -- queues ------------------------------------------------------------------------------------
@@ -134,6 +154,8 @@ class Scheduler:
         out = self._try_schedule_decode_loop()
         if out is None:
             out = self._schedule_mixed()
+        if self.host_pool is not None:
+            out.blocks_to_swap_out, out.blocks_to_swap_in = self.host_pool.end_pass()
         return self._commit(out)
 
     def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -184,20 +206,41 @@ class Scheduler:
                 req = self.waiting[0]
                 if req.num_output_placeholders:  # preempted while its token was in flight: next step
                     break
-                hits, num_hit_tokens = kv.get_computed_blocks(req)
-                n = self._num_new_tokens(req, num_hit_tokens, budget)
-                if not kv.allocate_slots(req, n, hits):
+                if req.host_block_ids is not None:  # swapped out: back from the host, nothing recomputed
+                    n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+                    n = n if kv.swap_in(req, n) else None
+                else:
+                    n = self._admit(req, budget)
+                if n is None:
                     break
                 self.waiting.popleft()
-                req.num_computed_tokens = num_hit_tokens
-                if req.num_cached_prompt_tokens is None:  # first admission: prefix-cache statistics
-                    req.num_cached_prompt_tokens = num_hit_tokens
-                    kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append((req, n))
                 budget -= n
         return SchedulerOutput(scheduled, 0, preempted)
+
+    def _admit(self, req: Request, budget: int) -> int | None:
+        """Blocks for a waiting request (prefix-cache hits first: the device's, then, with a host tier, the
+        host's); sets its computed tokens; returns the tokens it runs this step, ``None`` when blocks are
+        short. When the host hits' blocks and the step's new tokens do not fit together, it tries the
+        device hits alone."""
+        kv = self.kv_cache_manager
+        for use_host in ((True, False) if self.host_pool is not None else (False,)):
+            options = dict(use_host=True) if use_host else {}  # (a data-parallel manager has no host tier)
+            hits, num_hit_tokens = kv.get_computed_blocks(req, **options)
+            n = self._num_new_tokens(req, num_hit_tokens, budget)
+            if kv.allocate_slots(req, n, hits):
+                break
+            if not has_host_blocks(hits):  # without host hits the device-only try would fail the same way
+                return None
+        else:
+            return None
+        req.num_computed_tokens = num_hit_tokens
+        if req.num_cached_prompt_tokens is None:  # first admission: prefix-cache statistics
+            req.num_cached_prompt_tokens = num_hit_tokens
+            kv.record_prefix_lookup(req.num_tokens, num_hit_tokens)
+        return n
 
     def _num_new_tokens(self, req: Request, num_computed: int, budget: int) -> int:
         n = req.num_tokens_with_placeholders - num_computed
@@ -207,10 +250,16 @@ class Scheduler:
         return min(n, budget)
 
     def _preempt(self, req: Request) -> None:
-        """vLLM recompute preemption: blocks freed, front of the waiting queue, outputs kept."""
-        self.kv_cache_manager.free(req)
+        """vLLM recompute preemption: blocks freed, front of the waiting queue, outputs kept. In swap mode
+        the blocks go to the host tier instead and the computed tokens stay (recompute when it is full)."""
+        swapped = False
+        if self.config.preemption_mode == "swap" and req.num_computed_tokens:
+            swapped = self.kv_cache_manager.swap_out(req)
+            self.num_swap_fallbacks += not swapped
+        if not swapped:
+            self.kv_cache_manager.free(req)
+            req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
-        req.num_computed_tokens = 0
         req.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(req)
@@ -249,6 +298,11 @@ class Scheduler:
         req = self.waiting[0]
         if req.num_output_placeholders:
             return False
+        if req.host_block_ids is not None:
+            budget = self.config.max_num_batched_tokens - len(self.running)
+            n = self._num_new_tokens(req, req.num_computed_tokens, budget)
+            kv = self.kv_cache_manager
+            return n > 0 and kv.num_blocks_to_swap_in(req, n) <= kv.num_free_blocks
         hits, num_hit_tokens = self.kv_cache_manager.get_computed_blocks(req)
         n = self._num_new_tokens(req, num_hit_tokens, self.config.max_num_batched_tokens - len(self.running))
         return n > 0 and self.kv_cache_manager.can_allocate(req, n, hits)

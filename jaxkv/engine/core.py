@@ -24,10 +24,12 @@ from typing import Iterable
 
 import numpy as np
 
+from jaxkv.core.host_kv_pool import HostBlockPool
 from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
+from jaxkv.engine.kv_offload import KVOffloader, num_host_blocks_for
 from jaxkv.engine.model_runner import ModelFn, ModelRunner
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
 from jaxkv.engine.protocol import EngineCoreOutput
@@ -42,8 +44,9 @@ class EngineStats:
     Attributes:
         num_running, num_waiting: requests in each queue now.
         kv_cache_usage: share of blocks held by live requests (0..1).
-        num_preemptions: recompute preemptions so far.
-        prefix_cache_hit_rate: prompt tokens found cached / prompt tokens looked up (first admissions).
+        num_preemptions: preemptions so far (recompute and swap).
+        prefix_cache_hit_rate: prompt tokens found cached (on the device or in the host tier) / prompt
+            tokens looked up (first admissions).
         num_compiles: jitted-step compilations so far; ``num_buckets`` bounds it.
         steps: host round trips (``step()`` calls that ran the model); ``model_steps`` counts decode-loop
             iterations individually.
@@ -59,6 +62,16 @@ class EngineStats:
             dispatching the step's inputs, applying the sampled tokens (outputs included).
         transfer_s, call_s: of ``execute_s`` (warm-up included), the input transfers and the time inside
             the jitted calls (which return at once unless the program makes the host wait).
+        num_host_blocks: blocks of the host tier (0: no tier); ``host_kv_cache_usage``: share of them
+            holding data (swapped-out requests' blocks or the host prefix cache's), 0..1.
+        num_swaps_out, num_swaps_in: requests swapped out to / in from the host tier;
+            ``num_blocks_swapped_out`` / ``_in``: their blocks.
+        num_swap_recompute_fallbacks: swap preemptions that recomputed instead (the host pool was full).
+        num_blocks_offloaded: blocks evicted from the device prefix cache and kept in the host tier.
+        num_host_prefix_hit_tokens: tokens whose blocks came back from the host prefix cache.
+        kv_offload_bytes_to_host, kv_offload_bytes_to_device: bytes of the blocks copied each way.
+        kv_offload_copy_s: host seconds spent issuing those copies (device time is not seen here; a
+            profiler trace shows it).
     """
 
     num_running: int
@@ -83,6 +96,18 @@ class EngineStats:
     update_s: float = 0.0
     transfer_s: float = 0.0
     call_s: float = 0.0
+    num_host_blocks: int = 0
+    host_kv_cache_usage: float = 0.0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_swap_recompute_fallbacks: int = 0
+    num_blocks_offloaded: int = 0
+    num_host_prefix_hit_tokens: int = 0
+    kv_offload_bytes_to_host: int = 0
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_copy_s: float = 0.0
 
     @property
     def gpu_idle_share(self) -> float:
@@ -131,10 +156,22 @@ class LLMEngine:
         mesh: a :func:`jaxkv.parallel.make_mesh` mesh (``dp == 1``) the model and caches are sharded over
             for tensor parallelism (``model_fn`` attends through it). Data parallelism is one engine per
             rank, each in its own process (:mod:`jaxkv.engine.core_client`).
+        kv_offloading_size: GiB of host memory for the KV cache's host tier (vLLM V1's
+            ``--kv-offloading-size``; ``None``: no tier): host blocks with the device cache's layout
+            (:mod:`jaxkv.engine.kv_offload`). With prefix
+            caching, full blocks evicted from the device prefix cache are kept there (least recently used
+            out first) and a prompt's prefix lookup continues there after the device's hits (copied back
+            before the step); with ``preemption_mode="swap"`` preempted requests' blocks go there.
+            Single-device caches only (hybrid groups included: blocks are kept per ``(group, hash)``).
+        preemption_mode: ``"recompute"`` (default; vLLM V1's behaviour) or ``"swap"`` (vLLM V0's: a
+            preempted request's blocks are copied to the host tier and back when it resumes, without
+            recomputing; when the tier is full it recomputes, counted in
+            ``stats.num_swap_recompute_fallbacks``). ``"swap"`` needs ``kv_offloading_size``.
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
-            max_num_batched_tokens``.
+            max_num_batched_tokens``, a bad ``preemption_mode`` or ``kv_offloading_size``, swap without a
+            host tier, a host tier with a mesh.
     """
 
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
@@ -143,12 +180,19 @@ class LLMEngine:
                  long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
-                 check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None):
+                 check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
+                 kv_offloading_size: float | None = None, preemption_mode: str = "recompute"):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       num_scheduler_steps=num_scheduler_steps,
-                                      max_admission_delay_steps=max_admission_delay_steps)
+                                      max_admission_delay_steps=max_admission_delay_steps,
+                                      preemption_mode=preemption_mode)
+        if preemption_mode == "swap" and not kv_offloading_size:
+            raise ValueError(f"preemption_mode='swap' needs a host tier: kv_offloading_size={kv_offloading_size!r}")
+        if kv_offloading_size is not None and mesh is not None:
+            raise ValueError(f"kv_offloading_size={kv_offloading_size} with a mesh {dict(mesh.shape)}: the host "
+                             "tier supports single-device caches only")
         self.mesh = mesh
         if mesh is not None and mesh.shape.get("dp", 1) > 1:
             raise ValueError(f"mesh with dp={mesh.shape['dp']}: data-parallel ranks are engines of their own "
@@ -163,6 +207,12 @@ class LLMEngine:
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
+        self.offloader = None
+        self.host_pool = None
+        if kv_offloading_size is not None:
+            num_host_blocks = num_host_blocks_for(kv_offloading_size, self.runner.kv_caches)
+            self.offloader = KVOffloader(self.runner.kv_caches, num_host_blocks)
+            self.host_pool = HostBlockPool(num_host_blocks)
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
         if eos_token_id is None:
@@ -210,7 +260,21 @@ class LLMEngine:
                            kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
                            num_buckets=self.num_buckets, transfer_s=self.runner.transfer_s,
-                           call_s=self.runner.call_s, **self._counters)
+                           call_s=self.runner.call_s, **self._counters, **self._host_tier_stats())
+
+    def _host_tier_stats(self) -> dict:
+        host, off = self.host_pool, self.offloader
+        if host is None:
+            return {}
+        return dict(num_host_blocks=host.num_blocks, host_kv_cache_usage=host.usage,
+                    num_swaps_out=host.num_swaps_out, num_swaps_in=host.num_swaps_in,
+                    num_blocks_swapped_out=host.num_blocks_swapped_out,
+                    num_blocks_swapped_in=host.num_blocks_swapped_in,
+                    num_swap_recompute_fallbacks=self.scheduler.num_swap_fallbacks,
+                    num_blocks_offloaded=host.num_blocks_offloaded,
+                    num_host_prefix_hit_tokens=host.num_host_prefix_hit_tokens,
+                    kv_offload_bytes_to_host=off.bytes_to_host, kv_offload_bytes_to_device=off.bytes_to_device,
+                    kv_offload_copy_s=off.copy_s)
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
@@ -218,6 +282,8 @@ class LLMEngine:
         ``top_k_top_p``: also the buckets' programs for batches with a top-k/top-p request (otherwise
         compiled when first needed; ``num_compiles == 2 * num_buckets`` then)."""
         self.runner.warmup(max_workers, top_k_top_p)
+        if self.offloader is not None:  # the host tier's copy programs, one per padded size
+            self.runner.kv_caches = self.offloader.warmup(self.runner.kv_caches)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).
@@ -229,16 +295,20 @@ class LLMEngine:
             self.step()  # async scheduling: a step dispatched for requests that have finished since
         if self.has_unfinished_requests():
             raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
+        if self.host_pool is not None:
+            self.host_pool.reset_prefix_cache()
         self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
-        num_preemptions = self.scheduler.num_preemptions
+        old = self.scheduler
         self.scheduler = Scheduler(self.config, self.kv_cache_manager)
-        self.scheduler.num_preemptions = num_preemptions
+        self.scheduler.num_preemptions = old.num_preemptions
+        self.scheduler.num_swap_fallbacks = old.num_swap_fallbacks
 
     def _new_kv_cache_manager(self, enable_prefix_caching: bool):
         if self._per_group_blocks:
             return HybridKVCacheManager(self.kv_cache_groups, self.runner.num_blocks,
-                                        enable_prefix_caching=enable_prefix_caching)
-        return KVCacheManager(self.runner.num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching)
+                                        enable_prefix_caching=enable_prefix_caching, host_pool=self.host_pool)
+        return KVCacheManager(self.runner.num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching,
+                              host_pool=self.host_pool)
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
@@ -363,6 +433,7 @@ class LLMEngine:
         t_sched = t_exec = 0.0
         if self._inflight is None:
             sched = self.scheduler.schedule()
+            self._copy_blocks(sched)
             t_sched = time.perf_counter() - t0
             if sched.is_empty:
                 self._busy_until = None
@@ -376,6 +447,7 @@ class LLMEngine:
         if self.async_scheduling:
             t = time.perf_counter()
             nxt = self.scheduler.schedule()
+            self._copy_blocks(nxt)
             t_mid = time.perf_counter()
             t_sched += t_mid - t
             if not nxt.is_empty:
@@ -387,6 +459,8 @@ class LLMEngine:
         logits = None if result.logits is None else np.asarray(result.logits)
         t_back = time.perf_counter()
         self._busy_until = t_back  # the device was busy until this result came back
+        if self.offloader is not None:
+            self.offloader.poll()
         loop = sched.num_decode_steps
         # Python ints per row in one conversion (not one int() per token in the scheduler)
         sampled = tokens.T.tolist() if loop else tokens[:, None].tolist()
@@ -420,6 +494,14 @@ class LLMEngine:
             c["decode_steps"] += loop
             c["decode_tokens"] += generated
         return aborted, touched
+
+    def _copy_blocks(self, sched) -> None:
+        """The host tier's copies a schedule asked for, before its step (and after every step dispatched
+        before it): device to host first, then host to device (see :mod:`jaxkv.core.host_kv_pool`)."""
+        if sched.blocks_to_swap_out:
+            self.offloader.swap_out(self.runner.kv_caches, sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.runner.kv_caches = self.offloader.swap_in(self.runner.kv_caches, sched.blocks_to_swap_in)
 
     def _note_idle(self, queued) -> None:
         """Right after a dispatch (input preparation included): if the device had nothing else to run

@@ -63,6 +63,10 @@ class EngineArgs:
         compilation_cache_dir: JAX's persistent compilation cache (``"auto"``:
             :func:`default_compilation_cache_dir`; ``None`` or ``""``: off), so a second start of the same
             model and settings loads its programs instead of compiling them.
+        kv_offloading_size: GiB of host memory for the KV cache's host tier (vLLM ``--kv-offloading-size``;
+            ``None``: none): a second-tier prefix cache and the room for swap preemption.
+        preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``kv_offloading_size``); vLLM V0's names.
+            See :class:`jaxkv.LLMEngine` for both.
     """
 
     model: str = "smollm2-135m"
@@ -87,8 +91,18 @@ class EngineArgs:
     compile_ahead: str = "auto"
     compile_top_k_top_p: bool = False
     compilation_cache_dir: str | None = "auto"
+    kv_offloading_size: float | None = None
+    preemption_mode: str = "recompute"
 
     def __post_init__(self):
+        if self.preemption_mode not in ("recompute", "swap"):
+            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of 'recompute', 'swap'")
+        if self.kv_offloading_size is not None and not (
+                isinstance(self.kv_offloading_size, (int, float)) and not isinstance(self.kv_offloading_size, bool)
+                and 0 < self.kv_offloading_size < float("inf")):
+            raise ValueError(f"kv_offloading_size={self.kv_offloading_size!r} must be a finite number of GiB > 0")
+        if self.preemption_mode == "swap" and self.kv_offloading_size is None:
+            raise ValueError("preemption_mode='swap' needs a host tier: give kv_offloading_size (GiB)")
         if self.compile_ahead not in ("auto", "on", "off"):
             raise ValueError(f"compile_ahead={self.compile_ahead!r} is not one of auto, on, off")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -101,6 +115,18 @@ class EngineArgs:
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
+
+
+def add_kv_offload_arguments(parser) -> None:
+    """``--kv-offloading-size`` and ``--preemption-mode`` (vLLM's flags), with :class:`EngineArgs`' defaults, for
+    every script that builds an engine (``generate.py``, ``serve.py``, ``bench_throughput.py``,
+    ``bench_multiturn.py``)."""
+    parser.add_argument("--kv-offloading-size", type=float, default=EngineArgs.kv_offloading_size, metavar="GIB",
+                        help="GiB of host memory for the KV cache's host tier: blocks evicted from the device "
+                             "prefix cache are kept there, and swap preemption uses it (default: none)")
+    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=EngineArgs.preemption_mode,
+                        help="recompute: a preempted request is prefilled again; swap: its blocks go to the host "
+                             "tier and back (needs --kv-offloading-size)")
 
 
 @dataclasses.dataclass
@@ -203,7 +229,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
         eos_token_id=tokenizer.stop_token_ids, long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_scheduler_steps=args.num_scheduler_steps, max_admission_delay_steps=args.max_admission_delay_steps,
-        async_scheduling=args.async_scheduling, seed=args.seed, return_logits=args.return_logits, mesh=mesh)
+        async_scheduling=args.async_scheduling, seed=args.seed, return_logits=args.return_logits, mesh=mesh,
+        kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
     t_built = time.perf_counter()
     warmup_s = 0.0
     if args.compile_ahead == "on" or (args.compile_ahead == "auto" and on_gpu):
@@ -223,7 +250,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                                       checkpoint=round(t_checkpoint - t_backend, 2),
                                       model=round(t_model - t_checkpoint, 2), caches=round(t_built - t_model, 2)),
                 compilation_cache_dir=cache_dir, async_scheduling=args.async_scheduling,
-                prefix_caching=args.enable_prefix_caching)
+                prefix_caching=args.enable_prefix_caching, kv_offloading_size=args.kv_offloading_size,
+                num_host_blocks=engine.host_pool.num_blocks if engine.host_pool is not None else 0,
+                preemption_mode=args.preemption_mode)
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
 

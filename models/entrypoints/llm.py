@@ -48,7 +48,8 @@ class LLM:
         dtype, kv_cache_dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
             gpu_memory_utilization, num_gpu_blocks, enable_prefix_caching, long_prefill_token_threshold,
             num_scheduler_steps, max_admission_delay_steps, async_scheduling, attention_impl, seed,
-            return_logits, tensor_parallel_size, load_format, compile_ahead, compilation_cache_dir: see
+            return_logits, tensor_parallel_size, load_format, compile_ahead, compilation_cache_dir,
+            kv_offloading_size, preemption_mode: see
             :class:`models.entrypoints.engine_args.EngineArgs` (the defaults are shared with ``serve.py``
             and ``bench_throughput.py``). ``max_num_seqs``, ``max_num_batched_tokens`` and ``num_gpu_blocks``
             are per data-parallel rank (vLLM's semantics). ``return_logits`` needs the in-process engine.

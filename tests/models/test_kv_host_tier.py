@@ -1,0 +1,281 @@
+"""The KV cache's host tier (issue 29) end to end on tiny random models (CPU, f32, greedy).
+
+Multi-turn conversations (each turn's prompt is the conversation so far) run on a device cache far too small
+for them, with the tier on (swap preemption, host prefix cache) and off: the transcripts equal the tier-off
+engine's and those of each conversation run alone (an unconstrained cache: it never preempts); swaps and
+host prefix hits happened; no device or host block is left held after every request ends or is aborted in
+the middle of a swap; the host memory is what ``kv_offloading_size`` allows. A hybrid Gemma 3 (a sliding-window
+group and a full-attention group) swaps every group's blocks, null blocks included. The engines have the
+shapes of test_continuous_batching.py's (their step programs come from the run's compilation cache).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import numpy as np
+import pytest
+
+import models
+from jaxkv import SamplingParams, SlidingWindowSpec
+from jaxkv.engine.core_proc import engine_stats
+from jaxkv.engine.kv_offload import bytes_per_block
+from tests.conftest import load_script, slow
+from tests.models.test_llama_paged import TINY, _tiny_model
+
+BLOCK, NUM_BLOCKS, MAX_LEN = 8, 14, 128
+
+
+@functools.lru_cache(maxsize=None)
+def _model():
+    return _tiny_model()
+
+
+def _make(**options):
+    return models.make_engine(_model(), attention_impl="reference", block_size=BLOCK, num_blocks=NUM_BLOCKS,
+                              max_model_len=MAX_LEN, max_num_seqs=8, max_num_batched_tokens=32,
+                              long_prefill_token_threshold=16, num_scheduler_steps=4, eos_token_id=None, **options)
+
+
+def _gib(num_blocks: int, engine) -> float:
+    return num_blocks * bytes_per_block(engine.kv_caches) / 2**30
+
+
+@pytest.fixture(scope="module")
+def bench():
+    return load_script("bench_multiturn")
+
+
+@pytest.fixture(scope="module")
+def conversations(bench):
+    return bench.synthetic_conversations(8, seed=3, vocab_size=TINY.vocab_size, turns=4, user_tokens=(4, 12),
+                                         answer_tokens=(4, 10))
+
+
+@pytest.fixture(scope="module")
+def off_engine():
+    return _make(async_scheduling=True)
+
+
+@pytest.fixture(scope="module")
+def references(bench, conversations, off_engine):
+    """Transcripts with the tier off (all conversations together) and of each conversation alone."""
+    together = bench.transcripts(bench.run_workload(off_engine, conversations, max_active=4))
+    solo = {}
+    for i, conv in enumerate(conversations):
+        solo.update({(i, turn): out for (_, turn), out in
+                     bench.transcripts(bench.run_workload(off_engine, [conv], max_active=1)).items()})
+    assert off_engine.stats.num_preemptions > 0, "the device cache is meant to be too small"
+    return together, solo
+
+
+def _assert_nothing_held(engine):
+    kv, host = engine.kv_cache_manager, engine.host_pool
+    assert not engine.has_unfinished_requests()
+    assert kv.allocator.num_free_blocks + kv.prefix_cache.num_evictable_blocks == kv.num_blocks
+    assert kv.prefix_cache.num_evictable_blocks == kv.prefix_cache.num_cached_blocks  # no reference left
+    # every host block is free or in the host prefix cache: none held for a swapped-out request
+    assert host.allocator.num_free_blocks + host.num_cached_blocks == host.num_blocks
+
+
+@pytest.mark.parametrize("mode,async_scheduling,host_blocks", [("swap", True, 64), ("swap", False, 3),
+                                                               ("recompute", True, 64)])
+def test_multiturn_transcripts_equal_tier_off_and_solo(bench, conversations, references, mode, async_scheduling,
+                                                       host_blocks, off_engine):
+    """Swap preemption with a roomy host pool (async scheduling) and with one so small that swaps fall back to
+    recompute; recompute preemption with the host prefix cache alone."""
+    together, solo = references
+    engine = _make(async_scheduling=async_scheduling, preemption_mode=mode,
+                   kv_offloading_size=_gib(host_blocks, off_engine))
+    got = bench.transcripts(bench.run_workload(engine, conversations, max_active=4))
+    assert got == together
+    assert got == solo
+    s = engine.stats
+    assert s.num_host_blocks == host_blocks
+    assert engine.num_compiles <= engine.num_buckets  # the copies leave the caches as the step programs expect
+    assert s.num_blocks_offloaded > 0 and s.num_host_prefix_hit_tokens > 0  # the host prefix cache served hits
+    assert s.kv_offload_bytes_to_device >= s.num_host_prefix_hit_tokens // BLOCK * bytes_per_block(engine.kv_caches)
+    if mode == "swap":
+        assert s.num_swaps_out > 0 and s.num_swaps_in > 0
+        assert (s.num_swap_recompute_fallbacks > 0) == (host_blocks < 10)
+    else:
+        assert s.num_swaps_out == 0 and s.num_preemptions > 0
+    _assert_nothing_held(engine)
+    # host memory: exactly the pool's blocks, within kv_offloading_size
+    assert engine.offloader.host_bytes == host_blocks * bytes_per_block(engine.kv_caches)
+    assert engine.offloader.host_bytes <= _gib(host_blocks, off_engine) * 2**30
+
+
+def test_abort_while_swapped_out_and_right_after_swap_in_leaks_nothing(off_engine):
+    """Requests are aborted while swapped out and in the step that swaps them back in (its copy and model
+    step dispatched, async scheduling); nothing stays held, and the others' tokens equal their solo runs."""
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, TINY.vocab_size, 30).tolist() for _ in range(6)]
+    params = SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+    engine = _make(async_scheduling=True, preemption_mode="swap", kv_offloading_size=_gib(64, off_engine))
+    for i, p in enumerate(prompts):
+        engine.add_request(str(i), p, params)
+    out_abort = in_abort = None  # aborted while swapped out / right after the step that swapped it in
+    swapped_before: set[str] = set()
+    done = {}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            if out.finished:
+                done[out.request_id] = out
+        swapped = {r.request_id for r in engine.scheduler.waiting if r.host_block_ids is not None}
+        resumed = swapped_before & {r.request_id for r in engine.scheduler.running}
+        if out_abort is None and swapped:
+            out_abort = min(swapped)
+            engine.abort_request(out_abort)
+            swapped.discard(out_abort)
+        elif in_abort is None and resumed:
+            in_abort = min(resumed)
+            engine.abort_request(in_abort)
+        swapped_before = swapped
+    assert out_abort is not None and in_abort is not None
+    assert engine.stats.num_swaps_out >= 2
+    _assert_nothing_held(engine)
+    gone = {out_abort, in_abort}
+    assert all(done[rid].outputs[0].finish_reason == "abort" for rid in gone)
+    for rid, out in done.items():
+        if rid not in gone:
+            solo = off_engine.generate([prompts[int(rid)]], params)[0]
+            assert out.outputs[0].token_ids == solo.outputs[0].token_ids
+
+
+def test_hybrid_gemma3_swaps_every_group_and_hits_the_host(bench):
+    """A Gemma 3 with a sliding-window group (window 8) and a full-attention group, multi-turn conversations:
+    swapped-out requests hold host blocks of both groups (the sliding group's skipped blocks stay null:
+    ``None``), the host prefix cache serves hits under ``(group, hash)``, and the transcripts equal the
+    tier-off engine's and each conversation's solo run."""
+    from models.gemma3 import random_weights
+    from models.gemma3_config import Gemma3Config
+    from models.gemma3_runner import make_engine
+
+    cfg = Gemma3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
+                       num_kv_heads=1, head_size=16, query_pre_attn_scalar=16.0, sliding_window=8,
+                       sliding_window_pattern=2, rope_theta=1e6, rope_local_base_freq=1e4,
+                       max_position_embeddings=128)
+    model = random_weights(cfg, seed=0)
+
+    def engine(**options):
+        return make_engine(model, attention_impl="reference", block_size=BLOCK, num_blocks=18, max_model_len=96,
+                           max_num_seqs=4, max_num_batched_tokens=16, num_scheduler_steps=4, eos_token_id=None,
+                           async_scheduling=True, **options)
+
+    convs = bench.synthetic_conversations(6, seed=5, vocab_size=cfg.vocab_size, turns=3, user_tokens=(6, 16),
+                                          answer_tokens=(6, 14))
+    off = engine()
+    assert len(off.kv_cache_groups) == 2
+    ref = bench.transcripts(bench.run_workload(off, convs, max_active=4))
+    solo = {(i, t): out for i, c in enumerate(convs)
+            for (_, t), out in bench.transcripts(bench.run_workload(off, [c], max_active=1)).items()}
+    on = engine(preemption_mode="swap", kv_offloading_size=_gib(48, off))
+    layouts, step = [], on.step
+
+    def step_and_look():  # the swapped-out requests' host blocks after every step
+        outs = step()
+        layouts.extend(r.host_block_ids for r in on.scheduler.waiting if r.host_block_ids is not None)
+        return outs
+    on.step = step_and_look
+    assert bench.transcripts(bench.run_workload(on, convs, max_active=4)) == ref == solo
+    s = on.stats
+    assert s.num_swaps_out > 0 and s.num_swaps_in > 0 and s.num_host_prefix_hit_tokens > 0
+    assert layouts and all(len(layout) == 2 for layout in layouts)
+    assert any(all(any(h is not None for h in g) for g in layout) for layout in layouts)  # both groups swapped
+    (sliding,) = [g for g, grp in enumerate(on.kv_cache_groups) if isinstance(grp.kv_cache_spec, SlidingWindowSpec)]
+    assert any(None in layout[sliding] for layout in layouts)  # skipped blocks stay null
+    assert on.num_compiles <= on.num_buckets
+    kv, host = on.kv_cache_manager, on.host_pool
+    assert kv.allocator.num_free_blocks + kv.prefix_cache.num_evictable_blocks == kv.num_blocks - 1  # null block
+    assert host.allocator.num_free_blocks + host.num_cached_blocks == host.num_blocks
+
+
+def test_stats_reach_the_front_ends(off_engine, caplog):
+    """The tier's counters are in the engine-core stats dict (what /stats, /metrics and the log line read)."""
+    from models.entrypoints.async_llm import AsyncLLM
+    from models.entrypoints.openai.api_server import _prometheus
+
+    engine = _make(preemption_mode="swap", kv_offloading_size=_gib(16, off_engine))
+    stats = engine_stats(engine)
+    keys = ("num_host_blocks", "host_kv_cache_usage", "num_swaps_out", "num_swaps_in", "num_swap_recompute_fallbacks",
+            "num_blocks_offloaded", "num_host_prefix_hit_tokens", "kv_offload_bytes_to_host",
+            "kv_offload_bytes_to_device", "kv_offload_copy_s")
+    assert all(k in stats for k in keys) and stats["num_host_blocks"] == 16
+    assert "jaxkv:num_swaps_out 0" in _prometheus(stats)
+    front = AsyncLLM(engine, tokenizer=None)
+    front._stats = dict(stats, num_running=1, num_swaps_out=3, num_swaps_in=2, kv_offload_bytes_to_host=3 * 2**20)
+    with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
+        front._log_stats(1.0, (0, 0, 0))
+    assert "Host KV tier: usage 0.0% of 16 blocks, swaps out/in: 3/2" in caplog.text
+    assert "moved 3.0 MiB to host" in caplog.text
+    with pytest.raises(ValueError, match="kv_offloading_size"):
+        _make(preemption_mode="swap")
+    with pytest.raises(ValueError, match="kv_offloading_size=1e-09 GiB holds no block"):
+        _make(kv_offloading_size=1e-9)
+
+
+@slow
+@pytest.mark.parametrize("host_blocks", [64, 5])
+def test_chaos_run_with_the_host_tier(host_blocks):
+    """test_engine_chaos.py's random arrivals, aborts and shared prefixes on a 12-block cache with swap
+    preemption, async scheduling and a roomy or a 5-block host pool: after every step no device or host block
+    is held twice or lost (free + held + cached = total on both sides); every finished request's tokens equal
+    its solo run (or a float near-tie). ``JAXKV_SLOW=1``."""
+    from tests.models.test_engine_chaos import make, run_solo, same_or_near_tie
+
+    model = _tiny_model(3)
+    rng = np.random.default_rng(host_blocks)
+    probe = make(model, num_blocks=12)
+    eng = make(model, num_blocks=12, max_num_seqs=6, max_num_batched_tokens=24, long_prefill_token_threshold=16,
+               num_scheduler_steps=4, async_scheduling=True, preemption_mode="swap",
+               kv_offloading_size=_gib(host_blocks, probe))
+    solo = make(model, num_blocks=16, max_num_seqs=1, enable_prefix_caching=False, num_scheduler_steps=4)
+    prefixes = [rng.integers(0, TINY.vocab_size, 16).tolist() for _ in range(3)]
+    solo_cache, specs, finished, near_ties = {}, {}, 0, 0
+    for i in range(1500):
+        if rng.random() < 0.3 and eng.get_num_unfinished_requests() < 12:
+            tail = rng.integers(0, TINY.vocab_size, int(rng.integers(1, 30))).tolist()
+            prompt = (prefixes[int(rng.integers(0, 3))] + tail) if rng.random() < 0.5 else tail
+            params = SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0)
+            eng.add_request(f"r{i}", prompt, params)
+            specs[f"r{i}"] = (prompt, params)
+        if rng.random() < 0.02 and specs:
+            victim = str(rng.choice(sorted(specs)))
+            eng.abort_request(victim)
+            specs.pop(victim)
+        for out in eng.step():
+            if not out.finished or out.outputs[0].finish_reason == "abort":
+                continue
+            prompt, params = specs.pop(out.request_id)
+            key = (tuple(prompt), params.max_tokens)
+            if key not in solo_cache:
+                solo_cache[key] = run_solo(solo, f"solo{len(solo_cache)}", prompt, params)
+            got = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
+            if got != solo_cache[key]:
+                assert same_or_near_tie(model, prompt, got, solo_cache[key]), (out.request_id, got)
+                near_ties += 1
+            finished += 1
+        _check_accounting(eng)
+    while eng.has_unfinished_requests():
+        eng.step()
+    _assert_nothing_held(eng)
+    s = eng.stats
+    assert s.num_swaps_out > 0 and s.num_host_prefix_hit_tokens > 0 and near_ties <= max(2, finished // 100)
+    assert (s.num_swap_recompute_fallbacks > 0) == (host_blocks < 10)
+
+
+def _check_accounting(eng):
+    """Device: no block owned twice, free + owned + cached = total, waiting requests hold none. Host: no block
+    held twice, free + swapped-out + cached = total."""
+    kv, host = eng.kv_cache_manager, eng.host_pool
+    cached = set(kv.prefix_cache._hash_of)
+    own = [b for r in eng.scheduler.running for b in r.block_ids if b not in r.cached_block_ids]
+    assert len(own) == len(set(own)) and not set(own) & cached
+    assert kv.allocator.num_free_blocks + len(set(own) | cached) == kv.num_blocks
+    assert not any(r.block_ids for r in eng.scheduler.waiting)
+    swapped = [h for r in eng.scheduler.waiting if r.host_block_ids for g in r.host_block_ids for h in g
+               if h is not None]
+    assert len(swapped) == len(set(swapped)) and not set(swapped) & set(host._key_of)
+    assert host.allocator.num_free_blocks + len(swapped) + host.num_cached_blocks == host.num_blocks
