@@ -74,6 +74,11 @@ def _compile_cache_where_it_pays(request):
     yield
 
 
+def pytest_configure(config):
+    from tests.file_time_budget import FileTimeBudget
+    config.pluginmanager.register(FileTimeBudget(config), "jaxkv-file-time-budget")
+
+
 def pytest_unconfigure(config):
     if _OWN_CACHE_DIR is not None and not hasattr(config, "workerinput"):  # the controller (or a plain run)
         shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
@@ -146,6 +151,32 @@ def decode_attention_loop(q: np.ndarray, batch: PagedBatch, scale: float, *, sli
             logits = np.array(logits)
             p = np.exp(logits - logits.max())
             out[s, h] = v_scale * (p / p.sum()) @ v[first:n, h // group]
+    return out
+
+
+def prefill_attention_loop(q, batch, query_lens, scale, *, sliding_window=None, alibi_slopes=None,
+                           logits_soft_cap=None, k_scale=1.0, v_scale=1.0):
+    """float64: token ``i`` of sequence ``s`` (position ``seq_len - query_len + i``) over its keys."""
+    num_heads = q.shape[1]
+    group = num_heads // batch.kv_cache.shape[2]
+    out = np.zeros(q.shape)
+    start = 0
+    for s, (n, ql) in enumerate(zip(batch.seq_lens, query_lens)):
+        if ql == 0:
+            continue
+        k, v = batch.dense_kv(s)
+        for i in range(ql):
+            pos = n - ql + i
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(num_heads):
+                x = k[first:pos + 1, h // group] @ q[start + i, h].astype(np.float64) * scale * k_scale
+                if logits_soft_cap is not None:
+                    x = logits_soft_cap * np.tanh(x / logits_soft_cap)
+                if alibi_slopes is not None:
+                    x = x + alibi_slopes[h] * (np.arange(first, pos + 1) - pos)
+                p = np.exp(x - x.max())
+                out[start + i, h] = v_scale * (p / p.sum()) @ v[first:pos + 1, h // group]
+        start += ql
     return out
 
 

@@ -1,0 +1,268 @@
+"""Paged attention in plain XLA whose memory follows the scheduled tokens: the CPU implementation.
+
+What ``jaxkv.paged_attention(..., impl="reference")`` runs (the default off GPU, so ``LLM`` and every
+script on CPU). The kernels' jnp references (:func:`pallas_kernels.paged_prefill_attention.
+paged_prefill_attention_reference`, :func:`pallas_kernels.paged_attention.paged_attention_reference`) gather
+``[num_seqs, max_query_len, max_num_blocks_per_seq * block_size]`` logits per head, which the engine's mixed
+step (256 request rows, a 4096-token bucket, a 2048-token context) makes 155 GB; they stay as test oracles.
+Here the same contract (arguments, outputs, masks, fp8 scales, ALiBi, GQA/MQA) is computed the way the
+Triton prefill kernel walks its grid, in XLA loops whose trip counts are the batch's own:
+
+* single-token sequences (decodes) are taken ``DECODE_GROUP`` at a time, one query each;
+* every longer sequence's new tokens are cut into query tiles of ``QUERY_TILE`` tokens
+  (:func:`pallas_kernels._tiles.query_tiles`), one tile at a time;
+* each group or tile reads its sequences' pages ``chunk`` keys at a time (``CHUNK_TOKENS`` rounded to whole
+  blocks), only from the window start of its first query to the causal end of its last one, with an
+  online softmax in float32.
+
+Live memory is one group's or tile's gathered chunk and logits (about ``DECODE_GROUP * chunk * num_heads``
+floats), whatever the bucket sizes; padding rows (``seq_len`` 0, no token) cost no loop step. vLLM: the
+unified attention's "q blocks" walk (``triton_unified_attention``), here without a kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from pallas_kernels._reference import kv_scales
+from pallas_kernels._tiles import query_tiles
+from pallas_kernels.paged_attention import _validate as _validate_decode
+from pallas_kernels.paged_prefill_attention import _validate as _validate_prefill
+
+CHUNK_TOKENS = 256   # keys per step of a context loop (rounded down to whole blocks, at least one block)
+QUERY_TILE = 64      # new tokens per tile of a multi-token sequence
+DECODE_GROUP = 16    # single-token sequences per step
+
+
+def _check_knobs(chunk_tokens, query_tile, decode_group) -> None:
+    for name, value in (("chunk_tokens", chunk_tokens), ("query_tile", query_tile),
+                        ("decode_group", decode_group)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}={value!r} must be a positive int (static)")
+
+
+def _attend(q, q_pos, q_ok, rows, kv_cache, block_tables, seq_lens, *, chunk_tokens, scale, k_scale, v_scale,
+            alibi_slopes, sliding_window, logits_soft_cap):
+    """``G`` query tiles of ``Tq`` tokens each, tile ``g`` of sequence ``rows[g]``.
+
+    Query ``(g, i)`` at position ``p = q_pos[g, i]`` sees key ``t`` iff ``q_ok[g, i]``, ``t <= p``,
+    ``t < seq_lens[rows[g]]`` and, with a window, ``t > p - sliding_window`` (the references' rule).
+
+    Args:
+        q: ``f32[G, Tq, num_heads, head_size]``.
+        q_pos: ``int32[G, Tq]``; q_ok: ``bool[G, Tq]``; rows: ``int32[G]`` in ``[0, num_seqs)``.
+        chunk_tokens: keys per loop step, rounded down to whole blocks (at least one block).
+        kv_cache, block_tables, seq_lens, and the options: as in the public ops.
+
+    Returns:
+        ``f32[G, Tq, num_heads, head_size]`` (0 for a query that sees no key).
+    """
+    num_tiles, tq, num_heads, head_size = q.shape
+    _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
+    group = num_heads // num_kv_heads
+    pages = max(1, chunk_tokens // block_size)
+    chunk = pages * block_size
+    max_blocks = block_tables.shape[1]
+    num_chunks = -(-max_blocks // pages)
+    k_scale, v_scale = kv_scales(k_scale, v_scale)
+
+    lens = seq_lens[rows]                                                   # [G]
+    tables = jnp.clip(block_tables[rows], 0, num_blocks - 1)
+    tables = jnp.pad(tables, ((0, 0), (0, num_chunks * pages - max_blocks)))  # whole chunks, never sliced short
+    qg = q.reshape(num_tiles, tq, num_kv_heads, group, head_size).transpose(0, 2, 3, 1, 4)  # [G, kvh, g, Tq, D]
+
+    # keys the tiles can see: [kv_start, kv_end)
+    pos_ok = jnp.where(q_ok, q_pos, -1)
+    kv_end = jnp.max(jnp.minimum(pos_ok.max(axis=1) + 1, lens))
+    if sliding_window is None:
+        tile_start = jnp.zeros((num_tiles,), jnp.int32)
+    else:  # keys before every query's window may be freed pages (any bytes, NaN): never read into p @ v
+        first = jnp.where(q_ok, q_pos, jnp.iinfo(jnp.int32).max).min(axis=1)
+        tile_start = jnp.maximum(first - sliding_window + 1, 0)
+    c_first = tile_start.min() // chunk
+    c_end = jnp.maximum((kv_end + chunk - 1) // chunk, c_first)
+
+    if alibi_slopes is not None:
+        slopes = alibi_slopes.astype(jnp.float32).reshape(1, num_kv_heads, group, 1, 1)
+
+    def step(c, carry):
+        acc, m, l = carry
+        ids = lax.dynamic_slice_in_dim(tables, c * pages, pages, axis=1)     # [G, pages]
+        kv = kv_cache[:, ids]                                                 # [2, G, pages, kvh, bs, D]
+        kv = kv.transpose(0, 1, 3, 2, 4, 5).reshape(2, num_tiles, num_kv_heads, chunk, head_size)
+        t = c * chunk + jnp.arange(chunk, dtype=jnp.int32)
+        t_ok = (t[None, :] < lens[:, None]) & (t[None, :] >= tile_start[:, None])  # [G, chunk]
+        kv = jnp.where(t_ok[None, :, None, :, None], kv.astype(jnp.float32), 0.0)  # pages may hold NaN
+        logits = jnp.einsum("gkhqd,gktd->gkhqt", qg, kv[0], precision=lax.Precision.HIGHEST)
+        logits = logits * (scale * k_scale[0])
+        if logits_soft_cap is not None:
+            logits = logits_soft_cap * jnp.tanh(logits / logits_soft_cap)
+        rel = t[None, None, :] - q_pos[:, :, None]                            # [G, Tq, chunk]: t - p
+        if alibi_slopes is not None:
+            logits += slopes * rel[:, None, None].astype(jnp.float32)
+        allowed = t_ok[:, None, :] & (rel <= 0) & q_ok[:, :, None]
+        if sliding_window is not None:
+            allowed &= rel > -sliding_window
+        logits = jnp.where(allowed[:, None, None], logits, -jnp.inf)
+        m_next = jnp.maximum(m, logits.max(axis=-1))
+        m_safe = jnp.where(jnp.isneginf(m_next), 0.0, m_next)                # a query that sees nothing stays 0
+        p = jnp.exp(logits - m_safe[..., None])
+        correction = jnp.exp(m - m_safe)
+        l = l * correction + p.sum(axis=-1)
+        acc = acc * correction[..., None] + jnp.einsum("gkhqt,gktd->gkhqd", p, kv[1],
+                                                       precision=lax.Precision.HIGHEST)
+        return acc, m_next, l
+
+    shape = (num_tiles, num_kv_heads, group, tq)
+    init = (jnp.zeros(shape + (head_size,), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32),
+            jnp.zeros(shape, jnp.float32))
+    acc, _, l = lax.fori_loop(c_first, c_end, step, init)
+    out = acc / jnp.where(l == 0.0, 1.0, l)[..., None] * v_scale[0]
+    return out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, tq, num_heads, head_size)
+
+
+def _decode_groups(q, kv_cache, block_tables, seq_lens, rows, count, token_of_row, out, *, decode_group,
+                   **options):
+    """Single-token sequences ``rows[:count]`` (``int32[num_seqs]``, padded), ``decode_group`` per loop
+    step: the query of row ``r`` is token ``token_of_row[r]`` at position ``seq_len - 1``; its output goes
+    to ``out[token_of_row[r]]`` (``out``: ``f32[>= num_tokens, num_heads, head_size]``)."""
+    num_seqs = seq_lens.shape[0]
+    g = min(decode_group, num_seqs)
+    rows = jnp.pad(rows, (0, g), constant_values=num_seqs)
+
+    def step(i, out):
+        r = lax.dynamic_slice_in_dim(rows, i * g, g)
+        ok = (jnp.arange(g) + i * g < count) & (r < num_seqs)
+        r = jnp.clip(r, 0, num_seqs - 1)
+        tok = jnp.where(ok, token_of_row[r], out.shape[0])  # out of range: dropped
+        qs = q.at[tok].get(mode="fill", fill_value=0)[:, None]             # [g, 1, H, D]
+        o = _attend(qs.astype(jnp.float32), (seq_lens[r] - 1)[:, None], ok[:, None], r, kv_cache,
+                    block_tables, seq_lens, **options)
+        return out.at[tok].set(o[:, 0], mode="drop")
+
+    return lax.fori_loop(0, (count + g - 1) // g, step, out)
+
+
+_STATIC = ("scale", "sliding_window", "logits_soft_cap", "chunk_tokens", "decode_group")
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC)
+def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
+                        scale: float, k_scale: jax.Array | float | None = None,
+                        v_scale: jax.Array | float | None = None, alibi_slopes: jax.Array | None = None,
+                        sliding_window: int | None = None, logits_soft_cap: float | None = None,
+                        chunk_tokens: int = CHUNK_TOKENS, decode_group: int = DECODE_GROUP) -> jax.Array:
+    """Paged decode attention (one new token per sequence), same contract as
+    :func:`pallas_kernels.paged_attention.paged_attention`, in XLA loops (module docstring).
+
+    Args:
+        q: ``[num_seqs, num_heads, head_size]``, each sequence's token at position ``seq_len - 1``.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]``, the model dtype or fp8.
+        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``.
+        seq_lens: ``int32[num_seqs]``; a sequence of length 0 gets 0.
+        scale: softmax scale (static).
+        k_scale, v_scale: fp8 dequantisation scales (needed with an fp8 cache).
+        alibi_slopes: ``f32[num_heads]`` or None; sliding_window, logits_soft_cap: static or None.
+        chunk_tokens: keys per loop step (rounded down to whole blocks, at least one); decode_group:
+            sequences per loop step (static tuning knobs; the result does not depend on them).
+
+    Returns:
+        ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: the shape / dtype / static-argument checks of the decode kernel (values are not
+            checked here; :func:`jaxkv.paged_attention` checks concrete metadata first), or a tuning
+            knob that is not a positive int.
+    """
+    _validate_decode(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
+                     logits_soft_cap, scale)
+    _check_knobs(chunk_tokens, 1, decode_group)
+    num_seqs, num_heads, head_size = q.shape
+    out = jnp.zeros((num_seqs, num_heads, head_size), jnp.float32)
+    rows = jnp.arange(num_seqs, dtype=jnp.int32)
+    out = _decode_groups(q, kv_cache, block_tables, seq_lens, rows, jnp.int32(num_seqs), rows, out,
+                         decode_group=decode_group, chunk_tokens=chunk_tokens, scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    return out.astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=_STATIC + ("max_query_len", "query_tile"))
+def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array,
+                                seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
+                                max_query_len: int, k_scale: jax.Array | float | None = None,
+                                v_scale: jax.Array | float | None = None, alibi_slopes: jax.Array | None = None,
+                                sliding_window: int | None = None,
+                                logits_soft_cap: float | None = None, chunk_tokens: int = CHUNK_TOKENS,
+                                query_tile: int = QUERY_TILE, decode_group: int = DECODE_GROUP) -> jax.Array:
+    """Causal varlen attention over the paged cache (prefill, chunked prefill, prefix reuse, mixed
+    batches), same contract as :func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`, in
+    XLA loops (module docstring). vLLM: ``PagedAttention.forward_prefix``.
+
+    Args:
+        q: ``[num_tokens, num_heads, head_size]``, the new tokens of all sequences, back to back.
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` holding every token of every
+            sequence up to its ``seq_len`` (the new ones included).
+        block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``.
+        seq_lens: ``int32[num_seqs]``, cached + new tokens.
+        query_start_loc: ``int32[num_seqs + 1]``; sequence ``s`` owns tokens ``[query_start_loc[s],
+            query_start_loc[s+1])``, at positions ``seq_len - query_len + i``. Tokens past
+            ``query_start_loc[-1]`` are padding: their output is 0.
+        scale: softmax scale (static).
+        max_query_len: static bound on a sequence's new tokens.
+        k_scale, v_scale, alibi_slopes, sliding_window, logits_soft_cap: as in :func:`paged_attention_xla`,
+            with the token's own position ``p`` (ALiBi ``slope * (t - p)``, window ``t > p - window``).
+        chunk_tokens, query_tile, decode_group: keys per loop step, new tokens per tile of a sequence with
+            several, single-token sequences per loop step (static tuning knobs; the result does not
+            depend on them).
+
+    Returns:
+        ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
+
+    Raises:
+        ValueError: the shape / dtype / static-argument checks of the prefill kernel, or a tuning knob
+            that is not a positive int.
+    """
+    _validate_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
+                      alibi_slopes, sliding_window, logits_soft_cap, scale)
+    _check_knobs(chunk_tokens, query_tile, decode_group)
+    num_tokens, num_heads, head_size = q.shape
+    num_seqs = seq_lens.shape[0]
+    options = dict(chunk_tokens=chunk_tokens, scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    tq = min(query_tile, max_query_len)
+    # one spare tile of rows past the end, so a tile's slice is never shifted back into range
+    out = jnp.zeros((num_tokens + tq, num_heads, head_size), jnp.float32)
+
+    single = q_lens == 1
+    rows = jnp.nonzero(single, size=num_seqs, fill_value=num_seqs)[0].astype(jnp.int32)
+    out = _decode_groups(q, kv_cache, block_tables, seq_lens, rows, single.sum(dtype=jnp.int32),
+                         query_start_loc[:-1], out, decode_group=decode_group, **options)
+
+    if max_query_len > 1:
+        multi_lens = jnp.where(q_lens > 1, q_lens, 0)
+        multi_qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(multi_lens, dtype=jnp.int32)])
+        bound = max(1, min(-(-num_tokens // tq) + min(num_seqs, num_tokens // 2),
+                           num_seqs * -(-max_query_len // tq)))
+        tile_seq, tile_row0, _, _ = query_tiles(multi_qsl, bound, tq)
+        num_tiles = jnp.sum((multi_lens + tq - 1) // tq)
+        context_lens = seq_lens - q_lens
+        q_pad = jnp.pad(q, ((0, tq), (0, 0), (0, 0)))
+
+        def tile(j, out):
+            s, row0 = tile_seq[j], tile_row0[j]
+            i = row0 + jnp.arange(tq, dtype=jnp.int32)
+            ok = i < q_lens[s]
+            start = query_start_loc[s] + row0
+            qs = lax.dynamic_slice_in_dim(q_pad, start, tq).astype(jnp.float32)
+            o = _attend(qs[None], (context_lens[s] + i)[None], ok[None], s[None], kv_cache, block_tables,
+                        seq_lens, **options)[0]
+            old = lax.dynamic_slice_in_dim(out, start, tq)
+            return lax.dynamic_update_slice_in_dim(out, jnp.where(ok[:, None, None], o, old), start, axis=0)
+
+        out = lax.fori_loop(0, num_tiles, tile, out)
+    return out[:num_tokens].astype(q.dtype)

@@ -1,0 +1,122 @@
+"""A pytest plugin that fails the run when one test file takes more than its share of the suite's budget.
+
+CI runs the whole suite on a 2-core CPU machine with ``-n 2 --dist loadfile`` against a budget of 600 s of
+pytest time (issue 31). With ``--dist loadfile`` a file is the unit of work (all its tests run on one worker,
+in order), so the longest file bounds a worker's wall time, and a file that grows past its share shows up
+here, in the run that made it grow, naming the file.
+
+A file's time is the sum of its tests' setup, call and teardown durations (module fixtures are in the setup
+of its first test and the teardown of its last); the reports reach the xdist controller from the workers, so
+the totals are the same with and without xdist. The check runs once, in the controller (or the only
+process), at the end of the session, over every file that ran.
+
+Settings (environment, read once at configure time):
+
+* ``JAXKV_FILE_TIME_LIMIT_S``: the limit in seconds (default :data:`DEFAULT_LIMIT_S`, 15 % of 600 s);
+  ``0`` turns the check off. The long variants (``JAXKV_SLOW=1``, ``JAXKV_MGPU_FUZZ=N``) turn it off too,
+  unless the limit is set explicitly: they are meant to be long.
+* ``JAXKV_FILE_TIMES_JSON``: a path to write ``{file: {"s": seconds, "cpu_s": CPU seconds}}`` of the run to
+  (for measuring).
+
+The terminal summary lists the longest files in any case, with the CPU seconds their tests used (user +
+system, of the test process and of the subprocesses it waited for): on a machine shared with other work the
+wall seconds move with the load, the CPU seconds much less.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+
+import pytest
+
+SUITE_BUDGET_S = 600.0
+DEFAULT_LIMIT_S = 0.15 * SUITE_BUDGET_S  # 90 s
+SHOW_LONGEST = 8
+
+
+def _limit_from_env() -> float | None:
+    """The per-file limit in seconds, or None when the check is off."""
+    raw = os.environ.get("JAXKV_FILE_TIME_LIMIT_S")
+    if raw is not None:
+        try:
+            limit = float(raw)
+        except ValueError:
+            raise pytest.UsageError(f"JAXKV_FILE_TIME_LIMIT_S={raw!r} is not a number of seconds") from None
+        if limit < 0:
+            raise pytest.UsageError(f"JAXKV_FILE_TIME_LIMIT_S={raw!r} must be >= 0 (0 turns the check off)")
+        return limit or None
+    if os.environ.get("JAXKV_SLOW") or os.environ.get("JAXKV_MGPU_FUZZ"):
+        return None
+    return DEFAULT_LIMIT_S
+
+
+class FileTimeBudget:
+    """Per-file totals of test durations; fails the session when a file is over the limit."""
+
+    def __init__(self, config: pytest.Config):
+        self.config = config
+        self.limit_s = _limit_from_env()
+        self.json_path = os.environ.get("JAXKV_FILE_TIMES_JSON")
+        self.seconds: dict[str, float] = collections.defaultdict(float)
+        self.cpu_seconds: dict[str, float] = collections.defaultdict(float)
+        self.over: list[tuple[str, float]] = []
+        # xdist workers forward their reports to the controller, which does the counting
+        self.is_worker = hasattr(config, "workerinput")
+        self._cpu_mark = 0.0
+
+    @staticmethod
+    def _cpu_now() -> float:
+        t = os.times()
+        return t.user + t.system + t.children_user + t.children_system
+
+    def pytest_runtest_logstart(self, nodeid, location) -> None:
+        self._cpu_mark = self._cpu_now()
+
+    @pytest.hookimpl(wrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        report = yield
+        now = self._cpu_now()  # the CPU seconds of this phase ride to the controller with the report
+        report.user_properties.append(("cpu_s", now - self._cpu_mark))
+        self._cpu_mark = now
+        return report
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if self.is_worker:
+            return
+        path = report.nodeid.split("::", 1)[0]
+        self.seconds[path] += float(report.duration)
+        self.cpu_seconds[path] += sum(v for k, v in report.user_properties if k == "cpu_s")
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_sessionfinish(self, session: pytest.Session, exitstatus) -> None:
+        if self.is_worker:
+            return
+        if self.json_path:
+            with open(self.json_path, "w") as f:
+                json.dump({path: {"s": round(s, 2), "cpu_s": round(self.cpu_seconds[path], 2)}
+                           for path, s in sorted(self.seconds.items(), key=lambda kv: -kv[1])}, f, indent=1)
+        if self.limit_s is None:
+            return
+        self.over = sorted(((f, s) for f, s in self.seconds.items() if s > self.limit_s), key=lambda kv: -kv[1])
+        if self.over and session.exitstatus == pytest.ExitCode.OK:
+            session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+    def pytest_terminal_summary(self, terminalreporter) -> None:
+        if self.is_worker or not self.seconds:
+            return
+        tr = terminalreporter
+        longest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:SHOW_LONGEST]
+        limit = "off" if self.limit_s is None else f"{self.limit_s:g} s"
+        tr.write_sep("-", f"longest test files (sum of test durations, CPU seconds; per-file limit {limit})")
+        for path, s in longest:
+            tr.write_line(f"{s:8.1f} s {self.cpu_seconds[path]:8.1f} cpu-s  {path}")
+        tr.write_line(f"{sum(self.seconds.values()):8.1f} s {sum(self.cpu_seconds.values()):8.1f} cpu-s  "
+                      f"all {len(self.seconds)} files")
+        for path, s in self.over:
+            tr.write_line(
+                f"FAILED file time budget: {path} took {s:.1f} s, over the per-file limit of {self.limit_s:g} s "
+                f"({self.limit_s / SUITE_BUDGET_S:.0%} of the suite's {SUITE_BUDGET_S:.0f} s; "
+                "split the file, share its compiles, or move long variants behind JAXKV_SLOW; "
+                "JAXKV_FILE_TIME_LIMIT_S overrides the limit)", red=True, bold=True)
