@@ -8,15 +8,19 @@ step (256 request rows, a 4096-token bucket, a 2048-token context) makes 155 GB;
 Here the same contract (arguments, outputs, masks, fp8 scales, ALiBi, GQA/MQA) is computed the way the
 Triton prefill kernel walks its grid, in XLA loops whose trip counts are the batch's own:
 
-* single-token sequences (decodes) are taken ``DECODE_GROUP`` at a time, one query each;
-* every longer sequence's new tokens are cut into query tiles of ``QUERY_TILE`` tokens
-  (:func:`pallas_kernels._tiles.query_tiles`), one tile at a time;
-* each group or tile reads its sequences' pages ``chunk`` keys at a time (``CHUNK_TOKENS`` rounded to whole
-  blocks), only from the window start of its first query to the causal end of its last one, with an
-  online softmax in float32.
+* decode batches (:func:`paged_attention_xla`, one token per sequence): ``DECODE_GROUP`` sequences a step;
+* everything else (:func:`paged_prefill_attention_xla`): every sequence's new tokens cut into query tiles
+  of ``QUERY_TILE`` tokens (:func:`pallas_kernels._tiles.query_tiles`; a decode beside prefills is a tile
+  of one token), one tile a step;
+* each group or tile reads its sequences' pages ``chunk_tokens`` keys at a time (whole blocks), only from
+  the window start of its first query to the causal end of its last one, with an online softmax in
+  float32.
 
-Live memory is one group's or tile's gathered chunk and logits (about ``DECODE_GROUP * chunk * num_heads``
-floats), whatever the bucket sizes; padding rows (``seq_len`` 0, no token) cost no loop step. vLLM: the
+Live memory is one group's or tile's gathered chunk and logits (about ``DECODE_GROUP * chunk_tokens *
+num_heads`` floats), whatever the bucket sizes; padding rows (``seq_len`` 0, no token) cost no loop step.
+One loop nest per call, not one per kind of row: the engine's step holds one call per layer, and each nest
+is compiled code (a mixed step with a separate decode loop beside the tile loop compiled ~2x the attention
+code: ~7.5 s and ~90 MB per SmolLM2 step program instead of ~5 s and ~60 MB, at 18 buckets). vLLM: the
 unified attention's "q blocks" walk (``triton_unified_attention``), here without a kernel.
 """
 
@@ -34,8 +38,8 @@ from pallas_kernels.paged_attention import _validate as _validate_decode
 from pallas_kernels.paged_prefill_attention import _validate as _validate_prefill
 
 CHUNK_TOKENS = 256   # keys per step of a context loop (rounded down to whole blocks, at least one block)
-QUERY_TILE = 64      # new tokens per tile of a multi-token sequence
-DECODE_GROUP = 16    # single-token sequences per step
+QUERY_TILE = 16      # new tokens per query tile (prefill / mixed batches)
+DECODE_GROUP = 16    # sequences per step of a decode batch
 
 
 def _check_knobs(chunk_tokens, query_tile, decode_group) -> None:
@@ -190,14 +194,15 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
     return out.astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=_STATIC + ("max_query_len", "query_tile"))
+@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap", "chunk_tokens",
+                                              "max_query_len", "query_tile"))
 def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array,
                                 seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
                                 max_query_len: int, k_scale: jax.Array | float | None = None,
                                 v_scale: jax.Array | float | None = None, alibi_slopes: jax.Array | None = None,
                                 sliding_window: int | None = None,
                                 logits_soft_cap: float | None = None, chunk_tokens: int = CHUNK_TOKENS,
-                                query_tile: int = QUERY_TILE, decode_group: int = DECODE_GROUP) -> jax.Array:
+                                query_tile: int = QUERY_TILE) -> jax.Array:
     """Causal varlen attention over the paged cache (prefill, chunked prefill, prefix reuse, mixed
     batches), same contract as :func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`, in
     XLA loops (module docstring). vLLM: ``PagedAttention.forward_prefix``.
@@ -215,9 +220,8 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
         max_query_len: static bound on a sequence's new tokens.
         k_scale, v_scale, alibi_slopes, sliding_window, logits_soft_cap: as in :func:`paged_attention_xla`,
             with the token's own position ``p`` (ALiBi ``slope * (t - p)``, window ``t > p - window``).
-        chunk_tokens, query_tile, decode_group: keys per loop step, new tokens per tile of a sequence with
-            several, single-token sequences per loop step (static tuning knobs; the result does not
-            depend on them).
+        chunk_tokens, query_tile: keys per loop step, new tokens per query tile (static tuning knobs; the
+            result does not depend on them).
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
@@ -228,7 +232,7 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
     """
     _validate_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
                       alibi_slopes, sliding_window, logits_soft_cap, scale)
-    _check_knobs(chunk_tokens, query_tile, decode_group)
+    _check_knobs(chunk_tokens, query_tile, 1)
     num_tokens, num_heads, head_size = q.shape
     num_seqs = seq_lens.shape[0]
     options = dict(chunk_tokens=chunk_tokens, scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
@@ -238,31 +242,23 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
     # one spare tile of rows past the end, so a tile's slice is never shifted back into range
     out = jnp.zeros((num_tokens + tq, num_heads, head_size), jnp.float32)
 
-    single = q_lens == 1
-    rows = jnp.nonzero(single, size=num_seqs, fill_value=num_seqs)[0].astype(jnp.int32)
-    out = _decode_groups(q, kv_cache, block_tables, seq_lens, rows, single.sum(dtype=jnp.int32),
-                         query_start_loc[:-1], out, decode_group=decode_group, **options)
+    # every sequence's new tokens in tiles of tq (a decode is a tile of one token), one tile a step
+    bound = max(1, min(-(-num_tokens // tq) + min(num_seqs, num_tokens), num_seqs * -(-max_query_len // tq)))
+    tile_seq, tile_row0, _, _ = query_tiles(query_start_loc, bound, tq)
+    num_tiles = jnp.sum((q_lens + tq - 1) // tq)
+    context_lens = seq_lens - q_lens
+    q_pad = jnp.pad(q, ((0, tq), (0, 0), (0, 0)))
 
-    if max_query_len > 1:
-        multi_lens = jnp.where(q_lens > 1, q_lens, 0)
-        multi_qsl = jnp.concatenate([jnp.zeros((1,), jnp.int32), jnp.cumsum(multi_lens, dtype=jnp.int32)])
-        bound = max(1, min(-(-num_tokens // tq) + min(num_seqs, num_tokens // 2),
-                           num_seqs * -(-max_query_len // tq)))
-        tile_seq, tile_row0, _, _ = query_tiles(multi_qsl, bound, tq)
-        num_tiles = jnp.sum((multi_lens + tq - 1) // tq)
-        context_lens = seq_lens - q_lens
-        q_pad = jnp.pad(q, ((0, tq), (0, 0), (0, 0)))
+    def tile(j, out):
+        s, row0 = tile_seq[j], tile_row0[j]
+        i = row0 + jnp.arange(tq, dtype=jnp.int32)
+        ok = i < q_lens[s]
+        start = query_start_loc[s] + row0
+        qs = lax.dynamic_slice_in_dim(q_pad, start, tq).astype(jnp.float32)
+        o = _attend(qs[None], (context_lens[s] + i)[None], ok[None], s[None], kv_cache, block_tables, seq_lens,
+                    **options)[0]
+        old = lax.dynamic_slice_in_dim(out, start, tq)
+        return lax.dynamic_update_slice_in_dim(out, jnp.where(ok[:, None, None], o, old), start, axis=0)
 
-        def tile(j, out):
-            s, row0 = tile_seq[j], tile_row0[j]
-            i = row0 + jnp.arange(tq, dtype=jnp.int32)
-            ok = i < q_lens[s]
-            start = query_start_loc[s] + row0
-            qs = lax.dynamic_slice_in_dim(q_pad, start, tq).astype(jnp.float32)
-            o = _attend(qs[None], (context_lens[s] + i)[None], ok[None], s[None], kv_cache, block_tables,
-                        seq_lens, **options)[0]
-            old = lax.dynamic_slice_in_dim(out, start, tq)
-            return lax.dynamic_update_slice_in_dim(out, jnp.where(ok[:, None, None], o, old), start, axis=0)
-
-        out = lax.fori_loop(0, num_tiles, tile, out)
+    out = lax.fori_loop(0, num_tiles, tile, out)
     return out[:num_tokens].astype(q.dtype)

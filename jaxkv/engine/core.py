@@ -207,12 +207,13 @@ class LLMEngine:
                            num_buckets=self.num_buckets, transfer_s=self.runner.transfer_s,
                            call_s=self.runner.call_s, **self._counters)
 
-    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
         compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``.
         ``top_k_top_p``: also the buckets' programs for batches with a top-k/top-p request (otherwise
-        compiled when first needed; ``num_compiles == 2 * num_buckets`` then)."""
-        self.runner.warmup(max_workers, top_k_top_p)
+        compiled when first needed; ``num_compiles == 2 * num_buckets`` then). ``run``: run each bucket
+        once on a dummy batch too (default: except on CPU; :meth:`ModelRunner.warmup`)."""
+        self.runner.warmup(max_workers, top_k_top_p, run)
 
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).

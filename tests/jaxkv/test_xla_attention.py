@@ -1,8 +1,8 @@
 """The CPU attention (jaxkv.xla_attention) vs float64 loops, and its memory at the engine's bucket shapes.
 
-Small loop knobs (one-block key chunks, 4-token query tiles, decodes 2 at a time) make every loop of the
-implementation run several steps on small batches: chunks before a window, partial chunks, several tiles
-per sequence, partial groups, decodes beside prefills.
+Small loop knobs (one-block key chunks, 4-token query tiles, decode batches 2 rows a step) make every loop
+of the implementation run several steps on small batches: chunks before a window, partial chunks, several
+tiles per sequence, partial groups, decodes beside prefills.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from jaxkv.xla_attention import paged_attention_xla, paged_prefill_attention_xla
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention_reference
 from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, prefill_attention_loop, rel_err
 
-SMALL_LOOPS = dict(chunk_tokens=8, decode_group=2)
+SMALL_LOOPS = dict(chunk_tokens=8)
 NUM_PAD_TOKENS = 3
 
 
@@ -53,7 +53,7 @@ CASES = [
                          ids=["gqa3", "window-bf16", "softcap-1to1", "alibi-mqa", "all"])
 def test_prefill_matches_float64_loop(rng, num_heads, num_kv_heads, dtype, extras):
     """A whole prompt, a chunk after a prefix, decodes (first token / block-1 / block / block+1 / long),
-    an empty row, a row past the window; 4-token tiles, one-block key chunks, decodes 2 per step."""
+    an empty row, a row past the window; 4-token tiles, one-block key chunks."""
     bs = 8
     context_lens = [0, 11, 0, bs - 1, bs, 0, 3 * bs + 5, 30]
     query_lens = [13, 6, 1, 1, 1, 0, 1, 9]
@@ -114,7 +114,7 @@ def test_decode_matches_float64_loop(rng):
         expected = decode_attention_loop(q, batch, 0.2, **extras)
         out = paged_attention_xla(jnp.asarray(q, jnp.float32), jnp.asarray(batch.kv_cache, jnp.float32),
                                   jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens), scale=0.2,
-                                  **SMALL_LOOPS, **extras)
+                                  decode_group=2, **SMALL_LOOPS, **extras)
         out = np.asarray(out, np.float64)
         assert np.isfinite(out).all()
         assert rel_err(out, expected) < TOLERANCE["float32"]
@@ -160,3 +160,29 @@ def test_memory_follows_the_tokens_not_the_buckets():
     assert prefill < 4 * out_bytes + (16 << 20), f"{prefill / 2**20:.0f} MiB of scratch"
     decode = _temp_bytes(paged_attention_xla, ((rows, heads, d), jnp.float32), cache, table, lens, scale=0.125)
     assert decode < (16 << 20), f"{decode / 2**20:.0f} MiB of scratch"
+
+
+def test_engine_at_the_cpu_default_buckets_serves_a_long_prompt():
+    """``LLMEngine`` with ``LLM``'s CPU defaults for SmolLM2 (256 request rows, token buckets up to 4096,
+    2048-token sequences) on a tiny random Llama: a 1500-token prompt beside two short ones runs the
+    2048-token mixed bucket (the dense reference attention's logits there were ``256 x 2048 x 2048`` per
+    head: 25 GB for this model's 6 heads), and every step's logits equal the cache-free dense forward."""
+    import dataclasses
+
+    import models
+    from jaxkv import SamplingParams
+    from tests.models.test_llama_paged import TINY, _tiny_model
+
+    model = _tiny_model(3)
+    model.config = dataclasses.replace(TINY, max_position_embeddings=2048)
+    eng = models.make_engine(model, attention_impl="reference", block_size=16, num_blocks=110, max_model_len=2048,
+                             max_num_seqs=256, max_num_batched_tokens=4096, num_scheduler_steps=2,
+                             return_logits=True)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, TINY.vocab_size, n).tolist() for n in (1500, 7, 30)]
+    outs = eng.generate(prompts, SamplingParams(max_tokens=3, temperature=0.0))
+    for out in outs:
+        seq = out.prompt_token_ids + out.outputs[0].token_ids
+        dense = np.asarray(models.dense_logits(model, np.array([seq]), np.ones((1, len(seq)), bool)))[0]
+        start = len(out.prompt_token_ids) - 1
+        np.testing.assert_allclose(out.outputs[0].logits, dense[start:start + 3], rtol=2e-4, atol=2e-4)
