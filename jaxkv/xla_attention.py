@@ -40,13 +40,21 @@ from pallas_kernels.paged_prefill_attention import _validate as _validate_prefil
 CHUNK_TOKENS = 256   # keys per step of a context loop (rounded down to whole blocks, at least one block)
 QUERY_TILE = 16      # new tokens per query tile (prefill / mixed batches)
 DECODE_GROUP = 16    # sequences per step of a decode batch
+DENSE_MAX_BYTES = 16 << 20  # a call whose dense form fits this runs as one step, without loops
 
 
-def _check_knobs(chunk_tokens, query_tile, decode_group) -> None:
-    for name, value in (("chunk_tokens", chunk_tokens), ("query_tile", query_tile),
-                        ("decode_group", decode_group)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name}={value!r} must be a positive int (static)")
+def dense_bytes(num_seqs: int, max_query_len: int, num_heads: int, num_kv_heads: int, max_len: int,
+                head_size: int) -> int:
+    """Bytes of the dense form's float32 logits ``[num_seqs, num_heads, max_query_len, max_len]`` and
+    gathered K and V ``[num_seqs, num_kv_heads, max_len, head_size]``."""
+    return 4 * num_seqs * max_len * (num_heads * max_query_len + 2 * num_kv_heads * head_size)
+
+
+def _check_knobs(chunk_tokens, query_tile, decode_group, dense_max_bytes) -> None:
+    for name, value, low in (("chunk_tokens", chunk_tokens, 1), ("query_tile", query_tile, 1),
+                             ("decode_group", decode_group, 1), ("dense_max_bytes", dense_max_bytes, 0)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < low:
+            raise ValueError(f"{name}={value!r} must be an int >= {low} (static)")
 
 
 def _attend(q, q_pos, q_ok, rows, kv_cache, block_tables, seq_lens, *, chunk_tokens, scale, k_scale, v_scale,
@@ -59,7 +67,8 @@ def _attend(q, q_pos, q_ok, rows, kv_cache, block_tables, seq_lens, *, chunk_tok
     Args:
         q: ``f32[G, Tq, num_heads, head_size]``.
         q_pos: ``int32[G, Tq]``; q_ok: ``bool[G, Tq]``; rows: ``int32[G]`` in ``[0, num_seqs)``.
-        chunk_tokens: keys per loop step, rounded down to whole blocks (at least one block).
+        chunk_tokens: keys per loop step, rounded down to whole blocks (at least one block); one that
+            covers ``max_num_blocks_per_seq`` blocks gives the dense form: one step, no loop.
         kv_cache, block_tables, seq_lens, and the options: as in the public ops.
 
     Returns:
@@ -124,42 +133,24 @@ def _attend(q, q_pos, q_ok, rows, kv_cache, block_tables, seq_lens, *, chunk_tok
     shape = (num_tiles, num_kv_heads, group, tq)
     init = (jnp.zeros(shape + (head_size,), jnp.float32), jnp.full(shape, -jnp.inf, jnp.float32),
             jnp.zeros(shape, jnp.float32))
-    acc, _, l = lax.fori_loop(c_first, c_end, step, init)
+    if num_chunks == 1:  # the dense form
+        acc, _, l = step(0, init)
+    else:
+        acc, _, l = lax.fori_loop(c_first, c_end, step, init)
     out = acc / jnp.where(l == 0.0, 1.0, l)[..., None] * v_scale[0]
     return out.transpose(0, 3, 1, 2, 4).reshape(num_tiles, tq, num_heads, head_size)
 
 
-def _decode_groups(q, kv_cache, block_tables, seq_lens, rows, count, token_of_row, out, *, decode_group,
-                   **options):
-    """Single-token sequences ``rows[:count]`` (``int32[num_seqs]``, padded), ``decode_group`` per loop
-    step: the query of row ``r`` is token ``token_of_row[r]`` at position ``seq_len - 1``; its output goes
-    to ``out[token_of_row[r]]`` (``out``: ``f32[>= num_tokens, num_heads, head_size]``)."""
-    num_seqs = seq_lens.shape[0]
-    g = min(decode_group, num_seqs)
-    rows = jnp.pad(rows, (0, g), constant_values=num_seqs)
-
-    def step(i, out):
-        r = lax.dynamic_slice_in_dim(rows, i * g, g)
-        ok = (jnp.arange(g) + i * g < count) & (r < num_seqs)
-        r = jnp.clip(r, 0, num_seqs - 1)
-        tok = jnp.where(ok, token_of_row[r], out.shape[0])  # out of range: dropped
-        qs = q.at[tok].get(mode="fill", fill_value=0)[:, None]             # [g, 1, H, D]
-        o = _attend(qs.astype(jnp.float32), (seq_lens[r] - 1)[:, None], ok[:, None], r, kv_cache,
-                    block_tables, seq_lens, **options)
-        return out.at[tok].set(o[:, 0], mode="drop")
-
-    return lax.fori_loop(0, (count + g - 1) // g, step, out)
+_STATIC = ("scale", "sliding_window", "logits_soft_cap", "chunk_tokens", "dense_max_bytes")
 
 
-_STATIC = ("scale", "sliding_window", "logits_soft_cap", "chunk_tokens", "decode_group")
-
-
-@functools.partial(jax.jit, static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnames=_STATIC + ("decode_group",))
 def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array, seq_lens: jax.Array, *,
                         scale: float, k_scale: jax.Array | float | None = None,
                         v_scale: jax.Array | float | None = None, alibi_slopes: jax.Array | None = None,
                         sliding_window: int | None = None, logits_soft_cap: float | None = None,
-                        chunk_tokens: int = CHUNK_TOKENS, decode_group: int = DECODE_GROUP) -> jax.Array:
+                        chunk_tokens: int = CHUNK_TOKENS, decode_group: int = DECODE_GROUP,
+                        dense_max_bytes: int = DENSE_MAX_BYTES) -> jax.Array:
     """Paged decode attention (one new token per sequence), same contract as
     :func:`pallas_kernels.paged_attention.paged_attention`, in XLA loops (module docstring).
 
@@ -172,7 +163,8 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
         k_scale, v_scale: fp8 dequantisation scales (needed with an fp8 cache).
         alibi_slopes: ``f32[num_heads]`` or None; sliding_window, logits_soft_cap: static or None.
         chunk_tokens: keys per loop step (rounded down to whole blocks, at least one); decode_group:
-            sequences per loop step (static tuning knobs; the result does not depend on them).
+            sequences per loop step; dense_max_bytes: calls whose dense form (:func:`dense_bytes`) fits
+            run it in one step instead (static tuning knobs; the result does not depend on them)
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -184,25 +176,42 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
     """
     _validate_decode(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
                      logits_soft_cap, scale)
-    _check_knobs(chunk_tokens, 1, decode_group)
+    _check_knobs(chunk_tokens, 1, decode_group, dense_max_bytes)
     num_seqs, num_heads, head_size = q.shape
-    out = jnp.zeros((num_seqs, num_heads, head_size), jnp.float32)
-    rows = jnp.arange(num_seqs, dtype=jnp.int32)
-    out = _decode_groups(q, kv_cache, block_tables, seq_lens, rows, jnp.int32(num_seqs), rows, out,
-                         decode_group=decode_group, chunk_tokens=chunk_tokens, scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-                         sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
-    return out.astype(q.dtype)
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+                   sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
+    if dense_bytes(num_seqs, 1, num_heads, num_kv_heads, max_len, head_size) <= dense_max_bytes:
+        rows = jnp.arange(num_seqs, dtype=jnp.int32)
+        out = _attend(q[:, None].astype(jnp.float32), (seq_lens - 1)[:, None], jnp.ones((num_seqs, 1), bool),
+                      rows, kv_cache, block_tables, seq_lens, chunk_tokens=max_len, **options)
+        return out[:, 0].astype(q.dtype)
+    g = min(decode_group, num_seqs)
+    q_pad = jnp.pad(q, ((0, g), (0, 0), (0, 0)))
+    out = jnp.zeros((num_seqs + g, num_heads, head_size), jnp.float32)
+
+    def step(i, out):  # sequences [i * g, i * g + g), one query each at position seq_len - 1
+        rows = i * g + jnp.arange(g, dtype=jnp.int32)
+        ok = rows < num_seqs
+        rows = jnp.minimum(rows, num_seqs - 1)
+        qs = lax.dynamic_slice_in_dim(q_pad, i * g, g).astype(jnp.float32)[:, None]
+        o = _attend(qs, (seq_lens[rows] - 1)[:, None], ok[:, None], rows, kv_cache, block_tables, seq_lens,
+                    chunk_tokens=chunk_tokens, **options)
+        return lax.dynamic_update_slice_in_dim(out, o[:, 0], i * g, axis=0)
+
+    out = lax.fori_loop(0, -(-num_seqs // g), step, out)
+    return out[:num_seqs].astype(q.dtype)
 
 
-@functools.partial(jax.jit, static_argnames=("scale", "sliding_window", "logits_soft_cap", "chunk_tokens",
-                                              "max_query_len", "query_tile"))
+@functools.partial(jax.jit, static_argnames=_STATIC + ("max_query_len", "query_tile"))
 def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Array,
                                 seq_lens: jax.Array, query_start_loc: jax.Array, *, scale: float,
                                 max_query_len: int, k_scale: jax.Array | float | None = None,
                                 v_scale: jax.Array | float | None = None, alibi_slopes: jax.Array | None = None,
                                 sliding_window: int | None = None,
                                 logits_soft_cap: float | None = None, chunk_tokens: int = CHUNK_TOKENS,
-                                query_tile: int = QUERY_TILE) -> jax.Array:
+                                query_tile: int = QUERY_TILE, dense_max_bytes: int = DENSE_MAX_BYTES) -> jax.Array:
     """Causal varlen attention over the paged cache (prefill, chunked prefill, prefix reuse, mixed
     batches), same contract as :func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`, in
     XLA loops (module docstring). vLLM: ``PagedAttention.forward_prefix``.
@@ -220,8 +229,9 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
         max_query_len: static bound on a sequence's new tokens.
         k_scale, v_scale, alibi_slopes, sliding_window, logits_soft_cap: as in :func:`paged_attention_xla`,
             with the token's own position ``p`` (ALiBi ``slope * (t - p)``, window ``t > p - window``).
-        chunk_tokens, query_tile: keys per loop step, new tokens per query tile (static tuning knobs; the
-            result does not depend on them).
+        chunk_tokens, query_tile, dense_max_bytes: keys per loop step, new tokens per query tile, the
+            largest dense form (:func:`dense_bytes`) run in one step instead of loops (static tuning knobs;
+            the result does not depend on them).
 
     Returns:
         ``[num_tokens, num_heads, head_size]`` in ``q.dtype``.
@@ -232,12 +242,25 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
     """
     _validate_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
                       alibi_slopes, sliding_window, logits_soft_cap, scale)
-    _check_knobs(chunk_tokens, query_tile, 1)
+    _check_knobs(chunk_tokens, query_tile, 1, dense_max_bytes)
     num_tokens, num_heads, head_size = q.shape
     num_seqs = seq_lens.shape[0]
-    options = dict(chunk_tokens=chunk_tokens, scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
+    _, _, num_kv_heads, block_size, _ = kv_cache.shape
+    max_len = block_tables.shape[1] * block_size
+    options = dict(scale=scale, k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
                    sliding_window=sliding_window, logits_soft_cap=logits_soft_cap)
     q_lens = query_start_loc[1:] - query_start_loc[:-1]
+    context_lens = seq_lens - q_lens
+    if dense_bytes(num_seqs, max_query_len, num_heads, num_kv_heads, max_len, head_size) <= dense_max_bytes:
+        i = jnp.arange(max_query_len, dtype=jnp.int32)
+        ok = i[None, :] < q_lens[:, None]                                 # [num_seqs, max_query_len]
+        idx = jnp.where(ok, query_start_loc[:-1, None] + i[None, :], num_tokens)
+        qs = q.at[idx].get(mode="fill", fill_value=0).astype(jnp.float32)
+        o = _attend(qs, context_lens[:, None] + i[None, :], ok, jnp.arange(num_seqs, dtype=jnp.int32), kv_cache,
+                    block_tables, seq_lens, chunk_tokens=max_len, **options)
+        out = jnp.zeros((num_tokens, num_heads, head_size), jnp.float32).at[idx].set(o, mode="drop")
+        return out.astype(q.dtype)
+    options["chunk_tokens"] = chunk_tokens
     tq = min(query_tile, max_query_len)
     # one spare tile of rows past the end, so a tile's slice is never shifted back into range
     out = jnp.zeros((num_tokens + tq, num_heads, head_size), jnp.float32)
@@ -246,7 +269,6 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
     bound = max(1, min(-(-num_tokens // tq) + min(num_seqs, num_tokens), num_seqs * -(-max_query_len // tq)))
     tile_seq, tile_row0, _, _ = query_tiles(query_start_loc, bound, tq)
     num_tiles = jnp.sum((q_lens + tq - 1) // tq)
-    context_lens = seq_lens - q_lens
     q_pad = jnp.pad(q, ((0, tq), (0, 0), (0, 0)))
 
     def tile(j, out):

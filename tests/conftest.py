@@ -56,6 +56,29 @@ def _share_compiles_across_the_run() -> None:
 
 _share_compiles_across_the_run()
 
+# XLA CPU flags for the test run: LLVM at -O0 without its expensive passes. The suite's CPU time is mostly
+# XLA compiling small programs it then runs once on tiny shapes (the Pallas interpreter's kernels, engines
+# rebuilt per test), where optimising the code costs more than it saves: measured on the 2-core machine,
+# the prefill kernel's float64-loop cases 14.7 -> 8.1 CPU s, test_smollm2_generate.py 47 -> 35 CPU s. What
+# is computed is the same (XLA's semantics; f32 results may differ in the last bits where LLVM would
+# have vectorised a reduction differently, inside every test's tolerance). Set in the environment, so the
+# tests' subprocesses (CLIs, server, the 4-device mesh run) compile the same way; not where a CUDA plugin
+# is installed (the GPU machine runs the compiled kernels); ``JAXKV_TEST_XLA_OPT=1`` keeps XLA's defaults.
+CHEAP_CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def _cheap_cpu_compiles() -> None:
+    import importlib.util
+    if os.environ.get("JAXKV_TEST_XLA_OPT") or any(
+            importlib.util.find_spec(p) is not None for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags += [f for f in CHEAP_CPU_COMPILE_FLAGS if f.split("=")[0] not in {g.split("=")[0] for g in flags}]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+_cheap_cpu_compiles()
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _compile_cache_where_it_pays(request):
@@ -77,6 +100,8 @@ def _compile_cache_where_it_pays(request):
 def pytest_configure(config):
     from tests.file_time_budget import FileTimeBudget
     config.pluginmanager.register(FileTimeBudget(config), "jaxkv-file-time-budget")
+    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the plugin's longest-first file order
+        config.option.loadscopereorder = False
 
 
 def pytest_unconfigure(config):

@@ -18,6 +18,13 @@ Settings (environment, read once at configure time):
 * ``JAXKV_FILE_TIMES_JSON``: a path to write ``{file: {"s": seconds, "cpu_s": CPU seconds}}`` of the run to
   (for measuring).
 
+Balance: with ``--dist loadfile`` pytest-xdist hands out files in collection order, after sorting them by
+their number of tests (``--loadscope-reorder``, its default), which put 10-test files of 100 s last, where
+one worker ran them while the other had finished. The plugin turns that sort off and orders the files
+longest first (largest processing time first, the classic rule for balancing jobs over machines) by the
+measured CPU seconds in ``tests/file_seconds.json`` (regenerate with ``JAXKV_FILE_TIMES_JSON``; a file not
+listed counts :data:`UNLISTED_FILE_S`); the tests inside a file keep their order.
+
 The terminal summary lists the longest files in any case, with the CPU seconds their tests used (user +
 system, of the test process and of the subprocesses it waited for): on a machine shared with other work the
 wall seconds move with the load, the CPU seconds much less.
@@ -28,12 +35,15 @@ from __future__ import annotations
 import collections
 import json
 import os
+import pathlib
 
 import pytest
 
 SUITE_BUDGET_S = 600.0
 DEFAULT_LIMIT_S = 0.15 * SUITE_BUDGET_S  # 90 s
 SHOW_LONGEST = 8
+FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
+UNLISTED_FILE_S = 20.0
 
 
 def _limit_from_env() -> float | None:
@@ -70,6 +80,22 @@ class FileTimeBudget:
     def _cpu_now() -> float:
         t = os.times()
         return t.user + t.system + t.children_user + t.children_system
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, session, config, items) -> None:
+        """Files longest first (measured CPU seconds), each file's tests in their order."""
+        try:
+            seconds = {path: entry["cpu_s"] for path, entry in json.loads(FILE_SECONDS.read_text()).items()}
+        except (OSError, ValueError, KeyError, TypeError):
+            return
+        first_seen: dict[str, int] = {}
+        for item in items:
+            first_seen.setdefault(item.nodeid.split("::", 1)[0], len(first_seen))
+
+        def key(item):
+            path = item.nodeid.split("::", 1)[0]
+            return -seconds.get(path, UNLISTED_FILE_S), first_seen[path]
+        items.sort(key=key)  # stable: a file's tests keep their order
 
     def pytest_runtest_logstart(self, nodeid, location) -> None:
         self._cpu_mark = self._cpu_now()

@@ -1,5 +1,8 @@
 """The CPU attention (jaxkv.xla_attention) vs float64 loops, and its memory at the engine's bucket shapes.
 
+Both forms: the loops (``dense_max_bytes=0`` forces them on these small batches) and the one-step dense form
+that calls whose dense logits fit ``DENSE_MAX_BYTES`` take (``form="dense"``: the default knobs here).
+
 Small loop knobs (one-block key chunks, 4-token query tiles, decode batches 2 rows a step) make every loop
 of the implementation run several steps on small batches: chunks before a window, partial chunks, several
 tiles per sequence, partial groups, decodes beside prefills.
@@ -16,7 +19,7 @@ from jaxkv.xla_attention import paged_attention_xla, paged_prefill_attention_xla
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention_reference
 from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, prefill_attention_loop, rel_err
 
-SMALL_LOOPS = dict(chunk_tokens=8)
+SMALL_LOOPS = dict(chunk_tokens=8, dense_max_bytes=0)  # loops even where the dense form is small
 NUM_PAD_TOKENS = 3
 
 
@@ -49,9 +52,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("num_heads,num_kv_heads,dtype,extras", CASES,
-                         ids=["gqa3", "window-bf16", "softcap-1to1", "alibi-mqa", "all"])
-def test_prefill_matches_float64_loop(rng, num_heads, num_kv_heads, dtype, extras):
+@pytest.mark.parametrize("num_heads,num_kv_heads,dtype,extras,form",
+                         [c + ("loops",) for c in CASES] + [CASES[0] + ("dense",), CASES[-1] + ("dense",)],
+                         ids=["gqa3", "window-bf16", "softcap-1to1", "alibi-mqa", "all", "gqa3-dense", "all-dense"])
+def test_prefill_matches_float64_loop(rng, num_heads, num_kv_heads, dtype, extras, form):
     """A whole prompt, a chunk after a prefix, decodes (first token / block-1 / block / block+1 / long),
     an empty row, a row past the window; 4-token tiles, one-block key chunks."""
     bs = 8
@@ -65,14 +69,15 @@ def test_prefill_matches_float64_loop(rng, num_heads, num_kv_heads, dtype, extra
         kwargs["alibi_slopes"] = jnp.asarray(slopes, jnp.float32)
     expected = prefill_attention_loop(np.asarray(q, np.float64), batch, query_lens, 32 ** -0.5,
                                       **{**kwargs, "alibi_slopes": slopes})
-    out = paged_prefill_attention_xla(*args, scale=32 ** -0.5, max_query_len=16, query_tile=4, **SMALL_LOOPS,
-                                      **kwargs)
+    knobs = dict(query_tile=4, **SMALL_LOOPS) if form == "loops" else {}
+    out = paged_prefill_attention_xla(*args, scale=32 ** -0.5, max_query_len=16, **knobs, **kwargs)
     assert out.shape == q.shape and out.dtype == q.dtype
     _check(out, expected, sum(query_lens), dtype)
 
 
-@pytest.mark.parametrize("fp8,q_dtype", [("float8_e4m3fn", "bfloat16"), ("float8_e5m2", "float32")])
-def test_fp8_cache_with_scales(rng, fp8, q_dtype):
+@pytest.mark.parametrize("fp8,q_dtype,form", [("float8_e4m3fn", "bfloat16", "loops"),
+                                             ("float8_e5m2", "float32", "dense")])
+def test_fp8_cache_with_scales(rng, fp8, q_dtype, form):
     """An fp8 cache with k/v scales equals attention over exactly the dequantised values."""
     context_lens, query_lens = [0, 17, 5], [12, 1, 9]
     k_scale, v_scale = 0.5, 2.0
@@ -84,11 +89,12 @@ def test_fp8_cache_with_scales(rng, fp8, q_dtype):
                                       v_scale=v_scale)
     out = paged_prefill_attention_xla(args[0], quantized, *args[2:], scale=0.125, max_query_len=12,
                                       k_scale=jnp.float32(k_scale), v_scale=jnp.float32(v_scale),
-                                      query_tile=4, **SMALL_LOOPS)
+                                      **(dict(query_tile=4, **SMALL_LOOPS) if form == "loops" else {}))
     _check(out, expected, sum(query_lens), q_dtype)
 
 
-def test_pages_before_the_window_are_never_read(rng):
+@pytest.mark.parametrize("form", ["loops", "dense"])
+def test_pages_before_the_window_are_never_read(rng, form):
     """Blocks wholly before every query's window hold NaN (freed): the output does not change."""
     bs, window = 8, 10
     context_lens, query_lens = [40, 3], [16, 1]
@@ -99,22 +105,25 @@ def test_pages_before_the_window_are_never_read(rng):
     first_needed = (40 - window + 1) // bs  # the first tile's first query sees keys from position 31 on
     kv[:, batch.block_tables[0, :first_needed]] = np.nan
     out = paged_prefill_attention_xla(args[0], jnp.asarray(kv), *args[2:], scale=0.125, max_query_len=16,
-                                      sliding_window=window, query_tile=8, **SMALL_LOOPS)
+                                      sliding_window=window,
+                                      **(dict(query_tile=8, **SMALL_LOOPS) if form == "loops" else {}))
     _check(out, expected, sum(query_lens), "float32")
 
 
 def test_decode_matches_float64_loop(rng):
     """Decode contract: lengths 1, block-1, block, block+1, long, a padding row of length 0 (output 0), with
-    a window and a soft cap; an odd row count in groups of 2."""
+    a window and a soft cap; an odd row count in groups of 2, and the dense form."""
     bs = 8
     seq_lens = [1, bs - 1, bs, bs + 1, 45, 0, 20]
     batch = PagedBatch(rng, seq_lens=seq_lens, num_kv_heads=3, head_size=32, block_size=bs)
     q = rng.standard_normal((len(seq_lens), 9, 32))
-    for extras in ({}, dict(sliding_window=12, logits_soft_cap=4.0)):
+    for extras, knobs in (({}, dict(decode_group=2, **SMALL_LOOPS)),
+                          (dict(sliding_window=12, logits_soft_cap=4.0), dict(decode_group=2, **SMALL_LOOPS)),
+                          (dict(sliding_window=12, logits_soft_cap=4.0), {})):
         expected = decode_attention_loop(q, batch, 0.2, **extras)
         out = paged_attention_xla(jnp.asarray(q, jnp.float32), jnp.asarray(batch.kv_cache, jnp.float32),
                                   jnp.asarray(batch.block_tables), jnp.asarray(batch.seq_lens), scale=0.2,
-                                  decode_group=2, **SMALL_LOOPS, **extras)
+                                  **knobs, **extras)
         out = np.asarray(out, np.float64)
         assert np.isfinite(out).all()
         assert rel_err(out, expected) < TOLERANCE["float32"]
@@ -130,14 +139,14 @@ def test_engine_padding_layout_matches_the_dense_reference(rng):
     q = jnp.pad(q, ((0, 64 - q.shape[0]), (0, 0), (0, 0)))
     args = (q,) + args[1:]
     ref = paged_prefill_attention_reference(*args, scale=0.3, max_query_len=64)
-    out = paged_prefill_attention_xla(*args, scale=0.3, max_query_len=64)
+    out = paged_prefill_attention_xla(*args, scale=0.3, max_query_len=64, dense_max_bytes=0)
     assert rel_err(out, np.asarray(ref, np.float64)) < TOLERANCE["float32"]
 
 
 def test_bad_tuning_knob_is_named():
     q = jnp.zeros((2, 2, 8))
     kv = jnp.zeros((2, 4, 1, 4, 8))
-    with pytest.raises(ValueError, match="chunk_tokens=0"):
+    with pytest.raises(ValueError, match="chunk_tokens=0 must be an int >= 1"):
         paged_attention_xla(q, kv, jnp.zeros((2, 1), jnp.int32), jnp.ones((2,), jnp.int32), scale=1.0,
                             chunk_tokens=0)
 
