@@ -18,6 +18,10 @@ Triton prefill kernel walks its grid, in XLA loops whose trip counts are the bat
 
 Live memory is one group's or tile's gathered chunk and logits (about ``DECODE_GROUP * chunk_tokens *
 num_heads`` floats), whatever the bucket sizes; padding rows (``seq_len`` 0, no token) cost no loop step.
+A call whose dense form (every sequence's whole table at once, :func:`dense_bytes`) fits
+``DENSE_MAX_BYTES`` runs that form in one step instead, with the same masks: small batches (the decode
+buckets of a few sequences, the test suite's engines) then compile and run a handful of ops rather than
+loops.
 One loop nest per call, not one per kind of row: the engine's step holds one call per layer, and each nest
 is compiled code (a mixed step with a separate decode loop beside the tile loop compiled ~2x the attention
 code: ~7.5 s and ~90 MB per SmolLM2 step program instead of ~5 s and ~60 MB, at 18 buckets). vLLM: the
@@ -164,7 +168,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
         alibi_slopes: ``f32[num_heads]`` or None; sliding_window, logits_soft_cap: static or None.
         chunk_tokens: keys per loop step (rounded down to whole blocks, at least one); decode_group:
             sequences per loop step; dense_max_bytes: calls whose dense form (:func:`dense_bytes`) fits
-            run it in one step instead (static tuning knobs; the result does not depend on them)
+            run it in one step instead (static tuning knobs; the result does not depend on them).
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -172,7 +176,7 @@ def paged_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables: jax.Arr
     Raises:
         ValueError: the shape / dtype / static-argument checks of the decode kernel (values are not
             checked here; :func:`jaxkv.paged_attention` checks concrete metadata first), or a tuning
-            knob that is not a positive int.
+            knob out of range.
     """
     _validate_decode(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
                      logits_soft_cap, scale)
@@ -238,7 +242,7 @@ def paged_prefill_attention_xla(q: jax.Array, kv_cache: jax.Array, block_tables:
 
     Raises:
         ValueError: the shape / dtype / static-argument checks of the prefill kernel, or a tuning knob
-            that is not a positive int.
+            out of range.
     """
     _validate_prefill(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
                       alibi_slopes, sliding_window, logits_soft_cap, scale)
