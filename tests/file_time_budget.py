@@ -17,7 +17,7 @@ started by a test (test_mesh.py's 4-device run) does not check again.
 
 Settings (environment, read once at configure time):
 
-* ``JAXKV_FILE_TIME_LIMIT_S``: the limit in seconds (default :data:`DEFAULT_LIMIT_S`, 15 % of 600 s);
+* ``JAXKV_FILE_TIME_LIMIT_S``: the limit in seconds (default :data:`DEFAULT_LIMIT_S`, 20 % of 600 s);
   ``0`` turns the check off. The long variants (``JAXKV_SLOW=1``, ``JAXKV_MGPU_FUZZ=N``) turn it off too,
   unless the limit is set explicitly: they are meant to be long.
 * ``JAXKV_FILE_TIME_MEASURE``: ``cpu`` (default) or ``wall``: which seconds the limit applies to (``wall``
@@ -47,7 +47,10 @@ import pathlib
 import pytest
 
 SUITE_BUDGET_S = 600.0
-DEFAULT_LIMIT_S = 0.15 * SUITE_BUDGET_S  # 90 s
+# 20 % of the budget: the longest files measured 59-70 CPU s on the 2-core development machine (serial and
+# -n 2 runs, 2026-11-26: the two Mosaic GPU interpreter files, the server end-to-end file), so 120 leaves
+# room for a CI machine up to ~1.7x slower and still fails a file that alone takes a fifth of the budget.
+DEFAULT_LIMIT_S = 0.20 * SUITE_BUDGET_S
 SHOW_LONGEST = 8
 FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
 UNLISTED_FILE_S = 20.0
