@@ -11,6 +11,7 @@ import jax
 
 from jaxkv.checks import check_paged_metadata
 from jaxkv.metadata import AttentionMetadata
+from jaxkv import xla_attention as _xla
 from pallas_kernels import paged_attention as _decode
 from pallas_kernels import paged_attention_mgpu as _decode_mgpu
 from pallas_kernels import paged_prefill_attention as _prefill
@@ -49,7 +50,9 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     :mod:`pallas_kernels.paged_attention_mgpu` for decode, :mod:`pallas_kernels.paged_prefill_attention_mgpu`
     for prefill / mixed batches), falling back to the Triton kernel, with a one-time warning naming the
     reason, for what they do not support; ``"pallas_mosaic_interpret"``: the same in the interpreters (CPU
-    tests); ``"reference"``: the jnp references.
+    tests); ``"reference"``: plain XLA (:mod:`jaxkv.xla_attention`: the same contract in loops over the
+    batch's own decodes, query tiles and key chunks, so memory follows the scheduled tokens, not the
+    buckets; the CPU default). The kernels' dense jnp references stay test oracles.
 
     Args:
         q: ``[num_tokens, num_heads, head_size]``.
@@ -82,15 +85,14 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
         args = (q, kv_cache, metadata.block_tables, metadata.seq_lens)
         if impl == "reference":  # the Pallas ops check their metadata values themselves
             check_paged_metadata(*args[1:])
-            return _decode.paged_attention_reference(*args, scale=scale, **extras)
+            return _xla.paged_attention_xla(*args, scale=scale, **extras)
         if _use_mosaic("decode", q, kv_cache, impl, alibi_slopes is not None):
             return _decode_mgpu.paged_attention_mgpu(*args, scale=scale, interpret=interpret, **extras)
         return _decode.paged_attention(*args, scale=scale, interpret=interpret, **extras)
     args = (q, kv_cache, metadata.block_tables, metadata.seq_lens, metadata.query_start_loc)
     if impl == "reference":
         check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
-        return _prefill.paged_prefill_attention_reference(
-            *args, scale=scale, max_query_len=metadata.max_query_len, **extras)
+        return _xla.paged_prefill_attention_xla(*args, scale=scale, max_query_len=metadata.max_query_len, **extras)
     if _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
                    max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0]):
         return _prefill_mgpu.paged_prefill_attention_mgpu(

@@ -62,6 +62,29 @@ _share_compiles_across_the_run()
 # or sets the variable for its subprocess.
 os.environ.setdefault("JAXKV_ENABLE_MULTIPROCESSING", "0")
 
+# XLA CPU flags for the test run: LLVM at -O0 without its expensive passes. The suite's CPU time is mostly
+# XLA compiling small programs it then runs once on tiny shapes (the Pallas interpreter's kernels, engines
+# rebuilt per test), where optimising the code costs more than it saves: measured on the 2-core machine,
+# the prefill kernel's float64-loop cases 14.7 -> 8.1 CPU s, test_smollm2_generate.py 47 -> 35 CPU s. What
+# is computed is the same (XLA's semantics; f32 results may differ in the last bits where LLVM would
+# have vectorised a reduction differently, inside every test's tolerance). Set in the environment, so the
+# tests' subprocesses (CLIs, server, the 4-device mesh run) compile the same way; not where a CUDA plugin
+# is installed (the GPU machine runs the compiled kernels); ``JAXKV_TEST_XLA_OPT=1`` keeps XLA's defaults.
+CHEAP_CPU_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true")
+
+
+def _cheap_cpu_compiles() -> None:
+    import importlib.util
+    if os.environ.get("JAXKV_TEST_XLA_OPT") or any(
+            importlib.util.find_spec(p) is not None for p in ("jax_cuda12_plugin", "jax_cuda13_plugin")):
+        return
+    flags = os.environ.get("XLA_FLAGS", "").split()
+    flags += [f for f in CHEAP_CPU_COMPILE_FLAGS if f.split("=")[0] not in {g.split("=")[0] for g in flags}]
+    os.environ["XLA_FLAGS"] = " ".join(flags)
+
+
+_cheap_cpu_compiles()
+
 
 @pytest.fixture(autouse=True, scope="module")
 def _compile_cache_where_it_pays(request):
@@ -78,6 +101,13 @@ def _compile_cache_where_it_pays(request):
         jax.config.update("jax_enable_compilation_cache", want)
         compilation_cache.reset_cache()
     yield
+
+
+def pytest_configure(config):
+    from tests.file_time_budget import FileTimeBudget
+    config.pluginmanager.register(FileTimeBudget(config), "jaxkv-file-time-budget")
+    if hasattr(config.option, "loadscopereorder"):  # xdist: keep the plugin's longest-first file order
+        config.option.loadscopereorder = False
 
 
 def pytest_unconfigure(config):
@@ -152,6 +182,32 @@ def decode_attention_loop(q: np.ndarray, batch: PagedBatch, scale: float, *, sli
             logits = np.array(logits)
             p = np.exp(logits - logits.max())
             out[s, h] = v_scale * (p / p.sum()) @ v[first:n, h // group]
+    return out
+
+
+def prefill_attention_loop(q, batch, query_lens, scale, *, sliding_window=None, alibi_slopes=None,
+                           logits_soft_cap=None, k_scale=1.0, v_scale=1.0):
+    """float64: token ``i`` of sequence ``s`` (position ``seq_len - query_len + i``) over its keys."""
+    num_heads = q.shape[1]
+    group = num_heads // batch.kv_cache.shape[2]
+    out = np.zeros(q.shape)
+    start = 0
+    for s, (n, ql) in enumerate(zip(batch.seq_lens, query_lens)):
+        if ql == 0:
+            continue
+        k, v = batch.dense_kv(s)
+        for i in range(ql):
+            pos = n - ql + i
+            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
+            for h in range(num_heads):
+                x = k[first:pos + 1, h // group] @ q[start + i, h].astype(np.float64) * scale * k_scale
+                if logits_soft_cap is not None:
+                    x = logits_soft_cap * np.tanh(x / logits_soft_cap)
+                if alibi_slopes is not None:
+                    x = x + alibi_slopes[h] * (np.arange(first, pos + 1) - pos)
+                p = np.exp(x - x.max())
+                out[start + i, h] = v_scale * (p / p.sum()) @ v[first:pos + 1, h // group]
+        start += ql
     return out
 
 

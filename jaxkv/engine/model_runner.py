@@ -461,15 +461,18 @@ class ModelRunner:
         self.call_s += time.perf_counter() - t1
         return out
 
-    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False) -> None:
-        """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then run each once
-        with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None) -> None:
+        """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then (``run``) run each
+        once with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
         outputs are discarded).
 
         The buckets are traced and lowered one after another, then compiled by ``max_workers`` threads
         at once (default: one per CPU core; XLA's compiler releases the GIL), so start-up takes about
-        the longest compile instead of their sum on a many-core host. The dummy runs then find each
-        executable compiled. Afterwards ``num_compiles == num_buckets``; with ``top_k_top_p`` the
+        the longest compile instead of their sum on a many-core host. The dummy runs, and later steps,
+        find each executable compiled (JAX's in-memory caches of traces and executables). ``run``
+        defaults to True except on CPU: there a run of every bucket's all-padding batch computes every
+        padded token (minutes for 4096-token buckets) and buys nothing, a step's first real call finds
+        its executable all the same. Afterwards ``num_compiles == num_buckets``; with ``top_k_top_p`` the
         programs for batches with a top-k/top-p row are compiled too (``2 * num_buckets``)."""
         variants = (False, True) if top_k_top_p else (False,)
         lowered: list = []
@@ -483,7 +486,9 @@ class ModelRunner:
         workers = max_workers or min(len(lowered), os.cpu_count() or 1)
         with ThreadPoolExecutor(max(1, workers)) as pool:
             list(pool.map(lambda low: low.compile(), lowered))
-        for flag in variants:
+        if run is None:
+            run = jax.default_backend() != "cpu"
+        for flag in variants if run else ():
             self._warmup_batches(flag)
 
     def _warmup_batches(self, top_k_top_p: bool = False) -> None:

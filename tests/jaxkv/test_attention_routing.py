@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv import xla_attention as xla_mod
 from pallas_kernels import paged_attention as decode_mod
 from pallas_kernels import paged_prefill_attention as prefill_mod
 from tests.conftest import TOLERANCE, PagedBatch, rel_err
@@ -42,13 +43,13 @@ class _Spy:
 @pytest.fixture
 def spies(monkeypatch):
     spy = {"prefill": _Spy(prefill_mod.paged_prefill_attention),
-           "prefill_reference": _Spy(prefill_mod.paged_prefill_attention_reference),
+           "prefill_xla": _Spy(xla_mod.paged_prefill_attention_xla),
            "decode": _Spy(decode_mod.paged_attention),
-           "decode_reference": _Spy(decode_mod.paged_attention_reference)}
+           "decode_xla": _Spy(xla_mod.paged_attention_xla)}
     monkeypatch.setattr(prefill_mod, "paged_prefill_attention", spy["prefill"])
-    monkeypatch.setattr(prefill_mod, "paged_prefill_attention_reference", spy["prefill_reference"])
+    monkeypatch.setattr(xla_mod, "paged_prefill_attention_xla", spy["prefill_xla"])
     monkeypatch.setattr(decode_mod, "paged_attention", spy["decode"])
-    monkeypatch.setattr(decode_mod, "paged_attention_reference", spy["decode_reference"])
+    monkeypatch.setattr(xla_mod, "paged_attention_xla", spy["decode_xla"])
     return spy
 
 
@@ -64,7 +65,7 @@ def test_mixed_batch_pallas_interpret_uses_prefill_kernel_and_matches_reference(
     out = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="pallas_interpret")
     assert _called(spies) == {"prefill"} and spies["prefill"].calls[0]["interpret"] is True
     ref = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="reference")
-    assert _called(spies) == {"prefill", "prefill_reference"}
+    assert _called(spies) == {"prefill", "prefill_xla"}
     num_real = 13 + 6 + 1 + 1
     assert np.isfinite(np.asarray(out)).all()
     assert rel_err(out[:num_real], np.asarray(ref[:num_real], np.float64)) < TOLERANCE["float32"]
@@ -102,6 +103,7 @@ def test_decode_only_batch_still_uses_the_decode_kernel(rng, spies):
     out = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="pallas_interpret")
     assert _called(spies) == {"decode"}
     ref = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="reference")
+    assert _called(spies) == {"decode", "decode_xla"}
     assert rel_err(out[:3], np.asarray(ref[:3], np.float64)) < TOLERANCE["float32"]
 
 

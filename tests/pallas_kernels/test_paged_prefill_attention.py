@@ -7,30 +7,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention_reference
-from tests.conftest import TOLERANCE, PagedBatch, rel_err
-
-
-def prefill_loop(q, batch, query_lens, scale, *, sliding_window=None, alibi_slopes=None,
-                 logits_soft_cap=None):
-    num_heads = q.shape[1]
-    group = num_heads // batch.kv_cache.shape[2]
-    out = np.zeros(q.shape)
-    start = 0
-    for s, (n, ql) in enumerate(zip(batch.seq_lens, query_lens)):
-        k, v = batch.dense_kv(s)
-        for i in range(ql):
-            pos = n - ql + i
-            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            for h in range(num_heads):
-                x = k[first:pos + 1, h // group] @ q[start + i, h] * scale
-                if logits_soft_cap is not None:
-                    x = logits_soft_cap * np.tanh(x / logits_soft_cap)
-                if alibi_slopes is not None:
-                    x = x + alibi_slopes[h] * (np.arange(first, pos + 1) - pos)
-                p = np.exp(x - x.max())
-                out[start + i, h] = (p / p.sum()) @ v[first:pos + 1, h // group]
-        start += ql
-    return out
+from tests.conftest import TOLERANCE, PagedBatch, prefill_attention_loop as prefill_loop, rel_err
 
 
 @pytest.mark.parametrize("extra", [{}, dict(sliding_window=7), dict(logits_soft_cap=3.0),

@@ -16,37 +16,11 @@ from pallas_kernels import tuning
 from pallas_kernels.paged_attention import paged_attention as decode_attention
 from pallas_kernels.paged_prefill_attention import (_query_tiles, _tile_kv_range, num_query_tiles,
                                                     paged_prefill_attention, paged_prefill_attention_reference)
-from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
+from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, prefill_attention_loop as prefill_loop, rel_err
 
 # Interpret mode on CPU (CI); on a GPU the same tests run the compiled Pallas-Triton kernel.
 INTERPRET = jax.default_backend() != "gpu"
 NUM_PAD_TOKENS = 3  # tokens past query_start_loc[-1]: they belong to no sequence, their output is 0
-
-
-def prefill_loop(q, batch, query_lens, scale, *, sliding_window=None, alibi_slopes=None,
-                 logits_soft_cap=None, k_scale=1.0, v_scale=1.0):
-    """float64: token ``i`` of sequence ``s`` (position ``seq_len - query_len + i``) over its keys."""
-    num_heads = q.shape[1]
-    group = num_heads // batch.kv_cache.shape[2]
-    out = np.zeros(q.shape)
-    start = 0
-    for s, (n, ql) in enumerate(zip(batch.seq_lens, query_lens)):
-        if ql == 0:
-            continue
-        k, v = batch.dense_kv(s)
-        for i in range(ql):
-            pos = n - ql + i
-            first = 0 if sliding_window is None else max(0, pos - sliding_window + 1)
-            for h in range(num_heads):
-                x = k[first:pos + 1, h // group] @ q[start + i, h].astype(np.float64) * scale * k_scale
-                if logits_soft_cap is not None:
-                    x = logits_soft_cap * np.tanh(x / logits_soft_cap)
-                if alibi_slopes is not None:
-                    x = x + alibi_slopes[h] * (np.arange(first, pos + 1) - pos)
-                p = np.exp(x - x.max())
-                out[start + i, h] = v_scale * (p / p.sum()) @ v[first:pos + 1, h // group]
-        start += ql
-    return out
 
 
 def make_batch(rng, context_lens, query_lens, *, num_heads, num_kv_heads, head_size, block_size,
