@@ -11,7 +11,7 @@
 #   stage big  : llama-3.1-8b (built-in config, dummy weights): 1000 requests on one GPU, then 2000 requests
 #                on one GPU vs -dp 2.
 set -uo pipefail
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
 python3 - <<'PY'
@@ -111,6 +111,37 @@ big)
     timeout 200 $B --model llama-3.1-8b --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv -dp $dp \
       --output-json $OUT/big-dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" | tee -a $OUT/big.txt
   done
+  ;;
+v2)  # session 16: the defaults (max_num_batched_tokens 8192 on GPU), SmolLM2 on GPU 0 (offline with the
+  # in-process engine beside it, the server at three rates on the same requests, 3000 requests), Llama-3.1-8B
+  # on GPU 1 at the same time (1000 and 2000 requests), then Llama -dp 2 on both
+  (CUDA_VISIBLE_DEVICES=1 timeout 330 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
+     --backend jaxkv --nvml-busy --output-json $OUT/big1000.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" > $OUT/big.txt
+   CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model llama-3.1-8b --requests /tmp/req2000.json --num-prompts 2000 \
+     --backend jaxkv --output-json $OUT/big-dp1.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" >> $OUT/big.txt) &
+  BIG=$!
+  echo "== SmolLM2 offline, 1 GPU, 1000 requests: LLM defaults (engine-core process, cold start), in-process engine"
+  CUDA_VISIBLE_DEVICES=0 timeout 240 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --backend jaxkv-inproc --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | grep -e "^jaxkv" -e "start-up" -e nvml -e "host loop" -e "^backend" | tee $OUT/offline.txt
+  t0=$(date +%s.%N)
+  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > /tmp/server.log 2>&1 &
+  SERVER=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
+  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  grep -e "start-up\|ready" /tmp/server.log | head -3 | tee -a $OUT/serve-start.txt
+  timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
+    --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
+    2>&1 | quiet > /tmp/serving.txt; tail -6 /tmp/serving.txt | tee $OUT/serving-table.txt
+  grep -e "Failed" /tmp/serving.txt | head -3
+  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core_proc)" | tee -a $OUT/serve-start.txt
+  echo "== SmolLM2 offline, 3000 requests, defaults"
+  CUDA_VISIBLE_DEVICES=0 timeout 120 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv \
+    --nvml-busy --output-json $OUT/smol3000.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee $OUT/smol3000.txt
+  wait $BIG; echo "== llama-3.1-8b, 1 GPU:"; cat $OUT/big.txt
+  echo "== llama-3.1-8b, 2000 requests, -dp 2"
+  timeout 200 $B --model llama-3.1-8b --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv -dp 2 \
+    --output-json $OUT/big-dp2.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" | tee -a $OUT/big.txt
   ;;
 esac
 ls -la /tmp/jaxcache | head -3; du -sh /tmp/jaxcache
