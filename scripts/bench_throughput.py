@@ -338,7 +338,10 @@ class NvmlBusySampler:
     period inside the block (before session 6's fix the mean also took the samples of the second after
     the block, when the GPU was idle, which biased it low)."""
 
-    def __init__(self, device_index: int = 0, period_s: float = 0.2):
+    def __init__(self, device_index: int | None = None, period_s: float = 0.2):
+        if device_index is None:  # the GPU this process sees first (CUDA_VISIBLE_DEVICES=1: NVML's device 1)
+            first = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0].strip()
+            device_index = int(first) if first.isdigit() else 0
         self.share: float | None = None
         self.reason = ""
         self.samples: list[tuple[int, float]] = []  # (timestamp us, percent), as read

@@ -143,5 +143,20 @@ v2)  # session 16: the defaults (max_num_batched_tokens 8192 on GPU), SmolLM2 on
   timeout 200 $B --model llama-3.1-8b --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv -dp 2 \
     --output-json $OUT/big-dp2.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" | tee -a $OUT/big.txt
   ;;
+v3)  # session 16: where a Llama-3.1-8B step's time goes (in-process engine, JAX profiler trace, top kernels);
+  # greedy text tp=2 vs tp=1 at 8B and -dp 2 vs one GPU (SmolLM2), both float32
+  echo "== llama-3.1-8b, 1000 requests, in-process engine, --profile-busy (top kernels)"
+  CUDA_VISIBLE_DEVICES=0 JAXKV_PROFILE_TOP=25 timeout 210 $B --model llama-3.1-8b --requests /tmp/req1000.json \
+    --num-prompts 1000 --backend jaxkv-inproc --profile-busy 2>&1 | quiet | grep -v "^engine\|INFO" | tail -45 | tee $OUT/big-profile.txt
+  echo "== greedy text, llama-3.1-8b tp=2 vs tp=1, float32"
+  timeout 250 python3 scripts/dev/compare_greedy.py --model llama-3.1-8b --load-format dummy --requests /tmp/req1000.json \
+    --num-prompts 32 --max-tokens 16 --dtype float32 \
+    --a tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
+    --b tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-tp-f32.txt | tail -12
+  echo "== greedy text, SmolLM2 -dp 2 vs one GPU, float32"
+  timeout 150 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
+    --num-prompts 64 --max-tokens 32 --dtype float32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
+    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -12
+  ;;
 esac
 ls -la /tmp/jaxcache | head -3; du -sh /tmp/jaxcache
