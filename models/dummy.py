@@ -1,14 +1,24 @@
 """Random weights made on the device (vLLM's ``--load-format dummy``): a model of real size without a checkpoint.
 
-The whole initialisation is one jitted program whose outputs are the parameters, ``out_shardings`` placing
-each where :func:`models.parallel.partition_spec` puts it (one device, or sharded over a ``(dp, tp)`` mesh):
-no host-side random numbers, no host copy, no transfer. The values are the modules' own initialisers
-(``nnx.Linear``: LeCun normal; ``nnx.Embed``: variance scaling; norms: ones) drawn by ``jax.random`` from
-``seed``; JAX's partitionable threefry makes them independent of the sharding, so the same seed gives the
-same weights on one device and on any mesh (tp=2 greedy text equals tp=1's).
+Each parameter is made by a small jitted program on its device(s): ``out_shardings`` places it where
+:func:`models.parallel.partition_spec` puts it (one device, or sharded over a ``(dp, tp)`` mesh), so there are
+no host-side random numbers, no host copy and no transfer. One program per distinct (shape, dtype, kind,
+sharding): the layers share their shapes, so a model of any depth compiles about ten small programs. (Until
+session 16 the whole initialisation was one program; its GPU compile took 41-47 s in bf16 and 2-3.7 min in
+float32, most of a cold start: docs/perf-notes.md.)
+
+Values, in the spirit of the modules' own initialisers: norm scales ones, biases zeros, embeddings and
+projection kernels normal with standard deviation ``1/sqrt(fan_in)`` (LeCun; ``fan_in`` = the hidden size for
+an embedding, the input size for an ``x @ W`` kernel). Each parameter's key is ``fold_in(key(seed),
+crc32(path))``, and JAX's partitionable threefry makes the values independent of the sharding, so the same
+seed gives the same weights on one device and on any mesh (tp=2 greedy text equals tp=1's).
 """
 
 from __future__ import annotations
+
+import functools
+import math
+import zlib
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +36,7 @@ def dummy_model(config: DecoderConfig, *, dtype=jnp.bfloat16, seed: int = 0, mes
     Args:
         config: the model's config (any size: built-in, from a ``config.json``, ...).
         dtype: the model dtype (norm weights stay float32).
-        seed: the ``nnx.Rngs`` seed.
+        seed: the root of the parameters' keys.
         mesh: a ``(dp, tp)`` mesh to create the parameters in their shards, or ``None`` (the default device).
         cls: the model class.
 
@@ -34,17 +44,46 @@ def dummy_model(config: DecoderConfig, *, dtype=jnp.bfloat16, seed: int = 0, mes
         ValueError: the heads / intermediate size do not split over the mesh's ``tp`` (names the field).
     """
     dtype = jnp.dtype(dtype)
+    graphdef, abstract = nnx.eval_shape(lambda: nnx.split(cls(config, dtype=dtype, rngs=nnx.Rngs(seed))))
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    shardings = ([None] * len(leaves) if mesh is None
+                 else treedef.flatten_up_to(param_shardings(abstract, config, mesh)))
+    root = jax.random.key(seed)
+    programs: dict = {}
+    values = []
+    for (path, leaf), sharding in zip(leaves, shardings):
+        kind, std = _initializer(path, leaf.shape)
+        signature = (tuple(leaf.shape), jnp.dtype(leaf.dtype), kind, std, sharding)
+        if signature not in programs:
+            make = functools.partial(_make, shape=tuple(leaf.shape), dtype=jnp.dtype(leaf.dtype), kind=kind, std=std)
+            # one device: no out_shardings, so the parameters stay uncommitted on the default device, as every
+            # other single-device path makes them (committed ones made each step's dispatch take 130 ms of host
+            # time on an H200: docs/perf-notes.md, session 15)
+            programs[signature] = jax.jit(make) if sharding is None else jax.jit(make, out_shardings=sharding)
+        values.append(programs[signature](jax.random.fold_in(root, zlib.crc32(_path_name(path).encode()))))
+    return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
 
-    def make():
-        return nnx.split(cls(config, dtype=dtype, rngs=nnx.Rngs(seed)))
 
-    graphdef, abstract = nnx.eval_shape(make)
-    if mesh is None:
-        # one device: uncommitted arrays on the default device, as every other single-device path makes them.
-        # Committed (SingleDeviceSharding) parameters made the engine's step programs carry a device
-        # sharding, and on an H200 each step's dispatch then took 130 ms of host time instead of 1 ms
-        # (docs/perf-notes.md, session 15).
-        state = jax.jit(lambda: make()[1])()
-    else:
-        state = jax.jit(lambda: make()[1], out_shardings=param_shardings(abstract, config, mesh))()
-    return nnx.merge(graphdef, state)
+def _path_name(path) -> str:
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
+
+def _initializer(path, shape) -> tuple[str, float]:
+    """``(kind, standard deviation)`` of the parameter at ``path``: ``"ones"`` for norm scales, ``"zeros"`` for
+    biases, ``"normal"`` with LeCun's ``1/sqrt(fan_in)`` otherwise."""
+    names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
+    name = next((n for n in reversed(names) if n and n not in (".value", "value", "raw_value")), "")
+    if name == "scale":
+        return "ones", 0.0
+    if name == "bias" or len(shape) == 0:
+        return "zeros", 0.0
+    fan_in = shape[-1] if name == "embedding" or len(shape) == 1 else math.prod(shape[:-1])
+    return "normal", 1.0 / math.sqrt(fan_in)
+
+
+def _make(key, *, shape, dtype, kind, std):
+    if kind == "ones":
+        return jnp.ones(shape, dtype)
+    if kind == "zeros":
+        return jnp.zeros(shape, dtype)
+    return (std * jax.random.normal(key, shape, jnp.float32)).astype(dtype)

@@ -83,3 +83,41 @@ def test_block_size_64_gives_the_tokens_of_block_size_16(request, model):
     assert len(logits.get(64, [])) == len(logits.get(16, [])) == (3 if model == "tiny" else 0)
     for a, b in zip(logits.get(64, []), logits.get(16, [])):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5)
+
+
+def test_dummy_init_compiles_per_distinct_shape_not_per_layer(monkeypatch):
+    """The on-device dummy init makes one small program per distinct (shape, dtype, kind): a 2-layer and a
+    6-layer model compile the same number (one whole-model program took minutes to compile on a GPU), and
+    the values follow the documented initialisers (checked against NumPy statistics)."""
+    import dataclasses
+
+    import jax
+    import jax.numpy as jnp
+
+    import models.dummy
+    from models import hf_config
+
+    base = dataclasses.replace(hf_config.builtin_config("qwen2.5-7b"), hidden_size=64, intermediate_size=128,
+                               num_heads=4, num_kv_heads=2, head_size=16, vocab_size=256)
+    counts, real_jit = [], jax.jit
+
+    def counting_jit(fn, **kw):
+        counts[-1] += 1
+        return real_jit(fn, **kw)
+
+    monkeypatch.setattr(models.dummy.jax, "jit", counting_jit)
+    built = {}
+    for layers in (2, 6):
+        counts.append(0)
+        built[layers] = models.dummy.dummy_model(dataclasses.replace(base, num_layers=layers), dtype=jnp.float32)
+    assert 4 <= counts[0] == counts[1] <= 10, counts  # one program per distinct parameter shape and kind
+    m = built[6]
+    attn = m.layers[5].self_attn
+    np.testing.assert_array_equal(np.asarray(m.layers[3].input_layernorm.scale[...]), np.ones(64))
+    np.testing.assert_array_equal(np.asarray(attn.q_proj.bias[...]), np.zeros(64))
+    kernel = np.asarray(m.layers[5].mlp.down_proj.kernel[...], np.float64)  # (128, 64): fan_in 128
+    assert abs(kernel.std() - 128 ** -0.5) < 0.1 * 128 ** -0.5 and abs(kernel.mean()) < 0.01
+    emb = np.asarray(m.embed_tokens.embedding[...], np.float64)  # (256, 64): fan_in = hidden 64
+    assert abs(emb.std() - 64 ** -0.5) < 0.1 * 64 ** -0.5
+    # distinct keys per parameter: two layers' same-shaped kernels differ
+    assert not np.array_equal(np.asarray(m.layers[0].mlp.up_proj.kernel[...]), np.asarray(m.layers[1].mlp.up_proj.kernel[...]))
