@@ -25,18 +25,21 @@ quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initi
 S=.dummy/smollm2-header.gguf
 L=.dummy/llama8b-header.gguf
 B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
+start_server() {  # SmolLM2 server on GPU 0, log to $1; waits for /health 200 and writes the time to $OUT/serve-start.txt
+  local t0=$(date +%s.%N)
+  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > $1 2>&1 &
+  SERVER=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
+  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+}
 case $1 in
 smol)
   echo "== offline, 1 GPU: LLM defaults (engine-core process, cold start), then the in-process engine"
   CUDA_VISIBLE_DEVICES=0 timeout 240 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
     --backend jaxkv --backend jaxkv-inproc --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | tee $OUT/offline.txt | grep -v "^engine\|^LLM"
   echo "== server, 1 GPU (warm start), bench_serving with the openai client"
-  t0=$(date +%s.%N)
-  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
-    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > $OUT/server.log 2>&1 &
-  SERVER=$!
-  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
-  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  start_server $OUT/server.log
   timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
     --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
     --result-json $OUT/serving.json 2>&1 | quiet | tee $OUT/serving.txt | tail -8
@@ -55,12 +58,7 @@ smol2)
   CUDA_VISIBLE_DEVICES=0 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
     --backend jaxkv --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "^done" -e nvml | tee $OUT/offline.txt
   echo "== server, 1 GPU (warm start), bench_serving with the openai client, same requests"
-  t0=$(date +%s.%N)
-  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
-    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > /tmp/server.log 2>&1 &
-  SERVER=$!
-  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
-  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  start_server /tmp/server.log
   timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
     --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
     --result-json $OUT/serving.json 2>&1 | quiet > /tmp/serving.txt; tail -8 /tmp/serving.txt | tee $OUT/serving-table.txt
@@ -89,12 +87,7 @@ ab)  # new code on GPU 0 vs the pre-merge tree (.old = git archive d72f1e2) on G
   (CUDA_VISIBLE_DEVICES=1 timeout 330 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
      --backend jaxkv --output-json $OUT/big1000.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "host loop" > $OUT/big.txt) &
   BIG=$!
-  t0=$(date +%s.%N)
-  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
-    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > /tmp/server.log 2>&1 &
-  SERVER=$!
-  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
-  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  start_server /tmp/server.log
   timeout 150 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
     --request-rate inf,0.9x --warmup-requests 256 --client-processes 6 --markdown \
     --result-json $OUT/serving.json 2>&1 | quiet > /tmp/serving.txt; tail -5 /tmp/serving.txt | tee $OUT/serving-table.txt
@@ -123,12 +116,7 @@ v2)  # session 16: the defaults (max_num_batched_tokens 8192 on GPU), SmolLM2 on
   echo "== SmolLM2 offline, 1 GPU, 1000 requests: LLM defaults (engine-core process, cold start), in-process engine"
   CUDA_VISIBLE_DEVICES=0 timeout 240 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
     --backend jaxkv --backend jaxkv-inproc --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet | grep -e "^jaxkv" -e "start-up" -e nvml -e "host loop" -e "^backend" | tee $OUT/offline.txt
-  t0=$(date +%s.%N)
-  CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
-    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > /tmp/server.log 2>&1 &
-  SERVER=$!
-  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
-  echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
+  start_server /tmp/server.log
   grep -e "start-up\|ready" /tmp/server.log | head -3 | tee -a $OUT/serve-start.txt
   timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
     --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
