@@ -6,7 +6,7 @@
         [--block-size 16] [--num-gpu-blocks N | --gpu-memory-utilization F] [--no-enable-prefix-caching]
         [-tp N] [-dp N] [--served-model-name NAME ...] [--api-key KEY ...] [--max-request-body-bytes N]
         [--max-json-depth N] [--max-stop-strings N] [--max-stop-chars N] [--max-stop-token-ids N]
-        [--max-prompts-per-request N] [--max-pending-requests N] [--shutdown-timeout S]
+        [--max-prompts-per-request N] [--max-pending-requests N] [--shutdown-timeout S] [--api-server-count N]
 
 Then ``curl localhost:8000/v1/completions -d '{"prompt": "The capital of France is", "max_tokens": 8}'``
 or the ``openai`` client with ``base_url="http://localhost:8000/v1"``. Routes: ``/v1/completions``,
@@ -17,6 +17,8 @@ Processes (docs/serving.md): this process serves HTTP, tokenizes, detokenizes an
 in one engine-core process per data-parallel rank (``-dp N``), each on its own ``-tp`` devices with its
 own scheduler, block pool and ``--max-num-seqs``. HTTP answers at once; the cores load and compile
 meanwhile. If a core dies, in-flight requests fail, new ones get 503 and the server exits with code 1.
+``--api-server-count N`` (vLLM's flag) runs N such front ends as processes sharing the listening socket, each
+connected to every engine core; this process then only supervises them (SIGTERM drains them all).
 
 Multi-host data parallelism (vLLM's flags): the front end ``--data-parallel-address HOST
 --data-parallel-rpc-port P -dp 4 --data-parallel-size-local 2`` starts ranks 0-1; another host runs
@@ -35,9 +37,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import ipaddress
+import json
 import logging
 import os
 import signal
+import socket
 import sys
 
 log = logging.getLogger("jaxkv.serve")
@@ -84,6 +88,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the front end's host: ranks connect over TCP (default: local ipc sockets)")
     p.add_argument("--data-parallel-rpc-port", type=int, default=13345,
                    help="the front end's engine input port (outputs on the next one)")
+    p.add_argument("--api-server-count", "-asc", type=int, default=1,
+                   help="API-server processes sharing the port, each a front end of every engine core "
+                        "(vLLM's flag; HTTP, detokenization and SSE of one process top out near 30k output "
+                        "tok/s, docs/serving.md)")
     p.add_argument("--headless", action="store_true",
                    help="start only this host's engine cores, which connect to --data-parallel-address")
     p.add_argument("--enable-multiprocessing", action=argparse.BooleanOptionalAction, default=None,
@@ -174,17 +182,22 @@ def main(argv=None) -> int:
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is missing: pip install -e '.[serve]'") from None
     args = parse_args(argv)
+    attach = os.environ.get(ATTACH_ENV)  # set for the API-server processes of --api-server-count
     try:
         if args.headless:
             return run_headless(args)
-        server, async_llm = build_server(args)
+        if args.api_server_count < 1:
+            raise ValueError(f"--api-server-count={args.api_server_count} must be >= 1")
+        if args.api_server_count > 1 and not attach:
+            return run_api_servers(args, sys.argv[1:] if argv is None else list(argv))
+        server, async_llm = build_server(args, attach=json.loads(attach) if attach else None)
     except (ValueError, FileNotFoundError) as e:  # bad input: one clear line, no traceback
         raise SystemExit(f"error: {e}") from None
     # uvicorn handles SIGTERM/SIGINT during run() (stops serving, shuts the engine down) and raises the
     # signal again afterwards: let that land here, so a requested stop exits 0
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: None)
-    server.run()
+    server.run(sockets=[socket.socket(fileno=json.loads(attach)["fd"])] if attach else None)
     if async_llm.dead_error is not None:
         log.error("exiting: %s", async_llm.dead_error)
         return 1
@@ -223,13 +236,14 @@ def data_parallel_config(args: argparse.Namespace):
                               devices_per_rank=args.tensor_parallel_size)
 
 
-def build_server(args: argparse.Namespace):
+def build_server(args: argparse.Namespace, attach: dict | None = None):
     """The :class:`GracefulServer` (a ``uvicorn.Server`` that drains on SIGTERM; not yet running) and its
     :class:`AsyncLLM`. With engine-core processes the cores start loading now and the server answers
-    ``/health`` with 503 until they are ready."""
+    ``/health`` with 503 until they are ready. ``attach``: this is API-server process ``client_index`` of
+    ``--api-server-count``, a front end of cores the supervisor started (:func:`run_api_servers`)."""
     import uvicorn
 
-    from jaxkv.engine.core_client import AsyncMPClient
+    from jaxkv.engine.core_client import AsyncMPClient, FrontEndAttach
     from models import registry
     from models.entrypoints.async_llm import AsyncLLM
     from models.entrypoints.engine_args import EngineCoreFactory, multiprocessing_enabled, resolve_max_model_len
@@ -245,12 +259,19 @@ def build_server(args: argparse.Namespace):
     path = registry.resolve_model(eargs.model)  # a bad name fails here, before any process starts
     names = args.served_model_name or [args.model]
     if multiprocessing_enabled(args.enable_multiprocessing):
-        client = AsyncMPClient(EngineCoreFactory(eargs), dp)  # the cores start loading now
+        if attach is None:
+            client = AsyncMPClient(EngineCoreFactory(eargs), dp)  # the cores start loading now
+        else:
+            client = AsyncMPClient(None, dp, attach=FrontEndAttach(
+                attach["client_index"], attach["input_address"], attach["output_address"],
+                {int(r): pid for r, pid in attach["core_pids"].items()}))
         tokenizer = registry.load_tokenizer(path)
         max_model_len = resolve_max_model_len(eargs, registry.load_config(path))
         async_llm = AsyncLLM.from_client(client, tokenizer, log_stats_interval_s=args.log_stats_interval)
         info = dict(model=registry.model_name(path), tensor_parallel_size=eargs.tensor_parallel_size,
                     data_parallel_size=dp.data_parallel_size, engine="engine-core processes")
+        if attach is not None:
+            info.update(api_server_index=attach["client_index"], api_server_count=args.api_server_count)
 
         def ready():
             log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in (client.engine_info[0] or {}).items()))
@@ -289,6 +310,80 @@ def build_server(args: argparse.Namespace):
     return server, async_llm
 
 
+ATTACH_ENV = "JAXKV_API_SERVER_ATTACH"  # JSON for an API-server process: client_index, endpoints, core pids, fd
+
+
+def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
+    """``--api-server-count N``: start the engine cores, bind the port once, and run ``N`` API-server
+    processes (this script again, with :data:`ATTACH_ENV`) that share the listening socket (the kernel
+    spreads connections over them) and each bind their own endpoints, which every core connects to. Each
+    balances its own requests over the ranks. SIGTERM / SIGINT are passed to them (they drain); when one
+    exits on its own (a dead core, a crash) the others are stopped. Then the cores are stopped. The exit
+    code is the largest of the API servers' (0 after a requested stop). vLLM: ``--api-server-count``."""
+    import shutil
+    import subprocess
+    import tempfile
+    import time
+
+    from jaxkv.engine.core_client import launch_engine_cores, stop_processes
+    from models import registry
+    from models.entrypoints.engine_args import EngineCoreFactory, multiprocessing_enabled
+
+    n = args.api_server_count
+    if not multiprocessing_enabled(args.enable_multiprocessing):
+        raise ValueError(f"--api-server-count={n} needs engine-core processes")
+    server_limits(args)  # bad flags fail before any process starts
+    api_keys(args)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    eargs = engine_args(args)
+    dp = data_parallel_config(args)
+    registry.resolve_model(eargs.model)
+    listener = socket.create_server((args.host, args.port), backlog=4096)  # SO_REUSEADDR, like uvicorn
+    listener.set_inheritable(True)
+    tmpdir = None if dp.data_parallel_address is not None else tempfile.mkdtemp(prefix="jaxkv-ipc-")
+    inputs, outputs = dp.all_addresses(n, tmpdir)
+    cores = launch_engine_cores(EngineCoreFactory(eargs), dp, inputs, outputs)
+    core_pids = {rank: p.pid for rank, p in cores.items()}
+    log.info("engine cores %s (pids %s); starting %d API-server processes on %s:%d", list(cores),
+             list(core_pids.values()), n, args.host, args.port)
+    servers = []
+    for i in range(n):
+        attach = dict(client_index=i, input_address=inputs[i], output_address=outputs[i], core_pids=core_pids,
+                      fd=listener.fileno())
+        servers.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
+                                        env=dict(os.environ, **{ATTACH_ENV: json.dumps(attach)}),
+                                        pass_fds=(listener.fileno(),)))
+    listener.close()
+    requested = False
+
+    def forward(signum, frame):
+        nonlocal requested
+        requested = True
+        for p in servers:
+            if p.poll() is None:
+                p.send_signal(signum)
+
+    signal.signal(signal.SIGTERM, forward)
+    signal.signal(signal.SIGINT, forward)
+    try:
+        while any(p.poll() is None for p in servers):
+            if not requested and any(p.poll() is not None for p in servers):
+                log.error("an API-server process exited (codes %s): stopping the others",
+                          [p.poll() for p in servers])
+                requested = True
+                for p in servers:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGTERM)
+            time.sleep(0.1)
+    finally:
+        stop_processes(list(servers), timeout_s=args.shutdown_timeout + 10)
+        stop_processes(list(cores.values()))
+        if tmpdir is not None:
+            shutil.rmtree(tmpdir, ignore_errors=True)
+    return max(p.returncode or 0 for p in servers)
+
+
 def run_headless(args: argparse.Namespace) -> int:
     """Start this host's engine cores for a front end elsewhere; wait for them; stop them on SIGTERM."""
     from jaxkv.engine.core_client import launch_engine_cores, stop_processes
@@ -300,7 +395,7 @@ def run_headless(args: argparse.Namespace) -> int:
         raise ValueError("--headless needs --data-parallel-address (the front end's host)")
     eargs = engine_args(args)
     registry.resolve_model(eargs.model)
-    input_address, output_address = dp.addresses()
+    input_address, output_address = dp.all_addresses(args.api_server_count)  # one pair per API server
     procs = launch_engine_cores(EngineCoreFactory(eargs), dp, input_address, output_address)
     log.info("headless: engine cores %s (pids %s) -> %s", list(procs), [p.pid for p in procs.values()],
              input_address)

@@ -110,14 +110,43 @@ class DataParallelConfig:
     def local_ranks(self) -> range:
         return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.local_size)
 
-    def addresses(self, ipc_dir: str | None = None) -> tuple[str, str]:
-        """``(input, output)`` endpoints: TCP on ``data_parallel_address`` or ``ipc://`` in ``ipc_dir``."""
+    def addresses(self, ipc_dir: str | None = None, client_index: int = 0) -> tuple[str, str]:
+        """``(input, output)`` endpoints of front end ``client_index`` (an API-server process): TCP on
+        ``data_parallel_address`` (ports ``rpc_port + 2 * client_index`` and the next) or ``ipc://`` in
+        ``ipc_dir``."""
         if self.data_parallel_address is None:
             if ipc_dir is None:
                 raise ValueError("ipc endpoints need a directory")
-            return f"ipc://{ipc_dir}/input", f"ipc://{ipc_dir}/output"
-        host, port = self.data_parallel_address, self.data_parallel_rpc_port
+            suffix = "" if client_index == 0 else f"-{client_index}"
+            return f"ipc://{ipc_dir}/input{suffix}", f"ipc://{ipc_dir}/output{suffix}"
+        host, port = self.data_parallel_address, self.data_parallel_rpc_port + 2 * client_index
         return f"tcp://{host}:{port}", f"tcp://{host}:{port + 1}"
+
+    def all_addresses(self, num_clients: int, ipc_dir: str | None = None) -> tuple[tuple[str, ...], tuple[str, ...]]:
+        """Every front end's ``(input, output)`` endpoints, as two tuples indexed by ``client_index``."""
+        pairs = [self.addresses(ipc_dir, i) for i in range(num_clients)]
+        return tuple(a for a, _ in pairs), tuple(b for _, b in pairs)
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontEndAttach:
+    """How one of several API-server processes (vLLM's ``--api-server-count``) reaches engine cores that
+    another process (the server's supervisor) started: its ``client_index``, the two endpoints it binds
+    (:meth:`DataParallelConfig.addresses`) and the local cores' pids, watched through ``/proc``."""
+
+    client_index: int
+    input_address: str
+    output_address: str
+    core_pids: dict[int, int]
+
+
+def _pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except OSError:
+        return False
 
 
 def device_env(local_index: int, devices_per_rank: int, visible: str | None = None) -> dict[str, str]:
@@ -135,13 +164,14 @@ def device_env(local_index: int, devices_per_rank: int, visible: str | None = No
     return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
 
 
-def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParallelConfig, input_address: str,
-                        output_address: str, *, parent_pid: int | None = None,
+def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParallelConfig,
+                        input_address: str | Sequence[str], output_address: str | Sequence[str], *, parent_pid: int | None = None,
                         env: dict[str, str] | None = None) -> dict[int, subprocess.Popen]:
     """Start this host's engine cores (``python -m jaxkv.engine.core_proc``), one per local rank.
 
     With more than one local rank each gets its own devices (:func:`device_env`); ``env`` is added to
-    every core's environment. Returns ``{rank: process}``.
+    every core's environment. ``input_address`` / ``output_address``: the front end's endpoints, or a
+    sequence of each, one per API-server process. Returns ``{rank: process}``.
     """
     procs: dict[int, subprocess.Popen] = {}
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
@@ -149,7 +179,7 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
         child_env = dict(os.environ, **(env or {}))
         if dp.local_size > 1 or dp.data_parallel_size > 1:
             child_env.update(device_env(i, dp.devices_per_rank, visible))
-        launch = EngineCoreLaunch(rank, input_address, output_address, factory,
+        launch = EngineCoreLaunch(rank, _addr(input_address), _addr(output_address), factory,
                                   parent_pid=os.getpid() if parent_pid is None else parent_pid)
         proc = subprocess.Popen([sys.executable, "-m", "jaxkv.engine.core_proc"], stdin=subprocess.PIPE,
                                 env=child_env)
@@ -157,6 +187,10 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
         proc.stdin.close()
         procs[rank] = proc
     return procs
+
+
+def _addr(address: str | Sequence[str]) -> str | tuple[str, ...]:
+    return address if isinstance(address, str) else tuple(address)
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
@@ -210,12 +244,19 @@ class _MPClient:
     """What both clients share: sockets, the cores' processes, per-rank state, placement, shutdown."""
 
     def __init__(self, factory, dp: DataParallelConfig, *, env: dict[str, str] | None = None,
-                 heartbeat_timeout_s: float = 10.0, asyncio_mode: bool = False):
+                 heartbeat_timeout_s: float = 10.0, asyncio_mode: bool = False,
+                 attach: FrontEndAttach | None = None):
         self.dp = dp
         self.num_engines = dp.data_parallel_size
         self.heartbeat_timeout_s = heartbeat_timeout_s
-        self._tmpdir = None if dp.data_parallel_address is not None else tempfile.mkdtemp(prefix="jaxkv-ipc-")
-        self.input_address, self.output_address = dp.addresses(self._tmpdir)
+        self.attach = attach
+        self.client_index = 0 if attach is None else attach.client_index
+        if attach is None:
+            self._tmpdir = None if dp.data_parallel_address is not None else tempfile.mkdtemp(prefix="jaxkv-ipc-")
+            self.input_address, self.output_address = dp.addresses(self._tmpdir)
+        else:  # the supervisor made the endpoints' directory and removes it
+            self._tmpdir = None
+            self.input_address, self.output_address = attach.input_address, attach.output_address
         self._ctx = zmq.asyncio.Context() if asyncio_mode else zmq.Context()
         self.input_socket = zmq.Socket(self._ctx, zmq.ROUTER)  # a plain socket: sends never await
         self.input_socket.setsockopt(zmq.ROUTER_MANDATORY, 1)
@@ -233,7 +274,8 @@ class _MPClient:
         self._last_seen = [time.monotonic()] * self.num_engines
         self.dead_error: EngineDeadError | None = None
         self._closing = threading.Event()
-        self.procs = launch_engine_cores(factory, dp, self.input_address, self.output_address, env=env)
+        self.procs = ({} if attach is not None
+                      else launch_engine_cores(factory, dp, self.input_address, self.output_address, env=env))
         self._finalizer = weakref.finalize(self, _cleanup, list(self.procs.values()), self._ctx,
                                            [self.input_socket, self.output_socket], self._tmpdir, self._closing)
 
@@ -254,9 +296,13 @@ class _MPClient:
             code = p.poll()
             if code is not None:
                 return EngineDeadError(f"engine core {rank} (pid {p.pid}) exited with code {code}")
+        watched = {} if self.attach is None else self.attach.core_pids
+        for rank, pid in watched.items():
+            if not _pid_alive(pid):
+                return EngineDeadError(f"engine core {rank} (pid {pid}) exited")
         now = time.monotonic()
         for rank in range(self.num_engines):
-            if rank not in self.procs and now - self._last_seen[rank] > self.heartbeat_timeout_s:
+            if rank not in self.procs and rank not in watched and now - self._last_seen[rank] > self.heartbeat_timeout_s:
                 return EngineDeadError(f"engine core {rank} sent no heartbeat for {self.heartbeat_timeout_s} s")
         return None
 
@@ -336,7 +382,7 @@ class _MPClient:
     def shutdown(self) -> None:
         """Tell every core to exit, wait for them (then SIGTERM, SIGKILL), close the sockets."""
         if self._finalizer.alive:
-            if self.dead_error is None:
+            if self.dead_error is None and self.attach is None:  # attached: the supervisor stops the cores
                 for rank in range(self.num_engines):
                     if self.engine_info[rank] is not None:
                         try:
@@ -352,6 +398,8 @@ class _MPClient:
 
     @property
     def pids(self) -> list[int]:
+        if self.attach is not None:
+            return list(self.attach.core_pids.values())
         return [p.pid for p in self.procs.values()]
 
 
@@ -515,9 +563,9 @@ class AsyncMPClient(_MPClient):
     """
 
     def __init__(self, factory, dp: DataParallelConfig | None = None, *, env=None,
-                 heartbeat_timeout_s: float = 10.0):
+                 heartbeat_timeout_s: float = 10.0, attach: FrontEndAttach | None = None):
         super().__init__(factory, dp or DataParallelConfig(), env=env, heartbeat_timeout_s=heartbeat_timeout_s,
-                         asyncio_mode=True)
+                         asyncio_mode=True, attach=attach)
         self.output_handler: Callable[[EngineCoreOutputs], None] = lambda outputs: None
         self.dead_handler: Callable[[EngineDeadError], None] = lambda error: None
         self.ready_handler: Callable[[], None] = lambda: None
@@ -589,7 +637,7 @@ class AsyncMPClient(_MPClient):
             raise EngineNotReadyError("the engine is starting (loading weights, compiling); retry shortly")
         rank = self.choose_rank(request.prompt_token_ids)
         self._assign(request.request_id, rank)
-        self._send(rank, AddRequests([request]))
+        self._send(rank, AddRequests([request], client_index=self.client_index))
         return rank
 
     async def call_utility(self, method: str, *args) -> list[Any]:
@@ -601,7 +649,7 @@ class AsyncMPClient(_MPClient):
         self._pending_calls[call_id] = (fut, [])
         try:
             for rank in range(self.num_engines):
-                self._send(rank, UtilityCall(call_id, method, list(args)))
+                self._send(rank, UtilityCall(call_id, method, list(args), client_index=self.client_index))
             results = await fut
         finally:
             self._pending_calls.pop(call_id, None)

@@ -34,7 +34,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import zmq
 
@@ -52,18 +52,24 @@ class EngineCoreLaunch:
     Attributes:
         engine_index: the data-parallel rank (also its ZeroMQ routing id).
         input_address, output_address: the front end's bound ROUTER and PULL endpoints (``ipc://`` or
-            ``tcp://host:port``).
+            ``tcp://host:port``); with several API-server processes (``--api-server-count``) a tuple of
+            each, one per front end, indexed by ``client_index``.
         factory: ``() -> (LLMEngine, info: dict)``; runs in the core process.
         parent_pid: the process that must outlive the core (``None``: do not watch).
         stats_interval_s: most seconds between stats snapshots sent with the outputs while busy.
     """
 
     engine_index: int
-    input_address: str
-    output_address: str
+    input_address: str | tuple[str, ...]
+    output_address: str | tuple[str, ...]
     factory: Callable[[], tuple[Any, dict]]
     parent_pid: int | None = None
     stats_interval_s: float = 0.5
+
+
+def as_tuple(addresses: str | Sequence[str]) -> tuple[str, ...]:
+    """One endpoint or several, as a tuple (index = the front end's ``client_index``)."""
+    return (addresses,) if isinstance(addresses, str) else tuple(addresses)
 
 
 def routing_id(engine_index: int) -> bytes:
@@ -92,13 +98,16 @@ def _local_devices():
 
 
 class EngineCoreProc:
-    """Serve one engine over a DEALER (input) and a PUSH (output) socket until shut down.
+    """Serve one engine over a DEALER (input) and a PUSH (output) socket per front end until shut down.
 
     Args:
         engine: a :class:`jaxkv.LLMEngine` (or anything with its ``add_request`` / ``add_requests`` /
             ``abort_request`` / ``step_core_outputs`` / ``has_unfinished_requests`` / ``stats``).
         engine_index: the rank reported in every message.
-        input_socket, output_socket: connected ZeroMQ sockets (DEALER, PUSH).
+        input_socket: a DEALER connected to every front end's ROUTER (their messages are fair-queued).
+        output_socket: a PUSH connected to the front end's PULL, or a sequence of them, one per front end
+            (``client_index``): a request's outputs go to the front end that sent it; stats, ``Ready`` and
+            ``EngineDead`` go to all.
         stats_interval_s: most seconds between stats snapshots while busy (one more when it goes idle).
     """
 
@@ -106,7 +115,8 @@ class EngineCoreProc:
         self.engine = engine
         self.engine_index = engine_index
         self.input_socket = input_socket
-        self.output_socket = output_socket
+        self.output_sockets = [output_socket] if isinstance(output_socket, zmq.Socket) else list(output_socket)
+        self._client_of: dict[str, int] = {}  # request id -> client index (several front ends only)
         self.stats_interval_s = stats_interval_s
         self._last_stats = 0.0
         self._running = True
@@ -131,7 +141,7 @@ class EngineCoreProc:
                 if now - self._last_stats >= self.stats_interval_s:
                     stats = self._stats()
                 if outputs or stats is not None:
-                    self._send(EngineCoreOutputs(self.engine_index, outputs, stats))
+                    self._send_outputs(outputs, stats)
 
     def _drain_input(self) -> None:
         while self._running:
@@ -146,30 +156,54 @@ class EngineCoreProc:
             self._add(msg)
         elif isinstance(msg, AbortRequests):
             self.engine.abort_request(msg.request_ids)
+            for rid in msg.request_ids:
+                self._client_of.pop(rid, None)
         elif isinstance(msg, UtilityCall):
             self._utility(msg)
         elif isinstance(msg, Shutdown):
             self._running = False
 
     def _add(self, msg: AddRequests) -> None:
+        client = msg.client_index
         if msg.ack is not None:  # all or none
             error = None
             try:
                 self.engine.add_requests([(r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only)
                                           for r in msg.requests])
+                self._remember(msg.requests, client)
             except ValueError as e:
                 error = str(e)
-            self._send(AddResult(self.engine_index, msg.ack, error))
+            self._send(AddResult(self.engine_index, msg.ack, error), client)
             return
         rejected = []
         for r in msg.requests:
             try:
                 self.engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
                                         final_only=r.final_only)
+                self._remember([r], client)
             except ValueError as e:
                 rejected.append(EngineCoreOutput(r.request_id, error=str(e)))
         if rejected:
-            self._send(EngineCoreOutputs(self.engine_index, rejected))
+            self._send(EngineCoreOutputs(self.engine_index, rejected), client)
+
+    def _remember(self, requests, client: int) -> None:
+        if len(self.output_sockets) > 1:
+            for r in requests:
+                self._client_of[r.request_id] = client
+
+    def _send_outputs(self, outputs: list[EngineCoreOutput], stats: dict[str, Any] | None) -> None:
+        """One step's outputs, each to the front end that sent its request; stats to every front end."""
+        if len(self.output_sockets) == 1:
+            self._send(EngineCoreOutputs(self.engine_index, outputs, stats))
+            return
+        by_client: list[list[EngineCoreOutput]] = [[] for _ in self.output_sockets]
+        for out in outputs:
+            client = (self._client_of.pop(out.request_id, 0) if out.finished
+                      else self._client_of.get(out.request_id, 0))
+            by_client[client].append(out)
+        for client, mine in enumerate(by_client):
+            if mine or stats is not None:
+                self._send(EngineCoreOutputs(self.engine_index, mine, stats), client)
 
     def _utility(self, msg: UtilityCall) -> None:
         fn = getattr(self, f"utility_{msg.method}", None)
@@ -177,16 +211,20 @@ class EngineCoreProc:
             if fn is None:
                 raise ValueError(f"method={msg.method!r} is not an engine-core utility")
             result = fn(*msg.args)
-            self._send(UtilityResult(self.engine_index, msg.call_id, result))
+            self._send(UtilityResult(self.engine_index, msg.call_id, result), msg.client_index)
         except Exception as e:  # noqa: BLE001 - the caller gets it; the core goes on
-            self._send(UtilityResult(self.engine_index, msg.call_id, None, f"{type(e).__name__}: {e}"))
+            self._send(UtilityResult(self.engine_index, msg.call_id, None, f"{type(e).__name__}: {e}"),
+                       msg.client_index)
 
     def _stats(self) -> dict[str, Any]:
         self._last_stats = time.monotonic()
         return engine_stats(self.engine)
 
-    def _send(self, msg) -> None:
-        self.output_socket.send(protocol.encode(msg), copy=False)
+    def _send(self, msg, client: int | None = None) -> None:
+        """``msg`` to front end ``client`` (``None``: to every front end)."""
+        data = protocol.encode(msg)
+        for sock in self.output_sockets if client is None else (self.output_sockets[client],):
+            sock.send(data, copy=False)
 
     # -- utilities (UtilityCall.method names) --------------------------------------------------------------
     def utility_stats(self) -> dict[str, Any]:
@@ -203,23 +241,28 @@ class EngineCoreProc:
         return os.getpid()
 
 
-def _heartbeat(ctx: zmq.Context, address: str, engine_index: int, parent_pid: int | None,
+def _heartbeat(ctx: zmq.Context, addresses: tuple[str, ...], engine_index: int, parent_pid: int | None,
                stop: threading.Event) -> None:
     """Every ``HEARTBEAT_INTERVAL_S``: tell the front end this process lives, and exit it (hard) once its
     parent is gone, so a killed front end leaves no core holding a device."""
-    sock = ctx.socket(zmq.PUSH)
-    sock.setsockopt(zmq.LINGER, 0)
-    sock.connect(address)
+    socks = []
+    for address in addresses:  # one PUSH per front end
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.connect(address)
+        socks.append(sock)
     beat = protocol.encode(Heartbeat(engine_index))
     while not stop.wait(protocol.HEARTBEAT_INTERVAL_S):
         if parent_pid is not None and os.getppid() != parent_pid:
             logger.error("engine core %d: the front end (pid %d) is gone; exiting", engine_index, parent_pid)
             os._exit(1)
-        try:
-            sock.send(beat, zmq.NOBLOCK)
-        except zmq.Again:
-            pass
-    sock.close()
+        for sock in socks:
+            try:
+                sock.send(beat, zmq.NOBLOCK)
+            except zmq.Again:
+                pass
+    for sock in socks:
+        sock.close()
 
 
 def run_engine_core(launch: EngineCoreLaunch) -> int:
@@ -231,16 +274,21 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     ctx = zmq.Context()
-    out = ctx.socket(zmq.PUSH)
-    out.setsockopt(zmq.LINGER, 5000)  # deliver the last messages (EngineDead) before exiting
-    out.connect(launch.output_address)
+    outs = []
+    for address in as_tuple(launch.output_address):  # one PUSH per front end: a PUSH with several peers picks one
+        out = ctx.socket(zmq.PUSH)
+        out.setsockopt(zmq.LINGER, 5000)  # deliver the last messages (EngineDead) before exiting
+        out.connect(address)
+        outs.append(out)
     inp = ctx.socket(zmq.DEALER)
     inp.setsockopt(zmq.ROUTING_ID, routing_id(launch.engine_index))
     inp.setsockopt(zmq.LINGER, 0)
-    inp.connect(launch.input_address)
+    for address in as_tuple(launch.input_address):  # every front end's messages, fair-queued
+        inp.connect(address)
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, name="jaxkv-heartbeat", daemon=True,
-                            args=(ctx, launch.output_address, launch.engine_index, launch.parent_pid, stop))
+                            args=(ctx, as_tuple(launch.output_address), launch.engine_index, launch.parent_pid,
+                                  stop))
     beat.start()
     code = 0
     try:
@@ -252,20 +300,25 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
         gc.collect()
         gc.freeze()
         info = dict(info, startup_s=time.perf_counter() - t0, pid=os.getpid())
-        out.send(protocol.encode(Ready(launch.engine_index, info)))
-        EngineCoreProc(engine, engine_index=launch.engine_index, input_socket=inp, output_socket=out,
+        ready = protocol.encode(Ready(launch.engine_index, info))
+        for out in outs:
+            out.send(ready)
+        EngineCoreProc(engine, engine_index=launch.engine_index, input_socket=inp, output_socket=outs,
                        stats_interval_s=launch.stats_interval_s).run_busy_loop()
     except SystemExit:
         code = 0
     except BaseException as e:  # noqa: BLE001 - report every failure, then exit non-zero
         tb = traceback.format_exc()
         logger.error("engine core %d failed:\n%s", launch.engine_index, tb)
-        out.send(protocol.encode(EngineDead(launch.engine_index, type(e).__name__, str(e), tb)))
+        dead = protocol.encode(EngineDead(launch.engine_index, type(e).__name__, str(e), tb))
+        for out in outs:
+            out.send(dead)
         code = 1
     finally:
         stop.set()
         inp.close()
-        out.close()
+        for out in outs:
+            out.close()
         ctx.term()
     return code
 

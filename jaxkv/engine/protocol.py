@@ -54,10 +54,12 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
 class AddRequests(msgspec.Struct, tag="add", array_like=True, omit_defaults=True, gc=False):
     """Queue requests. With ``ack`` the core answers one :class:`AddResult`: all added, or none of them
     (a ``ValueError`` of one rolls the others back); without it a rejected request gets an
-    :class:`EngineCoreOutput` whose ``error`` says why."""
+    :class:`EngineCoreOutput` whose ``error`` says why. ``client_index``: the front end (API-server
+    process) that sent them; their outputs go to its output socket (vLLM: ``EngineCoreRequest.client_index``)."""
 
     requests: list[EngineCoreRequest]
     ack: int | None = None
+    client_index: int = 0
 
 
 class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
@@ -65,11 +67,13 @@ class AbortRequests(msgspec.Struct, tag="abort", array_like=True, gc=False):
 
 
 class UtilityCall(msgspec.Struct, tag="utility", array_like=True, gc=False):
-    """Call ``EngineCoreProc.utility_<method>(*args)`` in the core; answered by :class:`UtilityResult`."""
+    """Call ``EngineCoreProc.utility_<method>(*args)`` in the core; answered by :class:`UtilityResult` to
+    front end ``client_index``."""
 
     call_id: int
     method: str
     args: list[Any] = []
+    client_index: int = 0
 
 
 class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):

@@ -7,7 +7,8 @@ official ``openai`` client: how many output tokens/s one API-server process can 
 It starts ``scripts/serve.py`` (its engine core is a child process with its own CPU time, not counted),
 waits for ``/health``, runs ``scripts/bench_serving.py`` at rate inf on synthetic requests (random prompt
 token ids below the model's vocabulary size, fixed output lengths, ``ignore_eos``), and reads the server
-process's own user + system CPU time from ``/proc`` before and after. ``1e6 / (us per token)`` is the
+process's own user + system CPU time from ``/proc`` before and after (with ``--api-server-count N``
+after ``--``: the sum over the N API-server processes). ``1e6 / (us per token)`` is the
 output rate at which that process would be busy all the time: if it is near the engine's offline tokens/s,
 the front end is the limit at rate inf and a second API-server process (vLLM's ``--api-server-count``) is
 the remedy. CPU time, unlike wall time, does not depend on what else the machine runs (Linux only).
@@ -33,6 +34,23 @@ def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of process ``pid`` itself (``/proc/PID/stat`` fields 14 and 15)."""
     fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def api_server_pids(pid: int) -> list[int]:
+    """``pid`` and its children that run ``serve.py`` (the API-server processes of ``--api-server-count``;
+    engine cores, ``python -m jaxkv.engine.core_proc``, are left out)."""
+    out = [pid]
+    for d in pathlib.Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            ppid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            cmd = (d / "cmdline").read_bytes()
+        except OSError:
+            continue
+        if ppid == pid and b"serve.py" in cmd:
+            out.append(int(d.name))
+    return out
 
 
 def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> None:
@@ -83,10 +101,11 @@ def main(argv=None) -> int:
         wait_healthy(args.port, server, args.health_timeout)
         spy = None
         if args.py_spy:
-            spy = subprocess.Popen(["py-spy", "record", "-p", str(server.pid), "-o", args.py_spy, "--format",
+            spy = subprocess.Popen(["py-spy", "record", "-p", str(api_server_pids(server.pid)[-1]), "-o", args.py_spy, "--format",
                                     "raw", "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
-        before = cpu_seconds(server.pid)
+        pids = api_server_pids(server.pid)
+        before = sum(cpu_seconds(p) for p in pids)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--base-url",
                         f"http://127.0.0.1:{args.port}", "--requests", str(tmp / "requests.json"),
@@ -94,7 +113,7 @@ def main(argv=None) -> int:
                         "--client-processes", str(args.client_processes), "--result-json",
                         str(tmp / "result.json")], check=True, stdout=subprocess.DEVNULL)
         wall = time.perf_counter() - t0
-        used = cpu_seconds(server.pid) - before
+        used = sum(cpu_seconds(p) for p in pids) - before
         if spy is not None:
             spy.send_signal(2)
             spy.wait(timeout=60)
@@ -105,10 +124,11 @@ def main(argv=None) -> int:
     tokens, done = run["total_output_tokens"], run["completed"]
     print(f"{done}/{args.num_prompts} requests, {tokens} output tokens in {wall:.1f} s "
           f"({tokens / wall:,.0f} tok/s on this machine)")
-    print(f"API-server process: {used:.2f} CPU s = {1e6 * used / tokens:.1f} us per output token, "
+    print(f"API-server process(es) {pids}: {used:.2f} CPU s = {1e6 * used / tokens:.1f} us per output token, "
           f"{1e3 * used / max(done, 1):.2f} ms per request")
-    print(f"one API-server process saturates at ~{tokens / used:,.0f} output tok/s (at this load's tokens per "
-          f"chunk and request length)")
+    n = max(len(pids) - 1, 1)  # with --api-server-count N the first pid is the supervisor
+    print(f"{n} API-server process(es) would be busy all the time at ~{n * tokens / used:,.0f} output tok/s "
+          f"(the load spread evenly; at this load's tokens per chunk and request length)")
     return 0
 
 

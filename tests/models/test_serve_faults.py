@@ -3,7 +3,9 @@
 * a core killed with SIGKILL mid-stream: the stream ends with an error event, ``/health`` stops
   answering 200 within 5 s, the server exits with code 1 and leaves no process;
 * SIGTERM to the server while it streams: it exits 0 and no engine-core process is left;
-* bad requests get their 4xx while other requests stream on.
+* bad requests get their 4xx while other requests stream on;
+* ``--api-server-count 2``: two API-server processes share the port, both serve, concurrent streams get
+  the tokens of the same requests sent one at a time, SIGTERM drains both and leaves no process.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def _children(pid: int) -> list[int]:
 
 
 class Server:
-    def __init__(self, tmp: pathlib.Path, model: str):
+    def __init__(self, tmp: pathlib.Path, model: str, *extra: str):
         self.port = _free_port()
         self.base = f"http://127.0.0.1:{self.port}"
         self.log = tmp / f"server-{self.port}.log"
@@ -62,7 +64,7 @@ class Server:
                 [sys.executable, str(SCRIPT), "--model", model, "--served-model-name", "m", "--load-format", "dummy",
                  "--dtype", "float32",
                  "--port", str(self.port), "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks",
-                 "128", "--max-num-batched-tokens", "64", "--compile-ahead", "off"],
+                 "128", "--max-num-batched-tokens", "64", "--compile-ahead", "off", *extra],
                 stdout=f, stderr=subprocess.STDOUT, env=env)
         deadline = time.monotonic() + 120
         while True:
@@ -172,3 +174,37 @@ def _alive(pid: int) -> bool:
     except OSError:
         return False
     return fields[0] != "Z"
+
+
+def test_two_api_server_processes(tiny, tmp_path):
+    server = Server(tmp_path, tiny, "--api-server-count", "2")
+    try:
+        kids = _children(server.proc.pid)
+        assert len(kids) == 3, kids  # one engine core, two API servers
+        seen = set()
+        for _ in range(40):  # fresh connections: the kernel hands them to either process
+            seen.add(httpx.get(server.base + "/stats", timeout=10).json().get("api_server_index"))
+            if seen == {0, 1}:
+                break
+        assert seen == {0, 1}, seen
+        prompts = [f"prompt number {i} " * (1 + i % 3) for i in range(8)]
+        streams = [[] for _ in prompts]
+        threads = [threading.Thread(target=server.stream, args=(p, 24, streams[i])) for i, p in enumerate(prompts)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+        texts = []
+        for lines in streams:
+            assert lines[-1] == "data: [DONE]" and not any("error" in l for l in lines), lines[-3:]
+            texts.append("".join(json.loads(l[6:])["choices"][0]["text"] for l in lines[:-1]))
+        for p, text in zip(prompts, texts):  # one at a time, not streamed: the same greedy text
+            r = httpx.post(server.base + "/v1/completions", timeout=60, json={
+                "model": "m", "prompt": p, "max_tokens": 24, "temperature": 0, "ignore_eos": True})
+            assert r.json()["choices"][0]["text"] == text
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0
+        assert not [k for k in kids if pathlib.Path(f"/proc/{k}").exists()
+                    and (pathlib.Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")]
+    finally:
+        server.stop()
