@@ -8,6 +8,7 @@
 #                the same requests; -dp 2 vs one GPU on 3000 requests; greedy text -dp 2 vs one GPU.
 #   stage smol2: the same offline run, then the server at three rates on its requests in the same call,
 #                max_num_batched_tokens 2048 vs 8192, greedy -dp 2 vs one GPU in float32.
+#   stage v2-v5: session 16 (v5 = the next session's first call: --api-server-count 1 vs 2, float32 greedy).
 #   stage big  : llama-3.1-8b (built-in config, dummy weights): 1000 requests on one GPU, then 2000 requests
 #                on one GPU vs -dp 2.
 set -uo pipefail
@@ -25,10 +26,12 @@ quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initi
 S=.dummy/smollm2-header.gguf
 L=.dummy/llama8b-header.gguf
 B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
-start_server() {  # SmolLM2 server on GPU 0, log to $1; waits for /health 200 and writes the time to $OUT/serve-start.txt
-  local t0=$(date +%s.%N)
+start_server() {  # SmolLM2 server on GPU 0, log to $1 (more serve.py flags after it); waits for /health 200 and
+  # writes the time to $OUT/serve-start.txt
+  local t0=$(date +%s.%N) log=$1
+  shift
   CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
-    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 > $1 2>&1 &
+    --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 "$@" > $log 2>&1 &
   SERVER=$!
   until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
   echo "server ready (warm start): $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s" | tee $OUT/serve-start.txt
@@ -159,6 +162,27 @@ v4)  # session 16: Llama-3.1-8B with XLA's Triton GEMM fusions (default) on GPU 
   timeout 220 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
     --num-prompts 64 --max-tokens 32 --dtype float32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
     --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO\|^\*\|slow_op\|Very slow\|^$" | tee $OUT/greedy-dp-f32.txt | tail -12
+  ;;
+v5)  # next session: the server at rate inf with one and with two API-server processes (httptools + uvloop now
+  # in .whl) against the offline engine on the same requests; warm start with the per-shape dummy init; greedy
+  # float32 -dp 2 vs one GPU (SmolLM2) and tp=2 vs tp=1 (llama-3.1-8b)
+  CUDA_VISIBLE_DEVICES=0 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml | tee $OUT/offline.txt
+  for n in 1 2; do
+    start_server /tmp/server$n.log --api-server-count $n
+    cp $OUT/serve-start.txt $OUT/serve-start-asc$n.txt
+    timeout 150 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
+      --request-rate inf,0.9x --warmup-requests 256 --client-processes 8 --markdown 2>&1 | quiet > /tmp/serving.txt
+    tail -4 /tmp/serving.txt | tee $OUT/serving-asc$n.txt
+    kill -TERM $SERVER; wait $SERVER; echo "exit $? ; processes left: $(pgrep -fc 'serve.py|core_proc')"
+  done
+  timeout 150 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
+    --num-prompts 64 --max-tokens 32 --dtype float32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
+    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -6
+  timeout 200 python3 scripts/dev/compare_greedy.py --model llama-3.1-8b --load-format dummy --requests /tmp/req1000.json \
+    --num-prompts 32 --max-tokens 16 --dtype float32 \
+    --a tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
+    --b tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-tp-f32.txt | tail -6
   ;;
 esac
 ls -la /tmp/jaxcache | head -3; du -sh /tmp/jaxcache
