@@ -353,7 +353,8 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
                       fd=listener.fileno())
         servers.append(subprocess.Popen([sys.executable, os.path.abspath(__file__), *argv],
                                         env=dict(os.environ, **{ATTACH_ENV: json.dumps(attach)}),
-                                        pass_fds=(listener.fileno(),)))
+                                        pass_fds=(listener.fileno(),),
+                                        start_new_session=True))  # a terminal's Ctrl-C reaches them once, from here
     listener.close()
     requested = False
 
