@@ -319,7 +319,8 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
     spreads connections over them) and each bind their own endpoints, which every core connects to. Each
     balances its own requests over the ranks. SIGTERM / SIGINT are passed to them (they drain); when one
     exits on its own (a dead core, a crash) the others are stopped. Then the cores are stopped. The exit
-    code is the largest of the API servers' (0 after a requested stop). vLLM: ``--api-server-count``."""
+    code: 0 when every API server exited 0 (a requested stop), else the largest positive code (1 for one
+    killed by a signal). vLLM: ``--api-server-count``."""
     import shutil
     import subprocess
     import tempfile
@@ -382,7 +383,8 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
         stop_processes(list(cores.values()))
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
-    return max(p.returncode or 0 for p in servers)
+    codes = [p.returncode for p in servers]
+    return 0 if all(c == 0 for c in codes) else max([c for c in codes if c and c > 0] or [1])
 
 
 def run_headless(args: argparse.Namespace) -> int:
