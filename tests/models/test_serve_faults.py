@@ -5,7 +5,8 @@
 * SIGTERM to the server while it streams: it exits 0 and no engine-core process is left;
 * bad requests get their 4xx while other requests stream on;
 * ``--api-server-count 2``: two API-server processes share the port, both serve, concurrent streams get
-  the tokens of the same requests sent one at a time, SIGTERM drains both and leaves no process.
+  the tokens of the same requests sent one at a time, SIGTERM drains both and leaves no process, and a
+  killed core makes every process exit (code 1).
 """
 
 from __future__ import annotations
@@ -50,6 +51,14 @@ def _children(pid: int) -> list[int]:
             if int(fields[1]) == pid and fields[0] != "Z":
                 out.append(int(d.name))
     return out
+
+
+def _alive(pid: int) -> bool:
+    """Process ``pid`` runs (exists and is not a zombie)."""
+    try:
+        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 class Server:
@@ -204,7 +213,19 @@ def test_two_api_server_processes(tiny, tmp_path):
             assert r.json()["choices"][0]["text"] == text
         server.proc.send_signal(signal.SIGTERM)
         assert server.proc.wait(30) == 0
-        assert not [k for k in kids if pathlib.Path(f"/proc/{k}").exists()
-                    and (pathlib.Path(f"/proc/{k}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")]
+        assert not [k for k in kids if _alive(k)]
+    finally:
+        server.stop()
+
+
+def test_two_api_servers_exit_1_when_the_core_dies(tiny, tmp_path):
+    server = Server(tmp_path, tiny, "--api-server-count", "2")
+    try:
+        kids = _children(server.proc.pid)
+        cores = [k for k in kids if b"jaxkv.engine.core_proc" in pathlib.Path(f"/proc/{k}/cmdline").read_bytes()]
+        assert len(cores) == 1 and len(kids) == 3, kids
+        os.kill(cores[0], signal.SIGKILL)
+        assert server.proc.wait(30) == 1  # both API servers see the core gone and exit 1; so does the supervisor
+        assert not [k for k in kids if _alive(k)]
     finally:
         server.stop()
