@@ -236,6 +236,18 @@ def data_parallel_config(args: argparse.Namespace):
                               devices_per_rank=args.tensor_parallel_size)
 
 
+def checked_server_flags(args: argparse.Namespace):
+    """``(limits, api keys)`` of the command line.
+
+    Raises:
+        ValueError: a limit, an API key or ``--shutdown-timeout`` out of range (names the flag).
+    """
+    limits, keys = server_limits(args), api_keys(args)
+    if not args.shutdown_timeout >= 0:
+        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    return limits, keys
+
+
 def build_server(args: argparse.Namespace, attach: dict | None = None):
     """The :class:`GracefulServer` (a ``uvicorn.Server`` that drains on SIGTERM; not yet running) and its
     :class:`AsyncLLM`. With engine-core processes the cores start loading now and the server answers
@@ -250,10 +262,7 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
     from models.entrypoints.openai.api_server import build_app
     from models.entrypoints.openai.drain import GracefulServer
 
-    limits = server_limits(args)  # bad flags fail before any process starts
-    keys = api_keys(args)
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    limits, keys = checked_server_flags(args)  # bad flags fail before any process starts
     eargs = engine_args(args)
     dp = data_parallel_config(args)
     path = registry.resolve_model(eargs.model)  # a bad name fails here, before any process starts
@@ -333,10 +342,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
     n = args.api_server_count
     if not multiprocessing_enabled(args.enable_multiprocessing):
         raise ValueError(f"--api-server-count={n} needs engine-core processes")
-    server_limits(args)  # bad flags fail before any process starts
-    api_keys(args)
-    if not args.shutdown_timeout >= 0:
-        raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    checked_server_flags(args)  # bad flags fail before any process starts
     eargs = engine_args(args)
     dp = data_parallel_config(args)
     registry.resolve_model(eargs.model)
