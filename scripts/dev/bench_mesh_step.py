@@ -1,6 +1,7 @@
 """Decode step time of a random-weight Llama on a ``(dp, tp)`` mesh, and the collectives' share of it.
 
-    python scripts/dev/bench_mesh_step.py --tp 1,2 [--batches 8,64] [--preset llama-1b] [--dtype bfloat16]
+    python scripts/dev/bench_mesh_step.py --tp 1,2 [--batches 8,64] [--preset llama-1b | --model llama-3.1-8b]
+        [--dtype bfloat16]
 
 For each ``tp`` (``dp`` = 1) it builds the model's engine on ``make_mesh(tp, 1)``, generates
 ``--new-tokens`` tokens for each of ``batch`` prompts (no stop token) and reports the median decode
@@ -59,6 +60,9 @@ def collective_share(engine, prompts, sampling, steps):
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
+    p.add_argument("--model", default=None,
+                   help="a built-in config name (llama-3.1-8b, qwen3-8b, ...; models/hf_config.py) or a config.json, "
+                        "with on-device dummy weights; overrides --preset")
     p.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
     p.add_argument("--batches", default="8,64")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -70,12 +74,19 @@ def main(argv=None) -> int:
     p.add_argument("--no-profile", action="store_true")
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
-    config = LlamaConfig(**PRESETS[args.preset])
-    model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+    if args.model:
+        from models import hf_config
+        from models.dummy import dummy_model
+        config = (hf_config.builtin_config(args.model) if args.model in hf_config.BUILTIN_CONFIGS
+                  else hf_config.load_hf_config(args.model))
+        model = dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0)
+    else:
+        config = LlamaConfig(**PRESETS[args.preset])
+        model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
     rng = np.random.default_rng(0)
     sampling = jaxkv.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
-          f"preset={args.preset} {args.dtype} attention={impl} num_scheduler_steps={args.num_scheduler_steps}")
+          f"model={args.model or args.preset} {args.dtype} attention={impl} num_scheduler_steps={args.num_scheduler_steps}")
     rows, ref = [], {}
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [list(rng.integers(0, config.vocab_size, args.prompt_len)) for _ in range(batch)]
