@@ -209,6 +209,10 @@ def _server_delta(before: dict, after: dict) -> dict:
     num = (int, float)
     delta = {k: after[k] - before[k] for k in keys
              if isinstance(after.get(k), num) and isinstance(before.get(k), num)}
+    if before.get("api_server_index") != after.get("api_server_index"):
+        # serve.py --api-server-count N: the two reads came from different API-server processes, whose own
+        # counters differ (the engine cores' counters, which every process reports, stay comparable)
+        delta.pop("num_generation_tokens_total", None)
     if all(isinstance(d.get(k), num) for d in (before, after) for k in ("host_s", "device_wait_s")):
         host = after["host_s"] - before["host_s"]
         wait = after["device_wait_s"] - before["device_wait_s"]

@@ -426,3 +426,18 @@ def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_reader):
     # a machine without the dataset reuses the saved token ids
     again = bench_serving.load_requests(bench_serving.parse_args(["--requests", str(saved)]), None, 3)
     assert again == got[:3]
+
+
+def test_bench_serving_server_delta_across_api_server_processes():
+    """With ``serve.py --api-server-count N`` the /stats reads before and after a run may come from different
+    API-server processes: their own counters are not subtracted then; the engine cores' still are."""
+    import pathlib
+    import sys
+    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
+    import bench_serving
+
+    before = {"num_preemptions": 2, "num_generation_tokens_total": 900, "api_server_index": 0}
+    after = {"num_preemptions": 5, "num_generation_tokens_total": 100, "api_server_index": 1}
+    assert bench_serving._server_delta(before, after) == {"num_preemptions": 3}
+    after["api_server_index"] = 0
+    assert bench_serving._server_delta(before, after) == {"num_preemptions": 3, "num_generation_tokens_total": -800}
