@@ -6,48 +6,78 @@ mappings (:func:`build_attn_metadata`); inside ``jax.jit`` each attention layer 
 updated in place. ``docs/api.md`` maps every vLLM function of the seeds to its jaxkv counterpart.
 """
 
-import types as _types
+from jaxkv._lazy import lazy_exports as _lazy_exports
 
-from jaxkv.attention import ATTENTION_IMPLS, default_attention_impl, paged_attention
-from jaxkv.backends import (BACKEND_NAMES, AttentionBackend, FlashAttentionBackend,
-                            FlashAttentionHNDBackend, FlashInferBackend, FlashInferHNDBackend,
-                            MLAAttentionBackend, MultipleOf, PagedAttentionLegacyBackend,
-                            PallasAttentionBackend, get_backend, reshape_and_cache_legacy, to_logical,
-                            to_physical, write_to_paged_cache_legacy)
-from jaxkv.block_allocator import BlockAllocator, OutOfBlocksError
-from jaxkv.block_ops import copy_blocks, copy_blocks_donated, zero_blocks, zero_blocks_donated
-from jaxkv.block_sizes import (blocks_per_kv_block, prepare_kernel_block_sizes, select_common_block_size,
-                               split_block_table, split_slot_mapping)
-from jaxkv.checks import checked, checks_are_enabled, checks_enabled, raise_if_error
-from jaxkv.cache import (allocate_kv_cache, allocate_kv_cache_raw, bind_kv_cache, extract_layer_index,
-                         init_kv_cache, reshape_kv_cache)
-from jaxkv.enc_dec_metadata import (AttentionType, EncoderDecoderMetadata, build_encoder_decoder_metadata,
-                                    get_num_prefill_decode_query_kv_tokens, get_seq_len_block_table_args,
-                                    is_all_cross_attn_metadata_set, is_all_encoder_attn_metadata_set)
-from jaxkv.core import (HybridKVCacheManager, KVCacheManager, Request, RequestStatus, Scheduler,
-                        SchedulerConfig, SchedulerOutput)
-from jaxkv.engine import CompletionOutput, EngineStats, LLMEngine, RequestOutput, SamplingParams
-from jaxkv.graph_buckets import DecodeGraphState, capture_batch_sizes, graph_batch_size, pad_decode_metadata
-from jaxkv.kv_cache_config import (KVCacheConfig, KVCacheGroupSpec, KVCacheTensor,
-                                   check_enough_kv_cache_memory, get_kv_cache_config,
-                                   unify_hybrid_kv_cache_specs)
-from jaxkv.kv_cache_dtype import (FP8_DTYPES, KV_CACHE_DTYPES, dequantize_from_cache, quantize_to_cache,
-                                  resolve_kv_cache_dtype)
-from jaxkv.kv_sharing import (add_kv_sharing_layers_to_kv_cache_groups, is_kv_sharing_layer,
-                              kv_sharing_source_indices, unique_kv_caches)
-from jaxkv.layer_specs import AttentionLayerDescription, get_kv_cache_spec, get_shared_kv_cache_layers
-from jaxkv.memory import (MemorySnapshot, available_kv_cache_memory_bytes, memory_snapshot,
-                          num_blocks_from_device_memory, request_memory)
-from jaxkv.metadata import (AttentionMetadata, CommonAttentionMetadata, build_attn_metadata,
-                            build_attn_metadata_for_groups)
-from jaxkv.ops import write_to_paged_cache
-from jaxkv.sampling import SamplingArrays, sample_tokens, sample_tokens_per_row
-from jaxkv.slot_mapping import (PAD_SLOT_ID, compute_slot_mapping, compute_slot_mapping_batch,
-                                compute_slot_mapping_into, compute_slot_mapping_start_idx,
-                                is_block_tables_empty, slot_mapping_from_positions)
-from jaxkv.spec import AttentionSpec, FullAttentionSpec, KVCacheSpec, MLAAttentionSpec, SlidingWindowSpec
-from jaxkv.swap import (allocate_host_kv_cache, host_memory_kind, swap_blocks, swap_blocks_donated,
-                        to_host)
-
-__all__ = [_name for _name, _obj in dict(globals()).items()
-           if not _name.startswith("_") and not isinstance(_obj, _types.ModuleType)]
+# public name -> the module that defines it; imported on first use (jaxkv/_lazy.py)
+_EXPORTS = {
+    **dict.fromkeys(("ATTENTION_IMPLS", "default_attention_impl", "paged_attention"), "jaxkv.attention"),
+    **dict.fromkeys(("BACKEND_NAMES", "AttentionBackend", "FlashAttentionBackend",
+                    "FlashAttentionHNDBackend", "FlashInferBackend", "FlashInferHNDBackend",
+                    "MLAAttentionBackend", "MultipleOf", "PagedAttentionLegacyBackend",
+                    "PallasAttentionBackend", "get_backend", "reshape_and_cache_legacy", "to_logical",
+                    "to_physical", "write_to_paged_cache_legacy"), "jaxkv.backends"),
+    **dict.fromkeys(("BlockAllocator", "OutOfBlocksError"), "jaxkv.block_allocator"),
+    **dict.fromkeys(("copy_blocks", "copy_blocks_donated", "zero_blocks", "zero_blocks_donated"), "jaxkv.block_ops"),
+    **dict.fromkeys(("blocks_per_kv_block", "prepare_kernel_block_sizes", "select_common_block_size",
+                    "split_block_table", "split_slot_mapping"), "jaxkv.block_sizes"),
+    **dict.fromkeys(("checked", "checks_are_enabled", "checks_enabled", "raise_if_error"), "jaxkv.checks"),
+    **dict.fromkeys(("allocate_kv_cache", "allocate_kv_cache_raw", "bind_kv_cache", "extract_layer_index",
+                    "init_kv_cache", "reshape_kv_cache"), "jaxkv.cache"),
+    **dict.fromkeys(("AttentionType", "EncoderDecoderMetadata", "build_encoder_decoder_metadata",
+                    "get_num_prefill_decode_query_kv_tokens", "get_seq_len_block_table_args",
+                    "is_all_cross_attn_metadata_set", "is_all_encoder_attn_metadata_set"), "jaxkv.enc_dec_metadata"),
+    **dict.fromkeys(("HybridKVCacheManager", "KVCacheManager", "Request", "RequestStatus", "Scheduler",
+                    "SchedulerConfig", "SchedulerOutput"), "jaxkv.core"),
+    **dict.fromkeys(("CompletionOutput", "EngineStats", "LLMEngine", "RequestOutput", "SamplingParams"), "jaxkv.engine"),
+    **dict.fromkeys(("DecodeGraphState", "capture_batch_sizes", "graph_batch_size", "pad_decode_metadata"), "jaxkv.graph_buckets"),
+    **dict.fromkeys(("KVCacheConfig", "KVCacheGroupSpec", "KVCacheTensor", "check_enough_kv_cache_memory",
+                    "get_kv_cache_config", "unify_hybrid_kv_cache_specs"), "jaxkv.kv_cache_config"),
+    **dict.fromkeys(("FP8_DTYPES", "KV_CACHE_DTYPES", "dequantize_from_cache", "quantize_to_cache",
+                    "resolve_kv_cache_dtype"), "jaxkv.kv_cache_dtype"),
+    **dict.fromkeys(("add_kv_sharing_layers_to_kv_cache_groups", "is_kv_sharing_layer",
+                    "kv_sharing_source_indices", "unique_kv_caches"), "jaxkv.kv_sharing"),
+    **dict.fromkeys(("AttentionLayerDescription", "get_kv_cache_spec", "get_shared_kv_cache_layers"), "jaxkv.layer_specs"),
+    **dict.fromkeys(("MemorySnapshot", "available_kv_cache_memory_bytes", "memory_snapshot",
+                    "num_blocks_from_device_memory", "request_memory"), "jaxkv.memory"),
+    **dict.fromkeys(("AttentionMetadata", "CommonAttentionMetadata", "build_attn_metadata",
+                    "build_attn_metadata_for_groups"), "jaxkv.metadata"),
+    **dict.fromkeys(("write_to_paged_cache",), "jaxkv.ops"),
+    **dict.fromkeys(("SamplingArrays", "sample_tokens", "sample_tokens_per_row"), "jaxkv.sampling"),
+    **dict.fromkeys(("PAD_SLOT_ID", "compute_slot_mapping", "compute_slot_mapping_batch",
+                    "compute_slot_mapping_into", "compute_slot_mapping_start_idx", "is_block_tables_empty",
+                    "slot_mapping_from_positions"), "jaxkv.slot_mapping"),
+    **dict.fromkeys(("AttentionSpec", "FullAttentionSpec", "KVCacheSpec", "MLAAttentionSpec",
+                    "SlidingWindowSpec"), "jaxkv.spec"),
+    **dict.fromkeys(("allocate_host_kv_cache", "host_memory_kind", "swap_blocks", "swap_blocks_donated",
+                    "to_host"), "jaxkv.swap"),
+}
+__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
+__all__ = ["ATTENTION_IMPLS", "AttentionBackend", "AttentionLayerDescription", "AttentionMetadata", "AttentionSpec",
+           "AttentionType", "BACKEND_NAMES", "BlockAllocator", "CommonAttentionMetadata",
+           "CompletionOutput", "DecodeGraphState", "EncoderDecoderMetadata", "EngineStats", "FP8_DTYPES",
+           "FlashAttentionBackend", "FlashAttentionHNDBackend", "FlashInferBackend",
+           "FlashInferHNDBackend", "FullAttentionSpec", "HybridKVCacheManager", "KVCacheConfig",
+           "KVCacheGroupSpec", "KVCacheManager", "KVCacheSpec", "KVCacheTensor", "KV_CACHE_DTYPES",
+           "LLMEngine", "MLAAttentionBackend", "MLAAttentionSpec", "MemorySnapshot", "MultipleOf",
+           "OutOfBlocksError", "PAD_SLOT_ID", "PagedAttentionLegacyBackend", "PallasAttentionBackend",
+           "Request", "RequestOutput", "RequestStatus", "SamplingArrays", "SamplingParams", "Scheduler",
+           "SchedulerConfig", "SchedulerOutput", "SlidingWindowSpec",
+           "add_kv_sharing_layers_to_kv_cache_groups", "allocate_host_kv_cache", "allocate_kv_cache",
+           "allocate_kv_cache_raw", "available_kv_cache_memory_bytes", "bind_kv_cache",
+           "blocks_per_kv_block", "build_attn_metadata", "build_attn_metadata_for_groups",
+           "build_encoder_decoder_metadata", "capture_batch_sizes", "check_enough_kv_cache_memory",
+           "checked", "checks_are_enabled", "checks_enabled", "compute_slot_mapping",
+           "compute_slot_mapping_batch", "compute_slot_mapping_into", "compute_slot_mapping_start_idx",
+           "copy_blocks", "copy_blocks_donated", "default_attention_impl", "dequantize_from_cache",
+           "extract_layer_index", "get_backend", "get_kv_cache_config", "get_kv_cache_spec",
+           "get_num_prefill_decode_query_kv_tokens", "get_seq_len_block_table_args",
+           "get_shared_kv_cache_layers", "graph_batch_size", "host_memory_kind", "init_kv_cache",
+           "is_all_cross_attn_metadata_set", "is_all_encoder_attn_metadata_set", "is_block_tables_empty",
+           "is_kv_sharing_layer", "kv_sharing_source_indices", "memory_snapshot",
+           "num_blocks_from_device_memory", "pad_decode_metadata", "paged_attention",
+           "prepare_kernel_block_sizes", "quantize_to_cache", "raise_if_error", "request_memory",
+           "reshape_and_cache_legacy", "reshape_kv_cache", "resolve_kv_cache_dtype", "sample_tokens",
+           "sample_tokens_per_row", "select_common_block_size", "slot_mapping_from_positions",
+           "split_block_table", "split_slot_mapping", "swap_blocks", "swap_blocks_donated", "to_host",
+           "to_logical", "to_physical", "unify_hybrid_kv_cache_specs", "unique_kv_caches",
+           "write_to_paged_cache", "write_to_paged_cache_legacy", "zero_blocks", "zero_blocks_donated"]

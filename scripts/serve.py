@@ -253,24 +253,34 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
     :class:`AsyncLLM`. With engine-core processes the cores start loading now and the server answers
     ``/health`` with 503 until they are ready. ``attach``: this is API-server process ``client_index`` of
     ``--api-server-count``, a front end of cores the supervisor started (:func:`run_api_servers`)."""
-    import uvicorn
-
     from jaxkv.engine.core_client import AsyncMPClient, FrontEndAttach
-    from models import registry
-    from models.entrypoints.async_llm import AsyncLLM
     from models.entrypoints.engine_args import EngineCoreFactory, multiprocessing_enabled, resolve_max_model_len
-    from models.entrypoints.openai.api_server import build_app
-    from models.entrypoints.openai.drain import GracefulServer
 
     limits, keys = checked_server_flags(args)  # bad flags fail before any process starts
     eargs = engine_args(args)
     dp = data_parallel_config(args)
-    path = registry.resolve_model(eargs.model)  # a bad name fails here, before any process starts
+    multiprocessing = multiprocessing_enabled(args.enable_multiprocessing)
+    client = None
+    if multiprocessing and attach is None:
+        # the cores start now (their imports, weights, compiles) while this process imports the model registry
+        # and the HTTP app (~1.5 s on the CPU machine: jaxkv's and models' package imports are lazy for this)
+        client = AsyncMPClient(EngineCoreFactory(eargs), dp)
+    try:
+        import uvicorn
+
+        from models import registry
+        from models.entrypoints.async_llm import AsyncLLM
+        from models.entrypoints.openai.api_server import build_app
+        from models.entrypoints.openai.drain import GracefulServer
+
+        path = registry.resolve_model(eargs.model)  # a bad name: one clear error, the cores stopped
+    except BaseException:
+        if client is not None:
+            client.shutdown()
+        raise
     names = args.served_model_name or [args.model]
-    if multiprocessing_enabled(args.enable_multiprocessing):
-        if attach is None:
-            client = AsyncMPClient(EngineCoreFactory(eargs), dp)  # the cores start loading now
-        else:
+    if multiprocessing:
+        if attach is not None:
             client = AsyncMPClient(None, dp, attach=FrontEndAttach(
                 attach["client_index"], attach["input_address"], attach["output_address"],
                 {int(r): pid for r, pid in attach["core_pids"].items()}))

@@ -1,0 +1,40 @@
+"""Lazy package attributes (PEP 562): a package's public names are imported on first use.
+
+A front-end process (the server's API servers, ``LLM``'s caller) imports ``jaxkv.engine.core_client`` and a few
+model-name helpers; with eager package ``__init__``s that pulled in jax, flax and every kernel (~1.7 s on the
+CPU machine) before the engine-core process could even be started.
+"""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from typing import Callable
+
+
+def lazy_exports(package: str, exports: dict[str, str]) -> tuple[Callable[[str], object], Callable[[], list[str]]]:
+    """``(__getattr__, __dir__)`` for ``package``: ``exports`` maps a public name to the module defining it;
+    any other name is tried as a submodule (``jaxkv.parallel``). The value is cached on the package.
+
+    Raises (from ``__getattr__``):
+        AttributeError: neither an export nor a submodule.
+    """
+
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is not None:
+            value = getattr(importlib.import_module(module), name)
+        else:
+            try:
+                value = importlib.import_module(f"{package}.{name}")
+            except ModuleNotFoundError as e:
+                if e.name != f"{package}.{name}":
+                    raise
+                raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        setattr(sys.modules[package], name, value)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(exports) | set(vars(sys.modules[package])))
+
+    return __getattr__, __dir__
