@@ -69,15 +69,11 @@ def check_blocks(eng) -> None:
         assert not r.block_ids, "a waiting request holds blocks"
 
 
-@pytest.mark.parametrize("async_scheduling", [False, True])
-def test_chaos_run(async_scheduling):
-    # async scheduling (step N+1 dispatched before N's tokens are fetched) on a quarter of the steps
-    steps = STEPS // 4 if async_scheduling else STEPS
-    model = _tiny_model(3)
-    rng = np.random.default_rng(1234)
-    eng = make(model, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, long_prefill_token_threshold=16,
-               num_scheduler_steps=4, async_scheduling=async_scheduling)
-    solo = make(model, num_blocks=16, max_num_seqs=1, enable_prefix_caching=False, num_scheduler_steps=4)
+def chaos_steps(eng, solo, model, rng, steps: int, check) -> tuple[int, int, int]:
+    """``steps`` steps of ``eng`` under random arrivals (greedy requests of 1-23 tokens, prompts of 1-29 tokens,
+    half of them behind one of three shared 16-token prefixes) and aborts, ``check(eng)`` after each; every
+    finished request's tokens are compared with its run alone on ``solo`` (equal, or a float near-tie). Then
+    the engine is drained. Returns ``(finished, aborted, near_ties)``."""
     prefixes = [rng.integers(0, TINY.vocab_size, 16).tolist() for _ in range(3)]
     solo_cache: dict = {}
     specs: dict = {}
@@ -109,9 +105,22 @@ def test_chaos_run(async_scheduling):
                                                                               solo_cache[key])
                 near_ties += 1
             finished += 1
-        check_blocks(eng)
+        check(eng)
     while eng.has_unfinished_requests():
         eng.step()
+    return finished, aborted, near_ties
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_chaos_run(async_scheduling):
+    # async scheduling (step N+1 dispatched before N's tokens are fetched) on a quarter of the steps
+    steps = STEPS // 4 if async_scheduling else STEPS
+    model = _tiny_model(3)
+    rng = np.random.default_rng(1234)
+    eng = make(model, num_blocks=24, max_num_seqs=6, max_num_batched_tokens=24, long_prefill_token_threshold=16,
+               num_scheduler_steps=4, async_scheduling=async_scheduling)
+    solo = make(model, num_blocks=16, max_num_seqs=1, enable_prefix_caching=False, num_scheduler_steps=4)
+    finished, aborted, near_ties = chaos_steps(eng, solo, model, rng, steps, check_blocks)
     kv = eng.kv_cache_manager
     assert kv.num_free_blocks == kv.num_blocks, "blocks leaked"
     assert finished > steps // 50 and aborted > 0

@@ -223,7 +223,7 @@ def test_chaos_run_with_the_host_tier(host_blocks):
     preemption, async scheduling and a roomy or a 5-block host pool: after every step no device or host block
     is held twice or lost (free + held + cached = total on both sides); every finished request's tokens equal
     its solo run (or a float near-tie). ``JAXKV_SLOW=1``."""
-    from tests.models.test_engine_chaos import make, run_solo, same_or_near_tie
+    from tests.models.test_engine_chaos import chaos_steps, make
 
     model = _tiny_model(3)
     rng = np.random.default_rng(host_blocks)
@@ -232,34 +232,7 @@ def test_chaos_run_with_the_host_tier(host_blocks):
                num_scheduler_steps=4, async_scheduling=True, preemption_mode="swap",
                kv_offloading_size=_gib(host_blocks, probe))
     solo = make(model, num_blocks=16, max_num_seqs=1, enable_prefix_caching=False, num_scheduler_steps=4)
-    prefixes = [rng.integers(0, TINY.vocab_size, 16).tolist() for _ in range(3)]
-    solo_cache, specs, finished, near_ties = {}, {}, 0, 0
-    for i in range(1500):
-        if rng.random() < 0.3 and eng.get_num_unfinished_requests() < 12:
-            tail = rng.integers(0, TINY.vocab_size, int(rng.integers(1, 30))).tolist()
-            prompt = (prefixes[int(rng.integers(0, 3))] + tail) if rng.random() < 0.5 else tail
-            params = SamplingParams(max_tokens=int(rng.integers(1, 24)), temperature=0.0)
-            eng.add_request(f"r{i}", prompt, params)
-            specs[f"r{i}"] = (prompt, params)
-        if rng.random() < 0.02 and specs:
-            victim = str(rng.choice(sorted(specs)))
-            eng.abort_request(victim)
-            specs.pop(victim)
-        for out in eng.step():
-            if not out.finished or out.outputs[0].finish_reason == "abort":
-                continue
-            prompt, params = specs.pop(out.request_id)
-            key = (tuple(prompt), params.max_tokens)
-            if key not in solo_cache:
-                solo_cache[key] = run_solo(solo, f"solo{len(solo_cache)}", prompt, params)
-            got = (out.outputs[0].token_ids, out.outputs[0].finish_reason)
-            if got != solo_cache[key]:
-                assert same_or_near_tie(model, prompt, got, solo_cache[key]), (out.request_id, got)
-                near_ties += 1
-            finished += 1
-        _check_accounting(eng)
-    while eng.has_unfinished_requests():
-        eng.step()
+    finished, _, near_ties = chaos_steps(eng, solo, model, rng, 1500, _check_accounting)
     _assert_nothing_held(eng)
     s = eng.stats
     assert s.num_swaps_out > 0 and s.num_host_prefix_hit_tokens > 0 and near_ties <= max(2, finished // 100)
