@@ -45,7 +45,7 @@ import zmq
 import zmq.asyncio
 
 from jaxkv.engine import protocol
-from jaxkv.engine.core_proc import EngineCoreLaunch, routing_id
+from jaxkv.engine.core_proc import EngineCoreLaunch, as_tuple, routing_id
 from jaxkv.engine.protocol import (AbortRequests, AddRequests, AddResult, EngineCoreOutputs, EngineCoreRequest,
                                    EngineDead, Heartbeat, Ready, Shutdown, UtilityCall, UtilityResult)
 
@@ -165,8 +165,9 @@ def device_env(local_index: int, devices_per_rank: int, visible: str | None = No
 
 
 def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParallelConfig,
-                        input_address: str | Sequence[str], output_address: str | Sequence[str], *, parent_pid: int | None = None,
-                        env: dict[str, str] | None = None) -> dict[int, subprocess.Popen]:
+                        input_address: str | Sequence[str], output_address: str | Sequence[str], *,
+                        parent_pid: int | None = None, env: dict[str, str] | None = None
+                        ) -> dict[int, subprocess.Popen]:
     """Start this host's engine cores (``python -m jaxkv.engine.core_proc``), one per local rank.
 
     With more than one local rank each gets its own devices (:func:`device_env`); ``env`` is added to
@@ -179,7 +180,7 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
         child_env = dict(os.environ, **(env or {}))
         if dp.local_size > 1 or dp.data_parallel_size > 1:
             child_env.update(device_env(i, dp.devices_per_rank, visible))
-        launch = EngineCoreLaunch(rank, _addr(input_address), _addr(output_address), factory,
+        launch = EngineCoreLaunch(rank, as_tuple(input_address), as_tuple(output_address), factory,
                                   parent_pid=os.getpid() if parent_pid is None else parent_pid)
         proc = subprocess.Popen([sys.executable, "-m", "jaxkv.engine.core_proc"], stdin=subprocess.PIPE,
                                 env=child_env)
@@ -187,10 +188,6 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
         proc.stdin.close()
         procs[rank] = proc
     return procs
-
-
-def _addr(address: str | Sequence[str]) -> str | tuple[str, ...]:
-    return address if isinstance(address, str) else tuple(address)
 
 
 def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
@@ -302,7 +299,8 @@ class _MPClient:
                 return EngineDeadError(f"engine core {rank} (pid {pid}) exited")
         now = time.monotonic()
         for rank in range(self.num_engines):
-            if rank not in self.procs and rank not in watched and now - self._last_seen[rank] > self.heartbeat_timeout_s:
+            remote = rank not in self.procs and rank not in watched
+            if remote and now - self._last_seen[rank] > self.heartbeat_timeout_s:
                 return EngineDeadError(f"engine core {rank} sent no heartbeat for {self.heartbeat_timeout_s} s")
         return None
 

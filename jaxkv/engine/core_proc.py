@@ -51,17 +51,17 @@ class EngineCoreLaunch:
 
     Attributes:
         engine_index: the data-parallel rank (also its ZeroMQ routing id).
-        input_address, output_address: the front end's bound ROUTER and PULL endpoints (``ipc://`` or
-            ``tcp://host:port``); with several API-server processes (``--api-server-count``) a tuple of
-            each, one per front end, indexed by ``client_index``.
+        input_address, output_address: the bound ROUTER and PULL endpoints (``ipc://`` or
+            ``tcp://host:port``) of every front end, one of each per API-server process
+            (``--api-server-count``), indexed by ``client_index``.
         factory: ``() -> (LLMEngine, info: dict)``; runs in the core process.
         parent_pid: the process that must outlive the core (``None``: do not watch).
         stats_interval_s: most seconds between stats snapshots sent with the outputs while busy.
     """
 
     engine_index: int
-    input_address: str | tuple[str, ...]
-    output_address: str | tuple[str, ...]
+    input_address: tuple[str, ...]
+    output_address: tuple[str, ...]
     factory: Callable[[], tuple[Any, dict]]
     parent_pid: int | None = None
     stats_interval_s: float = 0.5
@@ -222,9 +222,7 @@ class EngineCoreProc:
 
     def _send(self, msg, client: int | None = None) -> None:
         """``msg`` to front end ``client`` (``None``: to every front end)."""
-        data = protocol.encode(msg)
-        for sock in self.output_sockets if client is None else (self.output_sockets[client],):
-            sock.send(data, copy=False)
+        _send_to(self.output_sockets if client is None else (self.output_sockets[client],), msg)
 
     # -- utilities (UtilityCall.method names) --------------------------------------------------------------
     def utility_stats(self) -> dict[str, Any]:
@@ -241,16 +239,30 @@ class EngineCoreProc:
         return os.getpid()
 
 
+def _send_to(sockets, msg) -> None:
+    """``msg``, encoded once, on each of ``sockets``."""
+    data = protocol.encode(msg)
+    for sock in sockets:
+        sock.send(data, copy=False)
+
+
+def _push_sockets(ctx: zmq.Context, addresses: tuple[str, ...], linger_ms: int) -> list:
+    """One PUSH socket connected to each front end's PULL endpoint (a PUSH with several peers would pick one
+    of them for each message)."""
+    socks = []
+    for address in addresses:
+        sock = ctx.socket(zmq.PUSH)
+        sock.setsockopt(zmq.LINGER, linger_ms)
+        sock.connect(address)
+        socks.append(sock)
+    return socks
+
+
 def _heartbeat(ctx: zmq.Context, addresses: tuple[str, ...], engine_index: int, parent_pid: int | None,
                stop: threading.Event) -> None:
     """Every ``HEARTBEAT_INTERVAL_S``: tell the front end this process lives, and exit it (hard) once its
     parent is gone, so a killed front end leaves no core holding a device."""
-    socks = []
-    for address in addresses:  # one PUSH per front end
-        sock = ctx.socket(zmq.PUSH)
-        sock.setsockopt(zmq.LINGER, 0)
-        sock.connect(address)
-        socks.append(sock)
+    socks = _push_sockets(ctx, addresses, linger_ms=0)
     beat = protocol.encode(Heartbeat(engine_index))
     while not stop.wait(protocol.HEARTBEAT_INTERVAL_S):
         if parent_pid is not None and os.getppid() != parent_pid:
@@ -274,21 +286,15 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
 
     signal.signal(signal.SIGTERM, _terminate)
     ctx = zmq.Context()
-    outs = []
-    for address in as_tuple(launch.output_address):  # one PUSH per front end: a PUSH with several peers picks one
-        out = ctx.socket(zmq.PUSH)
-        out.setsockopt(zmq.LINGER, 5000)  # deliver the last messages (EngineDead) before exiting
-        out.connect(address)
-        outs.append(out)
+    outs = _push_sockets(ctx, launch.output_address, linger_ms=5000)  # 5 s: deliver the last messages (EngineDead)
     inp = ctx.socket(zmq.DEALER)
     inp.setsockopt(zmq.ROUTING_ID, routing_id(launch.engine_index))
     inp.setsockopt(zmq.LINGER, 0)
-    for address in as_tuple(launch.input_address):  # every front end's messages, fair-queued
+    for address in launch.input_address:  # every front end's messages, fair-queued
         inp.connect(address)
     stop = threading.Event()
     beat = threading.Thread(target=_heartbeat, name="jaxkv-heartbeat", daemon=True,
-                            args=(ctx, as_tuple(launch.output_address), launch.engine_index, launch.parent_pid,
-                                  stop))
+                            args=(ctx, launch.output_address, launch.engine_index, launch.parent_pid, stop))
     beat.start()
     code = 0
     try:
@@ -300,9 +306,7 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
         gc.collect()
         gc.freeze()
         info = dict(info, startup_s=time.perf_counter() - t0, pid=os.getpid())
-        ready = protocol.encode(Ready(launch.engine_index, info))
-        for out in outs:
-            out.send(ready)
+        _send_to(outs, Ready(launch.engine_index, info))
         EngineCoreProc(engine, engine_index=launch.engine_index, input_socket=inp, output_socket=outs,
                        stats_interval_s=launch.stats_interval_s).run_busy_loop()
     except SystemExit:
@@ -310,9 +314,7 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
     except BaseException as e:  # noqa: BLE001 - report every failure, then exit non-zero
         tb = traceback.format_exc()
         logger.error("engine core %d failed:\n%s", launch.engine_index, tb)
-        dead = protocol.encode(EngineDead(launch.engine_index, type(e).__name__, str(e), tb))
-        for out in outs:
-            out.send(dead)
+        _send_to(outs, EngineDead(launch.engine_index, type(e).__name__, str(e), tb))
         code = 1
     finally:
         stop.set()
