@@ -52,7 +52,8 @@ def dummy_model(config: DecoderConfig, *, dtype=jnp.bfloat16, seed: int = 0, mes
     programs: dict = {}
     values = []
     for (path, leaf), sharding in zip(leaves, shardings):
-        kind, std = _initializer(path, leaf.shape)
+        names = _path_names(path)
+        kind, std = _initializer(names, leaf.shape)
         signature = (tuple(leaf.shape), jnp.dtype(leaf.dtype), kind, std, sharding)
         if signature not in programs:
             make = functools.partial(_make, shape=tuple(leaf.shape), dtype=jnp.dtype(leaf.dtype), kind=kind, std=std)
@@ -60,19 +61,19 @@ def dummy_model(config: DecoderConfig, *, dtype=jnp.bfloat16, seed: int = 0, mes
             # other single-device path makes them (committed ones made each step's dispatch take 130 ms of host
             # time on an H200: docs/perf-notes.md, session 15)
             programs[signature] = jax.jit(make) if sharding is None else jax.jit(make, out_shardings=sharding)
-        values.append(programs[signature](jax.random.fold_in(root, zlib.crc32(_path_name(path).encode()))))
+        values.append(programs[signature](jax.random.fold_in(root, zlib.crc32("/".join(names).encode()))))
     return nnx.merge(graphdef, jax.tree_util.tree_unflatten(treedef, values))
 
 
-def _path_name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+def _path_names(path) -> list[str]:
+    """The parts of a pytree key path as strings (``["layers", "0", "mlp", "down_proj", "kernel", ".value"]``)."""
+    return [str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path]
 
 
-def _initializer(path, shape) -> tuple[str, float]:
-    """``(kind, standard deviation)`` of the parameter at ``path``: ``"ones"`` for norm scales, ``"zeros"`` for
-    biases, ``"normal"`` with LeCun's ``1/sqrt(fan_in)`` otherwise."""
-    names = [str(getattr(k, "key", getattr(k, "name", ""))) for k in path]
-    name = next((n for n in reversed(names) if n and n not in (".value", "value", "raw_value")), "")
+def _initializer(names: list[str], shape) -> tuple[str, float]:
+    """``(kind, standard deviation)`` of the parameter at path ``names``: ``"ones"`` for norm scales,
+    ``"zeros"`` for biases, ``"normal"`` with LeCun's ``1/sqrt(fan_in)`` otherwise."""
+    name = next((n for n in reversed(names) if n not in (".value", "value", "raw_value")), "")
     if name == "scale":
         return "ones", 0.0
     if name == "bias" or len(shape) == 0:

@@ -61,8 +61,8 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--preset", choices=sorted(PRESETS), default="llama-1b")
     p.add_argument("--model", default=None,
-                   help="a built-in config name (llama-3.1-8b, qwen3-8b, ...; models/hf_config.py) or a config.json, "
-                        "with on-device dummy weights; overrides --preset")
+                   help="a built-in config name (llama-3.1-8b, qwen3-8b, ...; models/hf_config.py), a config.json, an "
+                        "HF directory or a GGUF, with on-device dummy weights; overrides --preset")
     p.add_argument("--tp", default="1,2", help="comma-separated tensor-parallel sizes")
     p.add_argument("--batches", default="8,64")
     p.add_argument("--prompt-len", type=int, default=32)
@@ -75,10 +75,9 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
     if args.model:
-        from models import hf_config
+        from models import registry
         from models.dummy import dummy_model
-        config = (hf_config.builtin_config(args.model) if args.model in hf_config.BUILTIN_CONFIGS
-                  else hf_config.load_hf_config(args.model))
+        config = registry.load_config(registry.resolve_model(args.model))
         model = dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0)
     else:
         config = LlamaConfig(**PRESETS[args.preset])

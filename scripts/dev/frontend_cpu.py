@@ -25,7 +25,6 @@ import subprocess
 import sys
 import tempfile
 import time
-import urllib.request
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -51,21 +50,6 @@ def api_server_pids(pid: int) -> list[int]:
         if ppid == pid and b"serve.py" in cmd:
             out.append(int(d.name))
     return out
-
-
-def wait_healthy(port: int, proc: subprocess.Popen, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"serve.py exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2) as r:
-                if r.status == 200:
-                    return
-        except OSError:
-            pass
-        time.sleep(0.5)
-    raise SystemExit(f"serve.py not healthy after {timeout} s")
 
 
 def main(argv=None) -> int:
@@ -94,11 +78,13 @@ def main(argv=None) -> int:
     requests = [[[rng.randrange(3, vocab - 3) for _ in range(args.prompt_len)], args.output_len]
                 for _ in range(args.num_prompts)]
     (tmp / "requests.json").write_text(json.dumps(requests))
-    server = subprocess.Popen([sys.executable, str(ROOT / "scripts" / "serve.py"), "--model", args.model,
-                               "--load-format", args.load_format, "--port", str(args.port),
-                               *args.serve_args], stdout=open(tmp / "server.log", "w"), stderr=subprocess.STDOUT)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    from soak_server import start_server, stop_server  # start: wait for /health 200; stop: SIGTERM, drained
+
+    server, base, _ = start_server(["--model", args.model, "--load-format", args.load_format, "--port",
+                                    str(args.port), *args.serve_args], str(tmp / "server.log"),
+                                   args.health_timeout, dict(os.environ))
     try:
-        wait_healthy(args.port, server, args.health_timeout)
         spy = None
         if args.py_spy:
             spy = subprocess.Popen(["py-spy", "record", "-p", str(api_server_pids(server.pid)[-1]), "-o", args.py_spy, "--format",
@@ -108,7 +94,7 @@ def main(argv=None) -> int:
         before = sum(cpu_seconds(p) for p in pids)
         t0 = time.perf_counter()
         subprocess.run([sys.executable, str(ROOT / "scripts" / "bench_serving.py"), "--base-url",
-                        f"http://127.0.0.1:{args.port}", "--requests", str(tmp / "requests.json"),
+                        base, "--requests", str(tmp / "requests.json"),
                         "--num-prompts", str(args.num_prompts), "--request-rate", "inf",
                         "--client-processes", str(args.client_processes), "--result-json",
                         str(tmp / "result.json")], check=True, stdout=subprocess.DEVNULL)
@@ -118,8 +104,7 @@ def main(argv=None) -> int:
             spy.send_signal(2)
             spy.wait(timeout=60)
     finally:
-        server.terminate()
-        server.wait(timeout=60)
+        stop_server(server, 30)
     run = json.loads((tmp / "result.json").read_text())["runs"][0]
     tokens, done = run["total_output_tokens"], run["completed"]
     print(f"{done}/{args.num_prompts} requests, {tokens} output tokens in {wall:.1f} s "

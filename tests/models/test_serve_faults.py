@@ -38,27 +38,30 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _state_and_parent(pid: int) -> tuple[str, int] | None:
+    """``(state, parent pid)`` of process ``pid`` from ``/proc/PID/stat``, or ``None`` once it is gone."""
+    try:
+        fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return fields[0], int(fields[1])
+
+
 def _children(pid: int) -> list[int]:
     """Live (non-zombie) processes whose parent is ``pid``."""
     out = []
     for d in pathlib.Path("/proc").iterdir():
         if d.name.isdigit():
-            try:
-                stat = (d / "stat").read_text()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[1]) == pid and fields[0] != "Z":
+            stat = _state_and_parent(int(d.name))
+            if stat is not None and stat[1] == pid and stat[0] != "Z":
                 out.append(int(d.name))
     return out
 
 
 def _alive(pid: int) -> bool:
     """Process ``pid`` runs (exists and is not a zombie)."""
-    try:
-        return pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
+    stat = _state_and_parent(pid)
+    return stat is not None and stat[0] != "Z"
 
 
 class Server:
