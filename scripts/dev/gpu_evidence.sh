@@ -1,0 +1,80 @@
+#!/usr/bin/env bash
+# Session 17's GPU evidence for issues 27, 29 and 30 in three back-to-back device-tool calls on an H100 pair
+# (nvidia-h100-x2; carry .whl .dummy .multiturn), the soak on GPU 0 spanning calls a and b:
+#   stage a: starts the 10-minute soak (scripts/dev/gpu_soak.sh, SmolLM2 random weights, ShareGPT requests from
+#            .dummy/requests.json) detached on GPU 0; on GPU 1: SmolLM2 offline 1000 requests (LLM defaults,
+#            engine-core process, and the in-process engine; a second LLM start = warm start), then the server
+#            with --api-server-count 1 and 2 at rate inf and 0.9x through the openai client (bench_serving).
+#   stage b: on GPU 1 the multi-turn host-tier runs (gpu_multiturn.sh smol, big); waits for the soak to end and
+#            copies its output.
+#   stage c: both GPUs: SmolLM2 3000 requests one GPU vs -dp 2; greedy text float32 -dp 2 vs one GPU (SmolLM2)
+#            and tp=2 vs tp=1 (llama-3.1-8b); Gemma-3-4B shape (dummy) greedy tp=2 and dp=2 vs one GPU.
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
+[ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
+python3 - <<'PY'
+import json
+r = json.load(open(".dummy/requests.json"))
+json.dump(r[256:1256], open("/tmp/req1000.json", "w"))   # = bench_serving's inf run
+json.dump(r[256:3256], open("/tmp/req3000.json", "w"))
+PY
+quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initialize backend"; }
+S=.dummy/smollm2-header.gguf
+B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
+G="python3 scripts/dev/compare_greedy.py --load-format dummy --requests /tmp/req1000.json --dtype float32"
+secs() { python3 -c "print(round($(date +%s.%N) - $1, 1))"; }
+case $1 in
+a)
+  CUDA_VISIBLE_DEVICES=0 REQUESTS=.dummy/requests.json OUT=/tmp/soak-out setsid \
+    bash scripts/dev/gpu_soak.sh $S 600 --load-format dummy > /tmp/soak.log 2>&1 < /dev/null &
+  echo "== SmolLM2 offline, GPU 1, 1000 requests: LLM defaults (cold start), in-process engine; LLM again (warm)"
+  CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --backend jaxkv-inproc --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet \
+    | grep -e "^jaxkv" -e "start-up" -e nvml -e "^backend" | tee $OUT/offline.txt
+  CUDA_VISIBLE_DEVICES=1 timeout 80 $B --model $S --requests /tmp/req1000.json --num-prompts 200 --backend jaxkv \
+    2>&1 | quiet | grep -e "^jaxkv " -e "start-up" | tee $OUT/offline-warm.txt
+  for n in 1 2; do
+    [ $SECONDS -gt 400 ] && { echo "no time left for --api-server-count $n"; break; }
+    t0=$(date +%s.%N)
+    CUDA_VISIBLE_DEVICES=1 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+      --port 8000 --no-compile-top-k-top-p --log-stats-interval 5 --api-server-count $n > /tmp/server$n.log 2>&1 &
+    SERVER=$!
+    until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER || break; done
+    echo "server --api-server-count $n ready (warm start): $(secs $t0) s" | tee -a $OUT/serve-start.txt
+    timeout 130 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
+      --request-rate inf,0.9x --warmup-requests 256 --client-processes 8 --markdown 2>&1 | quiet > /tmp/serving$n.txt
+    cp /tmp/serving$n.txt $OUT/; tail -4 /tmp/serving$n.txt
+    t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER
+    echo "exit $? after SIGTERM in $(secs $t1) s; processes left: $(pgrep -fc 'serve.py|core_proc')" | tee -a $OUT/serve-start.txt
+  done
+  tail -3 /tmp/soak.log
+  ;;
+b)
+  CUDA_VISIBLE_DEVICES=1 bash scripts/dev/gpu_multiturn.sh smol 2>&1 | tail -40
+  CUDA_VISIBLE_DEVICES=1 timeout $(( 560 - SECONDS > 30 ? 560 - SECONDS : 30 )) bash scripts/dev/gpu_multiturn.sh big 2>&1 | tail -40
+  while pgrep -f soak_server.py > /dev/null && [ $SECONDS -lt 585 ]; do sleep 2; done
+  cp -r /tmp/soak-out $OUT/; cp /tmp/soak.log $OUT/soak-out/; tail -40 /tmp/soak.log
+  ;;
+c)
+  echo "== SmolLM2, 3000 requests: one GPU vs -dp 2"
+  for dp in 1 2; do
+    timeout 150 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv -dp $dp \
+      --output-json $OUT/dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" | tee -a $OUT/dp.txt
+  done
+  echo "== greedy, float32: SmolLM2 -dp 2 vs one GPU"
+  timeout 150 $G --model $S --num-prompts 64 --max-tokens 32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
+    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -6
+  echo "== greedy, float32: llama-3.1-8b tp=2 vs tp=1"
+  timeout 200 $G --model llama-3.1-8b --num-prompts 32 --max-tokens 16 \
+    --a tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
+    --b tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-tp-f32.txt | tail -6
+  echo "== greedy, float32: gemma-3-4b tp=2 and dp=2 vs one GPU"
+  for side in tensor_parallel_size=2 data_parallel_size=2; do
+    timeout 150 $G --model gemma-3-4b --num-prompts 16 --max-tokens 16 \
+      --a max_num_seqs=16,max_model_len=2048,compile_ahead=off --b $side,max_num_seqs=16,max_model_len=2048,compile_ahead=off \
+      2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee -a $OUT/greedy-gemma-f32.txt | tail -6
+  done
+  ;;
+*) echo "stage: a | b | c"; exit 2 ;;
+esac
