@@ -19,7 +19,8 @@ Starts ``scripts/serve.py`` with the options after ``--`` (or attaches to ``--ba
   server wants one); each must get its own 4xx.
 
 and every ``--burst-interval`` seconds a burst of ``max_pending_requests + --burst-extra`` concurrent streams:
-each must be served in full or refused with 503 + ``Retry-After``, and at least one must be refused.
+each must be served in full or refused with 503 + ``Retry-After``, and the bursts together must see a refusal
+(a fast server may absorb a single burst: its first streams end before its last ones arrive).
 
 Every ``--sample-interval`` seconds it samples the server's RSS (its process tree when this script started
 it, else ``/stats``'s ``process_rss_bytes``), device memory (``/stats``'s ``device_memory_bytes_in_use``,
@@ -513,12 +514,12 @@ def judge(args, records: list[Record], samples: list[dict], idle: dict, bursts: 
     checks.append(("every request did what it must", not failed,
                    f"{len(failed)} of {len(records)} failed" + (f" ({detail})" if detail else "")
                    + f"; {good_total} good/chat/burst requests"))
-    no_refusal = [b for b in bursts if b["refused_503"] == 0]
     if bursts:
-        checks.append(("bursts over the pending cap get 503 + Retry-After", not no_refusal,
-                       f"{len(bursts)} bursts, {sum(b['refused_503'] for b in bursts)} refused, "
-                       f"{sum(b['served'] for b in bursts)} served"
-                       + (f"; none refused in the burst at {no_refusal[0]['t']} s" if no_refusal else "")))
+        refused = sum(b["refused_503"] for b in bursts)
+        absorbed = [b["t"] for b in bursts if b["refused_503"] == 0]
+        checks.append(("bursts over the pending cap get 503 + Retry-After", refused > 0,
+                       f"{len(bursts)} bursts, {refused} refused, {sum(b['served'] for b in bursts)} served"
+                       + (f"; absorbed without a refusal: the bursts at {absorbed} s" if absorbed else "")))
     load = [s for s in samples if s["phase"] in ("load", "idle")]  # the idle one last
     for key, bound, name in (("rss_mib", args.max_rss_growth_mib, "RSS"),
                              ("device_mib", args.max_device_growth_mib, "device memory")):
