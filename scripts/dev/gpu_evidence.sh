@@ -76,5 +76,25 @@ c)
       2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee -a $OUT/greedy-gemma-f32.txt | tail -6
   done
   ;;
-*) echo "stage: a | b | c"; exit 2 ;;
+d)  # the soak again on GPU 0 (its burst check mended), the multi-turn runs with the threaded host-tier copies
+  # on GPU 1, the tier-on run once more under cProfile (where the engine thread's time goes); stage e follows
+  CUDA_VISIBLE_DEVICES=0 REQUESTS=.dummy/requests.json OUT=/tmp/soak-out setsid \
+    bash scripts/dev/gpu_soak.sh $S 600 --load-format dummy > /tmp/soak.log 2>&1 < /dev/null &
+  CUDA_VISIBLE_DEVICES=1 bash scripts/dev/gpu_multiturn.sh smol 2>&1 | grep -v "Delay kernel" | tail -8
+  CUDA_VISIBLE_DEVICES=1 bash scripts/dev/gpu_multiturn.sh big 2>&1 | grep -v "Delay kernel" | tail -8
+  mkdir -p $OUT/prof
+  CUDA_VISIBLE_DEVICES=1 timeout $(( 570 - SECONDS > 30 ? 570 - SECONDS : 30 )) python3 -m cProfile -o /tmp/mt.prof \
+    scripts/bench_multiturn.py --load-format dummy --conversations .multiturn/conversations.json \
+    --model /tmp/smollm2/config.json --num-conversations 150 --max-active 64 --num-gpu-blocks 1536 \
+    --kv-offloading-size 8 --modes on 2>&1 | grep -v "Delay kernel" | tail -3
+  python3 -c "import pstats; s = pstats.Stats('/tmp/mt.prof'); s.sort_stats('tottime').print_stats(30); s.sort_stats('cumulative').print_stats(45)" > $OUT/prof/multiturn-on-cprofile.txt 2>&1
+  grep -A40 "tottime  percall" $OUT/prof/multiturn-on-cprofile.txt | head -40 | cut -c1-150
+  ;;
+e)  # the soak's end (started by stage d), then greedy float32 -dp 2 vs one GPU (SmolLM2)
+  while pgrep -f soak_server.py > /dev/null && [ $SECONDS -lt 400 ]; do sleep 2; done
+  cp /tmp/soak.log /tmp/soak-out/; tar -C /tmp -czf $OUT/soak-out.tgz soak-out; tail -45 /tmp/soak.log
+  timeout $(( 580 - SECONDS )) $G --model $S --num-prompts 64 --max-tokens 32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
+    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -6
+  ;;
+*) echo "stage: a | b | c | d | e"; exit 2 ;;
 esac

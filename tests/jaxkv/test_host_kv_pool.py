@@ -151,12 +151,16 @@ def test_host_prefix_hits_are_copied_back_and_cached_on_the_device():
 
 
 # -- KVOffloader -----------------------------------------------------------------------------------------
-def test_offloader_copies_blocks_both_ways_like_numpy():
+@pytest.mark.parametrize("reuse_staging", [False, True], ids=["fresh-staging", "reused-staging"])
+def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging):
+    """Both directions against NumPy indexing; with staging buffers reused (the GPU's path, forced here) two
+    host -> device copies of one padded size in a row each deliver their own blocks."""
     rng = np.random.default_rng(0)
     shape = (2, 40, 2, BS, 8)  # [2, num_blocks, num_kv_heads, block_size, head_size]
     dev_np = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
     caches = [jnp.asarray(c) for c in dev_np]
     off = KVOffloader(caches, 24)
+    off._reuse_staging = reuse_staging
     assert off.host_bytes == 24 * bytes_per_block(caches) == 24 * 2 * (2 * 2 * BS * 8 * 4)
     out = list(zip(rng.permutation(40)[:20].tolist(), rng.permutation(24)[:20].tolist()))  # 20 pairs: padded to 32
     off.swap_out(caches, out)
@@ -164,16 +168,18 @@ def test_offloader_copies_blocks_both_ways_like_numpy():
     for d, h in out:
         for t in range(2):
             np.testing.assert_array_equal(off.host_block(h)[t], dev_np[t][:, d])
-    into = [(h, d) for (_, h), d in zip(out[:5], (0, 7, 8, 39, 3))]
-    caches = off.swap_in(caches, into)
     ref = [c.copy() for c in dev_np]
-    for h, d in into:
-        src = dict((hh, dd) for dd, hh in out)[h]
-        for t in range(2):
-            ref[t][:, d] = dev_np[t][:, src]
+    src_of = {hh: dd for dd, hh in out}
+    for into in ([(h, d) for (_, h), d in zip(out[:5], (0, 7, 8, 39, 3))],
+                 [(h, d) for (_, h), d in zip(out[5:9], (1, 2, 38, 9))]):  # one padded size: 16
+        caches = off.swap_in(caches, into)
+        for h, d in into:
+            for t in range(2):
+                ref[t][:, d] = dev_np[t][:, src_of[h]]
     for t in range(2):
         np.testing.assert_array_equal(np.asarray(caches[t]), ref[t])
-    assert off.bytes_to_host == 20 * off.block_bytes and off.bytes_to_device == 5 * off.block_bytes
+    assert off.bytes_to_host == 20 * off.block_bytes and off.bytes_to_device == 9 * off.block_bytes
+    assert bool(off._staging) == reuse_staging
 
 
 def test_kv_offloading_size_in_gib_rounds_down_and_rejects_bad_values():
