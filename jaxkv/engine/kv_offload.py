@@ -4,22 +4,24 @@ vLLM: V0's ``CacheEngine`` CPU cache (``swap_space``) and ``swap_in`` / ``swap_o
 worker (``--kv-offloading-size``). The bookkeeping (which host block holds what, which copies a pass needs)
 is :class:`jaxkv.core.host_kv_pool.HostBlockPool`; this module owns the arrays and issues the copies.
 
-One NumPy array per device cache tensor, ``[2, num_host_blocks, num_kv_heads, block_size, head_size]`` (for a
-hybrid model the tensors the KV-cache groups share, so a host block holds a block of any group, as on the
-device). The copies:
+The device cache tensors (a layer's K and V each; for a hybrid model the tensors the KV-cache groups share,
+so a host block holds a block of any group, as on the device) are grouped by shape and dtype, and each
+*tensor group* has one NumPy array ``[tensors, 2, num_host_blocks, num_kv_heads, block_size, head_size]``, so
+a copy of ``n`` blocks is **one transfer per tensor group** (one for a dense model), not one per layer. The
+copies:
 
-* **device → host**: one jitted gather of the blocks into a small new device array, whose transfer to the
-  host starts at once (``copy_to_host_async``: on a GPU the copy engine moves it while the next steps run);
-  the host writes the arrived blocks into the pool after the next step's tokens are fetched
-  (:meth:`KVOffloader.poll`), or at once when a host → device copy reads one of them.
-* **host → device**: the blocks gathered on the host (NumPy) into staging buffers reused from call to call
-  (a fresh buffer costs its page faults: 3x the gather on the CPU machine), moved to the device, then one
-  jitted scatter takes the caches donated (updated in place) and writes them.
+* **device → host**: one jitted gather stacks the blocks of every tensor of a group into a new device array
+  ``[tensors, 2, n, ...]``, whose transfer to the host starts at once (``copy_to_host_async``: on a GPU the
+  copy engine moves it while the next steps run); the host writes the arrived blocks into the pool after the
+  next step's tokens are fetched (:meth:`KVOffloader.poll`), or at once when a host → device copy reads one.
+* **host → device**: the blocks gathered on the host (NumPy ``take``, a task per tensor on a thread pool:
+  NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
+  then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
+  kept per (group, size), two of each, and a buffer is reused once the transfer that read it has completed
+  (a fresh buffer costs its page faults: 3x the gather on the CPU machine).
 
-Host work runs on a thread pool, one task per cache tensor (a layer's K and V): NumPy's gathers and scatters
-and JAX's transfers release the GIL, so the tensors' copies run side by side on the host's cores and their
-transfers overlap (session 17 on an H200: one thread gathering 30 layers' blocks and transferring them from
-pageable memory was 25 s of a 59 s multi-turn run).
+Session 17 (H200, multi-turn SmolLM2, 30 layers): a transfer per layer per copy ran at about 1 GB/s, 53 ms
+for each host -> device pass (11 s of a 28 s run under cProfile); hence one transfer per group.
 
 Ordering: every copy is dispatched between two model steps, in program order with them: the gather reads the
 caches the steps before it wrote, and the step after it, which takes the caches donated, runs once the
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 MIN_PAIRS = 16
+_RING = 2  # staging buffers per (tensor group, size)
 
 
 def chunks(n: int) -> list[tuple[int, int, int]]:
@@ -84,16 +87,29 @@ def num_host_blocks_for(kv_offloading_size: float, kv_caches) -> int:
     return n
 
 
-@jax.jit
-def _gather(caches, ids):
-    """``int32[n]`` blocks of every cache (block axis 1) as new arrays ``[2, n, ...]``."""
-    return [jnp.take(c, ids, axis=1) for c in caches]
+def tensor_groups(kv_caches) -> tuple[tuple[int, ...], ...]:
+    """Indices of the cache tensors grouped by (shape, dtype), in first-seen order."""
+    groups: dict = {}
+    for i, c in enumerate(kv_caches):
+        groups.setdefault((tuple(c.shape), jnp.dtype(c.dtype)), []).append(i)
+    return tuple(tuple(g) for g in groups.values())
 
 
-@functools.partial(jax.jit, donate_argnums=0)
-def _scatter(caches, ids, blocks):
-    """``caches[:, ids[i]] = blocks[:, i]``; ids out of range (padding) write nothing."""
-    return [c.at[:, ids].set(b.astype(c.dtype), mode="drop") for c, b in zip(caches, blocks)]
+@functools.partial(jax.jit, static_argnums=2)
+def _gather(caches, ids, groups):
+    """``int32[n]`` blocks of every cache (block axis 1), stacked per tensor group: ``[tensors, 2, n, ...]``."""
+    return [jnp.stack([jnp.take(caches[i], ids, axis=1) for i in g]) for g in groups]
+
+
+@functools.partial(jax.jit, donate_argnums=0, static_argnums=3)
+def _scatter(caches, ids, blocks, groups):
+    """``caches[t][:, ids[k]] = blocks[group of t][index of t in it, :, k]``; ids out of range (padding) write
+    nothing."""
+    out = list(caches)
+    for g, b in zip(groups, blocks):
+        for j, i in enumerate(g):
+            out[i] = caches[i].at[:, ids].set(b[j].astype(caches[i].dtype), mode="drop")
+    return out
 
 
 class KVOffloader:
@@ -103,10 +119,13 @@ class KVOffloader:
         kv_caches: the engine's device caches, ``dtype[2, num_blocks, num_kv_heads, block_size, head_size]``
             per cache tensor (single device; not kept: every call takes the current ones).
         num_host_blocks: blocks of the host pool.
-        num_threads: host threads for the copies (default: one per tensor, at most the CPU count and 16).
+        num_threads: host threads for the gathers and writes (default: one per tensor, at most the CPU count
+            and 16).
 
     Attributes:
-        host_caches: the host arrays, ``dtype[2, num_host_blocks, num_kv_heads, block_size, head_size]``.
+        groups: the cache tensors' indices per tensor group (same shape and dtype).
+        host_caches: one host array per group, ``dtype[tensors, 2, num_host_blocks, num_kv_heads, block_size,
+            head_size]``.
         bytes_to_host, bytes_to_device: bytes of the blocks copied so far (padding not counted).
         copy_s: host seconds spent issuing copies, writing arrived blocks into the pool and waiting for them.
 
@@ -122,14 +141,17 @@ class KVOffloader:
         device = next(iter(kv_caches[0].sharding.device_set))
         # a CPU "device" may alias a NumPy buffer it was given (zero-copy): staging is reused elsewhere only
         self._reuse_staging = device.platform != "cpu"
-        self._staging: dict[int, list[np.ndarray]] = {}  # chunk size -> one buffer per tensor
-        n = num_threads or min(len(kv_caches), os.cpu_count() or 1, 16)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="kv-offload")
+        self._staging: dict[tuple[int, int], list[list]] = {}  # (group, size) -> [[buffer, its transfer]]
         self.num_host_blocks = num_host_blocks
         self.num_device_blocks = int(kv_caches[0].shape[1])
         self.block_bytes = bytes_per_block(kv_caches)
-        shape = (kv_caches[0].shape[0], num_host_blocks, *kv_caches[0].shape[2:])
-        self.host_caches = [np.zeros(shape, c.dtype) for c in kv_caches]
+        self.groups = tensor_groups(kv_caches)
+        self.host_caches = []
+        for g in self.groups:
+            c = kv_caches[g[0]]
+            self.host_caches.append(np.zeros((len(g), c.shape[0], num_host_blocks, *c.shape[2:]), c.dtype))
+        n = num_threads or min(len(kv_caches), os.cpu_count() or 1, 16)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="kv-offload")
         self._pending: list[tuple[list[jax.Array], np.ndarray]] = []  # device → host copies on their way
         self.bytes_to_host = self.bytes_to_device = 0
         self.copy_s = 0.0
@@ -150,7 +172,7 @@ class KVOffloader:
         for start, count, size in chunks(len(pairs)):
             ids = np.zeros(size, np.int32)
             ids[:count] = pairs[start:start + count, 0]
-            blocks = _gather(caches, ids)
+            blocks = _gather(caches, ids, self.groups)
             for b in blocks:
                 b.copy_to_host_async()
             self._pending.append((blocks, pairs[start:start + count, 1].copy()))
@@ -171,24 +193,35 @@ class KVOffloader:
             host_ids[:count] = pairs[start:start + count, 0]
             dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
             dev_ids[:count] = pairs[start:start + count, 1]
-            blocks = list(self._pool.map(functools.partial(self._load, host_ids), range(len(self.host_caches))))
-            out = _scatter(out, dev_ids, blocks)
+            out = _scatter(out, dev_ids, [self._load(gi, host_ids) for gi in range(len(self.groups))],
+                           self.groups)
         self.bytes_to_device += len(pairs) * self.block_bytes
         self.copy_s += time.perf_counter() - t
         return out
 
-    def _load(self, host_ids: np.ndarray, i: int) -> jax.Array:
-        """Tensor ``i``'s host blocks ``host_ids`` on the device (a worker thread). Staging buffers are reused
-        once the transfer that read them has completed (waited for here, off the engine's thread)."""
-        h, size = self.host_caches[i], len(host_ids)
+    def _load(self, gi: int, host_ids: np.ndarray) -> jax.Array:
+        """Group ``gi``'s host blocks ``host_ids`` gathered into a staging buffer (a task per tensor) and put
+        on the device in one transfer."""
+        h = self.host_caches[gi]
+        slot = None
         if self._reuse_staging:
-            bufs = self._staging.setdefault(size, [None] * len(self.host_caches))
-            if bufs[i] is None:
-                bufs[i] = np.empty((h.shape[0], size, *h.shape[2:]), h.dtype)
-            on_device = jax.device_put(np.take(h, host_ids, axis=1, out=bufs[i]))
-            on_device.block_until_ready()  # the buffer is free for the next call
-            return on_device
-        return jax.device_put(np.take(h, host_ids, axis=1))
+            ring = self._staging.setdefault((gi, len(host_ids)), [])
+            slot = next((s for s in ring if s[1] is None or s[1].is_ready()), None)
+            if slot is None and len(ring) < _RING:
+                slot = [np.empty((*h.shape[:2], len(host_ids), *h.shape[3:]), h.dtype), None]
+                ring.append(slot)
+            elif slot is None:  # both buffers still being read: wait for the older transfer
+                slot = ring[0]
+                slot[1].block_until_ready()
+                ring.append(ring.pop(0))
+            buf = slot[0]
+        else:
+            buf = np.empty((*h.shape[:2], len(host_ids), *h.shape[3:]), h.dtype)
+        list(self._pool.map(lambda j: np.take(h[j], host_ids, axis=1, out=buf[j]), range(h.shape[0])))
+        on_device = jax.device_put(buf)
+        if slot is not None:
+            slot[1] = on_device
+        return on_device
 
     def poll(self) -> None:
         """Write the device → host copies that have arrived into the pool (oldest first)."""
@@ -210,25 +243,33 @@ class KVOffloader:
 
     def _write(self, blocks, host_ids) -> None:
         n = len(host_ids)
+        for h, b in zip(self.host_caches, blocks):
+            arrived = np.asarray(b)
 
-        def write(i):
-            self.host_caches[i][:, host_ids] = np.asarray(blocks[i])[:, :n]
+            def write(j, h=h, arrived=arrived):
+                h[j][:, host_ids] = arrived[j][:, :n]
 
-        list(self._pool.map(write, range(len(blocks))))
+            list(self._pool.map(write, range(h.shape[0])))
 
     def host_block(self, block: int) -> list[np.ndarray]:
-        """One host block of every tensor, ``[2, num_kv_heads, block_size, head_size]`` each (tests)."""
+        """One host block of every tensor, ``[2, num_kv_heads, block_size, head_size]`` each, in the caches'
+        order (tests)."""
         self._flush()
-        return [h[:, block].copy() for h in self.host_caches]
+        out = [None] * sum(len(g) for g in self.groups)
+        for g, h in zip(self.groups, self.host_caches):
+            for j, i in enumerate(g):
+                out[i] = h[j][:, block].copy()
+        return out
 
     def warmup(self, kv_caches):
         """Compile the copy programs of every chunk size up to the device's block count (the most blocks one
         pass can copy), with copies that write nothing; returns the device caches."""
         size = MIN_PAIRS
         while True:
-            jax.block_until_ready(_gather(list(kv_caches), np.zeros(size, np.int32)))
+            jax.block_until_ready(_gather(list(kv_caches), np.zeros(size, np.int32), self.groups))
             kv_caches = _scatter(list(kv_caches), np.full(size, self.num_device_blocks, np.int32),
-                                 [np.zeros((h.shape[0], size, *h.shape[2:]), h.dtype) for h in self.host_caches])
+                                 [np.zeros((*h.shape[:2], size, *h.shape[3:]), h.dtype) for h in self.host_caches],
+                                 self.groups)
             size *= 2
             if size > self.num_device_blocks:
                 return kv_caches

@@ -157,16 +157,18 @@ def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging):
     host -> device copies of one padded size in a row each deliver their own blocks."""
     rng = np.random.default_rng(0)
     shape = (2, 40, 2, BS, 8)  # [2, num_blocks, num_kv_heads, block_size, head_size]
-    dev_np = [rng.standard_normal(shape).astype(np.float32) for _ in range(2)]
+    # three tensors in two groups (one transfer each): two of one shape around one with another head count
+    dev_np = [rng.standard_normal(shp).astype(np.float32) for shp in (shape, (2, 40, 1, BS, 8), shape)]
     caches = [jnp.asarray(c) for c in dev_np]
     off = KVOffloader(caches, 24)
     off._reuse_staging = reuse_staging
-    assert off.host_bytes == 24 * bytes_per_block(caches) == 24 * 2 * (2 * 2 * BS * 8 * 4)
+    assert off.groups == ((0, 2), (1,)) and [h.shape[:3] for h in off.host_caches] == [(2, 2, 24), (1, 2, 24)]
+    assert off.host_bytes == 24 * bytes_per_block(caches) == 24 * 2 * (5 * BS * 8 * 4)
     out = list(zip(rng.permutation(40)[:20].tolist(), rng.permutation(24)[:20].tolist()))  # 20 pairs: padded to 32
     off.swap_out(caches, out)
     off.poll()
     for d, h in out:
-        for t in range(2):
+        for t in range(3):
             np.testing.assert_array_equal(off.host_block(h)[t], dev_np[t][:, d])
     ref = [c.copy() for c in dev_np]
     src_of = {hh: dd for dd, hh in out}
@@ -174,9 +176,9 @@ def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging):
                  [(h, d) for (_, h), d in zip(out[5:9], (1, 2, 38, 9))]):  # one padded size: 16
         caches = off.swap_in(caches, into)
         for h, d in into:
-            for t in range(2):
+            for t in range(3):
                 ref[t][:, d] = dev_np[t][:, src_of[h]]
-    for t in range(2):
+    for t in range(3):
         np.testing.assert_array_equal(np.asarray(caches[t]), ref[t])
     assert off.bytes_to_host == 20 * off.block_bytes and off.bytes_to_device == 9 * off.block_bytes
     assert bool(off._staging) == reuse_staging
