@@ -190,10 +190,11 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
     return procs
 
 
-def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0) -> None:
-    """Wait for ``procs`` to exit, then SIGTERM, then SIGKILL; none is left running."""
+def stop_processes(procs: Sequence[subprocess.Popen], timeout_s: float = 5.0, *, wait_first: bool = True) -> None:
+    """Wait for ``procs`` to exit (unless ``wait_first`` is false: processes that will not stop by themselves),
+    then SIGTERM, then SIGKILL; none is left running."""
     deadline = time.monotonic() + timeout_s
-    for sig in (None, signal.SIGTERM, signal.SIGKILL):
+    for sig in (None, signal.SIGTERM, signal.SIGKILL)[0 if wait_first else 1:]:
         for p in procs:
             if sig is not None and p.poll() is None:
                 p.send_signal(sig)
