@@ -19,6 +19,8 @@ model holds final norm weights (a Gemma checkpoint's ``w - 1`` gets its 1 added 
 
 from __future__ import annotations
 
+import functools
+
 from typing import Sequence
 
 import jax
@@ -190,6 +192,19 @@ class DecoderLayer(nnx.Module):
         return self._after_attention(x, self.self_attn.dense(self.input_layernorm(x).astype(x.dtype), valid))
 
 
+@functools.partial(jax.jit, static_argnums=0, static_argnames=("attention_impl", "mesh"))
+def _layer_step(graphdef, state, x, positions, kv_cache, metadata, *, attention_impl, mesh):
+    """One decoder layer (``graphdef`` + ``state`` from ``nnx.split``) as a jitted function of its own.
+
+    Inside the model's jitted step this is a call, not a copy: JAX traces and lowers the layer once per
+    distinct layer structure (the graphdef: a dense model has one, Gemma 3 two) and input shapes, where the
+    plain loop traced it once per layer, and XLA inlines the calls before it optimises. A warm start (JAX's
+    persistent cache skips only XLA's compile) spent most of its time tracing and lowering the step
+    programs: 16.8 s of 19.1 s for SmolLM2's 19 buckets under cProfile on an H200 (session 17).
+    """
+    return nnx.merge(graphdef, state)(x, positions, kv_cache, metadata, attention_impl=attention_impl, mesh=mesh)
+
+
 class DecoderForCausalLM(nnx.Module):
     """Embedding (scaled by ``sqrt(hidden_size)`` for Gemma), ``num_layers`` decoder layers, final norm and
     LM head (tied to the embedding unless ``tie_word_embeddings`` is off). vLLM: ``LlamaForCausalLM``,
@@ -260,7 +275,8 @@ class DecoderForCausalLM(nnx.Module):
         x = self._embed(input_ids)
         for layer, (g, t) in zip(self.layers, cache_layout):
             md = metadata[g] if per_group else metadata
-            x, kv_caches[t] = layer(x, positions, kv_caches[t], md, attention_impl=attention_impl, mesh=mesh)
+            x, kv_caches[t] = _layer_step(*nnx.split(layer), x, positions, kv_caches[t], md,
+                                          attention_impl=attention_impl, mesh=mesh)
         return self._logits(gather_logits_rows(x, logits_indices, mesh)), kv_caches
 
     def forward_dense(self, input_ids: Int[Array, "batch seq"], valid: jax.Array, first_logit: int = 0
