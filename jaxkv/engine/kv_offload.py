@@ -17,8 +17,8 @@ copies:
 * **host → device**: the blocks gathered on the host (NumPy ``take``, a task per tensor on a thread pool:
   NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
   then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
-  kept per (group, size), two of each, and a buffer is reused once the transfer that read it has completed
-  (a fresh buffer costs its page faults: 3x the gather on the CPU machine).
+  kept per (group, size), two of each, up to :data:`STAGING_BYTES` in all, and a buffer is reused once the
+  transfer that read it has completed (a fresh buffer costs its page faults: 3x the gather on the CPU machine).
 
 Session 17 (H200, multi-turn SmolLM2, 30 layers): a transfer per layer per copy ran at about 1 GB/s, 53 ms
 for each host -> device pass (11 s of a 28 s run under cProfile); hence one transfer per group.
@@ -51,6 +51,7 @@ import numpy as np
 
 MIN_PAIRS = 16
 _RING = 2  # staging buffers per (tensor group, size)
+STAGING_BYTES = 512 << 20  # host memory kept for reused staging buffers, beyond the pool; larger passes get fresh ones
 
 
 def chunks(n: int) -> list[tuple[int, int, int]]:
@@ -142,6 +143,7 @@ class KVOffloader:
         # a CPU "device" may alias a NumPy buffer it was given (zero-copy): staging is reused elsewhere only
         self._reuse_staging = device.platform != "cpu"
         self._staging: dict[tuple[int, int], list[list]] = {}  # (group, size) -> [[buffer, its transfer]]
+        self.staging_bytes = 0  # host bytes of the kept staging buffers (at most STAGING_BYTES)
         self.num_host_blocks = num_host_blocks
         self.num_device_blocks = int(kv_caches[0].shape[1])
         self.block_bytes = bytes_per_block(kv_caches)
@@ -203,20 +205,21 @@ class KVOffloader:
         """Group ``gi``'s host blocks ``host_ids`` gathered into a staging buffer (a task per tensor) and put
         on the device in one transfer."""
         h = self.host_caches[gi]
+        shape = (*h.shape[:2], len(host_ids), *h.shape[3:])
+        nbytes = math.prod(shape) * h.dtype.itemsize
         slot = None
         if self._reuse_staging:
             ring = self._staging.setdefault((gi, len(host_ids)), [])
             slot = next((s for s in ring if s[1] is None or s[1].is_ready()), None)
-            if slot is None and len(ring) < _RING:
-                slot = [np.empty((*h.shape[:2], len(host_ids), *h.shape[3:]), h.dtype), None]
+            if slot is None and len(ring) < _RING and self.staging_bytes + nbytes <= STAGING_BYTES:
+                slot = [np.empty(shape, h.dtype), None]
                 ring.append(slot)
-            elif slot is None:  # both buffers still being read: wait for the older transfer
+                self.staging_bytes += nbytes
+            elif slot is None and ring:  # the kept buffers are still being read: wait for the older transfer
                 slot = ring[0]
                 slot[1].block_until_ready()
                 ring.append(ring.pop(0))
-            buf = slot[0]
-        else:
-            buf = np.empty((*h.shape[:2], len(host_ids), *h.shape[3:]), h.dtype)
+        buf = np.empty(shape, h.dtype) if slot is None else slot[0]
         list(self._pool.map(lambda j: np.take(h[j], host_ids, axis=1, out=buf[j]), range(h.shape[0])))
         on_device = jax.device_put(buf)
         if slot is not None:

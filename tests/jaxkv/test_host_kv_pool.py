@@ -11,6 +11,7 @@ import pytest
 from jaxkv.core import KVCacheManager, Request, RequestStatus, Scheduler, SchedulerConfig
 from jaxkv.core.host_kv_pool import HostBlockPool
 from jaxkv.engine import SamplingParams
+from jaxkv.engine import kv_offload
 from jaxkv.engine.kv_offload import MIN_PAIRS, KVOffloader, bytes_per_block, chunks, num_host_blocks_for
 from jaxkv.prefix_cache import block_hashes
 
@@ -151,10 +152,14 @@ def test_host_prefix_hits_are_copied_back_and_cached_on_the_device():
 
 
 # -- KVOffloader -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("reuse_staging", [False, True], ids=["fresh-staging", "reused-staging"])
-def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging):
+@pytest.mark.parametrize("reuse_staging,budget", [(False, None), (True, None), (True, 0)],
+                         ids=["fresh-staging", "reused-staging", "staging-over-budget"])
+def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, monkeypatch):
     """Both directions against NumPy indexing; with staging buffers reused (the GPU's path, forced here) two
-    host -> device copies of one padded size in a row each deliver their own blocks."""
+    host -> device copies of one padded size in a row each deliver their own blocks; past the staging budget
+    every copy gets a fresh buffer and none is kept."""
+    if budget is not None:
+        monkeypatch.setattr(kv_offload, "STAGING_BYTES", budget)
     rng = np.random.default_rng(0)
     shape = (2, 40, 2, BS, 8)  # [2, num_blocks, num_kv_heads, block_size, head_size]
     # three tensors in two groups (one transfer each): two of one shape around one with another head count
@@ -181,7 +186,9 @@ def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging):
     for t in range(3):
         np.testing.assert_array_equal(np.asarray(caches[t]), ref[t])
     assert off.bytes_to_host == 20 * off.block_bytes and off.bytes_to_device == 9 * off.block_bytes
-    assert bool(off._staging) == reuse_staging
+    kept = sum(len(ring) for ring in off._staging.values())
+    assert (kept > 0) == (reuse_staging and budget is None)
+    assert off.staging_bytes <= kv_offload.STAGING_BYTES
 
 
 def test_kv_offloading_size_in_gib_rounds_down_and_rejects_bad_values():
