@@ -217,16 +217,26 @@ class AsyncLLM:
         self._requests[request_id] = state
         try:
             while True:
-                item = await state.queue.get()
-                if isinstance(item, BaseException):
-                    state.finished = True  # rejected or engine dead: nothing to abort
-                    raise item
-                if item is _ABORTED:
-                    yield state.aborted()
-                    return
-                out = state.process(item)
-                if out.finished and item.finish_reason is None:  # a stop string ended it: the engine runs on
-                    self._abort_in_core([request_id])
+                # everything that arrived while this stream was busy is folded into one output (vLLM's
+                # RequestOutputCollector): a front end that falls behind sends fewer, larger chunks
+                items = [await state.queue.get()]
+                while not state.queue.empty():
+                    items.append(state.queue.get_nowait())
+                out = None
+                for item in items:
+                    if isinstance(item, BaseException) or item is _ABORTED:
+                        if out is not None:
+                            yield out
+                        if item is _ABORTED:
+                            yield state.aborted()
+                            return
+                        state.finished = True  # rejected or engine dead: nothing to abort
+                        raise item
+                    out = state.process(item)
+                    if out.finished:
+                        if item.finish_reason is None:  # a stop string ended it: the engine runs on
+                            self._abort_in_core([request_id])
+                        break
                 yield out
                 if out.finished:
                     return

@@ -395,6 +395,44 @@ def test_async_llm_abort_early_close_and_dead_engine():
     asyncio.run(scenario())
 
 
+def test_async_llm_folds_outputs_a_slow_stream_missed():
+    """A stream that falls behind gets the steps it missed as one output (vLLM's RequestOutputCollector):
+    fewer outputs, the same text as a stream that kept up; a stop string inside the folded steps still cuts
+    the text there and aborts the request; an abort queued behind outputs still delivers their text."""
+    import asyncio
+
+    async def run(prompt, *, slow, stop=(), abort_after=None, max_tokens=24):
+        engine = FakeEngine(step_s=0.001)
+        llm = AsyncLLM(engine, ByteTokenizer(), log_stats_interval_s=None)
+        llm.start()
+        outs = []
+        try:
+            gen = llm.generate(prompt, SamplingParams(max_tokens=max_tokens, temperature=0.0), "r", stop=stop)
+            async for out in gen:
+                outs.append(out)
+                if abort_after is not None and len(outs) == 1:
+                    await asyncio.sleep(0.015)  # several steps queue up ahead of the abort marker
+                    llm.abort("r")
+                if slow:
+                    time.sleep(0.02)  # blocks the loop: the engine thread queues ~10 steps meanwhile
+        finally:
+            llm.shutdown()
+        return outs, engine
+
+    async def scenario():
+        fast, _ = await run([104], slow=False)
+        slow, _ = await run([104], slow=True)
+        assert fast[-1].text == slow[-1].text == OUTPUT[:24].decode("utf-8", errors="replace")
+        assert len(slow) < len(fast) and slow[-1].finish_reason == "length"
+        assert [len(o.text) for o in slow] == sorted(len(o.text) for o in slow)  # cumulative, never back
+        cut, engine = await run([104], slow=True, stop=["STOP"], max_tokens=30)
+        assert cut[-1].text == "Hello wörld 🙂 " and cut[-1].finish_reason == "stop" and "r" in engine.aborted
+        aborted, _ = await run([104], slow=False, abort_after=1, max_tokens=60)
+        assert aborted[-1].finish_reason == "abort" and len(aborted[-1].text) > len(aborted[0].text)
+
+    asyncio.run(scenario())
+
+
 def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_reader):
     """The serving benchmark's requests are bench_throughput's (same loader, rule, seed), sent as ids."""
     import pathlib
