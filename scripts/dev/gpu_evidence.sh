@@ -9,6 +9,11 @@
 #            copies its output.
 #   stage c: both GPUs: SmolLM2 3000 requests one GPU vs -dp 2; greedy text float32 -dp 2 vs one GPU (SmolLM2)
 #            and tp=2 vs tp=1 (llama-3.1-8b); Gemma-3-4B shape (dummy) greedy tp=2 and dp=2 vs one GPU.
+#   stage d, e: session 17's second soak with the multi-turn runs beside it, then its end.
+#   stage f (next session): GPU 0 the multi-turn runs with one transfer per tensor group (and cProfile of the
+#            tier-on run), GPU 1 at the same time offline + server with 1 and 2 API servers + warm start.
+#   stage g (next session): issue 28 on both GPUs: greedy float32 at JAX_DEFAULT_MATMUL_PRECISION=highest,
+#            tp=2 vs tp=1 at 8B and Gemma-3-4B tp=2 / dp=2 vs one GPU; tp step times; 16 GB load memory.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 [ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -24,10 +29,7 @@ S=.dummy/smollm2-header.gguf
 B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
 G="python3 scripts/dev/compare_greedy.py --load-format dummy --requests /tmp/req1000.json --dtype float32"
 secs() { python3 -c "print(round($(date +%s.%N) - $1, 1))"; }
-case $1 in
-a)
-  CUDA_VISIBLE_DEVICES=0 REQUESTS=.dummy/requests.json OUT=/tmp/soak-out setsid \
-    bash scripts/dev/gpu_soak.sh $S 600 --load-format dummy > /tmp/soak.log 2>&1 < /dev/null &
+offline_and_servers() {  # GPU 1: SmolLM2 offline (cold, in-process, warm), then the server with 1 and 2 API servers
   echo "== SmolLM2 offline, GPU 1, 1000 requests: LLM defaults (cold start), in-process engine; LLM again (warm)"
   CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
     --backend jaxkv --backend jaxkv-inproc --nvml-busy --output-json $OUT/offline.json 2>&1 | quiet \
@@ -48,6 +50,12 @@ a)
     t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER
     echo "exit $? after SIGTERM in $(secs $t1) s; processes left: $(pgrep -fc 'serve.py|core_proc')" | tee -a $OUT/serve-start.txt
   done
+}
+case $1 in
+a)
+  CUDA_VISIBLE_DEVICES=0 REQUESTS=.dummy/requests.json OUT=/tmp/soak-out setsid \
+    bash scripts/dev/gpu_soak.sh $S 600 --load-format dummy > /tmp/soak.log 2>&1 < /dev/null &
+  offline_and_servers
   tail -3 /tmp/soak.log
   ;;
 b)
@@ -96,5 +104,27 @@ e)  # the soak's end (started by stage d), then greedy float32 -dp 2 vs one GPU 
   timeout $(( 580 - SECONDS )) $G --model $S --num-prompts 64 --max-tokens 32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
     --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -6
   ;;
-*) echo "stage: a | b | c | d | e"; exit 2 ;;
+f)
+  (CUDA_VISIBLE_DEVICES=0 bash scripts/dev/gpu_multiturn.sh smol 2>&1 | grep -v "Delay kernel" | tail -6 > $OUT/mt-smol.log
+   CUDA_VISIBLE_DEVICES=0 bash scripts/dev/gpu_multiturn.sh big 2>&1 | grep -v "Delay kernel" | tail -6 > $OUT/mt-big.log) &
+  MT=$!
+  offline_and_servers
+  wait $MT; cat $OUT/mt-smol.log $OUT/mt-big.log
+  ;;
+g)
+  export JAX_DEFAULT_MATMUL_PRECISION=highest
+  timeout 200 $G --model llama-3.1-8b --num-prompts 32 --max-tokens 16 \
+    --a tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
+    --b tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-tp-f32.txt | tail -4
+  for side in tensor_parallel_size=2 data_parallel_size=2; do
+    timeout 150 $G --model gemma-3-4b --num-prompts 16 --max-tokens 16 \
+      --a max_num_seqs=16,max_model_len=2048,compile_ahead=off --b $side,max_num_seqs=16,max_model_len=2048,compile_ahead=off \
+      2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee -a $OUT/greedy-gemma-f32.txt | tail -4
+  done
+  unset JAX_DEFAULT_MATMUL_PRECISION
+  timeout 150 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1,2 --batches 1,64,256 --new-tokens 32 \
+    --repeats 1 2>&1 | quiet | tee $OUT/mesh-step-8b.txt | tail -12
+  timeout 150 python3 scripts/dev/bench_load_memory.py --size-gb 16 --dir /tmp/ckpt16 2>&1 | tee $OUT/load-memory-16gb.txt | tail -6
+  ;;
+*) echo "stage: a | b | c | d | e | f | g"; exit 2 ;;
 esac
