@@ -16,7 +16,7 @@
 #                    a 768-block device cache (12,288 tokens: 32 x 1233 = 3.2x), a 24 GiB host tier
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
-[ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+[ -d .whl ] && [ ! -e /tmp/site/pynvml.py ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
 mkdir -p /tmp/smollm2
 cat > /tmp/smollm2/config.json <<'JSON'
