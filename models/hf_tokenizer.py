@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 
 from models.hf_config import read_json
-from models.tokenizer import CHATML_TEMPLATE, check_messages, compile_chat_template
+from models.tokenizer import CHATML_TEMPLATE, check_messages, compile_chat_template, token_stream
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -155,6 +155,14 @@ class HFTokenizer:
         to nothing."""
         n = self.vocab_size
         return self._tok.decode([int(i) for i in ids if 0 <= int(i) < n], skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, *, skip_special_tokens: bool = True):
+        """An incremental decoder of one sequence (:func:`models.tokenizer.token_stream`; ``None``
+        without ``tokenizers.decoders.DecodeStream``); ids outside the vocabulary decode to nothing, as in
+        :meth:`decode`."""
+        n = self.vocab_size
+        return token_stream(self._tok, lambda ids: [i for i in ids if 0 <= i < n],
+                            skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True) -> str:

@@ -135,6 +135,34 @@ def check_messages(messages) -> None:
             raise ValueError(f"messages[{i}]={message!r} must be a dict with str 'role' and 'content'")
 
 
+class TokenStream:
+    """Incremental decoding of one sequence (``step(ids)`` returns the newly completed text, ``""`` while a
+    character is incomplete): what :func:`token_stream` builds over ``tokenizers``' ``DecodeStream``."""
+
+    def __init__(self, tokenizer, stream, keep):
+        self._tok, self._stream, self._keep = tokenizer, stream, keep
+
+    def step(self, ids: Sequence[int]) -> str:
+        out = []
+        for i in self._keep(ids):
+            chunk = self._stream.step(self._tok, i)
+            if chunk:
+                out.append(chunk)
+        return "".join(out)
+
+
+def token_stream(tokenizer, keep, *, skip_special_tokens: bool) -> TokenStream | None:
+    """A :class:`TokenStream` over a ``tokenizers.Tokenizer`` (Rust, one call per token: 0.6-0.8 us per token
+    against 1.65 us for the windowed decode of :class:`models.entrypoints.detokenizer.IncrementalDetokenizer`,
+    SmolLM2's tokenizer on the CPU machine), or ``None`` where ``tokenizers`` has no ``DecodeStream`` (before
+    0.21). ``keep(ids)``: the ids to decode (the tokenizer's own policy for ids outside its vocabulary)."""
+    try:
+        from tokenizers.decoders import DecodeStream
+    except ImportError:
+        return None
+    return TokenStream(tokenizer, DecodeStream(skip_special_tokens=skip_special_tokens), keep)
+
+
 class GGUFTokenizer:
     """Byte-level BPE tokenizer and chat template of a GGUF checkpoint.
 
@@ -307,6 +335,18 @@ class GGUFTokenizer:
         if bad:
             raise ValueError(f"ids={bad[:8]} are outside [0, {len(self._tokens)})")
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, *, skip_special_tokens: bool = True):
+        """An incremental decoder of one sequence (:func:`token_stream`; ``None`` without
+        ``tokenizers.decoders.DecodeStream``); ids outside the vocabulary raise ``ValueError`` as in
+        :meth:`decode`."""
+        def keep(ids):
+            bad = [i for i in ids if not 0 <= i < len(self._tokens)]
+            if bad:
+                raise ValueError(f"ids={bad[:8]} are outside [0, {len(self._tokens)})")
+            return ids
+
+        return token_stream(self._tok, keep, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True) -> str:

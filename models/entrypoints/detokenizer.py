@@ -3,7 +3,9 @@
 A byte-level BPE token can end in the middle of a UTF-8 character: decoding such a prefix yields the
 replacement character U+FFFD. :class:`IncrementalDetokenizer` only emits text up to the last complete
 character (it holds back a decode that ends in U+FFFD until more tokens arrive or the request ends), and
-decodes a small window of tokens per step instead of the whole output, so the cost per token stays constant.
+decodes a small window of tokens per step instead of the whole output, so the cost per token stays constant;
+a tokenizer that offers ``decode_stream`` (the project's, over ``tokenizers``' Rust ``DecodeStream``) is
+stepped token by token instead, and the request's last step checks the text against one full decode.
 
 :class:`StopChecker` applies stop strings to the detokenized text: the output is cut before the first stop
 string and the request ends with ``finish_reason="stop"``, ``stop_reason=<the string>``. While streaming it
@@ -41,6 +43,8 @@ class IncrementalDetokenizer:
         self.text = ""
         self._prefix_offset = 0  # window start: a character boundary already emitted
         self._read_offset = 0  # tokens up to here are in self.text
+        make_stream = getattr(tokenizer, "decode_stream", None)
+        self._stream = None if make_stream is None else make_stream(skip_special_tokens=skip_special_tokens)
 
     def add_tokens(self, new_token_ids: Sequence[int], *, finished: bool = False) -> str:
         """Append tokens; return the newly completed text (possibly ``""``).
@@ -49,7 +53,16 @@ class IncrementalDetokenizer:
             new_token_ids: ``[num_new_tokens]`` ids generated since the last call.
             finished: no more tokens will come: flush whatever is held back, broken characters included.
         """
-        self.token_ids.extend(int(t) for t in new_token_ids)
+        new = [int(t) for t in new_token_ids]
+        self.token_ids.extend(new)
+        if self._stream is not None:
+            delta = self._stream.step(new)
+            if finished:  # what the stream still holds (a broken character) comes out as the full decode has it
+                full = self._decode(self.token_ids)
+                delta = full[len(self.text):] if full.startswith(self.text + delta) else delta
+            self.text += delta
+            self._read_offset = len(self.token_ids)
+            return delta
         if self._read_offset == len(self.token_ids):
             return ""
         window = self.token_ids[self._prefix_offset:]

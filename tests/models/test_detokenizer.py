@@ -61,3 +61,65 @@ def test_stop_checker_finds_earliest_across_calls_and_holds_back_prefixes():
     assert StopChecker().check("anything") is None and StopChecker().safe_len("abc", False) == 3
     with pytest.raises(ValueError, match="empty"):
         StopChecker([""])
+
+
+class _Windowed:
+    """A tokenizer without ``decode_stream``: IncrementalDetokenizer's windowed path (the reference here)."""
+
+    def __init__(self, tok):
+        self.decode = tok.decode
+
+
+def _stream_all(tok, ids, chunk):
+    detok = IncrementalDetokenizer(tok)
+    deltas = [detok.add_tokens(ids[i:i + chunk], finished=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
+    return deltas, detok
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 8])
+def test_decode_stream_path_equals_the_windowed_path_and_the_full_decode(gguf_reader, chunk):
+    from models.tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer.from_gguf(gguf_reader)
+    assert tok.decode_stream() is not None  # tokenizers >= 0.21: the Rust path is the one under test
+    for text in TEXTS + ["Grüße aus 東京! 🙂 Ça va? <|im_end|> done", "  two  spaces\n\nnew lines\t"]:
+        ids = tok.encode(text)
+        fast, detok = _stream_all(tok, ids, chunk)
+        slow, _ = _stream_all(_Windowed(tok), ids, chunk)
+        assert "".join(fast) == "".join(slow) == tok.decode(ids) == detok.text
+        assert all("\ufffd" not in d for d in fast)
+
+
+def test_decode_stream_flushes_a_broken_character_when_finished_and_keeps_each_vocabulary_policy(gguf_reader):
+    from models.hf_tokenizer import HFTokenizer
+    from models.tokenizer import GGUFTokenizer
+    tok = GGUFTokenizer.from_gguf(gguf_reader)
+    ids = tok.encode("ok 🦩")  # a rare emoji: byte-level pieces
+    cut = next(i for i in range(1, len(ids)) if tok.decode(ids[:i]).endswith("\ufffd"))  # inside the emoji
+    detok = IncrementalDetokenizer(tok)
+    assert detok.add_tokens(ids[:cut]) == "ok"  # the partial character is held back ...
+    assert detok.add_tokens([], finished=True) == tok.decode(ids[:cut])[2:]  # ... and flushed as decode has it
+    with pytest.raises(ValueError, match="outside"):
+        IncrementalDetokenizer(tok).add_tokens([10**7])
+    hf = HFTokenizer(tok._tok, bos_token=None, eos_token=None)
+    n = hf.vocab_size
+    assert IncrementalDetokenizer(hf).add_tokens(tok.encode("hi") + [n, n + 5], finished=True) == "hi"  # padded rows
+
+
+def test_decode_stream_with_a_sentencepiece_style_decoder():
+    """Metaspace ("▁" for spaces, the first one dropped) and byte fallback, as Gemma's and Llama 2's are."""
+    import tokenizers
+    from tokenizers import decoders, models as tmodels, pre_tokenizers
+    from models.hf_tokenizer import HFTokenizer
+    vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
+    for piece in ["▁", "▁Hello", "▁world", "▁é", "t", "e", "s", "▁t"]:
+        vocab.setdefault(piece, len(vocab))
+    sp = tokenizers.Tokenizer(tmodels.BPE(vocab, [], unk_token="<unk>", byte_fallback=True))
+    sp.pre_tokenizer = pre_tokenizers.Metaspace()
+    sp.decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                    decoders.Strip(" ", 1, 0)])
+    tok = HFTokenizer(sp, bos_token=None, eos_token=None)
+    for text in ["Hello world", "Hello é test 東", "tes 🙂 t"]:
+        ids = sp.encode(text).ids
+        for chunk in (1, 2, 5):
+            fast, detok = _stream_all(tok, ids, chunk)
+            assert "".join(fast) == detok.text == tok.decode(ids), (text, chunk)
