@@ -14,6 +14,10 @@
 #                    the share of the GPU's memory-copy time during which a kernel ran (copies hidden)
 #   stage big      : llama-3.1-8b shape (built-in config, random bf16 weights): 100 conversations, 32 at once,
 #                    a 768-block device cache (12,288 tokens: 32 x 1233 = 3.2x), a 24 GiB host tier
+#   stage smol-wide, big-wide: the same at the concurrency a server runs (256 / 128 conversations at once, the
+#                    device cache scaled to keep the ratio near 3.2): a decode step costs about the same for
+#                    more sequences, so prefill (what the tier saves) is a larger share of the run. Session
+#                    17's 32-at-once 8B run was ~80 % decode: no tier could make it 1.3x faster.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d .whl ] && [ ! -e /tmp/site/pynvml.py ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -48,5 +52,13 @@ big)
     --num-gpu-blocks 768 --kv-offloading-size 24 --output-json $OUT/multiturn-big.json 2>&1 | quiet \
     | tee $OUT/multiturn-big.txt
   ;;
-*) echo "stage: smol | smol-rc | smol-trace | big"; exit 2 ;;
+smol-wide)
+  timeout 570 $B --model /tmp/smollm2/config.json --num-conversations 400 --max-active 256 --num-gpu-blocks 6144 \
+    --kv-offloading-size 16 --output-json $OUT/multiturn-smol-wide.json 2>&1 | quiet | tee $OUT/multiturn-smol-wide.txt
+  ;;
+big-wide)
+  timeout 590 $B --model llama-3.1-8b --num-conversations 400 --max-active 128 --num-gpu-blocks 3072 \
+    --kv-offloading-size 48 --output-json $OUT/multiturn-big-wide.json 2>&1 | quiet | tee $OUT/multiturn-big-wide.txt
+  ;;
+*) echo "stage: smol | smol-rc | smol-trace | big | smol-wide | big-wide"; exit 2 ;;
 esac
