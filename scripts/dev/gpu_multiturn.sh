@@ -16,8 +16,8 @@
 #                    a 768-block device cache (12,288 tokens: 32 x 1233 = 3.2x), a 24 GiB host tier
 #   stage smol-wide, big-wide: the same at the concurrency a server runs (256 / 128 conversations at once, the
 #                    device cache scaled to keep the ratio near 3.2): a decode step costs about the same for
-#                    more sequences, so prefill (what the tier saves) is a larger share of the run. Session
-#                    17's 32-at-once 8B run was ~80 % decode: no tier could make it 1.3x faster.
+#                    more sequences, so prefill (what the tier saves) is a larger share of the run (session
+#                    17's 32-at-once 8B run was by estimate ~80 % decode: docs/perf-notes.md).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
 [ -d .whl ] && [ ! -e /tmp/site/pynvml.py ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
