@@ -151,13 +151,9 @@ v3)  # session 16: where a Llama-3.1-8B step's time goes (in-process engine, JAX
   ;;
 v4)  # session 16: Llama-3.1-8B with XLA's Triton GEMM fusions (default) on GPU 0 vs cuBLAS only
   # (--xla_gpu_enable_triton_gemm=false) on GPU 1, at once, cold; then greedy SmolLM2 -dp 2 vs 1 in float32
-  (CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_enable_triton_gemm=false JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-nt \
-     timeout 260 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 --backend jaxkv \
-     --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" > $OUT/big-cublas.txt) &
-  NT=$!
-  CUDA_VISIBLE_DEVICES=0 timeout 260 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
-    --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee $OUT/big-triton.txt
-  wait $NT; echo "-- cuBLAS only:"; cat $OUT/big-cublas.txt
+  # (the A/B is gpu_evidence.sh's stage h since session 17: big-default.txt / big-flag.txt = the logs'
+  # s16-run4-big-triton.txt / s16-run4-big-cublas.txt)
+  bash scripts/dev/gpu_evidence.sh h --xla_gpu_enable_triton_gemm=false
   echo "== greedy text, SmolLM2 -dp 2 vs one GPU, float32"
   timeout 220 python3 scripts/dev/compare_greedy.py --model $S --load-format dummy --requests /tmp/req1000.json \
     --num-prompts 64 --max-tokens 32 --dtype float32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \

@@ -14,9 +14,9 @@
 #            tier-on run), GPU 1 at the same time offline + server with 1 and 2 API servers + warm start.
 #   stage g (next session): issue 28 on both GPUs: greedy float32 at JAX_DEFAULT_MATMUL_PRECISION=highest,
 #            tp=2 vs tp=1 at 8B and Gemma-3-4B tp=2 / dp=2 vs one GPU; tp step times; 16 GB load memory.
-#   stage h (next session): Llama-3.1-8B, 1000 requests, XLA's dot merger threshold raised so the gate and up
-#            projections (117 MB of weights each, over the 32 MB default) merge into one GEMM like q/k/v,
-#            on GPU 1, against the default on GPU 0, at once.
+#   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
+#            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
+#            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 [ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -129,14 +129,15 @@ g)
     --repeats 1 2>&1 | quiet | tee $OUT/mesh-step-8b.txt | tail -12
   timeout 150 python3 scripts/dev/bench_load_memory.py --size-gb 16 --dir /tmp/ckpt16 2>&1 | tee $OUT/load-memory-16gb.txt | tail -6
   ;;
-h)
-  (CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=1024 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-dm \
+h)  # [XLA_FLAG]: Llama-3.1-8B, 1000 requests, the flag on GPU 1 against the default on GPU 0, at once, cold
+  FLAG=${2:---xla_gpu_dot_merger_threshold_mb=1024}
+  (CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=$FLAG JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache-flag \
      timeout 300 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 --backend jaxkv \
-     --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" > $OUT/big-dotmerger.txt) &
-  DM=$!
+     --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" > $OUT/big-flag.txt) &
+  FL=$!
   CUDA_VISIBLE_DEVICES=0 timeout 300 $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
     --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee $OUT/big-default.txt
-  wait $DM; echo "-- dot merger threshold 1024 MB:"; cat $OUT/big-dotmerger.txt
+  wait $FL; echo "-- $FLAG:"; cat $OUT/big-flag.txt
   ;;
 *) echo "stage: a | b | c | d | e | f | g | h"; exit 2 ;;
 esac
