@@ -14,8 +14,8 @@ copies:
   ``[tensors, 2, n, ...]``, whose transfer to the host starts at once (``copy_to_host_async``: on a GPU the
   copy engine moves it while the next steps run); the host writes the arrived blocks into the pool after the
   next step's tokens are fetched (:meth:`KVOffloader.poll`), or at once when a host → device copy reads one.
-* **host → device**: the blocks gathered on the host (NumPy ``take``, a task per tensor on a thread pool:
-  NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
+* **host → device**: the blocks gathered on the host (NumPy ``take``; from :data:`PARALLEL_BYTES` on, a task
+  per tensor on a thread pool: NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
   then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
   kept per (group, size), two of each, up to :data:`STAGING_BYTES` in all, and a buffer is reused once the
   transfer that read it has completed (a fresh buffer costs its page faults: 3x the gather on the CPU machine).
@@ -52,6 +52,7 @@ import numpy as np
 MIN_PAIRS = 16
 _RING = 2  # staging buffers per (tensor group, size)
 STAGING_BYTES = 512 << 20  # host memory kept for reused staging buffers, beyond the pool; larger passes get fresh ones
+PARALLEL_BYTES = 4 << 20  # host copies of at least this many bytes are split over the thread pool (per tensor)
 
 
 def chunks(n: int) -> list[tuple[int, int, int]]:
@@ -220,7 +221,7 @@ class KVOffloader:
                 slot[1].block_until_ready()
                 ring.append(ring.pop(0))
         buf = np.empty(shape, h.dtype) if slot is None else slot[0]
-        list(self._pool.map(lambda j: np.take(h[j], host_ids, axis=1, out=buf[j]), range(h.shape[0])))
+        self._each_tensor(lambda j: np.take(h[j], host_ids, axis=1, out=buf[j]), h.shape[0], nbytes)
         on_device = jax.device_put(buf)
         if slot is not None:
             slot[1] = on_device
@@ -244,6 +245,15 @@ class KVOffloader:
         for _ in range(last + 1):
             self._write(*self._pending.pop(0))
 
+    def _each_tensor(self, fn, num_tensors: int, nbytes: int) -> None:
+        """``fn(j)`` for every tensor ``j`` of a group: on the thread pool when the copy is large enough to pay
+        for the hand-offs (``PARALLEL_BYTES``), else here."""
+        if nbytes >= PARALLEL_BYTES and num_tensors > 1:
+            list(self._pool.map(fn, range(num_tensors)))
+        else:
+            for j in range(num_tensors):
+                fn(j)
+
     def _write(self, blocks, host_ids) -> None:
         n = len(host_ids)
         for h, b in zip(self.host_caches, blocks):
@@ -252,7 +262,7 @@ class KVOffloader:
             def write(j, h=h, arrived=arrived):
                 h[j][:, host_ids] = arrived[j][:, :n]
 
-            list(self._pool.map(write, range(h.shape[0])))
+            self._each_tensor(write, h.shape[0], arrived.nbytes)
 
     def host_block(self, block: int) -> list[np.ndarray]:
         """One host block of every tensor, ``[2, num_kv_heads, block_size, head_size]`` each, in the caches'

@@ -152,14 +152,18 @@ def test_host_prefix_hits_are_copied_back_and_cached_on_the_device():
 
 
 # -- KVOffloader -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("reuse_staging,budget", [(False, None), (True, None), (True, 0)],
-                         ids=["fresh-staging", "reused-staging", "staging-over-budget"])
-def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, monkeypatch):
+@pytest.mark.parametrize("reuse_staging,budget,threads", [(False, None, False), (True, None, False),
+                                                           (True, 0, False), (True, None, True)],
+                         ids=["fresh-staging", "reused-staging", "staging-over-budget", "threaded-copies"])
+def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, threads, monkeypatch):
     """Both directions against NumPy indexing; with staging buffers reused (the GPU's path, forced here) two
     host -> device copies of one padded size in a row each deliver their own blocks; past the staging budget
-    every copy gets a fresh buffer and none is kept."""
+    every copy gets a fresh buffer and none is kept; copies split over the thread pool (large ones, forced
+    here) give the same blocks."""
     if budget is not None:
         monkeypatch.setattr(kv_offload, "STAGING_BYTES", budget)
+    if threads:
+        monkeypatch.setattr(kv_offload, "PARALLEL_BYTES", 0)
     rng = np.random.default_rng(0)
     shape = (2, 40, 2, BS, 8)  # [2, num_blocks, num_kv_heads, block_size, head_size]
     # three tensors in two groups (one transfer each): two of one shape around one with another head count
