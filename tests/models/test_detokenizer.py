@@ -70,8 +70,8 @@ class _Windowed:
         self.decode = tok.decode
 
 
-def _stream_all(tok, ids, chunk):
-    detok = IncrementalDetokenizer(tok)
+def _stream_all(tok, ids, chunk, skip=True):
+    detok = IncrementalDetokenizer(tok, skip_special_tokens=skip)
     deltas = [detok.add_tokens(ids[i:i + chunk], finished=i + chunk >= len(ids)) for i in range(0, len(ids), chunk)]
     return deltas, detok
 
@@ -83,10 +83,11 @@ def test_decode_stream_path_equals_the_windowed_path_and_the_full_decode(gguf_re
     assert tok.decode_stream() is not None  # tokenizers >= 0.21: the Rust path is the one under test
     for text in TEXTS + ["Grüße aus 東京! 🙂 Ça va? <|im_end|> done", "  two  spaces\n\nnew lines\t"]:
         ids = tok.encode(text)
-        fast, detok = _stream_all(tok, ids, chunk)
-        slow, _ = _stream_all(_Windowed(tok), ids, chunk)
-        assert "".join(fast) == "".join(slow) == tok.decode(ids) == detok.text
-        assert all("\ufffd" not in d for d in fast)
+        for skip in (True, False):
+            fast, detok = _stream_all(tok, ids, chunk, skip)
+            slow, _ = _stream_all(_Windowed(tok), ids, chunk, skip)
+            assert "".join(fast) == "".join(slow) == tok.decode(ids, skip_special_tokens=skip) == detok.text
+            assert all("\ufffd" not in d for d in fast)
 
 
 def test_decode_stream_flushes_a_broken_character_when_finished_and_keeps_each_vocabulary_policy(gguf_reader):
