@@ -459,6 +459,11 @@ def run_jaxkv(llm: models.LLM, requests: list[SampledRequest], *, static: bool, 
                                             "step_s", "device_wait_s", "schedule_s", "execute_s", "update_s",
                                             "transfer_s", "call_s")}
     ranks = after["ranks"]
+    if ranks > 1:  # how evenly the data-parallel ranks shared the work (the slowest one ends the run)
+        pr = [{k: a.get(k, 0) - b.get(k, 0) for k in ("num_generated_tokens", "step_s")}
+              for a, b in zip(after["per_rank"], before["per_rank"])]
+        print(f"{name}: per rank: generated tokens {[r['num_generated_tokens'] for r in pr]}, seconds in step() "
+              f"{[round(r['step_s'], 2) for r in pr]} of {elapsed:.2f} s", flush=True)
     if after.get("num_host_blocks"):  # the KV cache's host tier (--kv-offloading-size)
         t = {k: after.get(k, 0) - before.get(k, 0) for k in (
             "num_swaps_out", "num_swaps_in", "num_swap_recompute_fallbacks", "num_blocks_offloaded",
@@ -489,6 +494,7 @@ def _engine_totals(llm: models.LLM) -> dict:
     totals["num_buckets"] = per_rank[0]["num_buckets"]
     totals["num_compiles"] = per_rank[0]["num_compiles"]
     totals["ranks"] = len(per_rank)
+    totals["per_rank"] = per_rank
     return totals
 
 
