@@ -153,16 +153,18 @@ class HFTokenizer:
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = True) -> str:
         """Text of ``ids``; ids outside the tokenizer's vocabulary (a model's padded vocabulary rows) decode
         to nothing."""
+        return self._tok.decode(self._in_vocab(ids), skip_special_tokens=skip_special_tokens)
+
+    def _in_vocab(self, ids: Iterable[int]) -> list[int]:
+        """``ids`` without those outside the tokenizer's vocabulary (a model's padded vocabulary rows)."""
         n = self.vocab_size
-        return self._tok.decode([int(i) for i in ids if 0 <= int(i) < n], skip_special_tokens=skip_special_tokens)
+        return [i for i in map(int, ids) if 0 <= i < n]
 
     def decode_stream(self, *, skip_special_tokens: bool = True):
         """An incremental decoder of one sequence (:func:`models.tokenizer.token_stream`; ``None``
         without ``tokenizers.decoders.DecodeStream``); ids outside the vocabulary decode to nothing, as in
         :meth:`decode`."""
-        n = self.vocab_size
-        return token_stream(self._tok, lambda ids: [i for i in ids if 0 <= i < n],
-                            skip_special_tokens=skip_special_tokens)
+        return token_stream(self._tok, self._in_vocab, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True) -> str:

@@ -330,23 +330,20 @@ class GGUFTokenizer:
         Raises:
             ValueError: an id is outside the vocabulary.
         """
-        ids = [int(i) for i in ids]
+        return self._tok.decode(self._checked([int(i) for i in ids]), skip_special_tokens=skip_special_tokens)
+
+    def _checked(self, ids: list[int]) -> list[int]:
+        """``ids``, or ``ValueError`` naming those outside the vocabulary."""
         bad = [i for i in ids if not 0 <= i < len(self._tokens)]
         if bad:
             raise ValueError(f"ids={bad[:8]} are outside [0, {len(self._tokens)})")
-        return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
+        return ids
 
     def decode_stream(self, *, skip_special_tokens: bool = True):
         """An incremental decoder of one sequence (:func:`token_stream`; ``None`` without
         ``tokenizers.decoders.DecodeStream``); ids outside the vocabulary raise ``ValueError`` as in
         :meth:`decode`."""
-        def keep(ids):
-            bad = [i for i in ids if not 0 <= i < len(self._tokens)]
-            if bad:
-                raise ValueError(f"ids={bad[:8]} are outside [0, {len(self._tokens)})")
-            return ids
-
-        return token_stream(self._tok, keep, skip_special_tokens=skip_special_tokens)
+        return token_stream(self._tok, self._checked, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
                             add_generation_prompt: bool = True) -> str:
