@@ -7,13 +7,14 @@
 #            with --api-server-count 1 and 2 at rate inf and 0.9x through the openai client (bench_serving).
 #   stage b: on GPU 1 the multi-turn host-tier runs (gpu_multiturn.sh smol, big); waits for the soak to end and
 #            copies its output.
-#   stage c: both GPUs: SmolLM2 3000 requests one GPU vs -dp 2; greedy text float32 -dp 2 vs one GPU (SmolLM2)
-#            and tp=2 vs tp=1 (llama-3.1-8b); Gemma-3-4B shape (dummy) greedy tp=2 and dp=2 vs one GPU.
+#   stage c: both GPUs: SmolLM2 3000 requests one GPU vs -dp 2 (bench_throughput prints each rank's share);
+#            Llama-3.1-8B tp=1/2 step times (bench_mesh_step.py); the 16 GB checkpoint's load memory.
 #   stage d, e: session 17's second soak with the multi-turn runs beside it, then its end.
 #   stage f (next session): GPU 0 the multi-turn runs with one transfer per tensor group (and cProfile of the
 #            tier-on run), GPU 1 at the same time offline + server with 1 and 2 API servers + warm start.
-#   stage g (next session): issue 28 on both GPUs: greedy float32 at JAX_DEFAULT_MATMUL_PRECISION=highest,
-#            tp=2 vs tp=1 at 8B and Gemma-3-4B tp=2 / dp=2 vs one GPU; tp step times; 16 GB load memory.
+#   stage g (next session): issues 27-28 on both GPUs: greedy float32 at JAX_DEFAULT_MATMUL_PRECISION=highest
+#            (TF32 GEMMs at the default round by batch), SmolLM2 -dp 2, tp=2 vs tp=1 at 8B and Gemma-3-4B tp=2 /
+#            dp=2 vs one GPU.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -54,6 +55,12 @@ offline_and_servers() {  # GPU 1: SmolLM2 offline (cold, in-process, warm), then
     echo "exit $? after SIGTERM in $(secs $t1) s; processes left: $(pgrep -fc 'serve.py|core_proc')" | tee -a $OUT/serve-start.txt
   done
 }
+greedy() {  # MODEL PROMPTS TOKENS OUTFILE A B: compare_greedy.py (float32) of LLM options A against B
+  timeout ${GREEDY_TIMEOUT:-200} $G --model $1 --num-prompts $2 --max-tokens $3 --a $5 --b $6 2>&1 | quiet \
+    | grep -v "^engine\|^LLM\|INFO" | tee -a $OUT/$4 | tail -4
+}
+greedy_smol_dp() { greedy $S 64 32 greedy-dp-f32.txt data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
+                     data_parallel_size=2,max_num_seqs=64,compile_ahead=off; }
 case $1 in
 a)
   CUDA_VISIBLE_DEVICES=0 REQUESTS=.dummy/requests.json OUT=/tmp/soak-out setsid \
@@ -71,21 +78,11 @@ c)
   echo "== SmolLM2, 3000 requests: one GPU vs -dp 2"
   for dp in 1 2; do
     timeout 150 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv -dp $dp \
-      --output-json $OUT/dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" | tee -a $OUT/dp.txt
+      --output-json $OUT/dp$dp.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" | tee -a $OUT/dp.txt
   done
-  echo "== greedy, float32: SmolLM2 -dp 2 vs one GPU"
-  timeout 150 $G --model $S --num-prompts 64 --max-tokens 32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
-    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -6
-  echo "== greedy, float32: llama-3.1-8b tp=2 vs tp=1"
-  timeout 200 $G --model llama-3.1-8b --num-prompts 32 --max-tokens 16 \
-    --a tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
-    --b tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-tp-f32.txt | tail -6
-  echo "== greedy, float32: gemma-3-4b tp=2 and dp=2 vs one GPU"
-  for side in tensor_parallel_size=2 data_parallel_size=2; do
-    timeout 150 $G --model gemma-3-4b --num-prompts 16 --max-tokens 16 \
-      --a max_num_seqs=16,max_model_len=2048,compile_ahead=off --b $side,max_num_seqs=16,max_model_len=2048,compile_ahead=off \
-      2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee -a $OUT/greedy-gemma-f32.txt | tail -6
-  done
+  timeout 150 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1,2 --batches 1,64,256 --new-tokens 32 \
+    --repeats 1 2>&1 | quiet | tee $OUT/mesh-step-8b.txt | tail -12
+  timeout 150 python3 scripts/dev/bench_load_memory.py --size-gb 16 --dir /tmp/ckpt16 2>&1 | tee $OUT/load-memory-16gb.txt | tail -6
   ;;
 d)  # the soak again on GPU 0 (its burst check mended), the multi-turn runs with the threaded host-tier copies
   # on GPU 1, the tier-on run once more under cProfile (where the engine thread's time goes); stage e follows
@@ -104,8 +101,7 @@ d)  # the soak again on GPU 0 (its burst check mended), the multi-turn runs with
 e)  # the soak's end (started by stage d), then greedy float32 -dp 2 vs one GPU (SmolLM2)
   while pgrep -f soak_server.py > /dev/null && [ $SECONDS -lt 400 ]; do sleep 2; done
   cp /tmp/soak.log /tmp/soak-out/; tar -C /tmp -czf $OUT/soak-out.tgz soak-out; tail -45 /tmp/soak.log
-  timeout $(( 580 - SECONDS )) $G --model $S --num-prompts 64 --max-tokens 32 --a data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
-    --b data_parallel_size=2,max_num_seqs=64,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-dp-f32.txt | tail -6
+  GREEDY_TIMEOUT=$(( 580 - SECONDS )) greedy_smol_dp
   ;;
 f)
   (CUDA_VISIBLE_DEVICES=0 bash scripts/dev/gpu_multiturn.sh smol 2>&1 | grep -v "Delay kernel" | tail -6 > $OUT/mt-smol.log
@@ -116,18 +112,13 @@ f)
   ;;
 g)
   export JAX_DEFAULT_MATMUL_PRECISION=highest
-  timeout 200 $G --model llama-3.1-8b --num-prompts 32 --max-tokens 16 \
-    --a tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
-    --b tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off 2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee $OUT/greedy-tp-f32.txt | tail -4
+  greedy_smol_dp
+  greedy llama-3.1-8b 32 16 greedy-tp-f32.txt tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
+    tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off
   for side in tensor_parallel_size=2 data_parallel_size=2; do
-    timeout 150 $G --model gemma-3-4b --num-prompts 16 --max-tokens 16 \
-      --a max_num_seqs=16,max_model_len=2048,compile_ahead=off --b $side,max_num_seqs=16,max_model_len=2048,compile_ahead=off \
-      2>&1 | quiet | grep -v "^engine\|^LLM\|INFO" | tee -a $OUT/greedy-gemma-f32.txt | tail -4
+    greedy gemma-3-4b 16 16 greedy-gemma-f32.txt max_num_seqs=16,max_model_len=2048,compile_ahead=off \
+      $side,max_num_seqs=16,max_model_len=2048,compile_ahead=off
   done
-  unset JAX_DEFAULT_MATMUL_PRECISION
-  timeout 150 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1,2 --batches 1,64,256 --new-tokens 32 \
-    --repeats 1 2>&1 | quiet | tee $OUT/mesh-step-8b.txt | tail -12
-  timeout 150 python3 scripts/dev/bench_load_memory.py --size-gb 16 --dir /tmp/ckpt16 2>&1 | tee $OUT/load-memory-16gb.txt | tail -6
   ;;
 h)  # [XLA_FLAG]: Llama-3.1-8B, 1000 requests, the flag on GPU 1 against the default on GPU 0, at once, cold
   FLAG=${2:---xla_gpu_dot_merger_threshold_mb=1024}
