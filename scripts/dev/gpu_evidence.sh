@@ -15,6 +15,10 @@
 #   stage g (next session): issues 27-28 on both GPUs: greedy float32 at JAX_DEFAULT_MATMUL_PRECISION=highest
 #            (TF32 GEMMs at the default round by batch), SmolLM2 -dp 2, tp=2 vs tp=1 at 8B and Gemma-3-4B tp=2 /
 #            dp=2 vs one GPU.
+#   stage i: GPU 1: where the server's CPU goes at rate inf (scripts/dev/proc_cpu.py: CPU seconds per process
+#            role, NVML busy, py-spy of the core and API servers) with 1 and 2 API servers, the openai client
+#            against aiohttp, 1000 and 3000 requests, beside an offline run; GPU 0 at the same time stage h's
+#            two 8B runs one after the other.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -61,6 +65,19 @@ greedy() {  # MODEL PROMPTS TOKENS OUTFILE A B: compare_greedy.py (float32) of L
 }
 greedy_smol_dp() { greedy $S 64 32 greedy-dp-f32.txt data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
                      data_parallel_size=2,max_num_seqs=64,compile_ahead=off; }
+serve_diag() {  # NAME API_SERVERS NUM_PROMPTS CLIENT: GPU 1, one server, its rate-inf run under proc_cpu.py
+  CUDA_VISIBLE_DEVICES=1 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 --no-compile-top-k-top-p --api-server-count $2 > /tmp/server-$1.log 2>&1 &
+  local server=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $server || return; done
+  python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 8 --warmup-requests 256 \
+    --client-processes 8 > /dev/null 2>&1   # warm-up, not counted
+  echo "== $1: --api-server-count $2, $3 requests at rate inf, --client $4"
+  PATH=/tmp/site/bin:$PATH python3 scripts/dev/proc_cpu.py --gpu-index 1 --py-spy /tmp/diag/spy-$1 -- \
+    python3 scripts/bench_serving.py --requests $5 --num-prompts $3 --request-rate inf --client $4 \
+    --client-processes 8 --markdown 2>&1 | quiet | grep -v "^|---\|^| rate"
+  kill -TERM $server; wait $server
+}
 case $1 in
 a)
   CUDA_VISIBLE_DEVICES=0 REQUESTS=.dummy/requests.json OUT=/tmp/soak-out setsid \
@@ -130,5 +147,23 @@ h)  # [XLA_FLAG]: Llama-3.1-8B, 1000 requests, the flag on GPU 1 against the def
     --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee $OUT/big-default.txt
   wait $FL; echo "-- $FLAG:"; cat $OUT/big-flag.txt
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h"; exit 2 ;;
+i)
+  mkdir -p /tmp/diag
+  (for flag in "" "--xla_gpu_dot_merger_threshold_mb=1024"; do
+     echo "-- 8B, XLA_FLAGS=$flag"
+     CUDA_VISIBLE_DEVICES=0 XLA_FLAGS=$flag JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache0$flag timeout 240 $B --model llama-3.1-8b \
+       --requests /tmp/req1000.json --num-prompts 1000 --backend jaxkv --nvml-busy 2>&1 | quiet \
+       | grep -e "^jaxkv " -e "start-up" -e nvml
+   done > $OUT/big-flag.txt) &
+  FL=$!
+  CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml | tee /tmp/diag/offline.txt
+  serve_diag asc1 1 1000 openai /tmp/req1000.json
+  serve_diag asc2 2 1000 openai /tmp/req1000.json
+  serve_diag asc2-aiohttp 2 1000 aiohttp /tmp/req1000.json
+  [ $SECONDS -lt 420 ] && serve_diag asc2-3000 2 3000 openai /tmp/req3000.json
+  wait $FL; cat $OUT/big-flag.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i"; exit 2 ;;
 esac
