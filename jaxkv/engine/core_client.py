@@ -12,9 +12,9 @@ connects to the same two TCP endpoints (:class:`DataParallelConfig`, ``data_para
   outputs to a callback on the event loop; nothing blocks the loop.
 
 Data parallelism is independent engines (vLLM's DP for dense models): each rank has its own scheduler,
-block pool, buckets and ``max_num_seqs``, and steps at its own pace. A request goes to the rank with the
-fewest outstanding requests, preferring, within a small slack, the rank that last took a prompt with the
-same first block (its prefix cache likely holds it).
+block pool, buckets and ``max_num_seqs``, and steps at its own pace. A request goes to a rank with about the
+fewest outstanding requests, the one that last took a prompt with the same first block or else the one with
+the least outstanding output budget (:mod:`jaxkv.engine.load_balancer`).
 
 Liveness: a local core that exits is seen within ``_POLL_S`` (its process is polled); a remote one
 (``data_parallel_size_local < data_parallel_size``) when its heartbeats stop for
@@ -46,6 +46,7 @@ import zmq.asyncio
 
 from jaxkv.engine import protocol
 from jaxkv.engine.core_proc import EngineCoreLaunch, as_tuple, routing_id
+from jaxkv.engine.load_balancer import LoadBalancer
 from jaxkv.engine.protocol import (AbortRequests, AddRequests, AddResult, EngineCoreOutputs, EngineCoreRequest,
                                    EngineDead, Heartbeat, Ready, Shutdown, UtilityCall, UtilityResult)
 
@@ -265,10 +266,7 @@ class _MPClient:
         self.output_socket.bind(self.output_address)
         self.engine_info: list[dict[str, Any] | None] = [None] * self.num_engines
         self.engine_stats: list[dict[str, Any] | None] = [None] * self.num_engines
-        self.outstanding = [0] * self.num_engines
-        self._rank_of: dict[str, int] = {}
-        self._prefix_rank: collections.OrderedDict[int, int] = collections.OrderedDict()
-        self._next = itertools.count()
+        self.balancer = LoadBalancer(self.num_engines)
         self._last_seen = [time.monotonic()] * self.num_engines
         self.dead_error: EngineDeadError | None = None
         self._closing = threading.Event()
@@ -328,37 +326,20 @@ class _MPClient:
         error.error_type, error.message = msg.error_type, msg.message
         return error
 
-    # -- placement ---------------------------------------------------------------------------------------
-    def choose_rank(self, prompt_token_ids: Sequence[int], prefix_tokens: int = 16) -> int:
-        """The rank with the fewest outstanding requests; within a slack of that, the rank that last took
-        a prompt with the same first ``prefix_tokens`` tokens (vLLM's DP load balancing, prefix-aware)."""
-        n = self.num_engines
-        if n == 1:
-            return 0
-        low = min(self.outstanding)
-        key = hash(tuple(prompt_token_ids[:prefix_tokens])) if len(prompt_token_ids) >= prefix_tokens else None
-        if key is not None:
-            r = self._prefix_rank.get(key)
-            if r is not None and self.outstanding[r] <= low + 1 + low // 32:
-                self._prefix_rank.move_to_end(key)
-                return r
-        start = next(self._next)
-        r = min(range(n), key=lambda i: (self.outstanding[(start + i) % n], i))
-        r = (start + r) % n
-        if key is not None:
-            self._prefix_rank[key] = r
-            if len(self._prefix_rank) > 8192:
-                self._prefix_rank.popitem(last=False)
-        return r
+    # -- placement (jaxkv.engine.load_balancer) ---------------------------------------------------------
+    @property
+    def outstanding(self) -> list[int]:
+        """Placed, unfinished requests per rank."""
+        return self.balancer.outstanding
 
-    def _assign(self, request_id: str, rank: int) -> None:
-        self._rank_of[request_id] = rank
-        self.outstanding[rank] += 1
+    def _place(self, request: EngineCoreRequest) -> int:
+        max_tokens = request.sampling_params.max_tokens
+        rank = self.balancer.choose(request.prompt_token_ids, max_tokens)
+        self.balancer.assign(request.request_id, rank, max_tokens)
+        return rank
 
     def _forget(self, request_id: str) -> None:
-        rank = self._rank_of.pop(request_id, None)
-        if rank is not None:
-            self.outstanding[rank] -= 1
+        self.balancer.forget(request_id)
 
     # -- sending -----------------------------------------------------------------------------------------
     def _send(self, rank: int, msg) -> None:
@@ -506,11 +487,10 @@ class SyncMPClient(_MPClient):
         """
         if self.dead_error is not None:
             raise self.dead_error
-        ranks = [self.choose_rank(r.prompt_token_ids) for r in requests]
+        ranks = [self._place(r) for r in requests]
         by_rank: dict[int, list[EngineCoreRequest]] = {}
         for req, rank in zip(requests, ranks):
             by_rank.setdefault(rank, []).append(req)
-            self._assign(req.request_id, rank)
         ack = next(self._calls)
         for rank, reqs in by_rank.items():
             self._send(rank, AddRequests(reqs, ack=ack))
@@ -634,8 +614,7 @@ class AsyncMPClient(_MPClient):
             raise self.dead_error
         if not self.is_ready:
             raise EngineNotReadyError("the engine is starting (loading weights, compiling); retry shortly")
-        rank = self.choose_rank(request.prompt_token_ids)
-        self._assign(request.request_id, rank)
+        rank = self._place(request)
         self._send(rank, AddRequests([request], client_index=self.client_index))
         return rank
 

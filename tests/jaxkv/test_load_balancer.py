@@ -1,0 +1,75 @@
+"""Data-parallel placement (jaxkv.engine.load_balancer) against a brute-force reading of its rule."""
+
+import random
+
+import pytest
+
+from jaxkv.engine.load_balancer import PREFIX_TOKENS, UNKNOWN_BUDGET, LoadBalancer
+
+
+def _requests(n, seed=0):
+    rng = random.Random(seed)
+    # heavy-tailed output lengths like ShareGPT's (a few very long answers), distinct first blocks
+    return [([i, *range(PREFIX_TOKENS)], min(int(rng.paretovariate(1.2) * 40), 2048)) for i in range(n)]
+
+
+def test_burst_splits_budget_evenly_and_counts_within_slack():
+    reqs = _requests(3000)
+    lb = LoadBalancer(2)
+    for i, (prompt, max_tokens) in enumerate(reqs):
+        lb.assign(str(i), lb.choose(prompt, max_tokens), max_tokens)
+    total = sum(m for _, m in reqs)
+    alternate = [sum(m for _, m in reqs[r::2]) for r in range(2)]
+    assert sum(lb.outstanding_tokens) == total and sum(lb.outstanding) == 3000
+    assert max(lb.outstanding) - min(lb.outstanding) <= 1 + min(lb.outstanding) // 32
+    # within the longest single request of even, and better than alternation on these lengths
+    assert max(lb.outstanding_tokens) - total / 2 <= max(m for _, m in reqs)
+    assert max(lb.outstanding_tokens) < max(alternate)
+
+
+def test_each_choice_follows_the_rule():
+    lb = LoadBalancer(3)
+    for i, (prompt, max_tokens) in enumerate(_requests(500, seed=1)):
+        low = min(lb.outstanding)
+        eligible = [r for r in range(3) if lb.outstanding[r] <= low + 1 + low // 32]
+        r = lb.choose(prompt, max_tokens)
+        assert r in eligible
+        assert lb.outstanding_tokens[r] == min(lb.outstanding_tokens[e] for e in eligible)
+        lb.assign(str(i), r, max_tokens)
+        if i % 3 == 0:
+            lb.forget(str(i - 1))  # finishes free their rank's count and budget
+
+
+def test_forget_restores_counts_and_unknown_budget():
+    lb = LoadBalancer(2)
+    lb.assign("a", 1, None)
+    lb.assign("b", 0, 7)
+    assert lb.outstanding == [1, 1] and lb.outstanding_tokens == [7, UNKNOWN_BUDGET]
+    lb.forget("a")
+    lb.forget("a")  # twice, and an unknown id: ignored
+    lb.forget("zzz")
+    assert lb.outstanding == [1, 0] and lb.outstanding_tokens == [7, 0]
+
+
+def test_same_prefix_goes_to_the_same_rank_within_slack():
+    lb = LoadBalancer(2)
+    shared = list(range(100, 100 + PREFIX_TOKENS))
+    first = lb.choose(shared + [1], 10)
+    lb.assign("0", first, 10)
+    owner, moves = first, 0
+    for i in range(1, 9):  # the prefix's last rank while its count is within the slack (1 at a low of 0), else
+        low = min(lb.outstanding)  # the other, which then owns the prefix
+        r = lb.choose(shared + [i], 10)
+        assert r == (owner if lb.outstanding[owner] <= low + 1 + low // 32 else 1 - owner)
+        moves += r != owner
+        owner = r
+        lb.assign(str(i), r, 10)
+    assert moves >= 2 and max(lb.outstanding) - min(lb.outstanding) <= 2
+    # a short prompt (no full first block) is placed on budget alone
+    assert lb.choose([1, 2, 3], 10) == lb.outstanding_tokens.index(min(lb.outstanding_tokens))
+
+
+def test_one_engine_and_bad_size():
+    assert LoadBalancer(1).choose([1] * 40, 5) == 0
+    with pytest.raises(ValueError, match="num_engines=0"):
+        LoadBalancer(0)
