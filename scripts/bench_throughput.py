@@ -579,7 +579,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
     p.add_argument("--data-parallel-size", "-dp", type=int, default=1,
-                   help="model replicas, each with its own KV block pool (max-num-seqs is for all of them)")
+                   help="model replicas (engine-core processes), each with its own KV block pool and its own max-num-seqs")
     p.add_argument("--static-batch-size", type=int, default=None,
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
     p.add_argument("--hf-cache-implementation", default="static", help="transformers cache: static|dynamic")

@@ -55,7 +55,8 @@ class LLM:
             are per data-parallel rank (vLLM's semantics). ``return_logits`` needs the in-process engine.
         data_parallel_size: independent engine replicas, each in its own process on its own
             ``tensor_parallel_size`` devices, with its own scheduler and block pool; each request runs on
-            the rank with the fewest outstanding requests (vLLM ``data_parallel_size``).
+            a rank with about the fewest outstanding requests (:mod:`jaxkv.engine.load_balancer`; vLLM
+            ``data_parallel_size``).
         data_parallel_size_local, data_parallel_address, data_parallel_rpc_port: ranks on several hosts
             (vLLM's names, :class:`jaxkv.engine.core_client.DataParallelConfig`): this process starts
             ``data_parallel_size_local`` ranks and waits for the others to connect to the TCP endpoints

@@ -65,7 +65,7 @@ greedy() {  # MODEL PROMPTS TOKENS OUTFILE A B: compare_greedy.py (float32) of L
 }
 greedy_smol_dp() { greedy $S 64 32 greedy-dp-f32.txt data_parallel_size=1,max_num_seqs=64,compile_ahead=off \
                      data_parallel_size=2,max_num_seqs=64,compile_ahead=off; }
-serve_diag() {  # NAME API_SERVERS NUM_PROMPTS CLIENT: GPU 1, one server, its rate-inf run under proc_cpu.py
+serve_diag() {  # NAME API_SERVERS NUM_PROMPTS CLIENT REQUESTS [CLIENT_PROCS]: GPU 1, one server, its rate-inf run under proc_cpu.py
   CUDA_VISIBLE_DEVICES=1 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
     --port 8000 --no-compile-top-k-top-p --api-server-count $2 > /tmp/server-$1.log 2>&1 &
   local server=$!
@@ -73,9 +73,9 @@ serve_diag() {  # NAME API_SERVERS NUM_PROMPTS CLIENT: GPU 1, one server, its ra
   python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 8 --warmup-requests 256 \
     --client-processes 8 > /dev/null 2>&1   # warm-up, not counted
   echo "== $1: --api-server-count $2, $3 requests at rate inf, --client $4"
-  PATH=/tmp/site/bin:$PATH python3 scripts/dev/proc_cpu.py --gpu-index 1 --py-spy /tmp/diag/spy-$1 -- \
+  PATH=/tmp/site/bin:$PATH python3 scripts/dev/proc_cpu.py --gpu-index 1 ${SPY:+--py-spy /tmp/diag/spy-$1} -- \
     python3 scripts/bench_serving.py --requests $5 --num-prompts $3 --request-rate inf --client $4 \
-    --client-processes 8 --markdown 2>&1 | quiet | grep -v "^|---\|^| rate"
+    --client-processes ${6:-8} --markdown 2>&1 | quiet | grep -v "^|---\|^| rate"
   kill -TERM $server; wait $server
 }
 case $1 in
@@ -158,12 +158,33 @@ i)
   FL=$!
   CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
     --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml | tee /tmp/diag/offline.txt
-  serve_diag asc1 1 1000 openai /tmp/req1000.json
-  serve_diag asc2 2 1000 openai /tmp/req1000.json
-  serve_diag asc2-aiohttp 2 1000 aiohttp /tmp/req1000.json
-  [ $SECONDS -lt 420 ] && serve_diag asc2-3000 2 3000 openai /tmp/req3000.json
+  SPY=1 serve_diag asc1 1 1000 openai /tmp/req1000.json
+  SPY=1 serve_diag asc2 2 1000 openai /tmp/req1000.json
+  SPY=1 serve_diag asc2-aiohttp 2 1000 aiohttp /tmp/req1000.json
+  [ $SECONDS -lt 420 ] && SPY=1 serve_diag asc2-3000 2 3000 openai /tmp/req3000.json
   wait $FL; cat $OUT/big-flag.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i"; exit 2 ;;
+j)  # nothing beside: GPU 1 SmolLM2 offline, then the server (1 and 2 API servers, 16 openai client processes);
+    # then both GPUs: -dp 2 vs one GPU with the budget-balancing placement, SmolLM2 3000 and 8B 2000 requests
+  mkdir -p /tmp/diag
+  CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
+    --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml | tee /tmp/diag/offline.txt
+  serve_diag asc1 1 1000 openai /tmp/req1000.json 16
+  serve_diag asc2 2 1000 openai /tmp/req1000.json 16
+  echo "== SmolLM2, 3000 requests: one GPU vs -dp 2"
+  for dp in 1 2; do
+    timeout 150 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv -dp $dp \
+      --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" -e nvml | tee -a /tmp/diag/dp.txt
+  done
+  python3 -c "import json; r = json.load(open('.dummy/requests.json')); json.dump(r[256:2256], open('/tmp/req2000.json', 'w'))"
+  echo "== Llama-3.1-8B, 2000 requests: one GPU vs -dp 2"
+  for dp in 1 2; do
+    [ $SECONDS -gt 430 ] && { echo "no time left for 8B -dp $dp"; break; }
+    timeout $(( 590 - SECONDS )) $B --model llama-3.1-8b --requests /tmp/req2000.json --num-prompts 2000 --backend jaxkv \
+      -dp $dp 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" | tee -a /tmp/diag/dp.txt
+  done
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j"; exit 2 ;;
 esac

@@ -5,7 +5,8 @@ grouped by role (API server, engine core, benchmark client), with the GPU's NVML
 
 Reads ``/proc/PID/stat`` (user + system time) of every process before and after the command; a process
 started during it counts from zero. A role near 100 % of the wall time (per process) is a limit at that
-load. ``--py-spy DIR`` also samples the engine-core and API-server processes with py-spy (raw collapsed
+load; the command's own processes (the client), which end before the second look, are counted from
+their resource usage instead. ``--py-spy DIR`` also samples the engine-core and API-server processes with py-spy (raw collapsed
 stacks, one file per process) while the command runs. Linux only; NVML (``nvidia-ml-py``) where present.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 import argparse
 import os
 import pathlib
+import resource
 import signal
 import subprocess
 import sys
@@ -63,9 +65,12 @@ def main(argv=None) -> int:
                                                "-r", "100", "--nonblocking"],
                                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
     t0 = time.perf_counter()
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
     with NvmlBusySampler(args.gpu_index) as nvml:
         rc = subprocess.run(cmd).returncode
         mid = snapshot()
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    waited = after.ru_utime + after.ru_stime - children.ru_utime - children.ru_stime
     wall = time.perf_counter() - t0
     for s in spies:
         s.send_signal(signal.SIGINT)
@@ -84,6 +89,7 @@ def main(argv=None) -> int:
     for role, used in sorted(by_role.items()):
         print(f"{role:12s} {len(used):3d} processes, CPU {sum(used):7.2f} s; per process % of wall: "
               + " ".join(f"{100 * u / wall:.0f}" for u in sorted(used, reverse=True)[:12]))
+    print(f"the command and the processes it waited for (the benchmark client): CPU {waited:.2f} s")
     return rc
 
 
