@@ -15,13 +15,15 @@ Why the budget and not the count alone: a batch submitted at once (``LLM.generat
 alone in alternation, and on ShareGPT's heavy-tailed lengths that gives one of two ranks ~3 % more output
 tokens (3,000 requests), which the run's length then waits for; balancing the budget within the slack splits
 the same requests to within 0.1 % (0.01-0.14 % for 1,000-4,256 of them) while keeping the counts (what bounds a rank's batch) within 3 %.
-A request without ``max_tokens`` counts :data:`UNKNOWN_BUDGET` tokens.
+A request without ``max_tokens`` counts :data:`UNKNOWN_BUDGET` tokens. ``JAXKV_DP_PLACEMENT=count`` (for
+A/B measurements) turns step 2 into vLLM's rule: the fewest outstanding requests, ties in turn.
 """
 
 from __future__ import annotations
 
 import collections
 import itertools
+import os
 from typing import Sequence
 
 UNKNOWN_BUDGET = 256
@@ -37,10 +39,11 @@ class LoadBalancer:
         outstanding_tokens: ``[num_engines]`` their summed output budget per rank.
     """
 
-    def __init__(self, num_engines: int):
+    def __init__(self, num_engines: int, by_budget: bool | None = None):
         if num_engines < 1:
             raise ValueError(f"num_engines={num_engines} must be >= 1")
         self.num_engines = num_engines
+        self.by_budget = os.environ.get("JAXKV_DP_PLACEMENT", "budget") != "count" if by_budget is None else by_budget
         self.outstanding = [0] * num_engines
         self.outstanding_tokens = [0] * num_engines
         self._placed: dict[str, tuple[int, int]] = {}  # request_id -> (rank, budget)
@@ -63,7 +66,8 @@ class LoadBalancer:
                 return r
         start = next(self._turn)
         order = [(start + i) % n for i in range(n)]
-        r = min((i for i in order if self.outstanding[i] <= slack), key=lambda i: self.outstanding_tokens[i])
+        load = self.outstanding_tokens if self.by_budget else self.outstanding
+        r = min((i for i in order if self.outstanding[i] <= slack), key=lambda i: load[i])
         if key is not None:
             self._prefix_rank[key] = r
             if len(self._prefix_rank) > _PREFIX_KEYS:

@@ -186,5 +186,18 @@ j)  # nothing beside: GPU 1 SmolLM2 offline, then the server (1 and 2 API server
   done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j"; exit 2 ;;
+k)  # -dp 2 vs one GPU on larger batches (a fixed batch's tail is the same seconds at any dp), and the
+    # placement A/B (JAXKV_DP_PLACEMENT=count: vLLM's fewest-requests rule vs the output-budget balance)
+  mkdir -p /tmp/diag
+  python3 -c "import json; r = json.load(open('.dummy/requests.json')); json.dump(r[256:4256], open('/tmp/req4000.json', 'w')); json.dump(r, open('/tmp/req4256.json', 'w'))"
+  run() { echo "-- $*"; timeout $(( 590 - SECONDS )) $B --backend jaxkv "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" | tee -a /tmp/diag/dp-k.txt; }
+  run --model $S --requests /tmp/req4256.json --num-prompts 4256 -dp 1
+  run --model $S --requests /tmp/req4256.json --num-prompts 4256 -dp 2
+  JAXKV_DP_PLACEMENT=count run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 2
+  run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 2
+  [ $SECONDS -lt 300 ] && run --model llama-3.1-8b --requests /tmp/req4000.json --num-prompts 4000 -dp 1
+  [ $SECONDS -lt 480 ] && run --model llama-3.1-8b --requests /tmp/req4000.json --num-prompts 4000 -dp 2
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k"; exit 2 ;;
 esac

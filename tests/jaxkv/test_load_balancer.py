@@ -69,6 +69,15 @@ def test_same_prefix_goes_to_the_same_rank_within_slack():
     assert lb.choose([1, 2, 3], 10) == lb.outstanding_tokens.index(min(lb.outstanding_tokens))
 
 
+def test_count_rule_alternates_a_burst():
+    lb = LoadBalancer(2, by_budget=False)
+    ranks = []
+    for i, (prompt, max_tokens) in enumerate(_requests(9)):
+        ranks.append(lb.choose(prompt, max_tokens))
+        lb.assign(str(i), ranks[-1], max_tokens)
+    assert ranks == [0, 1] * 4 + [0]
+
+
 def test_one_engine_and_bad_size():
     assert LoadBalancer(1).choose([1] * 40, 5) == 0
     with pytest.raises(ValueError, match="num_engines=0"):
