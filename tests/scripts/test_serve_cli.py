@@ -44,3 +44,20 @@ def test_exposure_flags_build_limits_and_keys():
         serve.server_limits(serve.parse_args(["--max-stop-strings", "0"]))
     with pytest.raises(ValueError, match="--api-key must not be empty"):
         serve.api_keys(serve.parse_args(["--api-key", " "]), environ={})
+
+
+def test_api_server_count_default(monkeypatch):
+    """--api-server-count: as given; by default 2 on one host with engine-core processes and >= 8 usable CPUs
+    (measured faster there), else 1 (in-process engine, multi-host flags, small machines)."""
+    sys.path.insert(0, str(SCRIPTS))
+    import serve
+
+    monkeypatch.delenv("JAXKV_ENABLE_MULTIPROCESSING", raising=False)
+    cpus = {"n": 32}
+    monkeypatch.setattr(serve.os, "sched_getaffinity", lambda pid: set(range(cpus["n"])))
+    assert serve.default_api_server_count(serve.parse_args([])) == 2
+    assert serve.parse_args(["--api-server-count", "3"]).api_server_count == 3
+    for flags in (["--no-enable-multiprocessing"], ["--headless"], ["--data-parallel-address", "10.0.0.1"]):
+        assert serve.default_api_server_count(serve.parse_args(flags)) == 1, flags
+    cpus["n"] = serve.AUTO_API_SERVERS_MIN_CPUS - 1
+    assert serve.default_api_server_count(serve.parse_args([])) == 1
