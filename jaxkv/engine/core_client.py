@@ -350,7 +350,7 @@ class _MPClient:
         step."""
         by_rank: dict[int, list[str]] = {}
         for rid in request_ids:
-            rank = self._rank_of.get(rid)
+            rank = self.balancer.rank_of(rid)
             if rank is not None:
                 by_rank.setdefault(rank, []).append(rid)
                 self._forget(rid)

@@ -81,6 +81,11 @@ class LoadBalancer:
         self.outstanding[rank] += 1
         self.outstanding_tokens[rank] += budget
 
+    def rank_of(self, request_id: str) -> int | None:
+        """The rank ``request_id`` was placed on, while it is outstanding."""
+        placed = self._placed.get(request_id)
+        return None if placed is None else placed[0]
+
     def forget(self, request_id: str) -> None:
         """``request_id`` finished or was aborted (unknown ids are ignored)."""
         placed = self._placed.pop(request_id, None)

@@ -45,10 +45,11 @@ def test_forget_restores_counts_and_unknown_budget():
     lb.assign("a", 1, None)
     lb.assign("b", 0, 7)
     assert lb.outstanding == [1, 1] and lb.outstanding_tokens == [7, UNKNOWN_BUDGET]
+    assert (lb.rank_of("a"), lb.rank_of("b"), lb.rank_of("c")) == (1, 0, None)
     lb.forget("a")
     lb.forget("a")  # twice, and an unknown id: ignored
     lb.forget("zzz")
-    assert lb.outstanding == [1, 0] and lb.outstanding_tokens == [7, 0]
+    assert lb.outstanding == [1, 0] and lb.outstanding_tokens == [7, 0] and lb.rank_of("a") is None
 
 
 def test_same_prefix_goes_to_the_same_rank_within_slack():
