@@ -478,11 +478,15 @@ class SyncMPClient(_MPClient):
             self._held.extend(other)
         return got
 
-    def add_requests(self, requests: Sequence[EngineCoreRequest]) -> list[int]:
-        """Place and queue ``requests``: all or none. Returns each one's rank.
+    def add_requests(self, requests: Sequence[EngineCoreRequest], *, wait: bool = True) -> list[int]:
+        """Place and queue ``requests``. Returns each one's rank.
+
+        With ``wait`` (default) all or none: the cores acknowledge them before this returns. Without, they
+        are sent and this returns at once; a request a core rejects then comes back as an output with
+        ``error`` (vLLM's asynchronous ``add_request``).
 
         Raises:
-            ValueError: a core rejected one of them (its message); none is queued anywhere.
+            ValueError: (``wait``) a core rejected one of them (its message); none is queued anywhere.
             EngineDeadError: a core is dead.
         """
         if self.dead_error is not None:
@@ -491,6 +495,10 @@ class SyncMPClient(_MPClient):
         by_rank: dict[int, list[EngineCoreRequest]] = {}
         for req, rank in zip(requests, ranks):
             by_rank.setdefault(rank, []).append(req)
+        if not wait:
+            for rank, reqs in by_rank.items():
+                self._send(rank, AddRequests(reqs))
+            return ranks
         ack = next(self._calls)
         for rank, reqs in by_rank.items():
             self._send(rank, AddRequests(reqs, ack=ack))

@@ -231,7 +231,19 @@ class LLM:
                     c.text = self.tokenizer.decode(c.token_ids)
         return outputs
 
+    # requests a rank holds at once in LLM.generate, per max_num_seqs: the running batch and as many waiting
+    DISPATCH_WINDOW_PER_SEQ = 2
+
     def _generate_mp(self, token_ids: list[list[int]], sampling_params, progress) -> list[RequestOutput]:
+        """``generate`` through the engine-core processes, with the requests dispatched as the cores take
+        them: at most :attr:`DISPATCH_WINDOW_PER_SEQ` x ``max_num_seqs`` outstanding per rank, the rest sent
+        as requests finish, each to the rank with about the fewest outstanding. A rank that steps faster so
+        takes more of the batch, and every core starts stepping after adding its first window instead of
+        the whole batch. (vLLM's offline data parallelism splits the prompts between ranks beforehand.)
+
+        The first window is all or none (a rejected request raises before anything runs); a request a core
+        rejects later aborts the others that are still running, then raises the same ``ValueError``.
+        """
         params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
                   else [sampling_params] * len(token_ids))
         if len(params) != len(token_ids):
@@ -242,28 +254,42 @@ class LLM:
         base = f"gen-{self._next_id}-"
         self._next_id += 1
         ids = [f"{base}{i}" for i in range(len(token_ids))]
-        self._client.add_requests([EngineCoreRequest(rid, p, sp, final_only=True)
-                                   for rid, p, sp in zip(ids, token_ids, params)])
+        requests = [EngineCoreRequest(rid, p, sp, final_only=True) for rid, p, sp in zip(ids, token_ids, params)]
+        window = sum(self.DISPATCH_WINDOW_PER_SEQ * int(info["max_num_seqs"]) for info in self.engine_info)
+        chunk = max(1, window // 16)  # top-ups go in batches: one message per rank, not one per request
+        self._client.add_requests(requests[:window])
+        sent = min(window, len(requests))
         index = {rid: i for i, rid in enumerate(ids)}
         final: list[RequestOutput | None] = [None] * len(ids)
         left = len(ids)
-        while left:
-            for o in self._client.get_output().outputs:
-                i = index.get(o.request_id)
-                if i is None or not o.finished or final[i] is not None:
-                    continue
-                # decoded here, while the cores step on (session 18: decoding 4,256 ShareGPT outputs after
-                # the last step took ~0.3 s of the run's wall time)
-                completion = CompletionOutput(index=0, token_ids=list(o.new_token_ids),
-                                              new_token_ids=list(o.new_token_ids),
-                                              text=self.tokenizer.decode(o.new_token_ids),
-                                              finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                final[i] = RequestOutput(request_id=o.request_id, prompt_token_ids=token_ids[i],
-                                         outputs=[completion], finished=True,
-                                         num_cached_tokens=o.num_cached_tokens)
-                left -= 1
-                if progress is not None:
-                    progress(final[i])
+        try:
+            while left:
+                for o in self._client.get_output().outputs:
+                    i = index.get(o.request_id)
+                    if i is None or not o.finished or final[i] is not None:
+                        continue
+                    if o.error is not None:
+                        raise ValueError(o.error)
+                    # decoded here, while the cores step on (session 18: decoding 4,256 ShareGPT outputs
+                    # after the last step took ~0.3 s of the run's wall time)
+                    completion = CompletionOutput(index=0, token_ids=list(o.new_token_ids),
+                                                  new_token_ids=list(o.new_token_ids),
+                                                  text=self.tokenizer.decode(o.new_token_ids),
+                                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)
+                    final[i] = RequestOutput(request_id=o.request_id, prompt_token_ids=token_ids[i],
+                                             outputs=[completion], finished=True,
+                                             num_cached_tokens=o.num_cached_tokens)
+                    left -= 1
+                    if progress is not None:
+                        progress(final[i])
+                room = window - sum(self._client.outstanding)
+                if sent < len(requests) and (room >= chunk or room >= len(requests) - sent):
+                    more = requests[sent:sent + room]
+                    self._client.add_requests(more, wait=False)
+                    sent += len(more)
+        except BaseException:
+            self._client.abort([ids[i] for i in range(sent) if final[i] is None])
+            raise
         return final
 
     def chat(self, messages: Sequence[Mapping[str, Any]] | Sequence[Sequence[Mapping[str, Any]]],

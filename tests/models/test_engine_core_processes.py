@@ -84,6 +84,12 @@ def test_one_core_process_equals_the_in_process_engine(tiny, reference):
     assert _tokens(again) == reference[:3] and again[2].num_cached_tokens > 0
     stats = llm.get_engine_stats()[0]
     assert stats["num_generated_tokens"] == sum(len(t) for t in reference + reference[:3])
+    # more requests than LLM.generate keeps outstanding (2 x max_num_seqs = 8): the rest go as others finish
+    assert _tokens(llm.generate(PROMPTS * 3, PARAMS * 3, use_tqdm=False)) == reference * 3
+    # a request a core rejects after the first window: the others are aborted, nothing is left queued
+    with pytest.raises(ValueError, match="max_model_len"):
+        llm.generate(["abc"] * 9 + ["word " * 200], SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+    assert llm.get_engine_stats()[0]["num_unfinished_requests"] == 0 and llm._client.outstanding == [0]
     # a rejected batch leaves nothing queued and the engine serves on
     with pytest.raises(ValueError, match="max_model_len"):
         llm.generate(["abc", "word " * 200], SamplingParams(max_tokens=4), use_tqdm=False)
@@ -110,6 +116,8 @@ def test_two_ranks_over_tcp_equal_one_rank(tiny, reference):
         assert _tokens(llm.generate(PROMPTS, PARAMS, use_tqdm=False)) == reference
         per_rank = [s["num_generated_tokens"] for s in llm.get_engine_stats()]
         assert sum(per_rank) == sum(len(t) for t in reference) and min(per_rank) > 0, per_rank
+        # 18 requests, 16 outstanding at most (2 x max_num_seqs per rank): two sent as others finish
+        assert _tokens(llm.generate(PROMPTS * 3, PARAMS * 3, use_tqdm=False)) == reference * 3
         assert llm._client.outstanding == [0, 0]
         pids = llm.engine_pids + [p.pid for p in procs.values()]
     finally:
