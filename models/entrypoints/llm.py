@@ -232,6 +232,7 @@ class LLM:
         return outputs
 
     # requests a rank holds at once in LLM.generate, per max_num_seqs: the running batch and as many waiting
+    # ($JAXKV_DISPATCH_WINDOW_PER_SEQ overrides it for A/B measurements; 0 sends every request at once)
     DISPATCH_WINDOW_PER_SEQ = 2
 
     def _generate_mp(self, token_ids: list[list[int]], sampling_params, progress) -> list[RequestOutput]:
@@ -255,7 +256,9 @@ class LLM:
         self._next_id += 1
         ids = [f"{base}{i}" for i in range(len(token_ids))]
         requests = [EngineCoreRequest(rid, p, sp, final_only=True) for rid, p, sp in zip(ids, token_ids, params)]
-        window = sum(self.DISPATCH_WINDOW_PER_SEQ * int(info["max_num_seqs"]) for info in self.engine_info)
+        per_seq = float(os.environ.get("JAXKV_DISPATCH_WINDOW_PER_SEQ", self.DISPATCH_WINDOW_PER_SEQ))
+        window = (len(requests) if per_seq <= 0
+                  else max(1, int(sum(per_seq * int(info["max_num_seqs"]) for info in self.engine_info))))
         chunk = max(1, window // 16)  # top-ups go in batches: one message per rank, not one per request
         self._client.add_requests(requests[:window])
         sent = min(window, len(requests))

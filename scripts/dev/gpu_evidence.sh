@@ -19,6 +19,8 @@
 #            role, NVML busy, py-spy of the core and API servers) with 1 and 2 API servers, the openai client
 #            against aiohttp, 1000 and 3000 requests, beside an offline run; GPU 0 at the same time stage h's
 #            two 8B runs one after the other.
+#   stage j, k (session 18): the server alone (1 and 2 API servers, 16 client processes) and -dp 2 on 3000-4256
+#            requests with the placement A/B; stage l (next): LLM.generate's dispatch window A/B, one GPU and -dp 2.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -199,5 +201,20 @@ k)  # -dp 2 vs one GPU on larger batches (a fixed batch's tail is the same secon
   [ $SECONDS -lt 480 ] && run --model llama-3.1-8b --requests /tmp/req4000.json --num-prompts 4000 -dp 2
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k"; exit 2 ;;
+l)  # (next session) LLM.generate's dispatch window (2 x max_num_seqs outstanding per rank, the rest sent as
+    # requests finish) against every request at once (JAXKV_DISPATCH_WINDOW_PER_SEQ=0), one GPU and -dp 2
+  mkdir -p /tmp/diag
+  python3 -c "import json; r = json.load(open('.dummy/requests.json')); json.dump(r[256:4256], open('/tmp/req4000.json', 'w'))"
+  run() { echo "-- $*"; timeout $(( 590 - SECONDS )) $B --backend jaxkv "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" | tee -a /tmp/diag/dp-l.txt; }
+  run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 1
+  JAXKV_DISPATCH_WINDOW_PER_SEQ=0 run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 1
+  run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 2
+  JAXKV_DISPATCH_WINDOW_PER_SEQ=0 run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 2
+  [ $SECONDS -lt 250 ] && run --model llama-3.1-8b --requests /tmp/req4000.json --num-prompts 4000 -dp 1
+  [ $SECONDS -lt 420 ] && run --model llama-3.1-8b --requests /tmp/req4000.json --num-prompts 4000 -dp 2
+  [ $SECONDS -lt 500 ] && JAXKV_DISPATCH_WINDOW_PER_SEQ=0 run --model llama-3.1-8b --requests /tmp/req4000.json \
+    --num-prompts 4000 -dp 2
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l"; exit 2 ;;
 esac
