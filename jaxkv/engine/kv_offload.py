@@ -12,8 +12,9 @@ copies:
 
 * **device → host**: one jitted gather stacks the blocks of every tensor of a group into a new device array
   ``[tensors, 2, n, ...]``, whose transfer to the host starts at once (``copy_to_host_async``: on a GPU the
-  copy engine moves it while the next steps run); the host writes the arrived blocks into the pool after the
-  next step's tokens are fetched (:meth:`KVOffloader.poll`), or at once when a host → device copy reads one.
+  copy engine moves it while the next steps run); once it has arrived (:meth:`KVOffloader.poll`, after each
+  step's tokens are fetched) a writer thread scatters its blocks into the pool, in order, while the engine
+  thread goes on; a host → device copy first waits for the writes (and writes any copy still on its way).
 * **host → device**: the blocks gathered on the host (NumPy ``take``; from :data:`PARALLEL_BYTES` on, a task
   per tensor on a thread pool: NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
   then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
@@ -129,7 +130,9 @@ class KVOffloader:
         host_caches: one host array per group, ``dtype[tensors, 2, num_host_blocks, num_kv_heads, block_size,
             head_size]``.
         bytes_to_host, bytes_to_device: bytes of the blocks copied so far (padding not counted).
-        copy_s: host seconds spent issuing copies, writing arrived blocks into the pool and waiting for them.
+        copy_s: seconds of the caller's thread (the engine's) spent issuing copies and waiting for them;
+            the writer thread's pool writes are not in it (``write_s``).
+        write_s: seconds the writer thread spent writing arrived blocks into the pool.
 
     Raises:
         ValueError: ``num_host_blocks < 1``, caches spread over several devices.
@@ -149,15 +152,23 @@ class KVOffloader:
         self.num_device_blocks = int(kv_caches[0].shape[1])
         self.block_bytes = bytes_per_block(kv_caches)
         self.groups = tensor_groups(kv_caches)
+        n = num_threads or min(len(kv_caches), os.cpu_count() or 1, 16)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="kv-offload")
         self.host_caches = []
         for g in self.groups:
             c = kv_caches[g[0]]
-            self.host_caches.append(np.zeros((len(g), c.shape[0], num_host_blocks, *c.shape[2:]), c.dtype))
-        n = num_threads or min(len(kv_caches), os.cpu_count() or 1, 16)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="kv-offload")
+            h = np.empty((len(g), c.shape[0], num_host_blocks, *c.shape[2:]), c.dtype)
+            # written now, a tensor per task: the pages are faulted in (zeroed by the kernel) here, at start-up,
+            # not by the first copy into each of them during a run (a 256-block SmolLM2 pass into a fresh pool
+            # took 0.84 s on the CPU machine, 17 ms into written pages)
+            self._each_tensor(lambda j, h=h: h[j].fill(0), h.shape[0], h.nbytes)
+            self.host_caches.append(h)
         self._pending: list[tuple[list[jax.Array], np.ndarray]] = []  # device → host copies on their way
+        # arrived device → host copies are written into the pool here, one at a time, in arrival order
+        self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-offload-write")
+        self._writes: list[concurrent.futures.Future] = []
         self.bytes_to_host = self.bytes_to_device = 0
-        self.copy_s = 0.0
+        self.copy_s = self.write_s = 0.0
 
     @property
     def host_bytes(self) -> int:
@@ -228,22 +239,27 @@ class KVOffloader:
         return on_device
 
     def poll(self) -> None:
-        """Write the device → host copies that have arrived into the pool (oldest first)."""
+        """Hand the device → host copies that have arrived (oldest first) to the writer thread."""
+        self._writes = [f for f in self._writes if not f.done() or f.result()]  # raises a writer's error
         if self._pending and all(b.is_ready() for b in self._pending[0][0]):
             t = time.perf_counter()
             while self._pending and all(b.is_ready() for b in self._pending[0][0]):
-                self._write(*self._pending.pop(0))
+                self._writes.append(self._writer.submit(self._write, *self._pending.pop(0)))
             self.copy_s += time.perf_counter() - t
 
     def _flush(self, host_ids=None) -> None:
-        """Write pending device → host copies in order: all, or up to the last one into ``host_ids``."""
+        """Write pending device → host copies in order (all, or up to the last one into ``host_ids``), then
+        wait for every write the writer thread has: the pool is then up to date for what is read next."""
         last = len(self._pending) - 1
         if host_ids is not None:
             wanted = set(np.asarray(host_ids).tolist())
             last = max((i for i, (_, ids) in enumerate(self._pending) if not wanted.isdisjoint(ids.tolist())),
                        default=-1)
         for _ in range(last + 1):
-            self._write(*self._pending.pop(0))
+            self._writes.append(self._writer.submit(self._write, *self._pending.pop(0)))
+        for f in self._writes:
+            f.result()
+        self._writes.clear()
 
     def _each_tensor(self, fn, num_tensors: int, nbytes: int) -> None:
         """``fn(j)`` for every tensor ``j`` of a group: on the thread pool when the copy is large enough to pay
@@ -254,7 +270,9 @@ class KVOffloader:
             for j in range(num_tensors):
                 fn(j)
 
-    def _write(self, blocks, host_ids) -> None:
+    def _write(self, blocks, host_ids) -> bool:
+        """(writer thread) Scatter one arrived copy's blocks into the pool; False (for :meth:`poll`'s filter)."""
+        t = time.perf_counter()
         n = len(host_ids)
         for h, b in zip(self.host_caches, blocks):
             arrived = np.asarray(b)
@@ -263,6 +281,8 @@ class KVOffloader:
                 h[j][:, host_ids] = arrived[j][:, :n]
 
             self._each_tensor(write, h.shape[0], arrived.nbytes)
+        self.write_s += time.perf_counter() - t
+        return False
 
     def host_block(self, block: int) -> list[np.ndarray]:
         """One host block of every tensor, ``[2, num_kv_heads, block_size, head_size]`` each, in the caches'
