@@ -743,9 +743,10 @@ def run(args) -> int:
                   f"tp={args.tensor_parallel_size} dp={args.data_parallel_size}, {llm.num_gpu_blocks} blocks "
                   f"of {args.block_size} tokens per rank, {info['num_buckets']} buckets, "
                   f"attention={llm.attention_impl}, dtype={llm.dtype}, async_scheduling={args.async_scheduling}")
-            print(f"start-up: {time.perf_counter() - t0:.1f} s until ready (rank 0: load {info['load_s']} s, "
-                  f"compile ahead {info['warmup_s']} s, {info['num_compiles']} compiles; compilation cache "
-                  f"{info['compilation_cache_dir']})", flush=True)
+            parts = ", ".join(f"{k} {v}" for k, v in info.get("load_breakdown_s", {}).items())
+            print(f"start-up: {time.perf_counter() - t0:.1f} s until ready (rank 0: load {info['load_s']} s "
+                  f"[{parts}], compile ahead {info['warmup_s']} s, {info['num_compiles']} compiles; compilation "
+                  f"cache {info['compilation_cache_dir']})", flush=True)
         results.append(run_jaxkv(llms[mp], requests, static=backend == "jaxkv-static", batch_size=batch_size,
                                  progress=not args.no_progress, profile_busy=args.profile_busy and not mp,
                                  nvml_busy=args.nvml_busy, cprofile=args.cprofile if not mp else None,
