@@ -24,6 +24,7 @@ from __future__ import annotations
 import collections
 import itertools
 import os
+import threading
 from typing import Sequence
 
 UNKNOWN_BUDGET = 256
@@ -32,7 +33,8 @@ _PREFIX_KEYS = 8192
 
 
 class LoadBalancer:
-    """Placement over ``num_engines`` ranks (single-threaded: the client's caller owns it).
+    """Placement over ``num_engines`` ranks. Thread-safe: the synchronous client places requests on its
+    caller's thread while its reader thread forgets finished ones.
 
     Attributes:
         outstanding: ``[num_engines]`` placed, unfinished requests per rank.
@@ -49,12 +51,18 @@ class LoadBalancer:
         self._placed: dict[str, tuple[int, int]] = {}  # request_id -> (rank, budget)
         self._prefix_rank: collections.OrderedDict[int, int] = collections.OrderedDict()
         self._turn = itertools.count()
+        self._lock = threading.Lock()
 
     def choose(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> int:
         """The rank for a request (not yet counted: :meth:`assign` does that)."""
         n = self.num_engines
         if n == 1:
             return 0
+        with self._lock:
+            return self._choose(prompt_token_ids, max_tokens)
+
+    def _choose(self, prompt_token_ids: Sequence[int], max_tokens: int | None) -> int:
+        n = self.num_engines
         low = min(self.outstanding)
         slack = low + 1 + low // 32
         key = (hash(tuple(prompt_token_ids[:PREFIX_TOKENS])) if len(prompt_token_ids) >= PREFIX_TOKENS
@@ -77,9 +85,10 @@ class LoadBalancer:
     def assign(self, request_id: str, rank: int, max_tokens: int | None = None) -> None:
         """Count ``request_id`` on ``rank`` until :meth:`forget`."""
         budget = UNKNOWN_BUDGET if max_tokens is None else int(max_tokens)
-        self._placed[request_id] = (rank, budget)
-        self.outstanding[rank] += 1
-        self.outstanding_tokens[rank] += budget
+        with self._lock:
+            self._placed[request_id] = (rank, budget)
+            self.outstanding[rank] += 1
+            self.outstanding_tokens[rank] += budget
 
     def rank_of(self, request_id: str) -> int | None:
         """The rank ``request_id`` was placed on, while it is outstanding."""
@@ -88,8 +97,9 @@ class LoadBalancer:
 
     def forget(self, request_id: str) -> None:
         """``request_id`` finished or was aborted (unknown ids are ignored)."""
-        placed = self._placed.pop(request_id, None)
-        if placed is not None:
-            rank, budget = placed
-            self.outstanding[rank] -= 1
-            self.outstanding_tokens[rank] -= budget
+        with self._lock:
+            placed = self._placed.pop(request_id, None)
+            if placed is not None:
+                rank, budget = placed
+                self.outstanding[rank] -= 1
+                self.outstanding_tokens[rank] -= budget

@@ -83,3 +83,4 @@ def test_one_engine_and_bad_size():
     assert LoadBalancer(1).choose([1] * 40, 5) == 0
     with pytest.raises(ValueError, match="num_engines=0"):
         LoadBalancer(0)
+
