@@ -226,7 +226,7 @@ class LLM:
                  counts["in"] / wall, counts["out"] / wall)
         for text, out in zip(texts, outputs):
             out.prompt = text
-            if self._client is None:  # engine-core processes: decoded as each request finished
+            if self._client is None:  # in-process engine (with engine-core processes: decoded as each finished)
                 for c in out.outputs:
                     c.text = self.tokenizer.decode(c.token_ids)
         return outputs
