@@ -70,8 +70,9 @@ class EngineStats:
         num_blocks_offloaded: blocks evicted from the device prefix cache and kept in the host tier.
         num_host_prefix_hit_tokens: tokens whose blocks came back from the host prefix cache.
         kv_offload_bytes_to_host, kv_offload_bytes_to_device: bytes of the blocks copied each way.
-        kv_offload_copy_s: host seconds spent issuing those copies (device time is not seen here; a
-            profiler trace shows it).
+        kv_offload_copy_s: seconds of the engine thread spent issuing those copies and waiting for them
+            (device time is not seen here; a profiler trace shows it).
+        kv_offload_write_s: seconds of the host tier's writer thread writing arrived blocks into the pool.
     """
 
     num_running: int
@@ -108,6 +109,7 @@ class EngineStats:
     kv_offload_bytes_to_host: int = 0
     kv_offload_bytes_to_device: int = 0
     kv_offload_copy_s: float = 0.0
+    kv_offload_write_s: float = 0.0
 
     @property
     def gpu_idle_share(self) -> float:
@@ -274,7 +276,7 @@ class LLMEngine:
                     num_blocks_offloaded=host.num_blocks_offloaded,
                     num_host_prefix_hit_tokens=host.num_host_prefix_hit_tokens,
                     kv_offload_bytes_to_host=off.bytes_to_host, kv_offload_bytes_to_device=off.bytes_to_device,
-                    kv_offload_copy_s=off.copy_s)
+                    kv_offload_copy_s=off.copy_s, kv_offload_write_s=off.write_s)
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
