@@ -334,7 +334,7 @@ class _MPClient:
 
     def _place(self, request: EngineCoreRequest) -> int:
         max_tokens = request.sampling_params.max_tokens
-        rank = self.balancer.choose(request.prompt_token_ids, max_tokens)
+        rank = self.balancer.choose(request.prompt_token_ids)
         self.balancer.assign(request.request_id, rank, max_tokens)
         return rank
 

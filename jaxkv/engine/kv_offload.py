@@ -240,7 +240,10 @@ class KVOffloader:
 
     def poll(self) -> None:
         """Hand the device → host copies that have arrived (oldest first) to the writer thread."""
-        self._writes = [f for f in self._writes if not f.done() or f.result()]  # raises a writer's error
+        done = [f for f in self._writes if f.done()]
+        for f in done:
+            f.result()  # a writer's error surfaces here
+        self._writes = [f for f in self._writes if f not in done]
         if self._pending and all(b.is_ready() for b in self._pending[0][0]):
             t = time.perf_counter()
             while self._pending and all(b.is_ready() for b in self._pending[0][0]):
@@ -270,8 +273,8 @@ class KVOffloader:
             for j in range(num_tensors):
                 fn(j)
 
-    def _write(self, blocks, host_ids) -> bool:
-        """(writer thread) Scatter one arrived copy's blocks into the pool; False (for :meth:`poll`'s filter)."""
+    def _write(self, blocks, host_ids) -> None:
+        """(writer thread) Scatter one arrived copy's blocks into the pool."""
         t = time.perf_counter()
         n = len(host_ids)
         for h, b in zip(self.host_caches, blocks):
@@ -282,7 +285,6 @@ class KVOffloader:
 
             self._each_tensor(write, h.shape[0], arrived.nbytes)
         self.write_s += time.perf_counter() - t
-        return False
 
     def host_block(self, block: int) -> list[np.ndarray]:
         """One host block of every tensor, ``[2, num_kv_heads, block_size, head_size]`` each, in the caches'

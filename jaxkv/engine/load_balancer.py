@@ -53,15 +53,14 @@ class LoadBalancer:
         self._turn = itertools.count()
         self._lock = threading.Lock()
 
-    def choose(self, prompt_token_ids: Sequence[int], max_tokens: int | None = None) -> int:
-        """The rank for a request (not yet counted: :meth:`assign` does that)."""
-        n = self.num_engines
-        if n == 1:
+    def choose(self, prompt_token_ids: Sequence[int]) -> int:
+        """The rank for a request (not yet counted: :meth:`assign` does that, with its output budget)."""
+        if self.num_engines == 1:
             return 0
         with self._lock:
-            return self._choose(prompt_token_ids, max_tokens)
+            return self._choose(prompt_token_ids)
 
-    def _choose(self, prompt_token_ids: Sequence[int], max_tokens: int | None) -> int:
+    def _choose(self, prompt_token_ids: Sequence[int]) -> int:
         n = self.num_engines
         low = min(self.outstanding)
         slack = low + 1 + low // 32

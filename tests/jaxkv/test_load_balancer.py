@@ -17,7 +17,7 @@ def test_burst_splits_budget_evenly_and_counts_within_slack():
     reqs = _requests(3000)
     lb = LoadBalancer(2)
     for i, (prompt, max_tokens) in enumerate(reqs):
-        lb.assign(str(i), lb.choose(prompt, max_tokens), max_tokens)
+        lb.assign(str(i), lb.choose(prompt), max_tokens)
     total = sum(m for _, m in reqs)
     alternate = [sum(m for _, m in reqs[r::2]) for r in range(2)]
     assert sum(lb.outstanding_tokens) == total and sum(lb.outstanding) == 3000
@@ -32,7 +32,7 @@ def test_each_choice_follows_the_rule():
     for i, (prompt, max_tokens) in enumerate(_requests(500, seed=1)):
         low = min(lb.outstanding)
         eligible = [r for r in range(3) if lb.outstanding[r] <= low + 1 + low // 32]
-        r = lb.choose(prompt, max_tokens)
+        r = lb.choose(prompt)
         assert r in eligible
         assert lb.outstanding_tokens[r] == min(lb.outstanding_tokens[e] for e in eligible)
         lb.assign(str(i), r, max_tokens)
@@ -55,32 +55,32 @@ def test_forget_restores_counts_and_unknown_budget():
 def test_same_prefix_goes_to_the_same_rank_within_slack():
     lb = LoadBalancer(2)
     shared = list(range(100, 100 + PREFIX_TOKENS))
-    first = lb.choose(shared + [1], 10)
+    first = lb.choose(shared + [1])
     lb.assign("0", first, 10)
     owner, moves = first, 0
     for i in range(1, 9):  # the prefix's last rank while its count is within the slack (1 at a low of 0), else
         low = min(lb.outstanding)  # the other, which then owns the prefix
-        r = lb.choose(shared + [i], 10)
+        r = lb.choose(shared + [i])
         assert r == (owner if lb.outstanding[owner] <= low + 1 + low // 32 else 1 - owner)
         moves += r != owner
         owner = r
         lb.assign(str(i), r, 10)
     assert moves >= 2 and max(lb.outstanding) - min(lb.outstanding) <= 2
     # a short prompt (no full first block) is placed on budget alone
-    assert lb.choose([1, 2, 3], 10) == lb.outstanding_tokens.index(min(lb.outstanding_tokens))
+    assert lb.choose([1, 2, 3]) == lb.outstanding_tokens.index(min(lb.outstanding_tokens))
 
 
 def test_count_rule_alternates_a_burst():
     lb = LoadBalancer(2, by_budget=False)
     ranks = []
     for i, (prompt, max_tokens) in enumerate(_requests(9)):
-        ranks.append(lb.choose(prompt, max_tokens))
+        ranks.append(lb.choose(prompt))
         lb.assign(str(i), ranks[-1], max_tokens)
     assert ranks == [0, 1] * 4 + [0]
 
 
 def test_one_engine_and_bad_size():
-    assert LoadBalancer(1).choose([1] * 40, 5) == 0
+    assert LoadBalancer(1).choose([1] * 40) == 0
     with pytest.raises(ValueError, match="num_engines=0"):
         LoadBalancer(0)
 
