@@ -211,6 +211,7 @@ def summarize(mode: str, turns: list[Turn], elapsed: float, before: dict, after:
                 mib_to_host=d("kv_offload_bytes_to_host") / 2**20,
                 mib_to_device=d("kv_offload_bytes_to_device") / 2**20,
                 copy_dispatch_s=d("kv_offload_copy_s"), copy_write_s=d("kv_offload_write_s"),
+                copy_load_s=d("kv_offload_load_s"),
                 device_idle_bound_s=d("device_idle_s"),
                 num_host_blocks=after.get("num_host_blocks", 0))
 
@@ -327,7 +328,7 @@ def print_table(rows: list[dict]) -> None:
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
     head = (f"{'mode':<5} {'hit rate':>8} {'prefill tok':>11} {'TTFT p50':>9} {'p99':>8} {'later p50':>9} "
             f"{'p99':>8} {'out tok/s':>10} {'preempt':>7} {'swap o/i':>11} {'fallbk':>6} {'host hit':>9} "
-            f"{'offload':>7} {'MiB ->h':>8} {'MiB ->d':>8} {'copy s':>7} {'write s':>7} {'busy':>6}")
+            f"{'offload':>7} {'MiB ->h':>8} {'MiB ->d':>8} {'copy s':>7} {'write s':>7} {'load s':>6} {'busy':>6}")
     print(head)
     for r in rows:
         busy = r.get("gpu_busy_share_nvml", r.get("gpu_busy_share_trace"))
@@ -337,7 +338,7 @@ def print_table(rows: list[dict]) -> None:
               f"{str(r['num_swaps_out']) + '/' + str(r['num_swaps_in']):>11} {r['num_swap_recompute_fallbacks']:>6} "
               f"{r['num_host_prefix_hit_tokens']:>9} {r['num_blocks_offloaded']:>7} {r['mib_to_host']:>8.1f} "
               f"{r['mib_to_device']:>8.1f} {r['copy_dispatch_s']:>7.2f} {r.get('copy_write_s', 0.0):>7.2f} "
-              f"{f(busy, '.1%'):>6}")
+              f"{r.get('copy_load_s', 0.0):>6.2f} {f(busy, '.1%'):>6}")
 
 
 def load_workload(args) -> list[Conversation]:

@@ -17,6 +17,10 @@ Ordering within one scheduling pass: the engine issues every device→host copy 
 host→device copy (so a device block freed by a swap-out and reused by a swap-in is read before it is
 overwritten). A host block read by a host→device copy of the pass is *locked* until the pass ends: it is
 neither evicted nor reused by a device→host copy of the same pass (which would run first).
+
+Loads in flight (the engine's asynchronous host→device copies, :meth:`HostBlockPool.take_swap_ins`): the
+host blocks a load reads are *held* from the pass that asked for it until the engine has read them
+(:meth:`HostBlockPool.release`), across passes: not evicted, not reused, a free of them deferred.
 """
 
 from __future__ import annotations
@@ -68,7 +72,8 @@ class HostBlockPool:
         self._key_of: dict[int, Hashable] = {}               # host block → prefix key
         self._lru: collections.OrderedDict[int, None] = collections.OrderedDict()  # prefix blocks, LRU first
         self._locked: set[int] = set()                       # read by a host→device copy of this pass
-        self._deferred: list[int] = []                       # freed while locked: free at the pass end
+        self._held: collections.Counter[int] = collections.Counter()  # read by loads in flight (any pass)
+        self._deferred: set[int] = set()                     # freed while locked or held: free once neither
         self._device_targets: set[int] = set()               # device blocks written by this pass's swap-ins
         self.blocks_to_swap_out: list[tuple[int, int]] = []
         self.blocks_to_swap_in: list[tuple[int, int]] = []
@@ -85,7 +90,15 @@ class HostBlockPool:
     @property
     def num_free_blocks(self) -> int:
         """Blocks an allocation can get now: free ones plus unlocked prefix-cache blocks."""
-        return self.allocator.num_free_blocks + sum(1 for b in self._lru if b not in self._locked)
+        return self.allocator.num_free_blocks + sum(1 for b in self._lru if not self._pinned(b))
+
+    @property
+    def num_held_blocks(self) -> int:
+        """Host blocks read by loads in flight (:meth:`hold`)."""
+        return len(self._held)
+
+    def _pinned(self, block: int) -> bool:
+        return block in self._locked or block in self._held
 
     @property
     def num_cached_blocks(self) -> int:
@@ -102,7 +115,7 @@ class HostBlockPool:
         free list is short; ``None`` (nothing taken, nothing evicted) when even that is not enough."""
         short = n - self.allocator.num_free_blocks
         if short > 0:
-            victims = [b for b in self._lru if b not in self._locked][:short]
+            victims = [b for b in self._lru if not self._pinned(b)][:short]
             if len(victims) < short:
                 return None
             for b in victims:
@@ -112,10 +125,11 @@ class HostBlockPool:
         return self.allocator.allocate(n)
 
     def free(self, blocks: Sequence[int]) -> None:
-        """Give host blocks back (a locked one at the end of the pass, after the copy that reads it)."""
+        """Give host blocks back (a locked or held one once the copy that reads it has: the pass end,
+        :meth:`release`)."""
         for b in blocks:
-            if b in self._locked:
-                self._deferred.append(b)
+            if self._pinned(b):
+                self._deferred.add(b)
             else:
                 self.allocator.free([b])
 
@@ -195,6 +209,28 @@ class HostBlockPool:
         """Keep ``host_blocks`` from eviction and reuse until :meth:`end_pass`."""
         self._locked.update(host_blocks)
 
+    def take_swap_ins(self) -> list[tuple[int, int]]:
+        """The host→device copies asked for since the last call (one request's: its swap-in or host
+        prefix hits), for a load the engine runs outside the pass: they leave :attr:`blocks_to_swap_in`,
+        and their host blocks are held (:meth:`hold`) until :meth:`release`."""
+        pairs, self.blocks_to_swap_in = self.blocks_to_swap_in, []
+        self.hold([h for h, _ in pairs])
+        return pairs
+
+    def hold(self, host_blocks: Sequence[int]) -> None:
+        """Keep ``host_blocks`` from eviction and reuse, across passes, until :meth:`release` (once per hold)."""
+        self._held.update(host_blocks)
+
+    def release(self, host_blocks: Sequence[int]) -> None:
+        """End a :meth:`hold`: the load has read the blocks; a block freed meanwhile is freed now."""
+        for b in host_blocks:
+            self._held[b] -= 1
+            if self._held[b] <= 0:
+                del self._held[b]
+                if b in self._deferred and b not in self._locked:
+                    self._deferred.discard(b)
+                    self.allocator.free([b])
+
     def _copy_out(self, device_block: int, host_block: int) -> None:
         if device_block in self._device_targets:  # it would be read before this pass's swap-in writes it
             raise RuntimeError(f"device block {device_block} is copied out after a copy into it in one pass")
@@ -215,7 +251,8 @@ class HostBlockPool:
         self.blocks_to_swap_out, self.blocks_to_swap_in = [], []
         self._locked.clear()
         self._device_targets.clear()
-        deferred, self._deferred = self._deferred, []
-        if deferred:
-            self.allocator.free(deferred)
+        ready = sorted(b for b in self._deferred if b not in self._held)
+        if ready:
+            self._deferred.difference_update(ready)
+            self.allocator.free(ready)
         return out, into

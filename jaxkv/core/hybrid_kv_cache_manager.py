@@ -284,6 +284,7 @@ class HybridKVCacheManager(BlockPool):
         a prefix outlives its tail (vLLM frees in reverse order); a swapped-out request's host blocks go
         back to the host pool."""
         self._free_host_blocks(request)
+        request.pending_prefix = []  # a load that never landed: its blocks are plain, freed below
         for blocks in request.group_block_ids or ():
             real = [b for b in reversed(blocks) if b != self.null_block]
             if real:
@@ -309,8 +310,7 @@ class HybridKVCacheManager(BlockPool):
         out = [list(blocks) for blocks in hits]
         for (g, i, _), d in zip(where, device):
             out[g][i] = d
-            if not self.prefix_cache.register([(g, hashes[i])], [d]):
-                request.cached_block_ids.add(d)
+            self._register_loaded(request, [(g, hashes[i])], [d])
         first = min(i for _, i, _ in where)
         self.host_pool.num_host_prefix_hit_tokens += (len(hits[0]) - first) * self.block_size
         return out

@@ -31,6 +31,10 @@ class BlockPool:
         self.host_pool = host_pool
         on_evict = self._offload_evicted if host_pool is not None and self.supports_host_prefix_cache else None
         self.prefix_cache = PrefixCache(self.allocator, on_evict=on_evict) if enable_prefix_caching else None
+        # host→device copies run outside the scheduling pass (the engine's loads): a host hit's new device
+        # block is registered in the device prefix cache only once its load has landed (finish_load), so
+        # that no other request can hit a block that does not hold its data yet
+        self.async_loads = False
         self.prefix_cache_queries = 0  # tokens looked up (vLLM PrefixCacheStats.queries)
         self.prefix_cache_hits = 0     # of which found cached (on the device or, with a host tier, the host)
 
@@ -59,6 +63,23 @@ class BlockPool:
 
     def _offload_evicted(self, key, block: int) -> None:
         self.host_pool.offload(key, block)
+
+    def _register_loaded(self, request: Request, keys: list, blocks: list[int]) -> None:
+        """Cache host hits' new device blocks under their keys: now, or with :attr:`async_loads` once their
+        load has landed (:meth:`finish_load`)."""
+        if self.async_loads:
+            request.pending_prefix.append((list(keys), list(blocks)))
+            return
+        rejected = set(self.prefix_cache.register(list(keys), list(blocks)))
+        request.cached_block_ids.update(b for b in blocks if b not in rejected)
+
+    def finish_load(self, request: Request) -> None:
+        """``request``'s load has landed (the copy into its device blocks is dispatched before any step
+        that reads them): its host hits' device blocks join the device prefix cache."""
+        pending, request.pending_prefix = request.pending_prefix, []
+        for keys, blocks in pending:
+            rejected = set(self.prefix_cache.register(keys, blocks))
+            request.cached_block_ids.update(b for b in blocks if b not in rejected)
 
     def _device_layout(self, request: Request) -> list[list[int | None]]:
         """Per group, the device blocks holding the request's computed tokens (``None``: a null block)."""
@@ -222,8 +243,7 @@ class KVCacheManager(BlockPool):
             targets = request.block_ids[start:start + num_host]
             self.host_pool.load(host_computed_blocks, targets)
             hashes = request.hashes_of_full_blocks((start + num_host) * self.block_size, self.block_size)
-            rejected = set(self.prefix_cache.register(hashes[start:], targets))
-            request.cached_block_ids.update(b for b in targets if b not in rejected)
+            self._register_loaded(request, hashes[start:], targets)
             request.num_cached_blocks = start + num_host
             self.host_pool.num_host_prefix_hit_tokens += num_host * self.block_size
         return True
@@ -248,6 +268,7 @@ class KVCacheManager(BlockPool):
         a prefix outlives its tail, as vLLM frees in reverse order), the others free; a swapped-out
         request's host blocks go back to the host pool."""
         self._free_host_blocks(request)
+        request.pending_prefix = []  # a load that never landed: its blocks are plain, freed below
         for b in reversed(request.block_ids):
             if b in request.cached_block_ids:
                 self.prefix_cache.release([b])

@@ -10,9 +10,11 @@ if TYPE_CHECKING:
 
 
 class RequestStatus(enum.IntEnum):
-    """Lifecycle: WAITING → RUNNING → (PREEMPTED → RUNNING …) → FINISHED_*. vLLM: ``RequestStatus``."""
+    """Lifecycle: WAITING → [WAITING_FOR_REMOTE_KVS →] RUNNING → (PREEMPTED → RUNNING …) → FINISHED_*.
+    vLLM: ``RequestStatus`` (``WAITING_FOR_REMOTE_KVS``: a KV connector's load in flight)."""
 
     WAITING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # admitted; its blocks are being copied in from the host tier
     RUNNING = enum.auto()
     PREEMPTED = enum.auto()
     # everything after PREEMPTED is finished (vLLM orders the enum the same way)
@@ -85,6 +87,8 @@ class Request:
         self.num_cached_blocks = 0
         self.cached_block_ids: set[int] = set()
         self.host_block_ids: list[list[int | None]] | None = None
+        self.kv_load = None  # the engine's host→device load in flight (WAITING_FOR_REMOTE_KVS)
+        self.pending_prefix: list[tuple[list, list[int]]] = []  # host hits to cache once the load lands
         self.arrival_index = arrival_index
         self.seed = seed
         room = max_model_len - len(self.prompt_token_ids)

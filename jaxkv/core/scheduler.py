@@ -13,7 +13,9 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_fro
 2. then, if nothing was preempted, waiting requests in arrival order while the budget, ``max_num_seqs``
    and the free blocks allow (prefix-cache hits skip their cached tokens; with a host tier, hits in its
    prefix cache after the device's hits are copied back and skipped too; a swapped-out request is
-   swapped back in);
+   swapped back in); with ``async_loads`` a request whose blocks come from the host tier waits for the copy
+   (``WAITING_FOR_REMOTE_KVS``, holding its seat and blocks) while the others run, and runs from the pass
+   after its load has landed (:meth:`Scheduler.finish_loading`), as vLLM's KV connectors' loads do;
 3. a step in which every running request decodes and no waiting request could be admitted runs up to
    ``num_scheduler_steps`` decode steps on the device (vLLM v0's multi-step scheduling), never more than
    the fewest tokens a running request has left while requests wait, so admission is not delayed by a
@@ -93,6 +95,9 @@ class SchedulerOutput:
             preemption, blocks evicted from the device prefix cache), all before ``blocks_to_swap_in``.
         blocks_to_swap_in: ``(host_block, device_block)`` copies to issue before this step (swap-ins,
             host prefix-cache hits). vLLM V0: ``SchedulerOutputs.blocks_to_swap_out`` / ``_in``.
+        loads: with ``async_loads``, the requests that began waiting for a load this pass (not in
+            ``scheduled``): each one's ``(host_block, device_block)`` copies are in ``request.kv_load``,
+            to start after this pass's ``blocks_to_swap_out``.
     """
 
     scheduled: list[tuple[Request, int]]
@@ -104,6 +109,7 @@ class SchedulerOutput:
     samples: list[int] = dataclasses.field(default_factory=list)
     blocks_to_swap_out: list[tuple[int, int]] = dataclasses.field(default_factory=list)
     blocks_to_swap_in: list[tuple[int, int]] = dataclasses.field(default_factory=list)
+    loads: list[Request] = dataclasses.field(default_factory=list)
 
     @property
     def total_num_scheduled_tokens(self) -> int:
@@ -115,19 +121,31 @@ class SchedulerOutput:
 
 
 class Scheduler:
-    """Waiting queue, running list, the step loop's decisions; owns no device state."""
+    """Waiting queue, running list, the step loop's decisions; owns no device state.
 
-    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager):
+    Args:
+        config: the limits.
+        kv_cache_manager: the blocks (and the optional host tier).
+        async_loads: host→device copies (swap-ins, host prefix hits) run outside the pass: the request
+            waits in :attr:`loading` until the engine calls :meth:`finish_loading` (default: the copies
+            are this pass's ``blocks_to_swap_in``, issued before its step).
+    """
+
+    def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, async_loads: bool = False):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
         self.waiting: collections.deque[Request] = collections.deque()
         self.running: list[Request] = []
+        self.loading: list[Request] = []  # admitted, waiting for their host→device load (async_loads)
         self.num_preemptions = 0
         self.num_swap_fallbacks = 0  # swap preemptions that recomputed: the host pool was full
         self.host_pool = getattr(kv_cache_manager, "host_pool", None)
         if config.preemption_mode == "swap" and self.host_pool is None:
             raise ValueError("preemption_mode='swap' needs a host tier (kv_offloading_size > 0)")
         self._admission_delayed = 0  # decode steps run while an admissible request waited
+        self.async_loads = bool(async_loads) and self.host_pool is not None
+        kv_cache_manager.async_loads = self.async_loads
+        self._loads: list[Request] = []  # requests that began loading in this pass
 
     # -- queues ------------------------------------------------------------------------------------
     def add_request(self, request: Request) -> None:
@@ -140,14 +158,29 @@ class Scheduler:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+        elif request in self.loading:
+            # its blocks are freed now: the load that would fill them is cancelled before it lands (the
+            # engine never copies it in; the host blocks it reads stay held until it has read them)
+            self.loading.remove(request)
+            if request.kv_load is not None:
+                request.kv_load.cancel()
         request.status = status
         self.kv_cache_manager.free(request)
 
+    def finish_loading(self, request: Request) -> None:
+        """``request``'s load has landed (the copy into its device blocks is dispatched, before any later
+        step): its host hits join the device prefix cache and it runs from this pass on."""
+        self.loading.remove(request)
+        request.kv_load = None
+        self.kv_cache_manager.finish_load(request)
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def has_unfinished_requests(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.loading)
 
     def get_num_unfinished_requests(self) -> int:
-        return len(self.waiting) + len(self.running)
+        return len(self.waiting) + len(self.running) + len(self.loading)
 
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
@@ -156,6 +189,7 @@ class Scheduler:
             out = self._schedule_mixed()
         if self.host_pool is not None:
             out.blocks_to_swap_out, out.blocks_to_swap_in = self.host_pool.end_pass()
+        out.loads, self._loads = self._loads, []
         return self._commit(out)
 
     def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
@@ -202,7 +236,7 @@ class Scheduler:
 
         if not preempted:
             self._admission_delayed = 0
-            while self.waiting and budget > 0 and len(self.running) < cfg.max_num_seqs:
+            while self.waiting and budget > 0 and len(self.running) + len(self.loading) < cfg.max_num_seqs:
                 req = self.waiting[0]
                 if req.num_output_placeholders:  # preempted while its token was in flight: next step
                     break
@@ -214,6 +248,12 @@ class Scheduler:
                 if n is None:
                     break
                 self.waiting.popleft()
+                if self.async_loads and (pairs := self.host_pool.take_swap_ins()):
+                    req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+                    req.kv_load = pairs  # the engine replaces it with the load it starts
+                    self.loading.append(req)
+                    self._loads.append(req)
+                    continue
                 req.status = RequestStatus.RUNNING
                 self.running.append(req)
                 scheduled.append((req, n))
@@ -269,6 +309,8 @@ class Scheduler:
         admitted (or may still be held back by ``max_admission_delay_steps``)."""
         cfg = self.config
         live = [r for r in self.running if r.remaining_tokens > 0]
+        if self.loading:  # a load that lands joins at the next pass, not after a loop
+            return None
         if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
         remaining = [r.remaining_tokens for r in live]
@@ -277,7 +319,7 @@ class Scheduler:
         else:
             # steps that delay no admission: none when the head could be admitted now, else until the
             # first running request reaches its length cap (its seat frees then)
-            admissible = len(self.running) < cfg.max_num_seqs and self._can_admit_head()
+            admissible = len(self.running) + len(self.loading) < cfg.max_num_seqs and self._can_admit_head()
             free_steps = 0 if admissible else min(remaining)
             allowed = cfg.max_admission_delay_steps - self._admission_delayed
             k = min(cfg.num_scheduler_steps, max(remaining), max(free_steps, allowed))

@@ -29,7 +29,7 @@ from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
-from jaxkv.engine.kv_offload import KVOffloader, num_host_blocks_for
+from jaxkv.engine.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
 from jaxkv.engine.model_runner import ModelFn, ModelRunner
 from jaxkv.engine.outputs import CompletionOutput, RequestOutput
 from jaxkv.engine.protocol import EngineCoreOutput
@@ -73,6 +73,8 @@ class EngineStats:
         kv_offload_copy_s: seconds of the engine thread spent issuing those copies and waiting for them
             (device time is not seen here; a profiler trace shows it).
         kv_offload_write_s: seconds of the host tier's writer thread writing arrived blocks into the pool.
+        kv_offload_load_s: seconds of its loader thread gathering host blocks and starting their transfers
+            to the device (the requests they are for wait, the others step).
     """
 
     num_running: int
@@ -110,6 +112,7 @@ class EngineStats:
     kv_offload_bytes_to_device: int = 0
     kv_offload_copy_s: float = 0.0
     kv_offload_write_s: float = 0.0
+    kv_offload_load_s: float = 0.0
 
     @property
     def gpu_idle_share(self) -> float:
@@ -216,7 +219,8 @@ class LLMEngine:
             self.offloader = KVOffloader(self.runner.kv_caches, num_host_blocks)
             self.host_pool = HostBlockPool(num_host_blocks)
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self.offloader is not None)
+        self._loads: list[tuple[Request, KVLoad]] = []  # host → device loads in flight (cancelled ones too)
         if eos_token_id is None:
             self.eos_token_ids = frozenset()
         elif isinstance(eos_token_id, (int, np.integer)):
@@ -258,7 +262,8 @@ class LLMEngine:
     @property
     def stats(self) -> EngineStats:
         kv = self.kv_cache_manager
-        return EngineStats(num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+        return EngineStats(num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
                            kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
                            num_buckets=self.num_buckets, transfer_s=self.runner.transfer_s,
@@ -276,7 +281,7 @@ class LLMEngine:
                     num_blocks_offloaded=host.num_blocks_offloaded,
                     num_host_prefix_hit_tokens=host.num_host_prefix_hit_tokens,
                     kv_offload_bytes_to_host=off.bytes_to_host, kv_offload_bytes_to_device=off.bytes_to_device,
-                    kv_offload_copy_s=off.copy_s, kv_offload_write_s=off.write_s)
+                    kv_offload_copy_s=off.copy_s, kv_offload_write_s=off.write_s, kv_offload_load_s=off.load_s)
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
@@ -302,7 +307,7 @@ class LLMEngine:
             self.host_pool.reset_prefix_cache()
         self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
         old = self.scheduler
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self.offloader is not None)
         self.scheduler.num_preemptions = old.num_preemptions
         self.scheduler.num_swap_fallbacks = old.num_swap_fallbacks
 
@@ -386,7 +391,9 @@ class LLMEngine:
             self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None
+        """Requests waiting, loading or running, a dispatched step not fetched, or a cancelled load that has
+        not read its host blocks yet (steps release them)."""
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._loads)
 
     def get_num_unfinished_requests(self) -> int:
         return self.scheduler.get_num_unfinished_requests()
@@ -435,11 +442,14 @@ class LLMEngine:
         c = self._counters
         t_sched = t_exec = 0.0
         if self._inflight is None:
+            self._land_loads()
             sched = self.scheduler.schedule()
             self._copy_blocks(sched)
             t_sched = time.perf_counter() - t0
             if sched.is_empty:
                 self._busy_until = None
+                if self._loads:  # only loads in flight: wait a little for one instead of spinning
+                    self._loads[0][1].wait(0.005)
                 return aborted, []
             t = time.perf_counter()
             self._inflight = (sched, self._execute(sched, None))
@@ -449,6 +459,7 @@ class LLMEngine:
         self._inflight = None
         if self.async_scheduling:
             t = time.perf_counter()
+            self._land_loads()
             nxt = self.scheduler.schedule()
             self._copy_blocks(nxt)
             t_mid = time.perf_counter()
@@ -500,11 +511,34 @@ class LLMEngine:
 
     def _copy_blocks(self, sched) -> None:
         """The host tier's copies a schedule asked for, before its step (and after every step dispatched
-        before it): device to host first, then host to device (see :mod:`jaxkv.core.host_kv_pool`)."""
+        before it): device to host first, then the loads it began (host to device beside the steps; see
+        :mod:`jaxkv.core.host_kv_pool`)."""
         if sched.blocks_to_swap_out:
             self.offloader.swap_out(self.runner.kv_caches, sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:
             self.runner.kv_caches = self.offloader.swap_in(self.runner.kv_caches, sched.blocks_to_swap_in)
+        for req in sched.loads:
+            req.kv_load = self.offloader.start_load(req.kv_load)
+            self._loads.append((req, req.kv_load))
+
+    def _land_loads(self) -> None:
+        """Before a pass: scatter every load that is on the device into the caches (its request runs from
+        this pass on); release the host blocks of every gathered one (cancelled ones included)."""
+        if not self._loads:
+            return
+        keep = []
+        for req, load in self._loads:
+            if load.cancelled:  # the request ended: never scattered, its device blocks are free already
+                if load.gathered:
+                    self.host_pool.release(load.host_blocks)
+                    continue
+            elif load.ready:
+                self.runner.kv_caches = self.offloader.finish_load(self.runner.kv_caches, load)
+                self.host_pool.release(load.host_blocks)
+                self.scheduler.finish_loading(req)
+                continue
+            keep.append((req, load))
+        self._loads = keep
 
     def _note_idle(self, queued) -> None:
         """Right after a dispatch (input preparation included): if the device had nothing else to run

@@ -333,10 +333,7 @@ class _MPClient:
         return self.balancer.outstanding
 
     def _place(self, request: EngineCoreRequest) -> int:
-        max_tokens = request.sampling_params.max_tokens
-        rank = self.balancer.choose(request.prompt_token_ids)
-        self.balancer.assign(request.request_id, rank, max_tokens)
-        return rank
+        return self.balancer.place(request.request_id, request.prompt_token_ids, request.sampling_params.max_tokens)
 
     def _forget(self, request_id: str) -> None:
         self.balancer.forget(request_id)

@@ -15,7 +15,11 @@ copies:
   copy engine moves it while the next steps run); once it has arrived (:meth:`KVOffloader.poll`, after each
   step's tokens are fetched) a writer thread scatters its blocks into the pool, in order, while the engine
   thread goes on; a host → device copy first waits for the writes (and writes any copy still on its way).
-* **host → device**: the blocks gathered on the host (NumPy ``take``; from :data:`PARALLEL_BYTES` on, a task
+* **host → device**, as a *load* the engine runs beside its steps (:meth:`KVOffloader.start_load`): a loader
+  thread waits for the pool writes the blocks need, gathers them and starts the transfer; the request waits
+  (``WAITING_FOR_REMOTE_KVS``) while the others step, and once the blocks are on the device the engine thread
+  dispatches the scatter into the caches before its next step (:meth:`KVOffloader.finish_load`). The copy:
+  the blocks gathered on the host (NumPy ``take``; from :data:`PARALLEL_BYTES` on, a task
   per tensor on a thread pool: NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
   then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
   kept per (group, size), two of each, up to :data:`STAGING_BYTES` in all, and a buffer is reused once the
@@ -44,6 +48,7 @@ import concurrent.futures
 import functools
 import math
 import os
+import threading
 import time
 
 import jax
@@ -115,6 +120,46 @@ def _scatter(caches, ids, blocks, groups):
     return out
 
 
+class KVLoad:
+    """A host → device copy in flight (:meth:`KVOffloader.start_load`).
+
+    Attributes:
+        pairs: ``int32[n, 2]`` ``(host_block, device_block)`` rows.
+        host_blocks: the host blocks it reads (held in the host pool until :attr:`gathered`).
+        cancelled: the request ended before the copy landed: it is never scattered into the caches.
+    """
+
+    def __init__(self, pairs: np.ndarray, future: concurrent.futures.Future):
+        self.pairs = pairs
+        self.host_blocks = pairs[:, 0].tolist()
+        self.future = future
+        self.cancelled = False
+
+    def cancel(self) -> None:
+        self.cancelled = True
+
+    @property
+    def gathered(self) -> bool:
+        """The loader thread has read the host blocks (or failed: :meth:`KVOffloader.finish_load` raises)."""
+        return self.future.done()
+
+    @property
+    def ready(self) -> bool:
+        """Gathered and on the device: scattering it now makes no step wait for the transfer."""
+        if not self.future.done():
+            return False
+        if self.future.exception() is not None:
+            return True  # finish_load raises it
+        return all(a.is_ready() for _, arrays in self.future.result() for a in arrays)
+
+    def wait(self, timeout_s: float) -> None:
+        """Block up to ``timeout_s`` for the gather, then for the transfer (an engine with nothing else to
+        run)."""
+        done, _ = concurrent.futures.wait([self.future], timeout=timeout_s)
+        if done and self.future.exception() is None:
+            jax.block_until_ready([a for _, arrays in self.future.result() for a in arrays])
+
+
 class KVOffloader:
     """Host blocks with the device caches' layout and the copies between them.
 
@@ -133,6 +178,7 @@ class KVOffloader:
         copy_s: seconds of the caller's thread (the engine's) spent issuing copies and waiting for them;
             the writer thread's pool writes are not in it (``write_s``).
         write_s: seconds the writer thread spent writing arrived blocks into the pool.
+        load_s: seconds the loader thread spent gathering loads and starting their transfers.
 
     Raises:
         ValueError: ``num_host_blocks < 1``, caches spread over several devices.
@@ -167,8 +213,12 @@ class KVOffloader:
         # arrived device → host copies are written into the pool here, one at a time, in arrival order
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-offload-write")
         self._writes: list[concurrent.futures.Future] = []
+        # loads: gathered and put on the device by one loader thread, in order (it owns the staging buffers
+        # while a load runs; the lock keeps swap_in's synchronous path off them meanwhile)
+        self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load")
+        self._staging_lock = threading.Lock()
         self.bytes_to_host = self.bytes_to_device = 0
-        self.copy_s = self.write_s = 0.0
+        self.copy_s = self.write_s = self.load_s = 0.0
 
     @property
     def host_bytes(self) -> int:
@@ -213,7 +263,52 @@ class KVOffloader:
         self.copy_s += time.perf_counter() - t
         return out
 
+    def start_load(self, pairs) -> KVLoad:
+        """Start copying host blocks to device blocks beside the engine's steps: ``pairs``
+        ``[(host_block, device_block), ...]`` (device blocks distinct, not read or written by any step until
+        :meth:`finish_load`; host blocks kept unchanged until :attr:`KVLoad.gathered`). The pool writes
+        pending for those host blocks are queued first; the loader thread waits for them, gathers the blocks
+        and puts them on the device."""
+        t = time.perf_counter()
+        pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
+        self._flush(pairs[:, 0], wait=False)
+        before = self._writes[-1] if self._writes else None
+        load = KVLoad(pairs, self._loader.submit(self._gather_load, pairs, before))
+        self.copy_s += time.perf_counter() - t
+        return load
+
+    def _gather_load(self, pairs: np.ndarray, before) -> list[tuple[np.ndarray, list[jax.Array]]]:
+        """(loader thread) Per chunk of ``pairs``: its padded device block ids and the blocks on the device,
+        one array per tensor group."""
+        if before is not None:
+            before.result()  # the pool writes this load reads (the writer runs them in order)
+        t = time.perf_counter()
+        out = []
+        for start, count, size in chunks(len(pairs)):
+            host_ids = np.zeros(size, np.int32)
+            host_ids[:count] = pairs[start:start + count, 0]
+            dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
+            dev_ids[:count] = pairs[start:start + count, 1]
+            out.append((dev_ids, [self._load(gi, host_ids) for gi in range(len(self.groups))]))
+        self.load_s += time.perf_counter() - t
+        return out
+
+    def finish_load(self, kv_caches, load: KVLoad):
+        """Scatter a gathered load into the caches (given donated; the new ones are returned); a copy the
+        loader thread failed raises its error here."""
+        t = time.perf_counter()
+        out = list(kv_caches)
+        for dev_ids, arrays in load.future.result():
+            out = _scatter(out, dev_ids, arrays, self.groups)
+        self.bytes_to_device += len(load.pairs) * self.block_bytes
+        self.copy_s += time.perf_counter() - t
+        return out
+
     def _load(self, gi: int, host_ids: np.ndarray) -> jax.Array:
+        with self._staging_lock:
+            return self._load_locked(gi, host_ids)
+
+    def _load_locked(self, gi: int, host_ids: np.ndarray) -> jax.Array:
         """Group ``gi``'s host blocks ``host_ids`` gathered into a staging buffer (a task per tensor) and put
         on the device in one transfer."""
         h = self.host_caches[gi]
@@ -250,9 +345,10 @@ class KVOffloader:
                 self._writes.append(self._writer.submit(self._write, *self._pending.pop(0)))
             self.copy_s += time.perf_counter() - t
 
-    def _flush(self, host_ids=None) -> None:
+    def _flush(self, host_ids=None, wait: bool = True) -> None:
         """Write pending device → host copies in order (all, or up to the last one into ``host_ids``), then
-        wait for every write the writer thread has: the pool is then up to date for what is read next."""
+        (``wait``) wait for every write the writer thread has: the pool is then up to date for what is read
+        next."""
         last = len(self._pending) - 1
         if host_ids is not None:
             wanted = set(np.asarray(host_ids).tolist())
@@ -260,6 +356,8 @@ class KVOffloader:
                        default=-1)
         for _ in range(last + 1):
             self._writes.append(self._writer.submit(self._write, *self._pending.pop(0)))
+        if not wait:
+            return
         for f in self._writes:
             f.result()
         self._writes.clear()

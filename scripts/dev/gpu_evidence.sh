@@ -21,6 +21,10 @@
 #            two 8B runs one after the other.
 #   stage j, k (session 18): the server alone (1 and 2 API servers, 16 client processes) and -dp 2 on 3000-4256
 #            requests with the placement A/B; stage l (next): LLM.generate's dispatch window A/B, one GPU and -dp 2.
+#   stage m (session 19): vLLM's H100-class defaults (max_num_seqs 1024, 16384 tokens a step) against ours, 8B
+#            shape and SmolLM2, 1000 requests, one GPU.
+#   stage n (session 19): the placement balancing prompt tokens too, SmolLM2 3000 one GPU vs -dp 2, 8B 4000 -dp 2;
+#            stage m's 8B pair.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -216,5 +220,33 @@ l)  # (next session) LLM.generate's dispatch window (2 x max_num_seqs outstandin
     --num-prompts 4000 -dp 2
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l"; exit 2 ;;
+m)  # (session 19) vLLM's H100-class batch defaults (max_num_seqs 1024, max_num_batched_tokens 16384 offline)
+    # against ours (256 / 8192), one GPU, one run after another, nothing beside: 8B shape and SmolLM2, 1000 requests
+  mkdir -p /tmp/diag
+  run() { echo "-- $*"; CUDA_VISIBLE_DEVICES=0 timeout $(( 595 - SECONDS )) $B --backend jaxkv --requests /tmp/req1000.json \
+            --num-prompts 1000 --nvml-busy "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml | tee -a /tmp/diag/defaults-m.txt; }
+  run --model llama-3.1-8b --max-num-seqs 256 --max-num-batched-tokens 8192
+  run --model llama-3.1-8b --max-num-seqs 1024 --max-num-batched-tokens 16384
+  [ $SECONDS -lt 380 ] && run --model llama-3.1-8b --max-num-seqs 512 --max-num-batched-tokens 16384
+  [ $SECONDS -lt 480 ] && run --model $S --max-num-seqs 1024 --max-num-batched-tokens 16384
+  [ $SECONDS -lt 530 ] && run --model $S --max-num-seqs 256 --max-num-batched-tokens 8192
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+n)  # (session 19) the placement balancing prompt tokens too (rank 0 had 9-10 % more prefill): SmolLM2 3000
+    # one GPU vs -dp 2; then vLLM's H100-class batch defaults against ours at 8B (1000 requests, one GPU);
+    # then the 8B -dp 2 on 4000 (its one-GPU baseline: stage l)
+  mkdir -p /tmp/diag
+  python3 -c "import json; r = json.load(open('.dummy/requests.json')); json.dump(r[256:4256], open('/tmp/req4000.json', 'w'))"
+  run() { echo "-- $*"; timeout $(( 595 - SECONDS )) $B --backend jaxkv "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" -e nvml | tee -a /tmp/diag/n.txt; }
+  run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 1
+  run --model $S --requests /tmp/req3000.json --num-prompts 3000 -dp 2
+  [ $SECONDS -lt 300 ] && CUDA_VISIBLE_DEVICES=0 run --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192 --nvml-busy
+  [ $SECONDS -lt 400 ] && CUDA_VISIBLE_DEVICES=0 run --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 \
+    --max-num-seqs 1024 --max-num-batched-tokens 16384 --nvml-busy
+  [ $SECONDS -lt 490 ] && run --model llama-3.1-8b --requests /tmp/req4000.json --num-prompts 4000 -dp 2 \
+    --max-num-seqs 256 --max-num-batched-tokens 8192
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n"; exit 2 ;;
 esac

@@ -75,17 +75,37 @@ def test_copying_out_a_block_written_in_the_same_pass_is_refused():
         pool.swap_out([2])
 
 
+def test_a_held_block_outlives_passes_and_a_free_of_it_waits_for_its_release():
+    """A load in flight holds its host blocks across passes (not evicted, not reused); one freed meanwhile
+    (a swap-in's) is freed at the last release."""
+    pool = HostBlockPool(2)
+    pool.offload("a", 3)
+    host = pool.swap_out([4])
+    pool.end_pass()
+    pool.load(pool.match(["a"]), [5])
+    pool.swap_in(host, [6])
+    pairs = pool.take_swap_ins()
+    assert pairs == [(0, 5), (host[0], 6)] and pool.blocks_to_swap_in == []
+    for _ in range(2):
+        assert pool.end_pass() == ([], []) and pool.num_held_blocks == 2
+        assert not pool.offload("b", 7) and pool.match(["a"]) == [0]  # held: not evicted
+        assert pool.allocator.num_free_blocks == 0  # the swap-in's host block: freed, but still read
+    pool.release([h for h, _ in pairs])
+    assert pool.num_held_blocks == 0 and pool.allocator.num_free_blocks == 1
+    assert pool.offload("b", 7) and pool.match(["b"]) == [host[0]]
+
+
 # -- the scheduler's copies ------------------------------------------------------------------------------------
 def _req(i, prompt, max_tokens=8):
     return Request(f"r{i}", list(prompt), SamplingParams(max_tokens=max_tokens, temperature=0), arrival_index=i,
                    seed=i, max_model_len=64, eos_token_ids=frozenset())
 
 
-def _scheduler(num_blocks, host_blocks, *, mode="swap", prefix=False):
+def _scheduler(num_blocks, host_blocks, *, mode="swap", prefix=False, async_loads=False):
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix, host_pool=HostBlockPool(host_blocks))
     cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_scheduler_steps=1,
                           preemption_mode=mode)
-    return Scheduler(cfg, kv)
+    return Scheduler(cfg, kv, async_loads=async_loads)
 
 
 def _run(s, out, token=1):
@@ -151,6 +171,67 @@ def test_host_prefix_hits_are_copied_back_and_cached_on_the_device():
     assert kv.prefix_cache_hits == 8 and host.num_host_prefix_hit_blocks == 2
 
 
+def test_async_host_hits_wait_for_their_load_and_are_cached_only_once_it_landed():
+    """With async loads a request with host hits waits (WAITING_FOR_REMOTE_KVS, seat and blocks held, not
+    scheduled) while others run; its new device blocks are not found by another request's lookup until the
+    load landed; then it runs from its hits on and they are cached on the device."""
+    s = _scheduler(num_blocks=4, host_blocks=8, mode="recompute", prefix=True, async_loads=True)
+    kv, host = s.kv_cache_manager, s.kv_cache_manager.host_pool
+    a = _req(0, range(9))
+    s.add_request(a)
+    _run(s, s.schedule())
+    s.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    b = _req(1, range(100, 113))  # needs all 4 blocks: a's cached blocks go to the host
+    s.add_request(b)
+    _run(s, s.schedule())
+    s.finish_request(b, RequestStatus.FINISHED_ABORTED)
+    c, d = _req(2, list(range(9)) + [50, 51]), _req(3, [7])
+    s.add_request(c)
+    s.add_request(d)
+    out = s.schedule()
+    assert [r for r, _ in out.scheduled] == [d] and out.loads == [c] and out.blocks_to_swap_in == []
+    assert c.status == RequestStatus.WAITING_FOR_REMOTE_KVS and s.loading == [c]
+    assert [h for h, _ in c.kv_load] == host.match(block_hashes(list(range(8)), BS))
+    assert [t for _, t in c.kv_load] == c.block_ids[:2] and c.num_computed_tokens == 8
+    assert host.num_held_blocks == 2 and not set(c.block_ids) & c.cached_block_ids
+    e = _req(4, list(range(9)) + [60])  # the same prefix while c loads: no device hit on c's blocks
+    assert kv.get_computed_blocks(e)[0] == []
+    _run(s, out)
+    out = s.schedule()
+    assert out.scheduled == [(d, 1)]  # still loading: c is not scheduled
+    _run(s, out)
+    host.release([h for h, _ in c.kv_load])
+    s.finish_loading(c)
+    assert set(c.block_ids[:2]) <= c.cached_block_ids and kv.get_computed_blocks(e)[0] == c.block_ids[:2]
+    out = s.schedule()
+    (row,) = [i for i, (r, _) in enumerate(out.scheduled) if r is c]
+    assert out.context_lens[row] == 8 and out.scheduled[row][1] == 3 and c.status == RequestStatus.RUNNING
+
+
+def test_an_async_load_cancelled_by_an_abort_frees_its_device_blocks_at_once():
+    s = _scheduler(num_blocks=4, host_blocks=8, async_loads=True)
+    reqs = [_req(i, range(10 * i, 10 * i + 4)) for i in range(3)]
+    for r in reqs:
+        s.add_request(r)
+    _run(s, s.schedule())
+    out = s.schedule()  # r2 preempted: swapped out
+    _run(s, out)
+    s.finish_request(reqs[0], RequestStatus.FINISHED_ABORTED)
+    out = s.schedule()
+    assert out.loads == [reqs[2]]
+
+    class Load:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    reqs[2].kv_load = load = Load()
+    free = s.kv_cache_manager.allocator.num_free_blocks
+    s.finish_request(reqs[2], RequestStatus.FINISHED_ABORTED)
+    assert load.cancelled and s.loading == [] and s.kv_cache_manager.allocator.num_free_blocks == free + 2
+
+
 # -- KVOffloader -----------------------------------------------------------------------------------------
 @pytest.mark.parametrize("reuse_staging,budget,threads", [(False, None, False), (True, None, False),
                                                            (True, 0, False), (True, None, True)],
@@ -213,6 +294,28 @@ def test_copies_go_in_power_of_two_chunks_with_little_padding():
         assert sum(c for _, c, _ in pieces) == n
         assert all(size & (size - 1) == 0 and size >= MIN_PAIRS and c <= size for _, c, size in pieces)
         assert sum(size - c for _, c, size in pieces) < MIN_PAIRS
+
+
+def test_a_load_lands_like_numpy_after_the_writes_it_reads():
+    """start_load / finish_load (the engine's asynchronous host -> device copy) against NumPy: it reads host
+    blocks whose device -> host copies were still pending when it started (one of them rewritten by a later
+    pass), and 20 pairs land in two padded chunks."""
+    rng = np.random.default_rng(2)
+    dev_np = rng.standard_normal((2, 40, 1, BS, 4)).astype(np.float32)
+    caches = [jnp.asarray(dev_np)]
+    off = KVOffloader(caches, 24)
+    off.swap_out(caches, [(d, d) for d in range(20)])  # host block h <- device block h ...
+    off.swap_out(caches, [(39, 3)])  # ... host block 3 rewritten by a later pass
+    pairs = [(h, 20 + h) for h in range(20)]
+    load = off.start_load(pairs)
+    load.wait(10.0)
+    assert load.gathered and load.ready
+    caches = off.finish_load(caches, load)
+    ref = dev_np.copy()
+    for h, d in pairs:
+        ref[:, d] = dev_np[:, 39 if h == 3 else h]
+    np.testing.assert_array_equal(np.asarray(caches[0]), ref)
+    assert off.bytes_to_device == 20 * off.block_bytes and off.load_s > 0
 
 
 def test_a_host_to_device_copy_sees_the_latest_pending_write_and_leaves_unrelated_ones_pending():

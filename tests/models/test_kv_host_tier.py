@@ -107,8 +107,9 @@ def test_multiturn_transcripts_equal_tier_off_and_solo(bench, conversations, ref
     assert engine.offloader.host_bytes <= _gib(host_blocks, off_engine) * 2**30
 
 
-def test_abort_while_swapped_out_and_right_after_swap_in_leaks_nothing(off_engine):
-    """Requests are aborted while swapped out and in the step that swaps them back in (its copy and model
+def test_abort_while_swapped_out_loading_and_right_after_the_load_leaks_nothing(off_engine):
+    """Requests are aborted while swapped out, while their swap-in load is in flight (WAITING_FOR_REMOTE_KVS:
+    never copied in, its host blocks held until read) and in the step after it landed (its copy and model
     step dispatched, async scheduling); nothing stays held, and the others' tokens equal their solo runs."""
     rng = np.random.default_rng(7)
     prompts = [rng.integers(0, TINY.vocab_size, 30).tolist() for _ in range(6)]
@@ -116,27 +117,31 @@ def test_abort_while_swapped_out_and_right_after_swap_in_leaks_nothing(off_engin
     engine = _make(async_scheduling=True, preemption_mode="swap", kv_offloading_size=_gib(64, off_engine))
     for i, p in enumerate(prompts):
         engine.add_request(str(i), p, params)
-    out_abort = in_abort = None  # aborted while swapped out / right after the step that swapped it in
-    swapped_before: set[str] = set()
+    out_abort = load_abort = in_abort = None  # aborted while swapped out / loading / right after landing
+    ever_swapped: set[str] = set()
     done = {}
     while engine.has_unfinished_requests():
         for out in engine.step():
             if out.finished:
                 done[out.request_id] = out
-        swapped = {r.request_id for r in engine.scheduler.waiting if r.host_block_ids is not None}
-        resumed = swapped_before & {r.request_id for r in engine.scheduler.running}
+        sched = engine.scheduler
+        swapped = {r.request_id for r in sched.waiting if r.host_block_ids is not None}
+        ever_swapped |= swapped
+        loading = {r.request_id for r in sched.loading}
+        landed = ever_swapped & {r.request_id for r in sched.running} - {out_abort, load_abort}
         if out_abort is None and swapped:
             out_abort = min(swapped)
             engine.abort_request(out_abort)
-            swapped.discard(out_abort)
-        elif in_abort is None and resumed:
-            in_abort = min(resumed)
+        elif load_abort is None and loading:
+            load_abort = min(loading)
+            engine.abort_request(load_abort)
+        elif in_abort is None and landed:
+            in_abort = min(landed)
             engine.abort_request(in_abort)
-        swapped_before = swapped
-    assert out_abort is not None and in_abort is not None
+    assert None not in (out_abort, load_abort, in_abort)
     assert engine.stats.num_swaps_out >= 2
     _assert_nothing_held(engine)
-    gone = {out_abort, in_abort}
+    gone = {out_abort, load_abort, in_abort}
     assert all(done[rid].outputs[0].finish_reason == "abort" for rid in gone)
     for rid, out in done.items():
         if rid not in gone:
