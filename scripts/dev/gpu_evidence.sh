@@ -25,6 +25,8 @@
 #            shape and SmolLM2, 1000 requests, one GPU.
 #   stage n (session 19): the placement balancing prompt tokens too, SmolLM2 3000 one GPU vs -dp 2, 8B 4000 -dp 2;
 #            stage m's 8B pair.
+#   stage o (session 19): stage g without SmolLM2 (8B tp=2 vs tp=1, Gemma-3-4B tp=2 / dp=2, float32 at highest
+#            precision), then the 8B tp step table.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -248,5 +250,20 @@ n)  # (session 19) the placement balancing prompt tokens too (rank 0 had 9-10 % 
     --max-num-seqs 256 --max-num-batched-tokens 8192
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n"; exit 2 ;;
+o)  # (session 19) issue 28's equalities in float32 at JAX_DEFAULT_MATMUL_PRECISION=highest (SmolLM2 -dp 2: session
+    # 17, 64/64): Llama-3.1-8B tp=2 vs tp=1, Gemma-3-4B tp=2 and dp=2 vs one GPU; then the 8B tp step table
+  mkdir -p /tmp/diag
+  export JAX_DEFAULT_MATMUL_PRECISION=highest
+  GREEDY_TIMEOUT=170 greedy llama-3.1-8b 32 16 greedy-tp-f32.txt tensor_parallel_size=1,max_num_seqs=32,max_model_len=2048,compile_ahead=off \
+    tensor_parallel_size=2,max_num_seqs=32,max_model_len=2048,compile_ahead=off
+  for side in tensor_parallel_size=2 data_parallel_size=2; do
+    [ $SECONDS -gt 420 ] && { echo "no time left for Gemma-3-4B $side"; break; }
+    GREEDY_TIMEOUT=120 greedy gemma-3-4b 16 16 greedy-gemma-f32.txt max_num_seqs=16,max_model_len=2048,compile_ahead=off \
+      $side,max_num_seqs=16,max_model_len=2048,compile_ahead=off
+  done
+  unset JAX_DEFAULT_MATMUL_PRECISION
+  [ $SECONDS -lt 480 ] && timeout $(( 590 - SECONDS )) python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1,2 \
+    --batches 1,64,256 --new-tokens 32 --repeats 1 2>&1 | quiet | grep -v "^engine\|INFO" | tail -20 | tee $OUT/mesh-step.txt
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o"; exit 2 ;;
 esac
