@@ -19,6 +19,7 @@ a profiler or the driver's utilization counter does (``scripts/bench_throughput.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from typing import Iterable
 
@@ -219,7 +220,10 @@ class LLMEngine:
             self.offloader = KVOffloader(self.runner.kv_caches, num_host_blocks)
             self.host_pool = HostBlockPool(num_host_blocks)
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self.offloader is not None)
+        # host → device copies as loads beside the steps; JAXKV_ASYNC_KV_LOADS=0 issues them inside the pass
+        # instead, before its step (session 18's path; kept for A/B measurements)
+        self._async_loads = self.offloader is not None and os.environ.get("JAXKV_ASYNC_KV_LOADS", "1") != "0"
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self._async_loads)
         self._loads: list[tuple[Request, KVLoad]] = []  # host → device loads in flight (cancelled ones too)
         if eos_token_id is None:
             self.eos_token_ids = frozenset()
@@ -307,7 +311,7 @@ class LLMEngine:
             self.host_pool.reset_prefix_cache()
         self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
         old = self.scheduler
-        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self.offloader is not None)
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self._async_loads)
         self.scheduler.num_preemptions = old.num_preemptions
         self.scheduler.num_swap_fallbacks = old.num_swap_fallbacks
 

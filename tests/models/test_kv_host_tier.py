@@ -79,12 +79,15 @@ def _assert_nothing_held(engine):
     assert host.allocator.num_free_blocks + host.num_cached_blocks == host.num_blocks
 
 
-@pytest.mark.parametrize("mode,async_scheduling,host_blocks", [("swap", True, 64), ("swap", False, 3),
-                                                               ("recompute", True, 64)])
+@pytest.mark.parametrize("mode,async_scheduling,host_blocks,loads", [
+    ("swap", True, 64, "async"), ("swap", False, 3, "async"), ("recompute", True, 64, "async"),
+    ("swap", True, 64, "in-pass")])
 def test_multiturn_transcripts_equal_tier_off_and_solo(bench, conversations, references, mode, async_scheduling,
-                                                       host_blocks, off_engine):
+                                                       host_blocks, loads, off_engine, monkeypatch):
     """Swap preemption with a roomy host pool (async scheduling) and with one so small that swaps fall back to
-    recompute; recompute preemption with the host prefix cache alone."""
+    recompute; recompute preemption with the host prefix cache alone; the host → device copies as loads beside
+    the steps (the default) and inside the pass (``JAXKV_ASYNC_KV_LOADS=0``)."""
+    monkeypatch.setenv("JAXKV_ASYNC_KV_LOADS", "1" if loads == "async" else "0")
     together, solo = references
     engine = _make(async_scheduling=async_scheduling, preemption_mode=mode,
                    kv_offloading_size=_gib(host_blocks, off_engine))
@@ -95,6 +98,7 @@ def test_multiturn_transcripts_equal_tier_off_and_solo(bench, conversations, ref
     assert s.num_host_blocks == host_blocks
     assert engine.num_compiles <= engine.num_buckets  # the copies leave the caches as the step programs expect
     assert s.num_blocks_offloaded > 0 and s.num_host_prefix_hit_tokens > 0  # the host prefix cache served hits
+    assert (s.kv_offload_load_s > 0) == (loads == "async")  # the loader thread ran the loads (or nothing did)
     assert s.kv_offload_bytes_to_device >= s.num_host_prefix_hit_tokens // BLOCK * bytes_per_block(engine.kv_caches)
     if mode == "swap":
         assert s.num_swaps_out > 0 and s.num_swaps_in > 0
