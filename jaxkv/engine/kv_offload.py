@@ -19,14 +19,18 @@ copies:
   thread waits for the pool writes the blocks need, gathers them and starts the transfer; the request waits
   (``WAITING_FOR_REMOTE_KVS``) while the others step, and once the blocks are on the device the engine thread
   dispatches the scatter into the caches before its next step (:meth:`KVOffloader.finish_load`). The copy:
-  the blocks gathered on the host (NumPy ``take``; from :data:`PARALLEL_BYTES` on, a task
-  per tensor on a thread pool: NumPy releases the GIL) into a staging buffer of the group, moved to the device in one ``device_put``;
+  the blocks gathered on the host (one NumPy ``take`` per tensor group) into a staging buffer of the group,
+  moved to the device in one ``device_put``;
   then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
   kept per (group, size), two of each, up to :data:`STAGING_BYTES` in all, and a buffer is reused once the
   transfer that read it has completed (a fresh buffer costs its page faults: 3x the gather on the CPU machine).
 
 Session 17 (H200, multi-turn SmolLM2, 30 layers): a transfer per layer per copy ran at about 1 GB/s, 53 ms
-for each host -> device pass (11 s of a 28 s run under cProfile); hence one transfer per group.
+for each host -> device pass (11 s of a 28 s run under cProfile); hence one transfer per group. Session 19:
+the loader and writer threads moved ~1 GB/s on the H200 host, and the CPU machine showed why: a gather split
+into a NumPy call per tensor (30 for SmolLM2) ran at 0.18 GB/s beside a busy Python thread against 2.2 GB/s
+alone, since each call gives up the GIL and waits up to the switch interval to get it back; one call per
+group ran at 1.1-1.9 GB/s beside it. Hence one NumPy call per group and copy, on the blocks' bytes.
 
 Ordering: every copy is dispatched between two model steps, in program order with them: the gather reads the
 caches the steps before it wrote, and the step after it, which takes the caches donated, runs once the
@@ -58,7 +62,15 @@ import numpy as np
 MIN_PAIRS = 16
 _RING = 2  # staging buffers per (tensor group, size)
 STAGING_BYTES = 512 << 20  # host memory kept for reused staging buffers, beyond the pool; larger passes get fresh ones
-PARALLEL_BYTES = 4 << 20  # host copies of at least this many bytes are split over the thread pool (per tensor)
+PARALLEL_BYTES = 4 << 20  # start-up fills of at least this many bytes are split over the thread pool (per tensor)
+
+
+def _raw(a: np.ndarray) -> np.ndarray:
+    """``a``'s bytes as unsigned integers of its item size (a view). The copies move blocks, not values, and
+    NumPy moves plain integers faster than ml_dtypes' bfloat16 / float8 (CPU machine, a 256-block SmolLM2-shaped
+    gather: 3.15 vs 2.18 GB/s)."""
+    raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
+    return a if raw is None else a.view(raw)
 
 
 def chunks(n: int) -> list[tuple[int, int, int]]:
@@ -327,7 +339,8 @@ class KVOffloader:
                 slot[1].block_until_ready()
                 ring.append(ring.pop(0))
         buf = np.empty(shape, h.dtype) if slot is None else slot[0]
-        self._each_tensor(lambda j: np.take(h[j], host_ids, axis=1, out=buf[j]), h.shape[0], nbytes)
+        # one NumPy call for the whole group, on the arrays' bytes (see _raw)
+        np.take(_raw(h), host_ids, axis=2, out=_raw(buf))
         on_device = jax.device_put(buf)
         if slot is not None:
             slot[1] = on_device
@@ -363,8 +376,10 @@ class KVOffloader:
         self._writes.clear()
 
     def _each_tensor(self, fn, num_tensors: int, nbytes: int) -> None:
-        """``fn(j)`` for every tensor ``j`` of a group: on the thread pool when the copy is large enough to pay
-        for the hand-offs (``PARALLEL_BYTES``), else here."""
+        """``fn(j)`` for every tensor ``j`` of a group: on the thread pool when the work is large enough to pay
+        for the hand-offs (``PARALLEL_BYTES``), else here. Only at start-up: during a run every other Python
+        thread competes for the GIL, and each NumPy call that gives it up waits up to the interpreter's switch
+        interval (5 ms) to get it back, so the copies make one call per group instead (see :func:`_raw`)."""
         if nbytes >= PARALLEL_BYTES and num_tensors > 1:
             list(self._pool.map(fn, range(num_tensors)))
         else:
@@ -376,12 +391,7 @@ class KVOffloader:
         t = time.perf_counter()
         n = len(host_ids)
         for h, b in zip(self.host_caches, blocks):
-            arrived = np.asarray(b)
-
-            def write(j, h=h, arrived=arrived):
-                h[j][:, host_ids] = arrived[j][:, :n]
-
-            self._each_tensor(write, h.shape[0], arrived.nbytes)
+            _raw(h)[:, :, host_ids] = _raw(np.asarray(b))[:, :, :n]  # one NumPy call per group (see _raw)
         self.write_s += time.perf_counter() - t
 
     def host_block(self, block: int) -> list[np.ndarray]:
