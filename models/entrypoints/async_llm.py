@@ -391,11 +391,11 @@ class AsyncLLM:
             logger.info(
                 "Host KV tier: usage %.1f%% of %d blocks, swaps out/in: %d/%d, recompute fallbacks: %d, "
                 "offloaded blocks: %d, host prefix hits: %d tokens, moved %.1f MiB to host / %.1f MiB to device, "
-                "copy dispatch %.2f s", 100 * float(s.get("host_kv_cache_usage", 0.0)), s["num_host_blocks"],
+                "copy dispatch %.2f s, loads %.2f s", 100 * float(s.get("host_kv_cache_usage", 0.0)), s["num_host_blocks"],
                 s.get("num_swaps_out", 0), s.get("num_swaps_in", 0), s.get("num_swap_recompute_fallbacks", 0),
                 s.get("num_blocks_offloaded", 0), s.get("num_host_prefix_hit_tokens", 0),
                 s.get("kv_offload_bytes_to_host", 0) / 2**20, s.get("kv_offload_bytes_to_device", 0) / 2**20,
-                float(s.get("kv_offload_copy_s", 0.0)))
+                float(s.get("kv_offload_copy_s", 0.0)), float(s.get("kv_offload_load_s", 0.0)))
         return now
 
     # ---------------------------------------------------------------- event loop side, from the thread
