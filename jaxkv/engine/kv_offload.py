@@ -339,8 +339,10 @@ class KVOffloader:
                 slot[1].block_until_ready()
                 ring.append(ring.pop(0))
         buf = np.empty(shape, h.dtype) if slot is None else slot[0]
-        # one NumPy call for the whole group, on the arrays' bytes (see _raw)
-        np.take(_raw(h), host_ids, axis=2, out=_raw(buf))
+        # one NumPy call for the whole group, on the arrays' bytes (see _raw); mode="clip" (the ids are pool
+        # blocks or the padding 0, all in range) because take's default mode="raise" with ``out`` gathers into
+        # a temporary and copies that: 3x slower (2.0 vs 6.3 GB/s on the CPU machine)
+        np.take(_raw(h), host_ids, axis=2, out=_raw(buf), mode="clip")
         on_device = jax.device_put(buf)
         if slot is not None:
             slot[1] = on_device
