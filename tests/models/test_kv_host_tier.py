@@ -249,15 +249,19 @@ def test_chaos_run_with_the_host_tier(host_blocks):
 
 
 def _check_accounting(eng):
-    """Device: no block owned twice, free + owned + cached = total, waiting requests hold none. Host: no block
-    held twice, free + swapped-out + cached = total."""
+    """Device: no block owned twice, free + owned (running and loading requests) + cached = total, waiting
+    requests hold none. Host: no block held twice, free + swapped-out + freed-but-still-read-by-a-load + cached =
+    total."""
     kv, host = eng.kv_cache_manager, eng.host_pool
     cached = set(kv.prefix_cache._hash_of)
-    own = [b for r in eng.scheduler.running for b in r.block_ids if b not in r.cached_block_ids]
+    own = [b for r in eng.scheduler.running + eng.scheduler.loading for b in r.block_ids
+           if b not in r.cached_block_ids]
     assert len(own) == len(set(own)) and not set(own) & cached
     assert kv.allocator.num_free_blocks + len(set(own) | cached) == kv.num_blocks
     assert not any(r.block_ids for r in eng.scheduler.waiting)
     swapped = [h for r in eng.scheduler.waiting if r.host_block_ids for g in r.host_block_ids for h in g
                if h is not None]
     assert len(swapped) == len(set(swapped)) and not set(swapped) & set(host._key_of)
-    assert host.allocator.num_free_blocks + len(swapped) + host.num_cached_blocks == host.num_blocks
+    reading = host._deferred  # swap-ins' host blocks, freed, until their load has read them
+    assert not reading & set(swapped) and not reading & set(host._key_of)
+    assert host.allocator.num_free_blocks + len(swapped) + len(reading) + host.num_cached_blocks == host.num_blocks
