@@ -303,8 +303,8 @@ class LLMEngine:
         Raises:
             ValueError: requests are still running or waiting.
         """
-        while self._inflight is not None and not self.scheduler.has_unfinished_requests():
-            self.step()  # async scheduling: a step dispatched for requests that have finished since
+        while (self._inflight is not None or self._loads) and not self.scheduler.has_unfinished_requests():
+            self.step()  # a step dispatched for requests that have finished since, or cancelled loads still reading
         if self.has_unfinished_requests():
             raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
         if self.host_pool is not None:
