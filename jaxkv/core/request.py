@@ -87,7 +87,9 @@ class Request:
         self.num_cached_blocks = 0
         self.cached_block_ids: set[int] = set()
         self.host_block_ids: list[list[int | None]] | None = None
-        self.kv_load = None  # the engine's host→device load in flight (WAITING_FOR_REMOTE_KVS)
+        # WAITING_FOR_REMOTE_KVS: the (host, device) blocks to load, and the engine's load of them in flight
+        self.kv_load_pairs: list[tuple[int, int]] | None = None
+        self.kv_load = None  # jaxkv.engine.kv_offload.KVLoad
         self.pending_prefix: list[tuple[list, list[int]]] = []  # host hits to cache once the load lands
         self.arrival_index = arrival_index
         self.seed = seed

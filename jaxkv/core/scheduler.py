@@ -96,7 +96,7 @@ class SchedulerOutput:
         blocks_to_swap_in: ``(host_block, device_block)`` copies to issue before this step (swap-ins,
             host prefix-cache hits). vLLM V0: ``SchedulerOutputs.blocks_to_swap_out`` / ``_in``.
         loads: with ``async_loads``, the requests that began waiting for a load this pass (not in
-            ``scheduled``): each one's ``(host_block, device_block)`` copies are in ``request.kv_load``,
+            ``scheduled``): each one's ``(host_block, device_block)`` copies are in ``request.kv_load_pairs``,
             to start after this pass's ``blocks_to_swap_out``.
     """
 
@@ -171,7 +171,7 @@ class Scheduler:
         """``request``'s load has landed (the copy into its device blocks is dispatched, before any later
         step): its host hits join the device prefix cache and it runs from this pass on."""
         self.loading.remove(request)
-        request.kv_load = None
+        request.kv_load = request.kv_load_pairs = None
         self.kv_cache_manager.finish_load(request)
         request.status = RequestStatus.RUNNING
         self.running.append(request)
@@ -250,7 +250,7 @@ class Scheduler:
                 self.waiting.popleft()
                 if self.async_loads and (pairs := self.host_pool.take_swap_ins()):
                     req.status = RequestStatus.WAITING_FOR_REMOTE_KVS
-                    req.kv_load = pairs  # the engine replaces it with the load it starts
+                    req.kv_load_pairs = pairs  # the engine starts the load (request.kv_load)
                     self.loading.append(req)
                     self._loads.append(req)
                     continue

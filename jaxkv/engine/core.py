@@ -522,7 +522,7 @@ class LLMEngine:
         if sched.blocks_to_swap_in:
             self.runner.kv_caches = self.offloader.swap_in(self.runner.kv_caches, sched.blocks_to_swap_in)
         for req in sched.loads:
-            req.kv_load = self.offloader.start_load(req.kv_load)
+            req.kv_load = self.offloader.start_load(req.kv_load_pairs)
             self._loads.append((req, req.kv_load))
 
     def _land_loads(self) -> None:

@@ -191,8 +191,8 @@ def test_async_host_hits_wait_for_their_load_and_are_cached_only_once_it_landed(
     out = s.schedule()
     assert [r for r, _ in out.scheduled] == [d] and out.loads == [c] and out.blocks_to_swap_in == []
     assert c.status == RequestStatus.WAITING_FOR_REMOTE_KVS and s.loading == [c]
-    assert [h for h, _ in c.kv_load] == host.match(block_hashes(list(range(8)), BS))
-    assert [t for _, t in c.kv_load] == c.block_ids[:2] and c.num_computed_tokens == 8
+    assert [h for h, _ in c.kv_load_pairs] == host.match(block_hashes(list(range(8)), BS))
+    assert [t for _, t in c.kv_load_pairs] == c.block_ids[:2] and c.num_computed_tokens == 8
     assert host.num_held_blocks == 2 and not set(c.block_ids) & c.cached_block_ids
     e = _req(4, list(range(9)) + [60])  # the same prefix while c loads: no device hit on c's blocks
     assert kv.get_computed_blocks(e)[0] == []
@@ -200,7 +200,7 @@ def test_async_host_hits_wait_for_their_load_and_are_cached_only_once_it_landed(
     out = s.schedule()
     assert out.scheduled == [(d, 1)]  # still loading: c is not scheduled
     _run(s, out)
-    host.release([h for h, _ in c.kv_load])
+    host.release([h for h, _ in c.kv_load_pairs])
     s.finish_loading(c)
     assert set(c.block_ids[:2]) <= c.cached_block_ids and kv.get_computed_blocks(e)[0] == c.block_ids[:2]
     out = s.schedule()
