@@ -180,8 +180,7 @@ class HybridKVCacheManager(BlockPool):
             if not pairs:
                 continue
             keys, real = zip(*pairs)
-            rejected = set(self.prefix_cache.register(list(keys), list(real)))
-            request.cached_block_ids.update(b for b in real if b not in rejected)
+            self._cache(request, list(keys), list(real))
         request.num_cached_blocks = full
 
     def _release(self, request: Request, blocks: list[int]) -> None:

@@ -69,17 +69,21 @@ class BlockPool:
         load has landed (:meth:`finish_load`)."""
         if self.async_loads:
             request.pending_prefix.append((list(keys), list(blocks)))
-            return
-        rejected = set(self.prefix_cache.register(list(keys), list(blocks)))
-        request.cached_block_ids.update(b for b in blocks if b not in rejected)
+        else:
+            self._cache(request, list(keys), list(blocks))
 
     def finish_load(self, request: Request) -> None:
         """``request``'s load has landed (the copy into its device blocks is dispatched before any step
         that reads them): its host hits' device blocks join the device prefix cache."""
         pending, request.pending_prefix = request.pending_prefix, []
         for keys, blocks in pending:
-            rejected = set(self.prefix_cache.register(keys, blocks))
-            request.cached_block_ids.update(b for b in blocks if b not in rejected)
+            self._cache(request, keys, blocks)
+
+    def _cache(self, request: Request, keys: list, blocks: list[int]) -> None:
+        """Register ``blocks`` under ``keys`` in the device prefix cache; those it takes become the request's
+        cached blocks (a key cached already keeps its block, and the request's stays plain)."""
+        rejected = set(self.prefix_cache.register(keys, blocks))
+        request.cached_block_ids.update(b for b in blocks if b not in rejected)
 
     def _device_layout(self, request: Request) -> list[list[int | None]]:
         """Per group, the device blocks holding the request's computed tokens (``None``: a null block)."""
@@ -259,8 +263,7 @@ class KVCacheManager(BlockPool):
         hashes = request.hashes_of_full_blocks(full * self.block_size, self.block_size)
         start = request.num_cached_blocks
         blocks = request.block_ids[start:full]
-        rejected = set(self.prefix_cache.register(hashes[start:full], blocks))
-        request.cached_block_ids.update(b for b in blocks if b not in rejected)
+        self._cache(request, hashes[start:full], blocks)
         request.num_cached_blocks = full
 
     def free(self, request: Request) -> None:

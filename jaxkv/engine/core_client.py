@@ -13,8 +13,8 @@ connects to the same two TCP endpoints (:class:`DataParallelConfig`, ``data_para
 
 Data parallelism is independent engines (vLLM's DP for dense models): each rank has its own scheduler,
 block pool, buckets and ``max_num_seqs``, and steps at its own pace. A request goes to a rank with about the
-fewest outstanding requests, the one that last took a prompt with the same first block or else the one with
-the least outstanding output budget (:mod:`jaxkv.engine.load_balancer`).
+fewest outstanding requests, the one that last took a prompt with the same first block or else the one that
+keeps the outstanding output budgets and prompt tokens most even (:mod:`jaxkv.engine.load_balancer`).
 
 Liveness: a local core that exits is seen within ``_POLL_S`` (its process is polled); a remote one
 (``data_parallel_size_local < data_parallel_size``) when its heartbeats stop for

@@ -162,14 +162,17 @@ class KVLoad:
             return False
         if self.future.exception() is not None:
             return True  # finish_load raises it
-        return all(a.is_ready() for _, arrays in self.future.result() for a in arrays)
+        return all(a.is_ready() for a in self._arrays())
 
     def wait(self, timeout_s: float) -> None:
         """Block up to ``timeout_s`` for the gather, then for the transfer (an engine with nothing else to
         run)."""
         done, _ = concurrent.futures.wait([self.future], timeout=timeout_s)
         if done and self.future.exception() is None:
-            jax.block_until_ready([a for _, arrays in self.future.result() for a in arrays])
+            jax.block_until_ready(self._arrays())
+
+    def _arrays(self) -> list[jax.Array]:
+        return [a for _, arrays in self.future.result() for a in arrays]
 
 
 class KVOffloader:
@@ -179,8 +182,8 @@ class KVOffloader:
         kv_caches: the engine's device caches, ``dtype[2, num_blocks, num_kv_heads, block_size, head_size]``
             per cache tensor (single device; not kept: every call takes the current ones).
         num_host_blocks: blocks of the host pool.
-        num_threads: host threads for the gathers and writes (default: one per tensor, at most the CPU count
-            and 16).
+        num_threads: host threads that write the pool once at start-up (default: one per tensor, at most the
+            CPU count and 16); the copies during a run use one writer and one loader thread.
 
     Attributes:
         groups: the cache tensors' indices per tensor group (same shape and dtype).
@@ -225,8 +228,8 @@ class KVOffloader:
         # arrived device → host copies are written into the pool here, one at a time, in arrival order
         self._writer = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-offload-write")
         self._writes: list[concurrent.futures.Future] = []
-        # loads: gathered and put on the device by one loader thread, in order (it owns the staging buffers
-        # while a load runs; the lock keeps swap_in's synchronous path off them meanwhile)
+        # loads: gathered and put on the device by one loader thread, in order (the staging buffers are taken
+        # under the lock, so swap_in's synchronous path and the loader never share one)
         self._loader = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kv-offload-load")
         self._staging_lock = threading.Lock()
         self.bytes_to_host = self.bytes_to_device = 0
@@ -263,15 +266,7 @@ class KVOffloader:
         t = time.perf_counter()
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         self._flush(pairs[:, 0])
-        out = list(kv_caches)
-        for start, count, size in chunks(len(pairs)):
-            host_ids = np.zeros(size, np.int32)
-            host_ids[:count] = pairs[start:start + count, 0]
-            dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
-            dev_ids[:count] = pairs[start:start + count, 1]
-            out = _scatter(out, dev_ids, [self._load(gi, host_ids) for gi in range(len(self.groups))],
-                           self.groups)
-        self.bytes_to_device += len(pairs) * self.block_bytes
+        out = self._scatter_chunks(kv_caches, self._gather_chunks(pairs), len(pairs))
         self.copy_s += time.perf_counter() - t
         return out
 
@@ -295,13 +290,7 @@ class KVOffloader:
         if before is not None:
             before.result()  # the pool writes this load reads (the writer runs them in order)
         t = time.perf_counter()
-        out = []
-        for start, count, size in chunks(len(pairs)):
-            host_ids = np.zeros(size, np.int32)
-            host_ids[:count] = pairs[start:start + count, 0]
-            dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
-            dev_ids[:count] = pairs[start:start + count, 1]
-            out.append((dev_ids, [self._load(gi, host_ids) for gi in range(len(self.groups))]))
+        out = self._gather_chunks(pairs)
         self.load_s += time.perf_counter() - t
         return out
 
@@ -309,20 +298,34 @@ class KVOffloader:
         """Scatter a gathered load into the caches (given donated; the new ones are returned); a copy the
         loader thread failed raises its error here."""
         t = time.perf_counter()
-        out = list(kv_caches)
-        for dev_ids, arrays in load.future.result():
-            out = _scatter(out, dev_ids, arrays, self.groups)
-        self.bytes_to_device += len(load.pairs) * self.block_bytes
+        out = self._scatter_chunks(kv_caches, load.future.result(), len(load.pairs))
         self.copy_s += time.perf_counter() - t
         return out
 
-    def _load(self, gi: int, host_ids: np.ndarray) -> jax.Array:
-        with self._staging_lock:
-            return self._load_locked(gi, host_ids)
+    def _gather_chunks(self, pairs: np.ndarray) -> list[tuple[np.ndarray, list[jax.Array]]]:
+        """Per chunk of ``pairs`` (:func:`chunks`): its device block ids (padding out of range) and its host
+        blocks on the device, one array per tensor group."""
+        out = []
+        with self._staging_lock:  # the staging buffers: the loader thread's, or swap_in's caller's
+            for start, count, size in chunks(len(pairs)):
+                host_ids = np.zeros(size, np.int32)
+                host_ids[:count] = pairs[start:start + count, 0]
+                dev_ids = np.full(size, self.num_device_blocks, np.int32)  # padding: out of range, dropped
+                dev_ids[:count] = pairs[start:start + count, 1]
+                out.append((dev_ids, [self._load(gi, host_ids) for gi in range(len(self.groups))]))
+        return out
 
-    def _load_locked(self, gi: int, host_ids: np.ndarray) -> jax.Array:
-        """Group ``gi``'s host blocks ``host_ids`` gathered into a staging buffer (a task per tensor) and put
-        on the device in one transfer."""
+    def _scatter_chunks(self, kv_caches, gathered, num_pairs: int):
+        """Write :meth:`_gather_chunks`' blocks into the caches (given donated; the new ones are returned)."""
+        out = list(kv_caches)
+        for dev_ids, arrays in gathered:
+            out = _scatter(out, dev_ids, arrays, self.groups)
+        self.bytes_to_device += num_pairs * self.block_bytes
+        return out
+
+    def _load(self, gi: int, host_ids: np.ndarray) -> jax.Array:
+        """Group ``gi``'s host blocks ``host_ids`` gathered into a staging buffer (one NumPy call) and put on
+        the device in one transfer (the caller holds the staging lock)."""
         h = self.host_caches[gi]
         shape = (*h.shape[:2], len(host_ids), *h.shape[3:])
         nbytes = math.prod(shape) * h.dtype.itemsize
