@@ -36,6 +36,7 @@ import heapq
 import json
 import logging
 import math
+import os
 import pathlib
 import random
 import shutil
@@ -287,13 +288,23 @@ def run_mode(args, mode: str, conversations: list[Conversation]) -> tuple[dict, 
                    enable_multiprocessing=False,
                    compile_ahead="off" if args.no_warmup else "on" if args.warmup else "auto",
                    compilation_cache_dir=args.compilation_cache_dir)
-    if mode == "on":
+    if mode != "off":
         options.update(kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
-    llm = models.LLM(args.model, **options)
+    # on-sync: the host tier with its host -> device copies issued inside the engine's pass (the A side of the
+    # loads' A/B); the engine reads the variable when it is built
+    previous = os.environ.get("JAXKV_ASYNC_KV_LOADS")
+    os.environ["JAXKV_ASYNC_KV_LOADS"] = "0" if mode == "on-sync" else (previous or "1")
+    try:
+        llm = models.LLM(args.model, **options)
+    finally:
+        if previous is None:
+            os.environ.pop("JAXKV_ASYNC_KV_LOADS")
+        else:
+            os.environ["JAXKV_ASYNC_KV_LOADS"] = previous
     info = llm.engine_info[0]
     print(f"[{mode}] {info['model']} on {info['device']}: {info['num_gpu_blocks']} blocks of {info['block_size']} "
           f"tokens ({info['kv_cache_mib']} MiB), host tier: {info.get('num_host_blocks', 0)} blocks "
-          f"({args.kv_offloading_size if mode == 'on' else 0} GiB), preemption {info.get('preemption_mode')}",
+          f"({0 if mode == 'off' else args.kv_offloading_size} GiB), preemption {info.get('preemption_mode')}",
           flush=True)
     engine = llm.engine
     before = _engine_stats(engine)
@@ -326,13 +337,13 @@ def run_mode(args, mode: str, conversations: list[Conversation]) -> tuple[dict, 
 def print_table(rows: list[dict]) -> None:
     def f(v, spec):
         return "-" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, spec)
-    head = (f"{'mode':<5} {'hit rate':>8} {'prefill tok':>11} {'TTFT p50':>9} {'p99':>8} {'later p50':>9} "
+    head = (f"{'mode':<7} {'hit rate':>8} {'prefill tok':>11} {'TTFT p50':>9} {'p99':>8} {'later p50':>9} "
             f"{'p99':>8} {'out tok/s':>10} {'preempt':>7} {'swap o/i':>11} {'fallbk':>6} {'host hit':>9} "
             f"{'offload':>7} {'MiB ->h':>8} {'MiB ->d':>8} {'copy s':>7} {'write s':>7} {'load s':>6} {'busy':>6}")
     print(head)
     for r in rows:
         busy = r.get("gpu_busy_share_nvml", r.get("gpu_busy_share_trace"))
-        print(f"{r['mode']:<5} {r['prefix_cache_hit_rate']:>8.1%} {r['prefill_tokens_computed']:>11} "
+        print(f"{r['mode']:<7} {r['prefix_cache_hit_rate']:>8.1%} {r['prefill_tokens_computed']:>11} "
               f"{f(r['ttft_p50_s'], '.3f'):>9} {f(r['ttft_p99_s'], '.3f'):>8} {f(r['ttft_later_p50_s'], '.3f'):>9} "
               f"{f(r['ttft_later_p99_s'], '.3f'):>8} {r['output_tokens_per_s']:>10.1f} {r['num_preemptions']:>7} "
               f"{str(r['num_swaps_out']) + '/' + str(r['num_swaps_in']):>11} {r['num_swap_recompute_fallbacks']:>6} "
@@ -382,7 +393,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--max-user-tokens", type=int, default=512)
     p.add_argument("--max-answer-tokens", type=int, default=256)
     p.add_argument("--modes", default="off,on",
-                   help="comma-separated: off (no host tier), on; none: only sample (--save-conversations)")
+                   help="comma-separated: off (no host tier), on, on-sync (the tier with its host -> device copies inside "
+                        "the engine's pass: JAXKV_ASYNC_KV_LOADS=0); none: only sample (--save-conversations)")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--max-model-len", type=int, default=None)
@@ -402,8 +414,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--output-json", default=None)
     args = p.parse_args(argv)
     modes = [] if args.modes == "none" else args.modes.split(",")
-    if any(m not in ("off", "on") for m in modes):
-        p.error(f"--modes={args.modes!r}: give off and/or on, or none")
+    if any(m not in ("off", "on", "on-sync") for m in modes):
+        p.error(f"--modes={args.modes!r}: give off, on and/or on-sync (the tier, copies inside the pass), or none")
     args.mode_list = modes
     return args
 
@@ -436,10 +448,10 @@ def main(argv=None) -> int:
         outs[mode] = transcripts(done)
         print(f"done: {mode}: {row['output_tokens_per_s']:.1f} output tok/s, {row['elapsed_s']:.1f} s", flush=True)
     print_table(rows)
-    if len(rows) == 2:
-        off, on = rows
-        same = outs["off"] == outs["on"]
-        print(f"on vs off: prefill tokens computed {off['prefill_tokens_computed']} -> {on['prefill_tokens_computed']} "
+    off = next((r for r in rows if r["mode"] == "off"), None)
+    for on in (r for r in rows if r["mode"] != "off" and off is not None):
+        same = outs["off"] == outs[on["mode"]]
+        print(f"{on['mode']} vs off: prefill tokens computed {off['prefill_tokens_computed']} -> {on['prefill_tokens_computed']} "
               f"({off['prefill_tokens_computed'] / max(1, on['prefill_tokens_computed']):.2f}x fewer), output tok/s "
               f"{on['output_tokens_per_s'] / off['output_tokens_per_s']:.2f}x, TTFT p50 "
               f"{off['ttft_p50_s'] / on['ttft_p50_s']:.2f}x lower; greedy transcripts equal: {'yes' if same else 'NO'}")

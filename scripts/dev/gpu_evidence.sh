@@ -27,6 +27,9 @@
 #            stage m's 8B pair.
 #   stage o (session 19): stage g without SmolLM2 (8B tp=2 vs tp=1, Gemma-3-4B tp=2 / dp=2, float32 at highest
 #            precision), then the 8B tp step table.
+#   stage q (session 20): the host tier's loads against the copies inside the pass (SmolLM2 multi-turn, GPU 0) and the
+#            8B shape's multi-turn at 128 at once (GPU 1) at the same time; the pinned-pool probe; serve.py's
+#            defaults (top-k/top-p compiled ahead), cold and warm start.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -265,5 +268,36 @@ o)  # (session 19) issue 28's equalities in float32 at JAX_DEFAULT_MATMUL_PRECIS
   [ $SECONDS -lt 480 ] && timeout $(( 590 - SECONDS )) python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1,2 \
     --batches 1,64,256 --new-tokens 32 --repeats 1 2>&1 | quiet | grep -v "^engine\|INFO" | tail -20 | tee $OUT/mesh-step.txt
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o"; exit 2 ;;
+q)  # (session 20) issue 29's loads A/B and issue 27's server warm start with its default compile, both GPUs at once:
+    # GPU 1 the 8B shape's multi-turn run at a server's concurrency (gpu_multiturn.sh big-wide: tier off, on);
+    # GPU 0 SmolLM2's multi-turn (200 conversations as session 19: off, on = loads beside the steps, on-sync =
+    # the copies inside the pass), the pinned-pool probe, then serve.py with its defaults, cold and warm
+  mkdir -p /tmp/diag
+  (CUDA_VISIBLE_DEVICES=1 BIG_CONVERSATIONS=300 BIG_TIMEOUT=560 bash scripts/dev/gpu_multiturn.sh big-wide > /tmp/diag/big-wide.log 2>&1; cp $OUT/multiturn-big-wide.* /tmp/diag/ 2>/dev/null) &
+  BIG=$!
+  M="scripts/bench_multiturn.py --load-format dummy --conversations .multiturn/conversations.json --nvml-busy"
+  mkdir -p /tmp/smollm2 && sed -n '/^{"architectures"/,/^JSON/p' scripts/dev/gpu_multiturn.sh | grep -v '^JSON' > /tmp/smollm2/config.json
+  CUDA_VISIBLE_DEVICES=0 timeout 300 python3 $M --model /tmp/smollm2/config.json --num-conversations 200 --max-active 64 \
+    --num-gpu-blocks 1536 --kv-offloading-size 8 --modes off,on,on-sync --output-json /tmp/diag/multiturn-smol.json 2>&1 \
+    | quiet | grep -v cuda_timer | tee /tmp/diag/multiturn-smol.txt
+  echo "== probe_pinned_gather (SmolLM2 shape, 23301-block pool, 256 blocks)"
+  CUDA_VISIBLE_DEVICES=0 timeout 90 python3 scripts/dev/probe_pinned_gather.py 2>&1 | quiet | tail -12 | tee /tmp/diag/probe.txt
+  for start in cold warm; do
+    [ $SECONDS -gt 470 ] && { echo "no time left for the server's $start start"; break; }
+    t0=$(date +%s.%N)
+    CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+      --port 8000 > /tmp/diag/server-$start.log 2>&1 &
+    SERVER=$!
+    until curl -sf localhost:8000/health >/dev/null; do sleep 0.2; kill -0 $SERVER 2>/dev/null || break; done
+    echo "server defaults, $start start: /health after $(secs $t0) s" | tee -a /tmp/diag/serve-start.txt
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20}' \
+      | head -c 300 | tee -a /tmp/diag/serve-start.txt; echo
+    echo "first sampled completion after $(secs $t0) s" | tee -a /tmp/diag/serve-start.txt
+    kill -TERM $SERVER; wait $SERVER
+  done
+  wait $BIG; cat /tmp/diag/big-wide.log | grep -v cuda_timer | tail -12
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q"; exit 2 ;;
 esac

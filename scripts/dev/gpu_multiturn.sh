@@ -57,7 +57,7 @@ smol-wide)
     --kv-offloading-size 16 --output-json $OUT/multiturn-smol-wide.json 2>&1 | quiet | tee $OUT/multiturn-smol-wide.txt
   ;;
 big-wide)
-  timeout 590 $B --model llama-3.1-8b --num-conversations 400 --max-active 128 --num-gpu-blocks 3072 \
+  timeout ${BIG_TIMEOUT:-590} $B --model llama-3.1-8b --num-conversations ${BIG_CONVERSATIONS:-400} --max-active 128 --num-gpu-blocks 3072 \
     --kv-offloading-size 48 --output-json $OUT/multiturn-big-wide.json 2>&1 | quiet | tee $OUT/multiturn-big-wide.txt
   ;;
 *) echo "stage: smol | smol-rc | smol-trace | big | smol-wide | big-wide"; exit 2 ;;

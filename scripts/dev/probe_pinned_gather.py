@@ -67,6 +67,18 @@ def main() -> None:
     staging = np.empty((*shape[:2], args.blocks, *shape[3:]), pool_np.dtype)
     timed("numpy", lambda ids: jax.device_put(
         np.take(pool_np.view(np.uint16), ids, axis=2, out=staging.view(np.uint16), mode="clip").view(pool_np.dtype)))
+    # its two halves, and what a pinned staging buffer would give the second
+    timed("  np.take", lambda ids: np.take(pool_np.view(np.uint16), ids, axis=2, out=staging.view(np.uint16),
+                                           mode="clip"))
+    timed("  pageable put", lambda ids: jax.device_put(staging, on_device))
+    staging_pinned = jax.device_put(staging.view(np.uint16), pinned)  # uint16: DLPack has no bfloat16 for NumPy
+    timed("  pinned put", lambda ids: jax.device_put(staging_pinned, on_device))
+    try:  # can NumPy write into a pinned_host array's buffer (a pinned staging buffer without a copy)?
+        view = np.from_dlpack(staging_pinned)
+        print(f"dlpack view of a pinned_host array: {view.dtype} {view.shape}, shares memory: "
+              f"{view.__array_interface__['data'][0] == staging_pinned.unsafe_buffer_pointer()}")
+    except Exception as e:  # noqa: BLE001 - a probe: report what the backend says
+        print(f"dlpack view of a pinned_host array: unsupported: {type(e).__name__}: {str(e)[:200]}")
 
     gather = jax.jit(lambda p, ids: jax.device_put(
         compute_on(host_gather, compute_type="device_host", out_memory_spaces=MemorySpace.Host)(p, ids), on_device))
