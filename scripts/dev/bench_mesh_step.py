@@ -40,8 +40,9 @@ PRESETS = {
 }
 
 
-def collective_share(engine, prompts, sampling, steps):
-    """(device µs per step over all GPUs, of which collectives) from CUPTI, or None without torch."""
+def collective_share(engine, prompts, sampling, steps, top_kernels=0):
+    """(device µs per step over all GPUs, of which collectives, the top NCCL kernels) from CUPTI, or None
+    without torch; with ``top_kernels`` it also prints the kernels taking the most device time per step."""
     try:
         from torch.profiler import ProfilerActivity, profile
     except ImportError:
@@ -54,6 +55,9 @@ def collective_share(engine, prompts, sampling, steps):
     coll = sum(e.device_time_total for e in events
                if any(k in e.key.lower() for k in ("nccl", "allreduce", "all_reduce", "all-reduce")))
     top = sorted((e for e in events if "nccl" in e.key.lower()), key=lambda e: -e.device_time_total)[:3]
+    for e in sorted(events, key=lambda e: -e.device_time_total)[:top_kernels]:
+        print(f"    {e.device_time_total / steps:9.1f} us/step {100 * e.device_time_total / total:5.1f} % "
+              f"{e.count / steps:6.1f} calls/step  {e.key[:90]}")
     return total / steps, coll / steps, [(e.key[:50], e.device_time_total / steps) for e in top]
 
 
@@ -72,6 +76,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-profile", action="store_true")
+    p.add_argument("--top-kernels", type=int, default=0, help="print the N kernels with the most device time")
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
     if args.model:
@@ -109,7 +114,8 @@ def main(argv=None) -> int:
                 ref[batch] = tokens
             same = (np.mean([a == b for x, y in zip(tokens, ref[batch]) for a, b in zip(x, y)])
                     if batch in ref else float("nan"))  # nan: tp=1 not run in this process
-            prof = None if args.no_profile else collective_share(engine, prompts, sampling, args.new_tokens)
+            prof = None if args.no_profile else collective_share(engine, prompts, sampling, args.new_tokens,
+                                                                    args.top_kernels)
             ms = statistics.median(times) if times else float("nan")
             rows.append((batch, tp, ms, same, prof))
             line = f"batch {batch:4d} tp {tp}: {ms:7.3f} ms/step  tokens equal to tp=1: {same:.3f}"
