@@ -30,6 +30,7 @@
 #   stage q (session 20): the host tier's loads against the copies inside the pass (SmolLM2 multi-turn, GPU 0) and the
 #            8B shape's multi-turn at 128 at once (GPU 1) at the same time; the pinned-pool probe; serve.py's
 #            defaults (top-k/top-p compiled ahead), cold and warm start.
+#   stage r (session 20): the 8B decode step's top kernels; the pinned-memory probe; SmolLM2 -dp 2 on 8000 requests.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -299,5 +300,22 @@ q)  # (session 20) issue 29's loads A/B and issue 27's server warm start with it
   wait $BIG; cat /tmp/diag/big-wide.log | grep -v cuda_timer | tail -12
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q"; exit 2 ;;
+r)  # (session 20) GPU 1: the 8B decode step's kernels (batch 1/64/256, 8 steps a round trip); GPU 0 meanwhile the
+    # pinned-memory probe (writable views, threads, uncommitted device arrays, device -> pinned); then, nothing
+    # beside, SmolLM2 -dp 2 vs one GPU on 8000 requests (.dummy/requests-8256.json: a rank's share of the work
+    # longer than the longest answer's 1,888 sequential steps)
+  mkdir -p /tmp/diag
+  python3 -c "import json; r = json.load(open('.dummy/requests-8256.json')); json.dump(r[256:8256], open('/tmp/req8000.json', 'w'))"
+  (CUDA_VISIBLE_DEVICES=1 timeout 300 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1 --batches 1,64,256 \
+     --new-tokens 32 --repeats 1 --num-scheduler-steps 8 --top-kernels 14 2>&1 | quiet | grep -v "^engine\|INFO" \
+     > /tmp/diag/kernels-8b.txt) &
+  K=$!
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/dev/probe_pinned_gather.py 2>&1 | quiet | grep -v stack_frame | tee /tmp/diag/probe.txt
+  wait $K; cat /tmp/diag/kernels-8b.txt
+  run() { echo "-- $*"; timeout $(( 595 - SECONDS )) $B --backend jaxkv "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" -e nvml | tee -a /tmp/diag/dp-r.txt; }
+  run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 1
+  [ $SECONDS -lt 500 ] && run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 2
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r"; exit 2 ;;
 esac

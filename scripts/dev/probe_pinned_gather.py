@@ -19,6 +19,8 @@ host computation, and at what GB/s, is the question for the GPU (docs/perf-notes
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import ctypes
 import time
 
 import jax
@@ -36,6 +38,13 @@ def host_gather(pool, ids):
     dims = lax.GatherDimensionNumbers(offset_dims=(0, 1, 3, 4, 5), collapsed_slice_dims=(2,), start_index_map=(2,))
     return lax.gather(pool, idx, dims, slice_sizes=(*pool.shape[:2], 1, *pool.shape[3:]),
                       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
+
+
+def uncommitted(x: jax.Array) -> jax.Array:
+    """The same buffer as an uncommitted array (what ``jax.device_put(numpy)`` gives): a committed argument makes
+    every program it meets compile again (private API)."""
+    from jax._src import array
+    return array.ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
 
 
 def main() -> None:
@@ -73,12 +82,28 @@ def main() -> None:
     timed("  pageable put", lambda ids: jax.device_put(staging, on_device))
     staging_pinned = jax.device_put(staging.view(np.uint16), pinned)  # uint16: DLPack has no bfloat16 for NumPy
     timed("  pinned put", lambda ids: jax.device_put(staging_pinned, on_device))
-    try:  # can NumPy write into a pinned_host array's buffer (a pinned staging buffer without a copy)?
-        view = np.from_dlpack(staging_pinned)
-        print(f"dlpack view of a pinned_host array: {view.dtype} {view.shape}, shares memory: "
-              f"{view.__array_interface__['data'][0] == staging_pinned.unsafe_buffer_pointer()}")
-    except Exception as e:  # noqa: BLE001 - a probe: report what the backend says
-        print(f"dlpack view of a pinned_host array: unsupported: {type(e).__name__}: {str(e)[:200]}")
+    # a writable NumPy view of a pinned_host array's buffer (NumPy's DLPack import is read-only)
+    view = np.frombuffer((ctypes.c_uint8 * staging_pinned.nbytes).from_address(
+        staging_pinned.unsafe_buffer_pointer()), np.uint16).reshape(staging_pinned.shape)
+    timed("  np.take->pinned", lambda ids: np.take(pool_np.view(np.uint16), ids, axis=2, out=view, mode="clip"))
+    for k in (2, 4, 8):
+        pool_k = concurrent.futures.ThreadPoolExecutor(k)
+        parts = np.array_split(np.arange(args.layers), k)
+        timed(f"  take x{k} thr", lambda ids: list(pool_k.map(lambda js: np.take(
+            pool_np.view(np.uint16)[js[0]:js[-1] + 1], ids, axis=2, out=view[js[0]:js[-1] + 1], mode="clip"), parts)))
+    timed("  put(np pinned)", lambda ids: jax.device_put(view))  # does PJRT see that the NumPy memory is pinned?
+    timed("  put+uncommit", lambda ids: uncommitted(jax.device_put(staging_pinned, on_device)))
+    print(f"uncommitted: {uncommitted(jax.device_put(staging_pinned, on_device)).committed is False}")
+    # device -> host: into pinned memory (a fresh pinned_host array) against copy_to_host_async + np.asarray
+    blocks = jax.device_put(staging_pinned, on_device)
+
+    def to_host_async(ids):
+        b = blocks + 0
+        b.copy_to_host_async()
+        return np.asarray(b)
+    timed("d2h async+np", to_host_async)
+    timed("d2h pinned", lambda ids: jax.device_put(blocks + 0, pinned))
+    timed("d2h add only", lambda ids: blocks + 0)
 
     gather = jax.jit(lambda p, ids: jax.device_put(
         compute_on(host_gather, compute_type="device_host", out_memory_spaces=MemorySpace.Host)(p, ids), on_device))
