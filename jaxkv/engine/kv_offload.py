@@ -49,6 +49,7 @@ programs, compiled for uncommitted caches, then compile again for committed ones
 from __future__ import annotations
 
 import concurrent.futures
+import ctypes
 import functools
 import math
 import os
@@ -58,10 +59,12 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import SingleDeviceSharding
 
 MIN_PAIRS = 16
 _RING = 2  # staging buffers per (tensor group, size)
-STAGING_BYTES = 512 << 20  # host memory kept for reused staging buffers, beyond the pool; larger passes get fresh ones
+STAGING_BYTES = 2 << 30  # host memory kept for reused staging buffers, beyond the pool; larger passes get fresh ones
+# (2 GiB: two buffers of a 256-block chunk of an 8B-shaped model, 2 MiB a block)
 PARALLEL_BYTES = 4 << 20  # start-up fills of at least this many bytes are split over the thread pool (per tensor)
 
 
@@ -71,6 +74,48 @@ def _raw(a: np.ndarray) -> np.ndarray:
     gather: 3.15 vs 2.18 GB/s)."""
     raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}.get(a.dtype.itemsize)
     return a if raw is None else a.view(raw)
+
+
+def host_view(a: jax.Array) -> np.ndarray:
+    """A writable NumPy view (raw unsigned integers, see :func:`_raw`) of a host-memory ``jax.Array``'s buffer
+    (``pinned_host``): NumPy's DLPack import is read-only and has no bfloat16. The view keeps ``a`` alive; the
+    caller writes only while no transfer reads the buffer."""
+    a.block_until_ready()
+    raw = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}[a.dtype.itemsize]
+    buf = (ctypes.c_uint8 * a.nbytes).from_address(a.unsafe_buffer_pointer())
+    buf.array = a  # the view's base is ``buf``: the buffer lives as long as any view of it
+    return np.frombuffer(buf, raw).reshape(a.shape)
+
+
+def _uncommitted(x: jax.Array) -> jax.Array:
+    """``x``'s buffer as an uncommitted array, as ``jax.device_put(numpy_array)`` gives. ``jax.device_put`` to a
+    sharding commits its result, and a committed operand makes every program it meets compile again for it,
+    the caches' step programs included once a scatter has passed it on (JAX's private ``ArrayImpl``
+    constructor; :func:`pinned_sharding` checks it works before the pinned path is used)."""
+    from jax._src import array
+    return array.ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
+
+
+def pinned_sharding(device) -> SingleDeviceSharding | None:
+    """``device``'s ``pinned_host`` memory for the copies, or None where JAX has none or the path fails its
+    check: a block written through :func:`host_view` reaches the device as an uncommitted array that is a copy
+    (later writes to the host buffer do not change it), and comes back through pinned memory."""
+    try:
+        if "pinned_host" not in {m.kind for m in device.addressable_memories()}:
+            return None
+        pinned = SingleDeviceSharding(device, memory_kind="pinned_host")
+        staging = jax.device_put(np.zeros(64, np.uint16), pinned)
+        view = host_view(staging)
+        view[:] = np.arange(64, dtype=np.uint16)
+        on_device = _uncommitted(jax.device_put(staging, SingleDeviceSharding(device, memory_kind="device")))
+        on_device.block_until_ready()
+        view[:] = 0
+        back = host_view(jax.device_put(on_device + 1, pinned))
+        ok = (not on_device.committed and np.array_equal(np.asarray(on_device), np.arange(64))
+              and np.array_equal(back, np.arange(1, 65)))
+        return pinned if ok else None
+    except Exception:  # noqa: BLE001 - any failure of the check means the pageable path
+        return None
 
 
 def chunks(n: int) -> list[tuple[int, int, int]]:
@@ -183,7 +228,12 @@ class KVOffloader:
             per cache tensor (single device; not kept: every call takes the current ones).
         num_host_blocks: blocks of the host pool.
         num_threads: host threads that write the pool once at start-up (default: one per tensor, at most the
-            CPU count and 16); the copies during a run use one writer and one loader thread.
+            CPU count and 16).
+        num_copy_threads: threads that split each copy's NumPy gather or scatter by tensors during a run (NumPy
+            releases the GIL while it copies), beside the one writer and one loader thread (default: half the
+            CPUs, at most 8; 1 copies in the writer or loader thread itself).
+        pinned: stage the copies in ``pinned_host`` memory, which the GPU's copy engines read and write
+            directly (None: where :func:`pinned_sharding` finds it works); False: pageable NumPy staging.
 
     Attributes:
         groups: the cache tensors' indices per tensor group (same shape and dtype).
@@ -191,7 +241,8 @@ class KVOffloader:
             head_size]``.
         bytes_to_host, bytes_to_device: bytes of the blocks copied so far (padding not counted).
         copy_s: seconds of the caller's thread (the engine's) spent issuing copies and waiting for them;
-            the writer thread's pool writes are not in it (``write_s``).
+            the writer thread's pool writes are not in it (``write_s``). ``copy_s_by`` splits it by method.
+        pinned: the ``pinned_host`` sharding the copies are staged in, or None (pageable staging).
         write_s: seconds the writer thread spent writing arrived blocks into the pool.
         load_s: seconds the loader thread spent gathering loads and starting their transfers.
 
@@ -199,7 +250,8 @@ class KVOffloader:
         ValueError: ``num_host_blocks < 1``, caches spread over several devices.
     """
 
-    def __init__(self, kv_caches, num_host_blocks: int, num_threads: int | None = None):
+    def __init__(self, kv_caches, num_host_blocks: int, num_threads: int | None = None,
+                 num_copy_threads: int | None = None, pinned: bool | None = None):
         if num_host_blocks < 1:
             raise ValueError(f"num_host_blocks={num_host_blocks} must be >= 1")
         if any(len(c.sharding.device_set) != 1 for c in kv_caches):
@@ -207,6 +259,12 @@ class KVOffloader:
         device = next(iter(kv_caches[0].sharding.device_set))
         # a CPU "device" may alias a NumPy buffer it was given (zero-copy): staging is reused elsewhere only
         self._reuse_staging = device.platform != "cpu"
+        self._device = SingleDeviceSharding(device, memory_kind="device")
+        self.pinned = None if pinned is False else pinned_sharding(device)
+        if pinned and self.pinned is None:
+            raise ValueError(f"pinned=True: {device} has no usable pinned_host memory")
+        if self.pinned is not None:
+            self._reuse_staging = True  # a transfer from pinned memory is a copy on every platform (checked)
         self._staging: dict[tuple[int, int], list[list]] = {}  # (group, size) -> [[buffer, its transfer]]
         self.staging_bytes = 0  # host bytes of the kept staging buffers (at most STAGING_BYTES)
         self.num_host_blocks = num_host_blocks
@@ -215,6 +273,9 @@ class KVOffloader:
         self.groups = tensor_groups(kv_caches)
         n = num_threads or min(len(kv_caches), os.cpu_count() or 1, 16)
         self._pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="kv-offload")
+        self.num_copy_threads = max(1, num_copy_threads or min(8, (os.cpu_count() or 2) // 2))
+        self._copy_pool = (concurrent.futures.ThreadPoolExecutor(self.num_copy_threads, thread_name_prefix="kv-copy")
+                           if self.num_copy_threads > 1 else None)
         self.host_caches = []
         for g in self.groups:
             c = kv_caches[g[0]]
@@ -234,6 +295,12 @@ class KVOffloader:
         self._staging_lock = threading.Lock()
         self.bytes_to_host = self.bytes_to_device = 0
         self.copy_s = self.write_s = self.load_s = 0.0
+        self.copy_s_by = dict.fromkeys(("swap_out", "swap_in", "start_load", "finish_load", "poll"), 0.0)
+
+    def _took(self, what: str, t: float) -> None:
+        dt = time.perf_counter() - t
+        self.copy_s += dt
+        self.copy_s_by[what] += dt
 
     @property
     def host_bytes(self) -> int:
@@ -252,11 +319,14 @@ class KVOffloader:
             ids = np.zeros(size, np.int32)
             ids[:count] = pairs[start:start + count, 0]
             blocks = _gather(caches, ids, self.groups)
-            for b in blocks:
-                b.copy_to_host_async()
+            if self.pinned is not None:  # straight into pinned memory (no pageable bounce); its view is written
+                blocks = [jax.device_put(b, self.pinned) for b in blocks]
+            else:
+                for b in blocks:
+                    b.copy_to_host_async()
             self._pending.append((blocks, pairs[start:start + count, 1].copy()))
         self.bytes_to_host += len(pairs) * self.block_bytes
-        self.copy_s += time.perf_counter() - t
+        self._took("swap_out", t)
 
     def swap_in(self, kv_caches, pairs):
         """Copy host blocks to device blocks: ``pairs`` ``[(host_block, device_block), ...]`` (device blocks
@@ -267,7 +337,7 @@ class KVOffloader:
         pairs = np.asarray(pairs, np.int32).reshape(-1, 2)
         self._flush(pairs[:, 0])
         out = self._scatter_chunks(kv_caches, self._gather_chunks(pairs), len(pairs))
-        self.copy_s += time.perf_counter() - t
+        self._took("swap_in", t)
         return out
 
     def start_load(self, pairs) -> KVLoad:
@@ -281,7 +351,7 @@ class KVOffloader:
         self._flush(pairs[:, 0], wait=False)
         before = self._writes[-1] if self._writes else None
         load = KVLoad(pairs, self._loader.submit(self._gather_load, pairs, before))
-        self.copy_s += time.perf_counter() - t
+        self._took("start_load", t)
         return load
 
     def _gather_load(self, pairs: np.ndarray, before) -> list[tuple[np.ndarray, list[jax.Array]]]:
@@ -299,7 +369,7 @@ class KVOffloader:
         loader thread failed raises its error here."""
         t = time.perf_counter()
         out = self._scatter_chunks(kv_caches, load.future.result(), len(load.pairs))
-        self.copy_s += time.perf_counter() - t
+        self._took("finish_load", t)
         return out
 
     def _gather_chunks(self, pairs: np.ndarray) -> list[tuple[np.ndarray, list[jax.Array]]]:
@@ -334,22 +404,44 @@ class KVOffloader:
             ring = self._staging.setdefault((gi, len(host_ids)), [])
             slot = next((s for s in ring if s[1] is None or s[1].is_ready()), None)
             if slot is None and len(ring) < _RING and self.staging_bytes + nbytes <= STAGING_BYTES:
-                slot = [np.empty(shape, h.dtype), None]
+                slot = [self._staging_buffer(shape, h.dtype), None]
                 ring.append(slot)
                 self.staging_bytes += nbytes
             elif slot is None and ring:  # the kept buffers are still being read: wait for the older transfer
                 slot = ring[0]
                 slot[1].block_until_ready()
                 ring.append(ring.pop(0))
-        buf = np.empty(shape, h.dtype) if slot is None else slot[0]
-        # one NumPy call for the whole group, on the arrays' bytes (see _raw); mode="clip" (the ids are pool
-        # blocks or the padding 0, all in range) because take's default mode="raise" with ``out`` gathers into
-        # a temporary and copies that: 3x slower (2.0 vs 6.3 GB/s on the CPU machine)
-        np.take(_raw(h), host_ids, axis=2, out=_raw(buf), mode="clip")
-        on_device = jax.device_put(buf)
-        if slot is not None:
-            slot[1] = on_device
+        if slot is None:
+            slot = [self._staging_buffer(shape, h.dtype), None]
+        staging, view = slot[0]
+        # one NumPy call per copy thread (a slice of the group's tensors), on the arrays' bytes (see _raw);
+        # mode="clip" (the ids are pool blocks or the padding 0, all in range) because take's default
+        # mode="raise" with ``out`` gathers into a temporary and copies that: 3x slower (2.0 vs 6.3 GB/s on the
+        # CPU machine)
+        src = _raw(h)
+        self._split(lambda lo, hi: np.take(src[lo:hi], host_ids, axis=2, out=view[lo:hi], mode="clip"), len(h))
+        on_device = (jax.device_put(view.view(h.dtype)) if self.pinned is None
+                     else _uncommitted(jax.device_put(staging, self._device)))
+        slot[1] = on_device
         return on_device
+
+    def _staging_buffer(self, shape, dtype) -> tuple[object, np.ndarray]:
+        """A staging buffer and its raw NumPy view: ``pinned_host`` memory where :attr:`pinned`, else NumPy."""
+        if self.pinned is None:
+            buf = np.empty(shape, dtype)
+            return buf, _raw(buf)
+        staging = jax.device_put(np.empty(shape, dtype), self.pinned)
+        return staging, host_view(staging)
+
+    def _split(self, fn, n: int) -> None:
+        """``fn(lo, hi)`` over slices of ``n`` tensors, one per copy thread (here with one thread)."""
+        k = min(self.num_copy_threads, n)
+        if k <= 1 or self._copy_pool is None:
+            fn(0, n)
+            return
+        bounds = [n * i // k for i in range(k + 1)]
+        for f in [self._copy_pool.submit(fn, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
+            f.result()
 
     def poll(self) -> None:
         """Hand the device → host copies that have arrived (oldest first) to the writer thread."""
@@ -361,7 +453,7 @@ class KVOffloader:
             t = time.perf_counter()
             while self._pending and all(b.is_ready() for b in self._pending[0][0]):
                 self._writes.append(self._writer.submit(self._write, *self._pending.pop(0)))
-            self.copy_s += time.perf_counter() - t
+            self._took("poll", t)
 
     def _flush(self, host_ids=None, wait: bool = True) -> None:
         """Write pending device → host copies in order (all, or up to the last one into ``host_ids``), then
@@ -396,7 +488,12 @@ class KVOffloader:
         t = time.perf_counter()
         n = len(host_ids)
         for h, b in zip(self.host_caches, blocks):
-            _raw(h)[:, :, host_ids] = _raw(np.asarray(b))[:, :, :n]  # one NumPy call per group (see _raw)
+            src = _raw(np.asarray(b)) if self.pinned is None else host_view(b)
+            dst = _raw(h)
+
+            def write(lo, hi, dst=dst, src=src):  # one NumPy call per copy thread (see _raw, _split)
+                dst[lo:hi, :, host_ids] = src[lo:hi, :, :n]
+            self._split(write, len(h))
         self.write_s += time.perf_counter() - t
 
     def host_block(self, block: int) -> list[np.ndarray]:

@@ -233,13 +233,18 @@ def test_an_async_load_cancelled_by_an_abort_frees_its_device_blocks_at_once():
 
 
 # -- KVOffloader -----------------------------------------------------------------------------------------
-@pytest.mark.parametrize("reuse_staging,budget,dtype", [(False, None, "float32"), (True, None, "float32"),
-                                                         (True, 0, "float32"), (True, None, "bfloat16")],
-                         ids=["fresh-staging", "reused-staging", "staging-over-budget", "bfloat16"])
-def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, dtype, monkeypatch):
+@pytest.mark.parametrize("reuse_staging,budget,dtype,pinned,threads", [
+    (False, None, "float32", False, 1), (True, None, "float32", False, 1), (True, 0, "float32", False, 1),
+    (True, None, "bfloat16", False, 1), (True, None, "bfloat16", None, 3), (True, 0, "float32", None, 2)],
+    ids=["fresh-staging", "reused-staging", "staging-over-budget", "bfloat16", "pinned-bfloat16-3-threads",
+         "pinned-over-budget-2-threads"])
+def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, dtype, pinned, threads, monkeypatch):
     """Both directions against NumPy indexing; with staging buffers reused (the GPU's path, forced here) two
     host -> device copies of one padded size in a row each deliver their own blocks; past the staging budget
-    every copy gets a fresh buffer and none is kept; bfloat16 caches (moved as their bytes) arrive bit-exact."""
+    every copy gets a fresh buffer and none is kept; bfloat16 caches (moved as their bytes) arrive bit-exact.
+    The pinned path (pinned_host staging written through a NumPy view, copies split over threads by tensor)
+    delivers the same, and its arrays reach the scatter uncommitted: the caches it returns stay uncommitted (a
+    committed cache would make every step program compile again)."""
     if budget is not None:
         monkeypatch.setattr(kv_offload, "STAGING_BYTES", budget)
     rng = np.random.default_rng(0)
@@ -247,8 +252,10 @@ def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, dty
     # three tensors in two groups (one transfer each): two of one shape around one with another head count
     dev_np = [rng.standard_normal(shp).astype(jnp.dtype(dtype)) for shp in (shape, (2, 40, 1, BS, 8), shape)]
     caches = [jnp.asarray(c) for c in dev_np]
-    off = KVOffloader(caches, 24)
-    off._reuse_staging = reuse_staging
+    off = KVOffloader(caches, 24, pinned=pinned, num_copy_threads=threads)
+    assert (off.pinned is not None) == (pinned is None)  # this JAX's CPU backend has pinned_host memory
+    if pinned is False:
+        off._reuse_staging = reuse_staging
     assert off.groups == ((0, 2), (1,)) and [h.shape[:3] for h in off.host_caches] == [(2, 2, 24), (1, 2, 24)]
     assert off.host_bytes == 24 * bytes_per_block(caches) == 24 * 2 * (5 * BS * 8 * jnp.dtype(dtype).itemsize)
     out = list(zip(rng.permutation(40)[:20].tolist(), rng.permutation(24)[:20].tolist()))  # 20 pairs: padded to 32
@@ -271,6 +278,7 @@ def test_offloader_copies_blocks_both_ways_like_numpy(reuse_staging, budget, dty
     kept = sum(len(ring) for ring in off._staging.values())
     assert (kept > 0) == (reuse_staging and budget is None)
     assert off.staging_bytes <= kv_offload.STAGING_BYTES
+    assert not any(c.committed for c in caches)
 
 
 def test_kv_offloading_size_in_gib_rounds_down_and_rejects_bad_values():
