@@ -31,6 +31,8 @@
 #            8B shape's multi-turn at 128 at once (GPU 1) at the same time; the pinned-pool probe; serve.py's
 #            defaults (top-k/top-p compiled ahead), cold and warm start.
 #   stage r (session 20): the 8B decode step's top kernels; the pinned-memory probe; SmolLM2 -dp 2 on 8000 requests.
+#   stage s (session 20): the host tier staged in pinned memory (its tests compiled, SmolLM2 and 8B multi-turn);
+#            the 8B step's kernels with XLA's dot merger off.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -317,5 +319,26 @@ r)  # (session 20) GPU 1: the 8B decode step's kernels (batch 1/64/256, 8 steps 
   [ $SECONDS -lt 500 ] && run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 2
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r"; exit 2 ;;
+s)  # (session 20) the host tier staged in pinned memory with threaded NumPy copies: its tests compiled on GPU 0, then
+    # SmolLM2's multi-turn (off, on) there; GPU 1 at the same time the 8B shape's multi-turn at 128 at once (off, on),
+    # then the 8B decode step's kernels with XLA's dot merger off (batch 1 spent 31 % of its step concatenating)
+  mkdir -p /tmp/diag /tmp/smollm2
+  (CUDA_VISIBLE_DEVICES=1 BIG_CONVERSATIONS=300 BIG_TIMEOUT=330 bash scripts/dev/gpu_multiturn.sh big-wide > /tmp/diag/big-wide.log 2>&1
+   cp $OUT/multiturn-big-wide.* /tmp/diag/ 2>/dev/null
+   CUDA_VISIBLE_DEVICES=1 XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=0 timeout $(( 580 - SECONDS )) python3 scripts/dev/bench_mesh_step.py \
+     --model llama-3.1-8b --tp 1 --batches 1,64,256 --new-tokens 32 --repeats 1 --num-scheduler-steps 8 --top-kernels 8 2>&1 \
+     | quiet | grep -v "^engine\|INFO\|profiler" > /tmp/diag/kernels-8b-nomerge.txt) &
+  BIG=$!
+  echo '$ pytest tests/jaxkv/test_host_kv_pool.py tests/models/test_kv_host_tier.py (GPU 0)'
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/jaxkv/test_host_kv_pool.py \
+    tests/models/test_kv_host_tier.py 2>&1 | quiet | tail -8 | tee /tmp/diag/tests.txt
+  M="scripts/bench_multiturn.py --load-format dummy --conversations .multiturn/conversations.json --nvml-busy"
+  sed -n '/^{"architectures"/,/^JSON/p' scripts/dev/gpu_multiturn.sh | grep -v '^JSON' > /tmp/smollm2/config.json
+  CUDA_VISIBLE_DEVICES=0 timeout $(( 560 - SECONDS )) python3 $M --model /tmp/smollm2/config.json --num-conversations 200 \
+    --max-active 64 --num-gpu-blocks 1536 --kv-offloading-size 8 --modes off,on --output-json /tmp/diag/multiturn-smol.json \
+    2>&1 | quiet | grep -v cuda_timer | tee /tmp/diag/multiturn-smol.txt
+  wait $BIG; grep -v cuda_timer /tmp/diag/big-wide.log | tail -9; cat /tmp/diag/kernels-8b-nomerge.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s"; exit 2 ;;
 esac
