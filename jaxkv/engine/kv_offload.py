@@ -319,12 +319,15 @@ class KVOffloader:
             ids = np.zeros(size, np.int32)
             ids[:count] = pairs[start:start + count, 0]
             blocks = _gather(caches, ids, self.groups)
-            if self.pinned is not None:  # straight into pinned memory (no pageable bounce); its view is written
-                blocks = [jax.device_put(b, self.pinned) for b in blocks]
-            else:
-                for b in blocks:
-                    b.copy_to_host_async()
-            self._pending.append((blocks, pairs[start:start + count, 1].copy()))
+            host_ids = pairs[start:start + count, 1].copy()
+            if self.pinned is not None:
+                # the writer thread moves the blocks into pinned memory (no pageable bounce) and writes the pool:
+                # waiting for the gather, which runs after the steps already dispatched, is its, not the engine's
+                self._writes.append(self._writer.submit(self._write, blocks, host_ids))
+                continue
+            for b in blocks:
+                b.copy_to_host_async()
+            self._pending.append((blocks, host_ids))
         self.bytes_to_host += len(pairs) * self.block_bytes
         self._took("swap_out", t)
 
@@ -444,7 +447,8 @@ class KVOffloader:
             f.result()
 
     def poll(self) -> None:
-        """Hand the device → host copies that have arrived (oldest first) to the writer thread."""
+        """Hand the device → host copies that have arrived (oldest first) to the writer thread (pinned staging
+        hands each over when it is issued), and surface a writer's error."""
         done = [f for f in self._writes if f.done()]
         for f in done:
             f.result()  # a writer's error surfaces here
@@ -484,7 +488,10 @@ class KVOffloader:
                 fn(j)
 
     def _write(self, blocks, host_ids) -> None:
-        """(writer thread) Scatter one arrived copy's blocks into the pool."""
+        """(writer thread) Scatter one arrived copy's blocks into the pool (pinned staging: first move them from
+        the device into pinned memory, waiting for the gather that made them)."""
+        if self.pinned is not None:
+            blocks = [jax.device_put(b, self.pinned) for b in blocks]
         t = time.perf_counter()
         n = len(host_ids)
         for h, b in zip(self.host_caches, blocks):

@@ -33,6 +33,8 @@
 #   stage r (session 20): the 8B decode step's top kernels; the pinned-memory probe; SmolLM2 -dp 2 on 8000 requests.
 #   stage s (session 20): the host tier staged in pinned memory (its tests compiled, SmolLM2 and 8B multi-turn);
 #            the 8B step's kernels with XLA's dot merger off.
+#   stage t (session 20): the 8B multi-turn with offloads moved by the writer thread; the 8B batch-1 decode HLO;
+#            SmolLM2 -dp 2 on 8000 requests with the 2x and a 1.25x dispatch window.
 #   stage h [XLA_FLAG]: Llama-3.1-8B, 1000 requests, an XLA flag on GPU 1 against the default on GPU 0, at
 #            once (default flag, for the next session: XLA's dot merger threshold raised so the gate and up
 #            projections, 117 MB of weights each, merge into one GEMM like q/k/v).
@@ -340,5 +342,36 @@ s)  # (session 20) the host tier staged in pinned memory with threaded NumPy cop
   wait $BIG; grep -v cuda_timer /tmp/diag/big-wide.log | tail -9; cat /tmp/diag/kernels-8b-nomerge.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s"; exit 2 ;;
+t)  # (session 20) GPU 1: the 8B multi-turn with the writer thread moving offloads into pinned memory (off, on); GPU 0
+    # meanwhile: the optimized HLO of the 8B batch-1 decode loop (what its concatenate fusion, 31 % of the step,
+    # concatenates); then, nothing beside, SmolLM2 8000 requests: one GPU, -dp 2, -dp 2 with a 1.25x dispatch window
+  mkdir -p /tmp/diag /tmp/dump
+  (CUDA_VISIBLE_DEVICES=1 BIG_CONVERSATIONS=300 BIG_TIMEOUT=330 bash scripts/dev/gpu_multiturn.sh big-wide > /tmp/diag/big-wide.log 2>&1
+   cp $OUT/multiturn-big-wide.* /tmp/diag/ 2>/dev/null) &
+  BIG=$!
+  CUDA_VISIBLE_DEVICES=0 XLA_FLAGS="--xla_dump_to=/tmp/dump --xla_dump_hlo_as_text" timeout 200 python3 scripts/dev/bench_mesh_step.py \
+    --model llama-3.1-8b --tp 1 --batches 1 --new-tokens 8 --repeats 1 --num-scheduler-steps 8 --no-profile 2>&1 | quiet | tail -2
+  python3 - <<'PY' 2>&1 | tee /tmp/diag/concat-fusion.txt
+import glob, re
+for f in sorted(glob.glob("/tmp/dump/*decode*after_optimizations.txt")):
+    text = open(f).read()
+    for m in re.finditer(r"^\s*(ROOT )?%?(input_concatenate_fusion_30) = [^\n]*", text, re.M):
+        line = m.group(0).strip()
+        print(f.split("/")[-1][:60], "|", line[:700])
+        callee = re.search(r"calls=%?([\w.\-]+)", line)
+        if callee:
+            body = re.search(r"^%?" + re.escape(callee.group(1)) + r" [^\n]*\{\n(.*?)^\}", text, re.M | re.S)
+            print("   " + (body.group(1)[:3000].replace("\n", "\n   ") if body else "(body not found)"))
+PY
+  ls /tmp/dump | grep -c after_optimizations
+  tar -C /tmp/dump -czf /tmp/diag/hlo-decode.tgz $(cd /tmp/dump && ls | grep decode | grep after_optimizations.txt | head -4)
+  wait $BIG; grep -v cuda_timer /tmp/diag/big-wide.log | tail -9
+  python3 -c "import json; r = json.load(open('.dummy/requests-8256.json')); json.dump(r[256:8256], open('/tmp/req8000.json', 'w'))"
+  run() { echo "-- $*"; timeout $(( 595 - SECONDS )) $B --backend jaxkv "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" | tee -a /tmp/diag/dp-t.txt; }
+  [ $SECONDS -lt 430 ] && run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 1
+  [ $SECONDS -lt 510 ] && run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 2
+  [ $SECONDS -lt 550 ] && JAXKV_DISPATCH_WINDOW_PER_SEQ=1.25 run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 2
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t"; exit 2 ;;
 esac
