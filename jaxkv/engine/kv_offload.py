@@ -11,19 +11,25 @@ a copy of ``n`` blocks is **one transfer per tensor group** (one for a dense mod
 copies:
 
 * **device → host**: one jitted gather stacks the blocks of every tensor of a group into a new device array
-  ``[tensors, 2, n, ...]``, whose transfer to the host starts at once (``copy_to_host_async``: on a GPU the
-  copy engine moves it while the next steps run); once it has arrived (:meth:`KVOffloader.poll`, after each
-  step's tokens are fetched) a writer thread scatters its blocks into the pool, in order, while the engine
-  thread goes on; a host → device copy first waits for the writes (and writes any copy still on its way).
+  ``[tensors, 2, n, ...]``. With pinned staging a writer thread moves it into a fresh ``pinned_host`` array
+  (one DMA) and scatters its blocks into the pool, in order, while the engine thread goes on; without, its
+  transfer to pageable memory starts at once (``copy_to_host_async``) and the writer scatters it once it has
+  arrived (:meth:`KVOffloader.poll`, after each step's tokens are fetched). A host → device copy first waits
+  for the writes of the blocks it reads.
 * **host → device**, as a *load* the engine runs beside its steps (:meth:`KVOffloader.start_load`): a loader
   thread waits for the pool writes the blocks need, gathers them and starts the transfer; the request waits
   (``WAITING_FOR_REMOTE_KVS``) while the others step, and once the blocks are on the device the engine thread
   dispatches the scatter into the caches before its next step (:meth:`KVOffloader.finish_load`). The copy:
-  the blocks gathered on the host (one NumPy ``take`` per tensor group) into a staging buffer of the group,
-  moved to the device in one ``device_put``;
-  then one jitted scatter takes the caches donated (updated in place) and writes them. Staging buffers are
-  kept per (group, size), two of each, up to :data:`STAGING_BYTES` in all, and a buffer is reused once the
-  transfer that read it has completed (a fresh buffer costs its page faults: 3x the gather on the CPU machine).
+  the blocks gathered on the host (``np.take``, split by tensors over the copy threads) into a staging buffer
+  of the group, moved to the device in one ``device_put``; then one jitted scatter takes the caches donated
+  (updated in place) and writes them. Staging buffers are kept per (group, size), two of each, up to
+  :data:`STAGING_BYTES` in all, and a buffer is reused once the transfer that read it has completed (a fresh
+  buffer costs its page faults: 3x the gather on the CPU machine).
+* **pinned staging** (:func:`pinned_sharding`, where the device has ``pinned_host`` memory and the path passes
+  its check): staging buffers are ``pinned_host`` arrays that NumPy writes and reads through
+  :func:`host_view`; a transfer from or to them is one DMA (H200 host, 90 MiB: 37 GB/s to the device against
+  5.3 GB/s from pageable memory; 32 GB/s back against 1.4 GB/s). Loaded arrays are re-wrapped uncommitted
+  (:func:`_uncommitted`), so the caches the scatter returns stay uncommitted and no step program compiles again.
 
 Session 17 (H200, multi-turn SmolLM2, 30 layers): a transfer per layer per copy ran at about 1 GB/s, 53 ms
 for each host -> device pass (11 s of a 28 s run under cProfile); hence one transfer per group. Session 19:
@@ -39,11 +45,12 @@ host copies before its host → device copies (:mod:`jaxkv.core.host_kv_pool`). 
 of power-of-two sizes (its count in binary; the last chunk padded to :data:`MIN_PAIRS`), so each copy program
 compiles once per size and at most ``MIN_PAIRS - 1`` padding blocks are moved.
 
-Why not JAX's ``pinned_host`` memory kind (:func:`jaxkv.swap.swap_blocks` supports it): a program that
-moves data between memory kinds places its outputs (JAX marks them *committed*), and the engine's step
+Why not a program that reads or writes JAX's ``pinned_host`` memory kind (:func:`jaxkv.swap.swap_blocks`
+supports it): a program that moves data between memory kinds places its outputs (JAX marks them *committed*), and the engine's step
 programs, compiled for uncommitted caches, then compile again for committed ones (seen on CPU with JAX
 0.12); such a program also runs on the compute stream, so the step after it waits for the copy. The gather
-+ asynchronous transfer above leaves the caches as they were and puts the copy on the transfer stream.
++ a ``device_put`` from or to pinned staging leaves the caches as they were and puts the copy on a transfer
+stream.
 """
 
 from __future__ import annotations
