@@ -373,5 +373,13 @@ PY
   [ $SECONDS -lt 550 ] && JAXKV_DISPATCH_WINDOW_PER_SEQ=1.25 run --model $S --requests /tmp/req8000.json --num-prompts 8000 -dp 2
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t"; exit 2 ;;
+u)  # (session 20) the 8B decode step at batches 1-16: where XLA stops folding the k/v projections into a loop fusion
+    # (batch 1: a 1 x 4096 x 1024 dot fused with RoPE's concatenate took 31 % of the step)
+  mkdir -p /tmp/diag
+  CUDA_VISIBLE_DEVICES=0 timeout 280 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1 --batches 1,2,4,8,16 \
+    --new-tokens 24 --repeats 1 --num-scheduler-steps 8 --top-kernels 3 2>&1 | quiet | grep -v "^engine\|INFO\|profiler\|warn_once" \
+    | tee /tmp/diag/kernels-8b-small.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u"; exit 2 ;;
 esac
