@@ -21,7 +21,9 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_fro
    the fewest tokens a running request has left while requests wait, so admission is not delayed by a
    length-capped request finishing inside the loop (a request ending on a stop token frees its seat
    only when the loop returns). ``max_admission_delay_steps > 0`` also lets an admissible waiting
-   request wait that many decode steps in total for such a loop.
+   request wait that many decode steps in total for such a loop, and a loop run while loads are in flight
+   (a load that lands during it joins after it: at most that many steps in all; with 0, no loop runs while
+   a load is in flight).
 """
 
 from __future__ import annotations
@@ -309,17 +311,17 @@ class Scheduler:
         admitted (or may still be held back by ``max_admission_delay_steps``)."""
         cfg = self.config
         live = [r for r in self.running if r.remaining_tokens > 0]
-        if self.loading:  # a load that lands joins at the next pass, not after a loop
-            return None
         if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
         remaining = [r.remaining_tokens for r in live]
-        if not self.waiting:
+        if not self.waiting and not self.loading:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
         else:
-            # steps that delay no admission: none when the head could be admitted now, else until the
-            # first running request reaches its length cap (its seat frees then)
-            admissible = len(self.running) + len(self.loading) < cfg.max_num_seqs and self._can_admit_head()
+            # steps that delay no admission: none when the head could be admitted now or a load may land (its
+            # request joins at the next pass), else until the first running request reaches its length cap
+            # (its seat frees then); beyond them, at most max_admission_delay_steps in all
+            admissible = bool(self.loading) or (len(self.running) + len(self.loading) < cfg.max_num_seqs
+                                                and self._can_admit_head())
             free_steps = 0 if admissible else min(remaining)
             allowed = cfg.max_admission_delay_steps - self._admission_delayed
             k = min(cfg.num_scheduler_steps, max(remaining), max(free_steps, allowed))

@@ -101,10 +101,10 @@ def _req(i, prompt, max_tokens=8):
                    seed=i, max_model_len=64, eos_token_ids=frozenset())
 
 
-def _scheduler(num_blocks, host_blocks, *, mode="swap", prefix=False, async_loads=False):
+def _scheduler(num_blocks, host_blocks, *, mode="swap", prefix=False, async_loads=False, steps=1, delay=0):
     kv = KVCacheManager(num_blocks, BS, enable_prefix_caching=prefix, host_pool=HostBlockPool(host_blocks))
-    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_scheduler_steps=1,
-                          preemption_mode=mode)
+    cfg = SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=16, max_model_len=64, num_scheduler_steps=steps,
+                          preemption_mode=mode, max_admission_delay_steps=delay)
     return Scheduler(cfg, kv, async_loads=async_loads)
 
 
@@ -206,6 +206,40 @@ def test_async_host_hits_wait_for_their_load_and_are_cached_only_once_it_landed(
     out = s.schedule()
     (row,) = [i for i, (r, _) in enumerate(out.scheduled) if r is c]
     assert out.context_lens[row] == 8 and out.scheduled[row][1] == 3 and c.status == RequestStatus.RUNNING
+
+
+@pytest.mark.parametrize("delay", [0, 3])
+def test_decode_loops_run_while_a_load_is_in_flight_within_the_admission_delay(delay):
+    """While a request loads, the others run decode loops holding it back at most max_admission_delay_steps
+    steps in all (as an admissible waiting request): with 3, one 3-step loop, then single steps until a
+    pass admits; with 0, single steps only (a landed load joins at the next pass)."""
+    s = _scheduler(num_blocks=8, host_blocks=8, mode="recompute", prefix=True, async_loads=True, steps=4,
+                   delay=delay)
+    a = _req(0, range(9))
+    s.add_request(a)
+    _run(s, s.schedule())
+    s.finish_request(a, RequestStatus.FINISHED_ABORTED)
+    b = _req(1, range(100, 129), max_tokens=2)  # 31 tokens in all 8 blocks: a's cached blocks go to the host
+    s.add_request(b)
+    for _ in range(4):
+        _run(s, s.schedule())
+    assert b.is_finished
+    d, c = _req(3, [7], max_tokens=20), _req(2, list(range(9)) + [50, 51])
+    s.add_request(d)
+    s.add_request(c)
+    out = s.schedule()  # d's prefill; c's host hits start loading
+    assert out.loads == [c] and out.scheduled == [(d, 1)] and s.loading == [c]
+    _run(s, out)
+    steps = []
+    for _ in range(3):
+        out = s.schedule()
+        steps.append(out.num_decode_steps)
+        _run(s, out)
+    assert steps == ([3, 0, 3] if delay else [0, 0, 0])  # a plain step (0) admits nothing: the budget resets
+    s.kv_cache_manager.host_pool.release([h for h, _ in c.kv_load_pairs])
+    s.finish_loading(c)
+    out = s.schedule()
+    assert out.num_decode_steps == 0 and c in [r for r, _ in out.scheduled]
 
 
 def test_an_async_load_cancelled_by_an_abort_frees_its_device_blocks_at_once():

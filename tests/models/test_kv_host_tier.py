@@ -81,24 +81,37 @@ def _assert_nothing_held(engine):
 
 @pytest.mark.parametrize("mode,async_scheduling,host_blocks,loads", [
     ("swap", True, 64, "async"), ("swap", False, 3, "async"), ("recompute", True, 64, "async"),
-    ("swap", True, 64, "in-pass")])
+    ("swap", True, 64, "in-pass"), ("swap", True, 64, "async+loops")])
 def test_multiturn_transcripts_equal_tier_off_and_solo(bench, conversations, references, mode, async_scheduling,
                                                        host_blocks, loads, off_engine, monkeypatch):
     """Swap preemption with a roomy host pool (async scheduling) and with one so small that swaps fall back to
     recompute; recompute preemption with the host prefix cache alone; the host → device copies as loads beside
-    the steps (the default) and inside the pass (``JAXKV_ASYNC_KV_LOADS=0``)."""
-    monkeypatch.setenv("JAXKV_ASYNC_KV_LOADS", "1" if loads == "async" else "0")
+    the steps (the default) and inside the pass (``JAXKV_ASYNC_KV_LOADS=0``); decode loops running while loads
+    are in flight (``max_admission_delay_steps``, `LLM`'s default 8; here 4)."""
+    monkeypatch.setenv("JAXKV_ASYNC_KV_LOADS", "0" if loads == "in-pass" else "1")
     together, solo = references
     engine = _make(async_scheduling=async_scheduling, preemption_mode=mode,
-                   kv_offloading_size=_gib(host_blocks, off_engine))
+                   kv_offloading_size=_gib(host_blocks, off_engine),
+                   max_admission_delay_steps=4 if loads == "async+loops" else 0)
+    loops_while_loading = []
+    try_loop = type(engine.scheduler)._try_schedule_decode_loop
+
+    def counting(sched):
+        out = try_loop(sched)
+        if out is not None and sched.loading:
+            loops_while_loading.append(out.num_decode_steps)
+        return out
+    monkeypatch.setattr(type(engine.scheduler), "_try_schedule_decode_loop", counting)
     got = bench.transcripts(bench.run_workload(engine, conversations, max_active=4))
+    assert bool(loops_while_loading) == (loads == "async+loops")
+    assert all(k <= 4 for k in loops_while_loading)
     assert got == together
     assert got == solo
     s = engine.stats
     assert s.num_host_blocks == host_blocks
     assert engine.num_compiles <= engine.num_buckets  # the copies leave the caches as the step programs expect
     assert s.num_blocks_offloaded > 0 and s.num_host_prefix_hit_tokens > 0  # the host prefix cache served hits
-    assert (s.kv_offload_load_s > 0) == (loads == "async")  # the loader thread ran the loads (or nothing did)
+    assert (s.kv_offload_load_s > 0) == (loads != "in-pass")  # the loader thread ran the loads (or nothing did)
     assert s.kv_offload_bytes_to_device >= s.num_host_prefix_hit_tokens // BLOCK * bytes_per_block(engine.kv_caches)
     if mode == "swap":
         assert s.num_swaps_out > 0 and s.num_swaps_in > 0
