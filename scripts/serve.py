@@ -355,7 +355,6 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
     killed by a signal). vLLM: ``--api-server-count``."""
     import shutil
     import subprocess
-    import tempfile
     import time
 
     from jaxkv.engine.core_client import launch_engine_cores, stop_processes
@@ -371,7 +370,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
     registry.resolve_model(eargs.model)
     listener = socket.create_server((args.host, args.port), backlog=4096)  # SO_REUSEADDR, like uvicorn
     listener.set_inheritable(True)
-    tmpdir = None if dp.data_parallel_address is not None else tempfile.mkdtemp(prefix="jaxkv-ipc-")
+    tmpdir = dp.make_ipc_dir()
     inputs, outputs = dp.all_addresses(n, tmpdir)
     cores = launch_engine_cores(EngineCoreFactory(eargs), dp, inputs, outputs)
     core_pids = {rank: p.pid for rank, p in cores.items()}

@@ -111,6 +111,10 @@ class DataParallelConfig:
     def local_ranks(self) -> range:
         return range(self.data_parallel_start_rank, self.data_parallel_start_rank + self.local_size)
 
+    def make_ipc_dir(self) -> str | None:
+        """A fresh directory for the ``ipc://`` endpoints (its creator removes it), or None with TCP ones."""
+        return None if self.data_parallel_address is not None else tempfile.mkdtemp(prefix="jaxkv-ipc-")
+
     def addresses(self, ipc_dir: str | None = None, client_index: int = 0) -> tuple[str, str]:
         """``(input, output)`` endpoints of front end ``client_index`` (an API-server process): TCP on
         ``data_parallel_address`` (ports ``rpc_port + 2 * client_index`` and the next) or ``ipc://`` in
@@ -251,7 +255,7 @@ class _MPClient:
         self.attach = attach
         self.client_index = 0 if attach is None else attach.client_index
         if attach is None:
-            self._tmpdir = None if dp.data_parallel_address is not None else tempfile.mkdtemp(prefix="jaxkv-ipc-")
+            self._tmpdir = dp.make_ipc_dir()
             self.input_address, self.output_address = dp.addresses(self._tmpdir)
         else:  # the supervisor made the endpoints' directory and removes it
             self._tmpdir = None
