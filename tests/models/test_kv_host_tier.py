@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import time
 
 import numpy as np
 import pytest
@@ -102,6 +103,13 @@ def test_multiturn_transcripts_equal_tier_off_and_solo(bench, conversations, ref
             loops_while_loading.append(out.num_decode_steps)
         return out
     monkeypatch.setattr(type(engine.scheduler), "_try_schedule_decode_loop", counting)
+    if loads == "async+loops":  # each load takes a while (as a GPU's copy does), so later passes see it in flight
+        gather_load = type(engine.offloader)._gather_load
+
+        def slow_gather_load(off, *args):
+            time.sleep(0.03)
+            return gather_load(off, *args)
+        monkeypatch.setattr(type(engine.offloader), "_gather_load", slow_gather_load)
     got = bench.transcripts(bench.run_workload(engine, conversations, max_active=4))
     assert bool(loops_while_loading) == (loads == "async+loops")
     assert all(k <= 4 for k in loops_while_loading)
