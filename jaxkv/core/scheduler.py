@@ -320,8 +320,7 @@ class Scheduler:
             # steps that delay no admission: none when the head could be admitted now or a load may land (its
             # request joins at the next pass), else until the first running request reaches its length cap
             # (its seat frees then); beyond them, at most max_admission_delay_steps in all
-            admissible = bool(self.loading) or (len(self.running) + len(self.loading) < cfg.max_num_seqs
-                                                and self._can_admit_head())
+            admissible = bool(self.loading) or (len(self.running) < cfg.max_num_seqs and self._can_admit_head())
             free_steps = 0 if admissible else min(remaining)
             allowed = cfg.max_admission_delay_steps - self._admission_delayed
             k = min(cfg.num_scheduler_steps, max(remaining), max(free_steps, allowed))

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import concurrent.futures
-import ctypes
 import time
 
 import jax
@@ -31,6 +30,8 @@ from jax._src.core import MemorySpace
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
+from jaxkv.engine.kv_offload import _uncommitted, host_view
+
 
 def host_gather(pool, ids):
     """``pool[:, :, ids]`` without constants (a constant in device memory cannot meet host operands)."""
@@ -38,13 +39,6 @@ def host_gather(pool, ids):
     dims = lax.GatherDimensionNumbers(offset_dims=(0, 1, 3, 4, 5), collapsed_slice_dims=(2,), start_index_map=(2,))
     return lax.gather(pool, idx, dims, slice_sizes=(*pool.shape[:2], 1, *pool.shape[3:]),
                       mode=lax.GatherScatterMode.PROMISE_IN_BOUNDS)
-
-
-def uncommitted(x: jax.Array) -> jax.Array:
-    """The same buffer as an uncommitted array (what ``jax.device_put(numpy)`` gives): a committed argument makes
-    every program it meets compile again (private API)."""
-    from jax._src import array
-    return array.ArrayImpl(x.aval, x.sharding, x._arrays, committed=False)
 
 
 def main() -> None:
@@ -83,8 +77,7 @@ def main() -> None:
     staging_pinned = jax.device_put(staging.view(np.uint16), pinned)  # uint16: DLPack has no bfloat16 for NumPy
     timed("  pinned put", lambda ids: jax.device_put(staging_pinned, on_device))
     # a writable NumPy view of a pinned_host array's buffer (NumPy's DLPack import is read-only)
-    view = np.frombuffer((ctypes.c_uint8 * staging_pinned.nbytes).from_address(
-        staging_pinned.unsafe_buffer_pointer()), np.uint16).reshape(staging_pinned.shape)
+    view = host_view(staging_pinned)
     timed("  np.take->pinned", lambda ids: np.take(pool_np.view(np.uint16), ids, axis=2, out=view, mode="clip"))
     for k in (2, 4, 8):
         pool_k = concurrent.futures.ThreadPoolExecutor(k)
@@ -92,8 +85,8 @@ def main() -> None:
         timed(f"  take x{k} thr", lambda ids: list(pool_k.map(lambda js: np.take(
             pool_np.view(np.uint16)[js[0]:js[-1] + 1], ids, axis=2, out=view[js[0]:js[-1] + 1], mode="clip"), parts)))
     timed("  put(np pinned)", lambda ids: jax.device_put(view))  # does PJRT see that the NumPy memory is pinned?
-    timed("  put+uncommit", lambda ids: uncommitted(jax.device_put(staging_pinned, on_device)))
-    print(f"uncommitted: {uncommitted(jax.device_put(staging_pinned, on_device)).committed is False}")
+    timed("  put+uncommit", lambda ids: _uncommitted(jax.device_put(staging_pinned, on_device)))
+    print(f"uncommitted: {_uncommitted(jax.device_put(staging_pinned, on_device)).committed is False}")
     # device -> host: into pinned memory (a fresh pinned_host array) against copy_to_host_async + np.asarray
     blocks = jax.device_put(staging_pinned, on_device)
 
