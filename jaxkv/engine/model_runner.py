@@ -230,8 +230,10 @@ class ModelRunner:
         self.return_logits = return_logits
         # decode loops run at least 2 rows: with one row XLA:GPU rewrites the small projections (an 8B's k and v:
         # 1 x 4096 x 1024) as a multiply that writes the whole weight-sized product and a column reduction; a
-        # Llama-3.1-8B decode step took 7.7 ms of device time at 1 row and 4.6 ms at 2 (H200, session 20)
-        self.request_buckets = pow2_buckets(min(2, max_num_seqs), max_num_seqs)
+        # Llama-3.1-8B decode step took 7.7 ms of device time at 1 row and 4.6 ms at 2 (H200, session 20);
+        # $JAXKV_MIN_DECODE_ROWS overrides it for A/B measurements
+        min_rows = int(os.environ.get("JAXKV_MIN_DECODE_ROWS", 2))
+        self.request_buckets = pow2_buckets(min(min_rows, max_num_seqs), max_num_seqs)
         self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
         self.prev_len = self.request_buckets[-1]  # length of a step's per-row last tokens
         self.num_compiles = 0

@@ -381,5 +381,23 @@ u)  # (session 20) the 8B decode step at batches 1-16: where XLA stops folding t
     | tee /tmp/diag/kernels-8b-small.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u"; exit 2 ;;
+v)  # (session 21) GPU 0: the 8B 1000-request run with decode loops of >= 2 rows against 1 row (JAXKV_MIN_DECODE_ROWS=1),
+    # one after the other; GPU 1 meanwhile: an 8B layer stack's GEMMs, separate q/k/v + gate/up weights against fused
+    # ones, at the rows a step runs, with XLA's defaults, cuBLAS only and the exhaustive Triton tiling search
+  mkdir -p /tmp/diag
+  (for flags in "" --xla_gpu_enable_triton_gemm=false --xla_gpu_exhaustive_tiling_search=true; do
+     echo "-- XLA_FLAGS=$flags"
+     CUDA_VISIBLE_DEVICES=1 XLA_FLAGS="$flags" timeout 200 python3 scripts/dev/bench_fused_gemm.py 2>&1 | quiet
+   done > /tmp/diag/fused-gemm.txt) &
+  FG=$!
+  for rows in 2 1; do
+    echo "-- JAXKV_MIN_DECODE_ROWS=$rows"
+    JAXKV_MIN_DECODE_ROWS=$rows CUDA_VISIBLE_DEVICES=0 timeout $(( 590 - SECONDS )) $B --model llama-3.1-8b \
+      --requests /tmp/req1000.json --num-prompts 1000 --backend jaxkv --nvml-busy 2>&1 | quiet \
+      | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop"
+  done | tee /tmp/diag/big-rows.txt
+  wait $FG; cat /tmp/diag/fused-gemm.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v"; exit 2 ;;
 esac
