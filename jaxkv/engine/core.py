@@ -287,13 +287,16 @@ class LLMEngine:
                     kv_offload_bytes_to_host=off.bytes_to_host, kv_offload_bytes_to_device=off.bytes_to_device,
                     kv_offload_copy_s=off.copy_s, kv_offload_write_s=off.write_s, kv_offload_load_s=off.load_s)
 
-    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None) -> None:
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None,
+               executable_cache=None) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
         compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``.
         ``top_k_top_p``: also the buckets' programs for batches with a top-k/top-p request (otherwise
         compiled when first needed; ``num_compiles == 2 * num_buckets`` then). ``run``: run each bucket
-        once on a dummy batch too (default: except on CPU; :meth:`ModelRunner.warmup`)."""
-        self.runner.warmup(max_workers, top_k_top_p, run)
+        once on a dummy batch too (default: except on CPU; :meth:`ModelRunner.warmup`).
+        ``executable_cache``: a :class:`jaxkv.engine.executable_cache.ExecutableCache` to load the
+        programs from (a warm start traces none of them) and store new ones in."""
+        self.runner.warmup(max_workers, top_k_top_p, run, executable_cache=executable_cache)
         if self.offloader is not None:  # the host tier's copy programs, one per padded size
             self.runner.kv_caches = self.offloader.warmup(self.runner.kv_caches)
 

@@ -277,9 +277,50 @@ def _heartbeat(ctx: zmq.Context, addresses: tuple[str, ...], engine_index: int, 
         sock.close()
 
 
+def gpu_local_cpus(visible: str | None = None) -> set[int] | None:
+    """The CPUs on the NUMA node of the first GPU in ``visible`` (default ``$CUDA_VISIBLE_DEVICES``), by
+    NVML (``nvidia-ml-py``), intersected with the CPUs this process may use; ``None`` when that is unknown
+    (no NVML, no GPU, a UUID-style device list) or would leave no CPU. NVML numbers GPUs in PCI bus order,
+    as CUDA does for identical GPUs."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES") if visible is None else visible
+    first = (visible or "").split(",")[0].strip()
+    if not first.isdigit():
+        return None
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    try:
+        pynvml.nvmlInit()
+        try:
+            handle = pynvml.nvmlDeviceGetHandleByIndex(int(first))
+            words = pynvml.nvmlDeviceGetCpuAffinity(handle, (os.cpu_count() + 63) // 64)
+        finally:
+            pynvml.nvmlShutdown()
+    except pynvml.NVMLError:
+        return None
+    cpus = {64 * i + b for i, word in enumerate(words) for b in range(64) if word >> b & 1}
+    cpus &= os.sched_getaffinity(0)
+    return cpus or None
+
+
+def _bind_to_gpu_node() -> None:
+    """Run this process on the CPUs of its GPU's NUMA node (``$JAXKV_NUMA_AFFINITY=0``: leave it to the
+    OS), before JAX starts its threads, which inherit it. Two ranks on a two-socket host otherwise may
+    both run on one socket, one of them copying its inputs across the interconnect."""
+    if os.environ.get("JAXKV_NUMA_AFFINITY", "1") == "0":
+        return
+    cpus = gpu_local_cpus()
+    if cpus is not None and cpus != os.sched_getaffinity(0):
+        os.sched_setaffinity(0, cpus)
+        logger.info("engine core bound to the %d CPUs local to GPU %s", len(cpus),
+                    os.environ.get("CUDA_VISIBLE_DEVICES"))
+
+
 def run_engine_core(launch: EngineCoreLaunch) -> int:
     """Build the engine with ``launch.factory``, announce it, serve until shut down; the exit code."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _bind_to_gpu_node()
 
     def _terminate(signum, frame):
         raise SystemExit(0)

@@ -25,6 +25,7 @@ The caches are donated to each call (updated in place).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
 import os
@@ -148,22 +149,42 @@ def _raising(step):
     return run
 
 
+def _executable_key(kind: str, ints, floats, static: dict) -> tuple:
+    """The in-memory key of a step's executable: its kind, packed input shapes and static arguments (the
+    weights, caches and previous tokens keep one shape and sharding for the runner's life)."""
+    return (kind, ints.shape, floats.shape, tuple(sorted(static.items())))
+
+
 class _LowerOnly:
     """Stands in for a jitted step during :meth:`ModelRunner.warmup`'s first pass: lowers the call
-    (tracing it; nothing runs), keeps the ``Lowered`` and returns the outputs' shapes
-    (``jax.ShapeDtypeStruct``), so the warm-up code runs unchanged. The step's last output, the
-    caches, is returned as the caches it was given (argument 1): lowering the next bucket with the
-    real arrays keeps its input shardings those of the real calls, whose executables it must match."""
+    (tracing it; nothing runs), keeps ``(in-memory key, disk key, Lowered)`` and returns the outputs'
+    shapes (``jax.ShapeDtypeStruct``), so the warm-up code runs unchanged. With an
+    :class:`~jaxkv.engine.executable_cache.ExecutableCache` holding the program, it loads the executable
+    into ``executables`` instead (no tracing, no lowering). The step's last output, the caches, is
+    returned as the caches it was given (argument 1): lowering the next bucket with the real arrays keeps
+    its input shardings those of the real calls, whose executables it must match."""
 
-    def __init__(self, step, sink: list):
+    def __init__(self, kind: str, step, sink: list, executables: dict, cache=None):
+        self.kind = kind
         self.jitted = getattr(step, "jitted", step)  # a _raising wrapper's jitted (err, out) step
         self.checked = hasattr(step, "jitted")
         self.sink = sink
+        self.executables = executables
+        self.cache = None if self.checked else cache
+        self.num_loaded = 0
 
     def __call__(self, *args, **kwargs):
-        lowered = self.jitted.lower(*args, **kwargs)
-        self.sink.append(lowered)
-        out = lowered.out_info[1] if self.checked else lowered.out_info
+        mem_key = _executable_key(self.kind, args[2], args[3], kwargs)
+        disk_key = self.cache.key(self.kind, args, kwargs) if self.cache is not None else None
+        compiled = self.cache.load(disk_key) if disk_key is not None else None
+        if compiled is not None:
+            self.executables[mem_key] = compiled
+            self.num_loaded += 1
+            out = compiled.out_info
+        else:
+            lowered = self.jitted.lower(*args, **kwargs)
+            self.sink.append((mem_key, disk_key, lowered))
+            out = lowered.out_info[1] if self.checked else lowered.out_info
         return (*out[:-1], args[1])
 
 
@@ -249,6 +270,9 @@ class ModelRunner:
                                static_argnames=("layout", "top_k_top_p"))
         if check_kernel_inputs:
             self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
+        self._checked = check_kernel_inputs
+        # (kind, packed shapes, static arguments) -> the executable warmup() compiled or loaded for it
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
 
     @property
     def num_buckets(self) -> int:
@@ -441,56 +465,74 @@ class ModelRunner:
 
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, prev_tokens, *, max_query_len: int):
         ints, floats, layout = _pack(inputs | _sampling_dict(sampling))
-        tokens, logits = self._dispatch(self._mixed, ints, floats, self._prev(prev_tokens), layout=layout,
+        tokens, logits = self._dispatch("mixed", self._mixed, ints, floats, self._prev(prev_tokens), layout=layout,
                                         max_query_len=max_query_len, top_k_top_p=_filters(sampling))
         return tokens, logits
 
     def _run_decode(self, arrays: dict, sampling: SamplingArrays, prev_tokens):
         ints, floats, layout = _pack(arrays | _sampling_dict(sampling))
-        return self._dispatch(self._decode, ints, floats, self._prev(prev_tokens), layout=layout,
+        return self._dispatch("decode", self._decode, ints, floats, self._prev(prev_tokens), layout=layout,
                               top_k_top_p=_filters(sampling))
 
     def _put_packed(self, ints: np.ndarray, floats: np.ndarray):
         """The packed host buffers on the device (one batched transfer)."""
         return jax.device_put((ints, floats))
 
-    def _dispatch(self, step, ints, floats, *args, **static):
-        """Transfer the packed buffers and call the jitted ``step`` (caches donated and replaced);
+    def _dispatch(self, kind: str, step, ints, floats, *args, **static):
+        """Transfer the packed buffers and call the ``kind`` step: the executable the warm-up compiled or
+        loaded for these shapes (``executables``), else the jitted ``step`` (caches donated and replaced);
         returns its outputs but the caches. Adds the host seconds of the transfer to ``transfer_s`` and
         of the call to ``call_s``."""
         t0 = time.perf_counter()
         ints, floats = self._put_packed(ints, floats)
         t1 = time.perf_counter()
-        *out, self.kv_caches = step(self.params, self.kv_caches, ints, floats, *args, **static)
+        exe = (self.executables.get(_executable_key(kind, ints, floats, static))
+               if self.executables and not isinstance(step, _LowerOnly) else None)
+        if exe is not None:
+            *out, self.kv_caches = exe(self.params, self.kv_caches, ints, floats, *args)
+        else:
+            *out, self.kv_caches = step(self.params, self.kv_caches, ints, floats, *args, **static)
         self.transfer_s += t1 - t0
         self.call_s += time.perf_counter() - t1
         return out
 
-    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None) -> None:
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None,
+               executable_cache=None) -> None:
         """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then (``run``) run each
         once with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
         outputs are discarded).
 
         The buckets are traced and lowered one after another, then compiled by ``max_workers`` threads
         at once (default: one per CPU core; XLA's compiler releases the GIL), so start-up takes about
-        the longest compile instead of their sum on a many-core host. The dummy runs, and later steps,
-        find each executable compiled (JAX's in-memory caches of traces and executables). ``run``
-        defaults to True except on CPU: there a run of every bucket's all-padding batch computes every
-        padded token (minutes for 4096-token buckets) and buys nothing, a step's first real call finds
-        its executable all the same. Afterwards ``num_compiles == num_buckets``; with ``top_k_top_p`` the
-        programs for batches with a top-k/top-p row are compiled too (``2 * num_buckets``)."""
+        the longest compile instead of their sum on a many-core host. Each executable is kept in
+        ``executables`` and later steps of its shapes call it directly. With ``executable_cache`` (an
+        :class:`~jaxkv.engine.executable_cache.ExecutableCache`), programs it holds are loaded instead
+        of traced, lowered and compiled, and new ones are stored in it. ``run`` defaults to True except
+        on CPU: there a run of every bucket's all-padding batch computes every padded token (minutes for
+        4096-token buckets) and buys nothing. Afterwards ``num_compiles == num_buckets`` (loaded
+        programs count); with ``top_k_top_p`` the programs for batches with a top-k/top-p row are
+        compiled too (``2 * num_buckets``)."""
         variants = (False, True) if top_k_top_p else (False,)
         lowered: list = []
         saved = self._mixed, self._decode, self.kv_caches
-        self._mixed, self._decode = _LowerOnly(self._mixed, lowered), _LowerOnly(self._decode, lowered)
+        self._mixed = _LowerOnly("mixed", self._mixed, lowered, self.executables, executable_cache)
+        self._decode = _LowerOnly("decode", self._decode, lowered, self.executables, executable_cache)
         try:
             for flag in variants:
                 self._warmup_batches(flag)
+            self.num_compiles += self._mixed.num_loaded + self._decode.num_loaded
         finally:
             self._mixed, self._decode, self.kv_caches = saved
         workers = max_workers or min(len(lowered), os.cpu_count() or 1)
-        with ThreadPoolExecutor(max(1, workers)) as pool:
-            list(pool.map(lambda low: low.compile(), lowered))
+        fresh = (executable_cache.fresh_compiles() if executable_cache is not None and lowered
+                 else contextlib.nullcontext())
+        with fresh, ThreadPoolExecutor(max(1, workers)) as pool:
+            compiled = list(pool.map(lambda entry: entry[2].compile(), lowered))
+        for (mem_key, disk_key, _), exe in zip(lowered, compiled):
+            if not self._checked:  # a checkify step returns (error, outputs): it keeps its _raising wrapper
+                self.executables[mem_key] = exe
+            if disk_key is not None:
+                executable_cache.store(disk_key, exe)
         if run is None:
             run = jax.default_backend() != "cpu"
         for flag in variants if run else ():

@@ -241,8 +241,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
     t_built = time.perf_counter()
     warmup_s = 0.0
+    executable_cache = None
     if args.compile_ahead == "on" or (args.compile_ahead == "auto" and on_gpu):
-        engine.warmup(top_k_top_p=args.compile_top_k_top_p)
+        executable_cache = _executable_cache(cache_dir, args, config, dtype, cache_dtype, attention_impl)
+        engine.warmup(top_k_top_p=args.compile_top_k_top_p, executable_cache=executable_cache)
         warmup_s = time.perf_counter() - t_built
     caches = list(engine.kv_caches)
     info = dict(model=registry.model_name(path), device=f"{jax.default_backend()}:{jax.devices()[0].device_kind}",
@@ -253,6 +255,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
                 max_num_batched_tokens=max_num_batched_tokens, tensor_parallel_size=tp,
                 num_buckets=engine.num_buckets, num_compiles=engine.num_compiles,
+                executables_loaded=executable_cache.hits if executable_cache is not None else 0,
                 load_s=round(t_built - t_start, 2), warmup_s=round(warmup_s, 2),
                 load_breakdown_s=dict(backend=round(t_backend - t_start, 2),
                                       checkpoint=round(t_checkpoint - t_backend, 2),
@@ -263,6 +266,18 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 preemption_mode=args.preemption_mode)
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
+
+
+def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, cache_dtype, attention_impl):
+    """The warm-up's executable cache (:mod:`jaxkv.engine.executable_cache`) in ``cache_dir``'s
+    ``jaxkv-executables`` folder, keyed by everything ``args`` and the model config decide; ``None`` when
+    the compilation cache is off or ``$JAXKV_EXECUTABLE_CACHE`` is ``0``."""
+    if not cache_dir or os.environ.get("JAXKV_EXECUTABLE_CACHE", "1") == "0":
+        return None
+    from jaxkv.engine.executable_cache import ExecutableCache
+
+    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl))
+    return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -399,5 +399,54 @@ v)  # (session 21) GPU 0: the 8B 1000-request run with decode loops of >= 2 rows
   wait $FG; cat /tmp/diag/fused-gemm.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v"; exit 2 ;;
+w)  # (session 21) issue 27: the server's start with its defaults and the executable cache (jaxkv/engine/executable_cache.py):
+    # cold and warm with only JAX's persistent cache, then the executable cache filled from the persistent cache's
+    # executables (re-serialized) and used; greedy text compared across the starts; a cProfile of LLM's warm start.
+    # Then, both GPUs: SmolLM2 -dp 2 on 8000 requests with the cores bound to their GPU's NUMA node and without.
+  mkdir -p /tmp/diag
+  python3 -c "import json; r = json.load(open('.dummy/requests-8256.json')); json.dump(r[256:8256], open('/tmp/req8000.json', 'w'))"
+  (nvidia-smi topo -m; lscpu | grep -i -e numa -e "^CPU(s)" -e "Model name"
+   python3 -c "from jaxkv.engine.core_proc import gpu_local_cpus as g; print('GPU0 local CPUs', sorted(g('0') or [])); print('GPU1 local CPUs', sorted(g('1') or []))") 2>&1 | tee /tmp/diag/topo.txt
+  serve_start() {  # $1: label; then VAR=value ... for the server's environment
+    local label=$1; shift
+    local t0=$(date +%s.%N)
+    env "$@" CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+      --port 8000 > /tmp/diag/server-$label.log 2>&1 &
+    local SERVER=$!
+    until curl -sf localhost:8000/health >/dev/null; do sleep 0.1; kill -0 $SERVER 2>/dev/null || break; done
+    local ready=$(secs $t0)
+    local text=$(curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "smollm2", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}' | python3 -c "import json,sys; print(repr(json.load(sys.stdin)['choices'][0]['text']))")
+    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+      -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20}' > /dev/null
+    local info=$(grep -o -e "num_compiles=[0-9]*" -e "executables_loaded=[0-9]*" -e "load_s=[0-9.]*" -e "warmup_s=[0-9.]*" \
+      -e "load_breakdown_s={[^}]*}" /tmp/diag/server-$label.log | tr '\n' ' ')
+    echo "server defaults, $label: /health after $ready s; greedy $text; $info" | tee -a /tmp/diag/serve-start.txt
+    kill -TERM $SERVER; wait $SERVER
+  }
+  serve_start cold-persistent-only JAXKV_EXECUTABLE_CACHE=0
+  serve_start warm-persistent-only JAXKV_EXECUTABLE_CACHE=0
+  serve_start warm-fill-executables
+  serve_start warm-executables
+  serve_start warm-executables-again
+  cat > /tmp/llm_start.py <<'PY'
+import time, sys
+t0 = time.perf_counter()
+from models import LLM
+llm = LLM(model=sys.argv[1], load_format="dummy")
+print(f"LLM ready after {time.perf_counter() - t0:.2f} s:", {k: llm.engine_info[0].get(k) for k in
+      ("num_compiles", "executables_loaded", "load_s", "warmup_s", "load_breakdown_s")}, flush=True)
+PY
+  for i in 1 2; do CUDA_VISIBLE_DEVICES=0 JAXKV_ENABLE_MULTIPROCESSING=0 timeout 120 python3 /tmp/llm_start.py $S 2>&1 | grep "LLM ready" | tee -a /tmp/diag/serve-start.txt; done
+  CUDA_VISIBLE_DEVICES=0 JAXKV_ENABLE_MULTIPROCESSING=0 timeout 120 python3 -m cProfile -s cumtime /tmp/llm_start.py $S 2>&1 \
+    | grep -e "LLM ready" -e "ncalls" -e "^ *[0-9]" | head -60 > /tmp/diag/llm-warm-profile.txt
+  head -3 /tmp/diag/llm-warm-profile.txt
+  run() { echo "-- $*"; env "${@:2}" timeout $(( 595 - SECONDS )) $B --backend jaxkv --model $S --requests /tmp/req8000.json \
+            --num-prompts 8000 $1 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" -e nvml -e "bound to" | tee -a /tmp/diag/dp-w.txt; }
+  run "-dp 1"
+  [ $SECONDS -lt 480 ] && run "-dp 2"
+  [ $SECONDS -lt 530 ] && run "-dp 2" JAXKV_NUMA_AFFINITY=0
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w"; exit 2 ;;
 esac

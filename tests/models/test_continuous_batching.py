@@ -204,6 +204,56 @@ def test_warmup_compiles_concurrently_each_bucket_once():
     assert eng.num_compiles == eng.num_buckets
 
 
+def _step_events(fn):
+    """JAX's monitoring events (tracing, lowering, compiling) of the engine's step functions while ``fn()`` runs."""
+    from jax._src import monitoring
+    names = []
+
+    def listen(event, duration, **kwargs):
+        if any(s in kwargs.get("fun_name", "") for s in ("mixed_step", "decode_loop")):
+            names.append(event)
+    monitoring.register_event_duration_secs_listener(listen)
+    try:
+        fn()
+    finally:
+        monitoring.unregister_event_duration_listener(listen)
+    return names
+
+
+def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_path):
+    """warmup(executable_cache=...) stores each compiled bucket; a second engine of the same description loads
+    them without tracing, lowering or compiling a step, and generates what the first did. Another
+    description, or a file that does not load, compiles again."""
+    from jaxkv.engine.executable_cache import ExecutableCache
+
+    def make():
+        return models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
+                                  max_model_len=64, max_num_seqs=4, max_num_batched_tokens=32,
+                                  num_scheduler_steps=2)
+    prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], list(range(1, 30))]
+    greedy = SamplingParams(max_tokens=6, temperature=0)
+    cold, cache = make(), ExecutableCache(tmp_path, "tiny-5")
+    assert len(step_compiles(lambda: cold.warmup(max_workers=2, executable_cache=cache))) == 4
+    files = sorted(tmp_path.glob("*.exe"))
+    assert (cache.hits, cache.misses, len(files)) == (0, 4, 4)
+    ref = [o.outputs[0].token_ids for o in cold.generate(prompts, greedy)]
+
+    warm, cache = make(), ExecutableCache(tmp_path, "tiny-5")
+    assert _step_events(lambda: warm.warmup(executable_cache=cache)) == []  # no trace, lowering or compile
+    assert (cache.hits, cache.misses) == (4, 0) and warm.num_compiles == warm.num_buckets == 4
+    outs = []
+    assert _step_events(lambda: outs.extend(warm.generate(prompts, greedy))) == []
+    assert [o.outputs[0].token_ids for o in outs] == ref
+
+    other = ExecutableCache(tmp_path, "tiny-5, another config")
+    assert len(step_compiles(lambda: make().warmup(executable_cache=other))) == 4 and other.misses == 4
+    victim = files[0]
+    victim.write_bytes(b"not an executable")
+    again = ExecutableCache(tmp_path, "tiny-5")
+    assert len(step_compiles(lambda: make().warmup(executable_cache=again))) == 1
+    assert (again.hits, again.misses) == (3, 1) and victim.read_bytes() != b"not an executable"
+
+
 def test_step_programs_hold_no_device_predicated_control_flow():
     """On GPU, XLA runs a ``lax.cond`` by waiting on the host for its predicate, so a step holding one
     blocks the dispatching thread until the device is nearly done (session 8, H100: 11.8 of 15.7 ms of
@@ -214,14 +264,15 @@ def test_step_programs_hold_no_device_predicated_control_flow():
                              max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=3)
     runner, lowered = eng.runner, []
     saved = runner._mixed, runner._decode, runner.kv_caches
-    runner._mixed, runner._decode = _LowerOnly(runner._mixed, lowered), _LowerOnly(runner._decode, lowered)
+    runner._mixed = _LowerOnly("mixed", runner._mixed, lowered, {})
+    runner._decode = _LowerOnly("decode", runner._decode, lowered, {})
     try:
         for top_k_top_p in (False, True):
             runner._warmup_batches(top_k_top_p)
     finally:
         runner._mixed, runner._decode, runner.kv_caches = saved
     assert len(lowered) == 2 * eng.num_buckets
-    for low in lowered:
+    for _, _, low in lowered:
         text = low.as_text()
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
 

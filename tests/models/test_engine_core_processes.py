@@ -157,3 +157,32 @@ def test_killed_core_fails_generate_within_a_second(tiny):
 def test_core_start_up_errors_reach_the_caller(tiny):
     with pytest.raises(ValueError, match="max_model_len=100000"):
         LLM(tiny, enable_multiprocessing=True, **dict(ENGINE, max_model_len=100000))
+
+
+def test_core_binds_to_its_gpus_numa_node(monkeypatch):
+    """gpu_local_cpus reads NVML's CPU mask of the first visible GPU (by its index) and keeps the CPUs this
+    process may use; no NVML, a UUID device list or an empty intersection leave the affinity alone."""
+    import sys
+    import types
+
+    from jaxkv.engine import core_proc
+
+    allowed = sorted(os.sched_getaffinity(0))
+    masks = {0: [1 << allowed[0]], 1: [0]}  # GPU 0: the first allowed CPU; GPU 1: a node with none of ours
+    asked = []
+
+    class NVMLError(Exception):
+        pass
+
+    def cpu_affinity(handle, words):
+        asked.append((handle, words))
+        return masks[handle] + [0] * (words - 1)
+    fake = types.SimpleNamespace(NVMLError=NVMLError, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
+                                 nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetCpuAffinity=cpu_affinity)
+    monkeypatch.setitem(sys.modules, "pynvml", fake)
+    assert core_proc.gpu_local_cpus("0,1") == {allowed[0]}
+    assert asked == [(0, (os.cpu_count() + 63) // 64)]
+    assert core_proc.gpu_local_cpus("1") is None
+    assert core_proc.gpu_local_cpus("GPU-8f2c") is None and core_proc.gpu_local_cpus("") is None
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
+    assert core_proc.gpu_local_cpus("0") is None

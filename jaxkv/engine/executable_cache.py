@@ -1,0 +1,155 @@
+"""Compiled step programs on disk, found without tracing: the warm start's executable cache.
+
+JAX's persistent compilation cache skips XLA's compile, but its key is the lowered program, so a warm start
+still traces and lowers every bucket before it can look one up: ~0.27 s a program, 10 of a SmolLM2 server's
+23.8 s warm start with its 38 programs (docs/perf-notes.md, session 20). This cache keys each program by what
+determines it without tracing it, and stores the executable (``jax.experimental.serialize_executable``, the
+same serialized form the persistent cache stores):
+
+* the **environment**: JAX and jaxlib versions, the backend's platform version (CUDA, driver), the devices'
+  kinds and ids, ``XLA_FLAGS``, every ``JAXKV_*`` variable and JAX's configuration values;
+* the **code**: a digest of every ``.py`` file of the packages that build the step (``jaxkv``, ``models``,
+  ``pallas_kernels``), so any source change misses;
+* the **caller's description**: whatever else the traced function closes over (the engine arguments and
+  the model config: :func:`models.entrypoints.engine_args.build_engine` passes them);
+* per program, its **name, static arguments and every argument's shape, dtype and sharding**.
+
+A miss (or a file that fails to load: it is deleted) falls back to tracing, lowering and compiling, and
+stores the result. vLLM keeps a comparable cache of ``torch.compile`` artifacts keyed by a hash of its
+configs and source (``~/.cache/vllm/torch_compile_cache``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import logging
+import os
+import pathlib
+import pickle
+import tempfile
+
+import jax
+
+log = logging.getLogger(__name__)
+
+_PACKAGES = ("jaxkv", "models", "pallas_kernels")
+
+
+def _source_digest() -> str:
+    """sha256 over the paths and bytes of every ``.py`` file of :data:`_PACKAGES` (those importable)."""
+    import importlib.util
+
+    h = hashlib.sha256()
+    for package in _PACKAGES:
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        root = pathlib.Path(next(iter(spec.submodule_search_locations)))
+        for path in sorted(root.rglob("*.py")):
+            h.update(str(path.relative_to(root.parent)).encode())
+            h.update(path.read_bytes())
+    return h.hexdigest()
+
+
+def environment_fingerprint() -> str:
+    """What besides the code and the arguments decides a compiled program (see the module docstring)."""
+    import jaxlib
+
+    backend = jax.devices()[0].client
+    config = sorted((k, v) for k, v in jax.config.values.items()
+                    if isinstance(v, (bool, int, float, str, type(None))) and "cache" not in k and "log" not in k)
+    parts = [jax.__version__, jaxlib.__version__, backend.platform, backend.platform_version,
+             repr([(d.id, d.device_kind) for d in jax.devices()]), os.environ.get("XLA_FLAGS", ""),
+             repr(sorted((k, v) for k, v in os.environ.items() if k.startswith("JAXKV_"))), repr(config),
+             _source_digest()]
+    return hashlib.sha256("\0".join(parts).encode()).hexdigest()
+
+
+def _describe(x) -> str:
+    if x is None:
+        return "None"
+    return f"{tuple(x.shape)}:{x.dtype}:{getattr(x, 'sharding', None)}"
+
+
+class ExecutableCache:
+    """Serialized executables under ``directory``, one file per program.
+
+    Args:
+        directory: where the files go (created on first store).
+        description: the caller's part of the key (e.g. ``repr`` of the engine arguments and model config).
+
+    The key of a program is :meth:`key`'s digest; :meth:`load` returns ``None`` on a miss. Loading an
+    executable runs what its file holds: point ``directory`` only at files this process's user wrote (the
+    same trust as JAX's persistent cache directory).
+    """
+
+    def __init__(self, directory: str | os.PathLike, description: str = ""):
+        self.directory = pathlib.Path(directory)
+        self.fingerprint = hashlib.sha256(f"{environment_fingerprint()}\0{description}".encode()).hexdigest()
+        self.hits = self.misses = 0
+
+    def key(self, name: str, args, static: dict) -> str:
+        """The digest of program ``name`` called with ``args`` (a pytree of arrays) and ``static``."""
+        leaves, treedef = jax.tree_util.tree_flatten(args, is_leaf=lambda x: x is None)
+        text = "\0".join([self.fingerprint, name, repr(sorted(static.items())), str(treedef),
+                          *map(_describe, leaves)])
+        return hashlib.sha256(text.encode()).hexdigest()
+
+    def _path(self, key: str) -> pathlib.Path:
+        return self.directory / f"{key}.exe"
+
+    def load(self, key: str) -> jax.stages.Compiled | None:
+        """The executable stored under ``key``, loaded onto this process's devices, or ``None``."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        path = self._path(key)
+        if not path.exists():
+            self.misses += 1
+            return None
+        try:
+            serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
+            compiled = deserialize_and_load(serialized, in_tree, out_tree)
+        except Exception as e:  # a truncated or stale file: drop it and compile again
+            log.warning("executable cache: %s does not load (%s: %s); compiling instead", path, type(e).__name__, e)
+            path.unlink(missing_ok=True)
+            self.misses += 1
+            return None
+        self.hits += 1
+        return compiled
+
+    @contextlib.contextmanager
+    def fresh_compiles(self):
+        """On CPU, JAX's persistent compilation cache off inside (and on again after, when it was on): the
+        programs to be stored compile from scratch. An executable that JAX loaded from its persistent cache
+        does not survive a second serialization on XLA:CPU (measured: the loaded copy then misses its fusion
+        functions, "Function convert_add_fusion not found"), so there only executables compiled in this
+        process are stored. GPU executables keep their binaries when loaded: a GPU warm start stores what
+        the persistent cache gave it (checked end to end on an H200, docs/benchmarks.md, session 21)."""
+        from jax._src import compilation_cache
+
+        was = jax.config.jax_enable_compilation_cache and jax.default_backend() == "cpu"
+        if was:
+            jax.config.update("jax_enable_compilation_cache", False)
+            compilation_cache.reset_cache()
+        try:
+            yield
+        finally:
+            if was:
+                jax.config.update("jax_enable_compilation_cache", True)
+                compilation_cache.reset_cache()
+
+    def store(self, key: str, compiled: jax.stages.Compiled) -> None:
+        """Write ``compiled`` under ``key`` (atomically; a program that cannot be serialized is skipped)."""
+        from jax.experimental.serialize_executable import serialize
+
+        try:
+            payload = pickle.dumps(serialize(compiled))
+        except Exception as e:
+            log.warning("executable cache: program not stored (%s: %s)", type(e).__name__, e)
+            return
+        self.directory.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(payload)
+        os.replace(tmp, self._path(key))
