@@ -53,6 +53,23 @@ S=.dummy/smollm2-header.gguf
 B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
 G="python3 scripts/dev/compare_greedy.py --load-format dummy --requests /tmp/req1000.json --dtype float32"
 secs() { python3 -c "print(round($(date +%s.%N) - $1, 1))"; }
+serve_start() {  # $1: label; then VAR=value ... for the server's environment
+  local label=$1; shift
+  local t0=$(date +%s.%N)
+  env "$@" CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 > /tmp/diag/server-$label.log 2>&1 &
+  local SERVER=$!
+  until curl -sf localhost:8000/health >/dev/null; do sleep 0.1; kill -0 $SERVER 2>/dev/null || break; done
+  local ready=$(secs $t0)
+  local text=$(curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}' | python3 -c "import json,sys; print(repr(json.load(sys.stdin)['choices'][0]['text']))")
+  curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
+    -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20}' > /dev/null
+  local info=$(grep -o -e "num_compiles=[0-9]*" -e "executables_loaded=[0-9]*" -e "load_s=[0-9.]*" -e "warmup_s=[0-9.]*" \
+    -e "load_breakdown_s={[^}]*}" /tmp/diag/server-$label.log | tr '\n' ' ')
+  echo "server defaults, $label: /health after $ready s; greedy $text; $info" | tee -a /tmp/diag/serve-start.txt
+  kill -TERM $SERVER; wait $SERVER
+}
 offline_and_servers() {  # GPU 1: SmolLM2 offline (cold, in-process, warm), then the server with 1 and 2 API servers
   echo "== SmolLM2 offline, GPU 1, 1000 requests: LLM defaults (cold start), in-process engine; LLM again (warm)"
   CUDA_VISIBLE_DEVICES=1 timeout 200 $B --model $S --requests /tmp/req1000.json --num-prompts 1000 \
@@ -407,23 +424,6 @@ w)  # (session 21) issue 27: the server's start with its defaults and the execut
   python3 -c "import json; r = json.load(open('.dummy/requests-8256.json')); json.dump(r[256:8256], open('/tmp/req8000.json', 'w'))"
   (nvidia-smi topo -m; lscpu | grep -i -e numa -e "^CPU(s)" -e "Model name"
    python3 -c "from jaxkv.engine.core_proc import gpu_local_cpus as g; print('GPU0 local CPUs', sorted(g('0') or [])); print('GPU1 local CPUs', sorted(g('1') or []))") 2>&1 | tee /tmp/diag/topo.txt
-  serve_start() {  # $1: label; then VAR=value ... for the server's environment
-    local label=$1; shift
-    local t0=$(date +%s.%N)
-    env "$@" CUDA_VISIBLE_DEVICES=0 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
-      --port 8000 > /tmp/diag/server-$label.log 2>&1 &
-    local SERVER=$!
-    until curl -sf localhost:8000/health >/dev/null; do sleep 0.1; kill -0 $SERVER 2>/dev/null || break; done
-    local ready=$(secs $t0)
-    local text=$(curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": "smollm2", "prompt": "Hello there", "max_tokens": 12, "temperature": 0}' | python3 -c "import json,sys; print(repr(json.load(sys.stdin)['choices'][0]['text']))")
-    curl -s localhost:8000/v1/completions -H 'Content-Type: application/json' \
-      -d '{"model": "smollm2", "prompt": "Hello", "max_tokens": 8, "temperature": 0.7, "top_p": 0.9, "top_k": 20}' > /dev/null
-    local info=$(grep -o -e "num_compiles=[0-9]*" -e "executables_loaded=[0-9]*" -e "load_s=[0-9.]*" -e "warmup_s=[0-9.]*" \
-      -e "load_breakdown_s={[^}]*}" /tmp/diag/server-$label.log | tr '\n' ' ')
-    echo "server defaults, $label: /health after $ready s; greedy $text; $info" | tee -a /tmp/diag/serve-start.txt
-    kill -TERM $SERVER; wait $SERVER
-  }
   serve_start cold-persistent-only JAXKV_EXECUTABLE_CACHE=0
   serve_start warm-persistent-only JAXKV_EXECUTABLE_CACHE=0
   serve_start warm-fill-executables
@@ -448,5 +448,30 @@ PY
   [ $SECONDS -lt 530 ] && run "-dp 2" JAXKV_NUMA_AFFINITY=0
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w"; exit 2 ;;
+x)  # (session 21) GPU 0: the server's and LLM's warm start with every program in JAX's persistent cache (small ones too:
+    # the minimum compile time is 0 now also when JAX_COMPILATION_CACHE_DIR is set), then why the executable cache's
+    # loads are slow (scripts/dev/probe_exe_load.py); GPU 1 meanwhile: JAX's Mosaic GPU Hopper matmul against XLA on
+    # the 8B projections at 256 rows
+  mkdir -p /tmp/diag
+  (CUDA_VISIBLE_DEVICES=1 timeout 400 python3 scripts/dev/bench_mgpu_matmul.py --rows 256 2>&1 | quiet > /tmp/diag/mgpu-matmul.txt) &
+  MM=$!
+  echo "JAX cache entries before the first start: $(ls /tmp/jaxcache 2>/dev/null | wc -l)"
+  serve_start first
+  serve_start warm
+  serve_start warm-again
+  cat > /tmp/llm_start.py <<'PY'
+import time, sys
+t0 = time.perf_counter()
+from models import LLM
+llm = LLM(model=sys.argv[1], load_format="dummy")
+print(f"LLM ready after {time.perf_counter() - t0:.2f} s:", {k: llm.engine_info[0].get(k) for k in
+      ("num_compiles", "executables_loaded", "load_s", "warmup_s", "load_breakdown_s")}, flush=True)
+PY
+  for i in 1 2 3; do CUDA_VISIBLE_DEVICES=0 timeout 120 python3 /tmp/llm_start.py $S 2>&1 | grep "LLM ready" | tee -a /tmp/diag/serve-start.txt; done
+  serve_start fill-executables JAXKV_EXECUTABLE_CACHE=1
+  CUDA_VISIBLE_DEVICES=0 timeout 120 python3 scripts/dev/probe_exe_load.py /tmp/jaxcache/jaxkv-executables --limit 6 2>&1 | quiet | tee /tmp/diag/exe-load.txt
+  wait $MM; cat /tmp/diag/mgpu-matmul.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x"; exit 2 ;;
 esac
