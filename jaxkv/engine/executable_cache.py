@@ -28,6 +28,7 @@ import os
 import pathlib
 import pickle
 import tempfile
+import threading
 
 import jax
 
@@ -88,6 +89,7 @@ class ExecutableCache:
         self.directory = pathlib.Path(directory)
         self.fingerprint = hashlib.sha256(f"{environment_fingerprint()}\0{description}".encode()).hexdigest()
         self.hits = self.misses = 0
+        self._lock = threading.Lock()
 
     def key(self, name: str, args, static: dict) -> str:
         """The digest of program ``name`` called with ``args`` (a pytree of arrays) and ``static``."""
@@ -99,24 +101,46 @@ class ExecutableCache:
     def _path(self, key: str) -> pathlib.Path:
         return self.directory / f"{key}.exe"
 
-    def load(self, key: str) -> jax.stages.Compiled | None:
-        """The executable stored under ``key``, loaded onto this process's devices, or ``None``."""
-        from jax.experimental.serialize_executable import deserialize_and_load
-
+    def read(self, key: str) -> tuple | None:
+        """The file stored under ``key`` (``(serialized executable, in_tree, out_tree)``), or ``None`` (a miss,
+        or a file that does not unpickle: it is deleted). Cheap: nothing is loaded onto a device yet."""
         path = self._path(key)
         if not path.exists():
             self.misses += 1
             return None
         try:
-            serialized, in_tree, out_tree = pickle.loads(path.read_bytes())
-            compiled = deserialize_and_load(serialized, in_tree, out_tree)
-        except Exception as e:  # a truncated or stale file: drop it and compile again
-            log.warning("executable cache: %s does not load (%s: %s); compiling instead", path, type(e).__name__, e)
+            payload = pickle.loads(path.read_bytes())
+            if not (isinstance(payload, tuple) and len(payload) == 3):
+                raise TypeError(f"a {type(payload).__name__}, not (executable, in_tree, out_tree)")
+        except Exception as e:
+            log.warning("executable cache: %s does not read (%s: %s); compiling instead", path, type(e).__name__, e)
             path.unlink(missing_ok=True)
             self.misses += 1
             return None
-        self.hits += 1
+        return payload
+
+    def load_payload(self, key: str, payload: tuple) -> jax.stages.Compiled | None:
+        """:meth:`read`'s ``payload`` loaded onto this process's devices (thread-safe; the device load
+        releases the GIL), or ``None`` when it does not load (the file is deleted)."""
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        try:
+            compiled = deserialize_and_load(*payload)
+        except Exception as e:  # a stale file: drop it and compile again
+            log.warning("executable cache: %s does not load (%s: %s); compiling instead", self._path(key),
+                        type(e).__name__, e)
+            self._path(key).unlink(missing_ok=True)
+            with self._lock:
+                self.misses += 1
+            return None
+        with self._lock:
+            self.hits += 1
         return compiled
+
+    def load(self, key: str) -> jax.stages.Compiled | None:
+        """The executable stored under ``key``, loaded onto this process's devices, or ``None``."""
+        payload = self.read(key)
+        return None if payload is None else self.load_payload(key, payload)
 
     @contextlib.contextmanager
     def fresh_compiles(self):

@@ -155,36 +155,49 @@ def _executable_key(kind: str, ints, floats, static: dict) -> tuple:
     return (kind, ints.shape, floats.shape, tuple(sorted(static.items())))
 
 
+@dataclasses.dataclass
+class _WarmupProgram:
+    """One program of the warm-up: ``lowered`` to compile, or ``payload`` (an executable-cache file's
+    contents) to load; ``args``/``kwargs`` of its call, to lower it after all if the payload does not load."""
+
+    step: "_LowerOnly"
+    mem_key: tuple
+    disk_key: str | None
+    lowered: object = None
+    payload: tuple | None = None
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
 class _LowerOnly:
     """Stands in for a jitted step during :meth:`ModelRunner.warmup`'s first pass: lowers the call
-    (tracing it; nothing runs), keeps ``(in-memory key, disk key, Lowered)`` and returns the outputs'
-    shapes (``jax.ShapeDtypeStruct``), so the warm-up code runs unchanged. With an
-    :class:`~jaxkv.engine.executable_cache.ExecutableCache` holding the program, it loads the executable
-    into ``executables`` instead (no tracing, no lowering). The step's last output, the caches, is
-    returned as the caches it was given (argument 1): lowering the next bucket with the real arrays keeps
-    its input shardings those of the real calls, whose executables it must match."""
+    (tracing it; nothing runs) into a :class:`_WarmupProgram` and returns the outputs' shapes
+    (``jax.ShapeDtypeStruct``), so the warm-up code runs unchanged. With an
+    :class:`~jaxkv.engine.executable_cache.ExecutableCache` holding the program, it reads the file instead
+    (no tracing, no lowering; the warm-up loads the executables on threads afterwards) and returns
+    placeholders (the outputs' tree from the file). The step's last output, the caches, is returned as the
+    caches it was given (argument 1): lowering the next bucket with the real arrays keeps its input
+    shardings those of the real calls, whose executables it must match."""
 
-    def __init__(self, kind: str, step, sink: list, executables: dict, cache=None):
+    def __init__(self, kind: str, step, sink: list, cache=None):
         self.kind = kind
         self.jitted = getattr(step, "jitted", step)  # a _raising wrapper's jitted (err, out) step
         self.checked = hasattr(step, "jitted")
         self.sink = sink
-        self.executables = executables
         self.cache = None if self.checked else cache
-        self.num_loaded = 0
 
     def __call__(self, *args, **kwargs):
-        mem_key = _executable_key(self.kind, args[2], args[3], kwargs)
-        disk_key = self.cache.key(self.kind, args, kwargs) if self.cache is not None else None
-        compiled = self.cache.load(disk_key) if disk_key is not None else None
-        if compiled is not None:
-            self.executables[mem_key] = compiled
-            self.num_loaded += 1
-            out = compiled.out_info
-        else:
-            lowered = self.jitted.lower(*args, **kwargs)
-            self.sink.append((mem_key, disk_key, lowered))
-            out = lowered.out_info[1] if self.checked else lowered.out_info
+        program = _WarmupProgram(self, _executable_key(self.kind, args[2], args[3], kwargs),
+                                 self.cache.key(self.kind, args, kwargs) if self.cache is not None else None)
+        program.payload = self.cache.read(program.disk_key) if program.disk_key is not None else None
+        if program.payload is not None:
+            program.args, program.kwargs = args, kwargs
+            self.sink.append(program)
+            num_outputs = len(program.payload[2].children())  # out_tree: (outputs..., caches)
+            return (None,) * (num_outputs - 1) + (args[1],)
+        program.lowered = self.jitted.lower(*args, **kwargs)
+        self.sink.append(program)
+        out = program.lowered.out_info[1] if self.checked else program.lowered.out_info
         return (*out[:-1], args[1])
 
 
@@ -513,26 +526,36 @@ class ModelRunner:
         programs count); with ``top_k_top_p`` the programs for batches with a top-k/top-p row are
         compiled too (``2 * num_buckets``)."""
         variants = (False, True) if top_k_top_p else (False,)
-        lowered: list = []
+        programs: list[_WarmupProgram] = []
         saved = self._mixed, self._decode, self.kv_caches
-        self._mixed = _LowerOnly("mixed", self._mixed, lowered, self.executables, executable_cache)
-        self._decode = _LowerOnly("decode", self._decode, lowered, self.executables, executable_cache)
+        self._mixed = _LowerOnly("mixed", self._mixed, programs, executable_cache)
+        self._decode = _LowerOnly("decode", self._decode, programs, executable_cache)
         try:
             for flag in variants:
                 self._warmup_batches(flag)
-            self.num_compiles += self._mixed.num_loaded + self._decode.num_loaded
         finally:
             self._mixed, self._decode, self.kv_caches = saved
-        workers = max_workers or min(len(lowered), os.cpu_count() or 1)
-        fresh = (executable_cache.fresh_compiles() if executable_cache is not None and lowered
-                 else contextlib.nullcontext())
+
+        def build(program: _WarmupProgram):
+            if program.lowered is None:  # loading releases the GIL: a GPU executable takes ~0.5 s (session 21)
+                return executable_cache.load_payload(program.disk_key, program.payload)
+            return program.lowered.compile()
+        workers = max_workers or min(len(programs), os.cpu_count() or 1)
+        fresh = (executable_cache.fresh_compiles() if any(p.lowered is not None for p in programs)
+                 and executable_cache is not None else contextlib.nullcontext())
         with fresh, ThreadPoolExecutor(max(1, workers)) as pool:
-            compiled = list(pool.map(lambda entry: entry[2].compile(), lowered))
-        for (mem_key, disk_key, _), exe in zip(lowered, compiled):
+            built = list(pool.map(build, programs))
+        for program, exe in zip(programs, built):
+            if exe is None:  # its file did not load (deleted by load_payload): trace, lower and compile it now
+                program.lowered = program.step.jitted.lower(*program.args, **program.kwargs)
+                with executable_cache.fresh_compiles():
+                    exe = program.lowered.compile()
+            elif program.lowered is None:
+                self.num_compiles += 1  # loaded: counts as the bucket's compile (nothing was traced)
             if not self._checked:  # a checkify step returns (error, outputs): it keeps its _raising wrapper
-                self.executables[mem_key] = exe
-            if disk_key is not None:
-                executable_cache.store(disk_key, exe)
+                self.executables[program.mem_key] = exe
+            if program.lowered is not None and program.disk_key is not None:
+                executable_cache.store(program.disk_key, exe)
         if run is None:
             run = jax.default_backend() != "cpu"
         for flag in variants if run else ():

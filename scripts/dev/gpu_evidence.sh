@@ -473,5 +473,26 @@ PY
   wait $MM; cat /tmp/diag/mgpu-matmul.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x"; exit 2 ;;
+y)  # (session 21) GPU 0: the server's and LLM's start with the executable cache loading its programs on threads (as JAX's
+    # persistent cache is read by the warm-up's compile threads), against JAX's persistent cache alone, same call
+  mkdir -p /tmp/diag
+  cat > /tmp/llm_start.py <<'PY'
+import time, sys
+t0 = time.perf_counter()
+from models import LLM
+llm = LLM(model=sys.argv[1], load_format="dummy")
+print(f"LLM ready after {time.perf_counter() - t0:.2f} s:", {k: llm.engine_info[0].get(k) for k in
+      ("num_compiles", "executables_loaded", "load_s", "warmup_s", "load_breakdown_s")}, flush=True)
+PY
+  echo "JAX cache entries before the first start: $(ls /tmp/jaxcache 2>/dev/null | wc -l)"
+  serve_start first-with-executables JAXKV_EXECUTABLE_CACHE=1
+  serve_start warm-executables JAXKV_EXECUTABLE_CACHE=1
+  serve_start warm-persistent-only JAXKV_EXECUTABLE_CACHE=0
+  serve_start warm-executables-again JAXKV_EXECUTABLE_CACHE=1
+  serve_start warm-persistent-only-again JAXKV_EXECUTABLE_CACHE=0
+  for e in 1 1 1 0 0; do CUDA_VISIBLE_DEVICES=0 JAXKV_EXECUTABLE_CACHE=$e timeout 150 python3 /tmp/llm_start.py $S 2>&1 | grep "LLM ready" \
+    | sed "s/^/JAXKV_EXECUTABLE_CACHE=$e /" | tee -a /tmp/diag/serve-start.txt; done
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y"; exit 2 ;;
 esac

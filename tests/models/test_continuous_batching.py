@@ -224,6 +224,8 @@ def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_p
     """warmup(executable_cache=...) stores each compiled bucket; a second engine of the same description loads
     them without tracing, lowering or compiling a step, and generates what the first did. Another
     description, or a file that does not load, compiles again."""
+    import pickle
+
     from jaxkv.engine.executable_cache import ExecutableCache
 
     def make():
@@ -247,11 +249,11 @@ def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_p
 
     other = ExecutableCache(tmp_path, "tiny-5, another config")
     assert len(step_compiles(lambda: make().warmup(executable_cache=other))) == 4 and other.misses == 4
-    victim = files[0]
-    victim.write_bytes(b"not an executable")
+    victim = files[0]  # a file that unpickles, but whose executable does not load
+    victim.write_bytes(pickle.dumps((b"not an executable", *pickle.loads(victim.read_bytes())[1:])))
     again = ExecutableCache(tmp_path, "tiny-5")
     assert len(step_compiles(lambda: make().warmup(executable_cache=again))) == 1
-    assert (again.hits, again.misses) == (3, 1) and victim.read_bytes() != b"not an executable"
+    assert (again.hits, again.misses) == (3, 1) and pickle.loads(victim.read_bytes())[0] != b"not an executable"
 
 
 def test_step_programs_hold_no_device_predicated_control_flow():
@@ -264,16 +266,16 @@ def test_step_programs_hold_no_device_predicated_control_flow():
                              max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=3)
     runner, lowered = eng.runner, []
     saved = runner._mixed, runner._decode, runner.kv_caches
-    runner._mixed = _LowerOnly("mixed", runner._mixed, lowered, {})
-    runner._decode = _LowerOnly("decode", runner._decode, lowered, {})
+    runner._mixed = _LowerOnly("mixed", runner._mixed, lowered)
+    runner._decode = _LowerOnly("decode", runner._decode, lowered)
     try:
         for top_k_top_p in (False, True):
             runner._warmup_batches(top_k_top_p)
     finally:
         runner._mixed, runner._decode, runner.kv_caches = saved
     assert len(lowered) == 2 * eng.num_buckets
-    for _, _, low in lowered:
-        text = low.as_text()
+    for program in lowered:
+        text = program.lowered.as_text()
         assert "stablehlo.case" not in text and "stablehlo.if" not in text
 
 
