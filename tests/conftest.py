@@ -276,18 +276,24 @@ def load_script(name: str):
     return sys.modules[name]
 
 
-def step_compiles(fn):
-    """Backend compiles of the engine's jitted steps while ``fn()`` runs (JAX's monitoring events)."""
+def step_events(fn, event: str | None = None):
+    """JAX's monitoring events (``/jax/core/compile/...``: tracing, lowering, backend compile) of the engine's
+    jitted steps while ``fn()`` runs, or only those named ``event``; their names, in order."""
     from jax._src import monitoring
     names = []
 
-    def listen(event, duration, **kwargs):
-        name = kwargs.get("fun_name", "")
-        if event == "/jax/core/compile/backend_compile_duration" and ("mixed_step" in name or "decode_loop" in name):
-            names.append(name)
+    def listen(name, duration, **kwargs):
+        fun = kwargs.get("fun_name", "")
+        if (event is None or name == event) and ("mixed_step" in fun or "decode_loop" in fun):
+            names.append(fun if event is not None else name)
     monitoring.register_event_duration_secs_listener(listen)
     try:
         fn()
     finally:
         monitoring.unregister_event_duration_listener(listen)
     return names
+
+
+def step_compiles(fn):
+    """Backend compiles of the engine's jitted steps while ``fn()`` runs (JAX's monitoring events)."""
+    return step_events(fn, "/jax/core/compile/backend_compile_duration")

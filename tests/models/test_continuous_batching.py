@@ -9,7 +9,7 @@ import pytest
 import jaxkv
 import models
 from jaxkv import SamplingParams
-from tests.conftest import step_compiles
+from tests.conftest import step_compiles, step_events
 from tests.models.test_llama_paged import TINY, _tiny_model  # noqa: F401  (the chaos test imports them from here)
 
 BLOCK = 8
@@ -204,22 +204,6 @@ def test_warmup_compiles_concurrently_each_bucket_once():
     assert eng.num_compiles == eng.num_buckets
 
 
-def _step_events(fn):
-    """JAX's monitoring events (tracing, lowering, compiling) of the engine's step functions while ``fn()`` runs."""
-    from jax._src import monitoring
-    names = []
-
-    def listen(event, duration, **kwargs):
-        if any(s in kwargs.get("fun_name", "") for s in ("mixed_step", "decode_loop")):
-            names.append(event)
-    monitoring.register_event_duration_secs_listener(listen)
-    try:
-        fn()
-    finally:
-        monitoring.unregister_event_duration_listener(listen)
-    return names
-
-
 def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_path):
     """warmup(executable_cache=...) stores each compiled bucket; a second engine of the same description loads
     them without tracing, lowering or compiling a step, and generates what the first did. Another
@@ -241,10 +225,10 @@ def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_p
     ref = [o.outputs[0].token_ids for o in cold.generate(prompts, greedy)]
 
     warm, cache = make(), ExecutableCache(tmp_path, "tiny-5")
-    assert _step_events(lambda: warm.warmup(executable_cache=cache)) == []  # no trace, lowering or compile
+    assert step_events(lambda: warm.warmup(executable_cache=cache)) == []  # no trace, lowering or compile
     assert (cache.hits, cache.misses) == (4, 0) and warm.num_compiles == warm.num_buckets == 4
     outs = []
-    assert _step_events(lambda: outs.extend(warm.generate(prompts, greedy))) == []
+    assert step_events(lambda: outs.extend(warm.generate(prompts, greedy))) == []
     assert [o.outputs[0].token_ids for o in outs] == ref
 
     other = ExecutableCache(tmp_path, "tiny-5, another config")
