@@ -494,5 +494,16 @@ PY
     | sed "s/^/JAXKV_EXECUTABLE_CACHE=$e /" | tee -a /tmp/diag/serve-start.txt; done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y"; exit 2 ;;
+z)  # (session 21) SmolLM2 -dp 2 against one GPU on 8000 requests, twice, interleaved (one GPU, -dp 2, one GPU, -dp 2)
+  mkdir -p /tmp/diag
+  python3 -c "import json; r = json.load(open('.dummy/requests-8256.json')); json.dump(r[256:8256], open('/tmp/req8000.json', 'w'))"
+  run() { echo "-- $*"; timeout $(( 395 - SECONDS )) $B --backend jaxkv --model $S --requests /tmp/req8000.json \
+            --num-prompts 8000 "$@" 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e "per rank" | tee -a /tmp/diag/dp-z.txt; }
+  run -dp 1
+  run -dp 2
+  [ $SECONDS -lt 320 ] && run -dp 1
+  [ $SECONDS -lt 355 ] && run -dp 2
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z"; exit 2 ;;
 esac
