@@ -90,6 +90,15 @@ def environment_fingerprint() -> str:
     return hashlib.sha256("\0".join(parts).encode()).hexdigest()
 
 
+def program_devices(x: jax.Array) -> list:
+    """The devices a program taking ``x`` runs on, in its device assignment's order: the mesh's devices for
+    a ``NamedSharding``, else ``x``'s devices by id."""
+    mesh = getattr(x.sharding, "mesh", None)
+    if mesh is not None and hasattr(mesh, "devices"):
+        return list(mesh.devices.flat)
+    return sorted(x.sharding.device_set, key=lambda d: d.id)
+
+
 def _describe(x) -> str:
     if x is None:
         return "None"
@@ -142,13 +151,16 @@ class ExecutableCache:
             return None
         return payload
 
-    def load_payload(self, key: str, payload: tuple) -> jax.stages.Compiled | None:
-        """:meth:`read`'s ``payload`` loaded onto this process's devices (thread-safe; the device load
-        releases the GIL), or ``None`` when it does not load (the file is deleted)."""
+    def load_payload(self, key: str, payload: tuple, devices) -> jax.stages.Compiled | None:
+        """:meth:`read`'s ``payload`` loaded onto ``devices`` (those the program runs on, in its device
+        assignment's order: :func:`program_devices`; thread-safe, the device load releases the GIL), or
+        ``None`` when it does not load (the file is deleted). Without ``devices`` JAX would load a one-device
+        program onto every visible device, and its first call would fail ("Expected args to
+        execute_sharded_on_local_devices to have 2 shards")."""
         from jax.experimental.serialize_executable import deserialize_and_load
 
         try:
-            compiled = deserialize_and_load(*payload)
+            compiled = deserialize_and_load(*payload, execution_devices=list(devices))
         except Exception as e:  # a stale file: drop it and compile again
             log.warning("executable cache: %s does not load (%s: %s); compiling instead", self._path(key),
                         type(e).__name__, e)
@@ -160,10 +172,10 @@ class ExecutableCache:
             self.hits += 1
         return compiled
 
-    def load(self, key: str) -> jax.stages.Compiled | None:
-        """The executable stored under ``key``, loaded onto this process's devices, or ``None``."""
+    def load(self, key: str, devices) -> jax.stages.Compiled | None:
+        """The executable stored under ``key``, loaded onto ``devices``, or ``None``."""
         payload = self.read(key)
-        return None if payload is None else self.load_payload(key, payload)
+        return None if payload is None else self.load_payload(key, payload, devices)
 
     @contextlib.contextmanager
     def fresh_compiles(self):

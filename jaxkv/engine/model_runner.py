@@ -42,6 +42,7 @@ from jax.sharding import PartitionSpec as P
 from jax.experimental import checkify
 
 from jaxkv.checks import checked, checks_are_enabled, raise_if_error
+from jaxkv.engine.executable_cache import program_devices
 from jaxkv.core.request import Request
 from jaxkv.metadata import AttentionMetadata
 from jaxkv.sampling import SamplingArrays, needs_top_k_top_p, sample_tokens_per_row
@@ -538,7 +539,8 @@ class ModelRunner:
 
         def build(program: _WarmupProgram):
             if program.lowered is None:  # loading releases the GIL: a GPU executable takes ~0.5 s (session 21)
-                return executable_cache.load_payload(program.disk_key, program.payload)
+                return executable_cache.load_payload(program.disk_key, program.payload,
+                                                  program_devices(program.args[1][0]))
             return program.lowered.compile()
         workers = max_workers or min(len(programs), os.cpu_count() or 1)
         fresh = (executable_cache.fresh_compiles() if any(p.lowered is not None for p in programs)

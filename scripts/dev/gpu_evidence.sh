@@ -505,5 +505,25 @@ z)  # (session 21) SmolLM2 -dp 2 against one GPU on 8000 requests, twice, interl
   [ $SECONDS -lt 355 ] && run -dp 2
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z"; exit 2 ;;
+z2)  # (session 21) the executable cache with both GPUs visible and one rank (dp=1): LLM cold (fills it), then warm
+    # (loads it); greedy tokens of 16 ShareGPT prompts compared (stage z's second one-GPU run had failed there)
+  mkdir -p /tmp/diag
+  cat > /tmp/llm_tokens.py <<'PY'
+import json, sys, time
+t0 = time.perf_counter()
+from models import LLM
+from jaxkv import SamplingParams
+llm = LLM(model=sys.argv[1], load_format="dummy")
+info = llm.engine_info[0]
+print(f"{sys.argv[2]}: ready after {time.perf_counter() - t0:.2f} s, executables_loaded={info.get('executables_loaded')}, "
+      f"warmup_s={info.get('warmup_s')}", flush=True)
+prompts = [r[0] for r in json.load(open(".dummy/requests.json"))[:16]]
+out = llm.generate(prompts, SamplingParams(max_tokens=16, temperature=0))
+json.dump([o.outputs[0].token_ids for o in out], open(f"/tmp/diag/tokens-{sys.argv[2]}.json", "w"))
+PY
+  for tag in cold warm; do timeout 150 python3 /tmp/llm_tokens.py $S $tag 2>&1 | grep -e "ready after" -e Error | tee -a /tmp/diag/z2.txt; done
+  python3 -c "import json; a, b = (json.load(open(f'/tmp/diag/tokens-{t}.json')) for t in ('cold', 'warm')); print('greedy tokens equal:', a == b, len(a), 'prompts')" | tee -a /tmp/diag/z2.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2"; exit 2 ;;
 esac

@@ -136,6 +136,22 @@ def test_warmup_on_a_mesh_compiles_each_bucket_once():
     assert tokens == _single_device_tokens(2)
 
 
+@needs_mesh
+def test_executable_cache_loads_onto_the_programs_devices(tmp_path):
+    """Executables loaded from the executable cache run on their program's devices: one device on a
+    4-device host (loaded onto every device, as JAX's loader does by default, the first call failed:
+    "Expected args to execute_sharded_on_local_devices to have 2 shards"), and a tp=2 mesh. Nothing
+    compiles on the warm start; the tokens are the single-device ones."""
+    from jaxkv.engine.executable_cache import ExecutableCache
+
+    for mesh, name in ((None, "one device"), (make_mesh(2, 1), "tp=2")):
+        _engine(2, mesh).warmup(executable_cache=ExecutableCache(tmp_path, name))
+        warm, cache = _engine(2, mesh), ExecutableCache(tmp_path, name)
+        assert step_compiles(lambda: warm.warmup(executable_cache=cache)) == [], name
+        assert cache.hits == warm.num_buckets == warm.num_compiles, name
+        assert _tokens(warm) == _single_device_tokens(2), name
+
+
 def test_an_engine_mesh_with_dp_is_refused():
     """Data-parallel ranks are engines of their own; a mesh with dp > 1 names the alternative."""
     mesh = type("M", (), {"shape": {"dp": 2, "tp": 1}})()
