@@ -112,8 +112,8 @@ class ExecutableCache:
         directory: where the files go (created on first store).
         description: the caller's part of the key (e.g. ``repr`` of the engine arguments and model config).
 
-    The key of a program is :meth:`key`'s digest; :meth:`load` returns ``None`` on a miss. Loading an
-    executable runs what its file holds: point ``directory`` only at files this process's user wrote (the
+    The key of a program is :meth:`key`'s digest; :meth:`read` returns ``None`` on a miss and
+    :meth:`load_payload` puts what it read on the devices. Loading an executable runs what its file holds: point ``directory`` only at files this process's user wrote (the
     same trust as JAX's persistent cache directory).
     """
 
@@ -171,11 +171,6 @@ class ExecutableCache:
         with self._lock:
             self.hits += 1
         return compiled
-
-    def load(self, key: str, devices) -> jax.stages.Compiled | None:
-        """The executable stored under ``key``, loaded onto ``devices``, or ``None``."""
-        payload = self.read(key)
-        return None if payload is None else self.load_payload(key, payload, devices)
 
     @contextlib.contextmanager
     def fresh_compiles(self):

@@ -280,11 +280,11 @@ class KVOffloader:
         self.num_device_blocks = int(kv_caches[0].shape[1])
         self.block_bytes = bytes_per_block(kv_caches)
         self.groups = tensor_groups(kv_caches)
-        n = num_threads or min(len(kv_caches), os.cpu_count() or 1, 16)
-        self._pool = concurrent.futures.ThreadPoolExecutor(max(1, n), thread_name_prefix="kv-offload")
+        fill_threads = max(1, num_threads or min(len(kv_caches), os.cpu_count() or 1, 16))
         self.num_copy_threads = max(1, num_copy_threads or min(8, (os.cpu_count() or 2) // 2))
-        self._copy_pool = (concurrent.futures.ThreadPoolExecutor(self.num_copy_threads, thread_name_prefix="kv-copy")
-                           if self.num_copy_threads > 1 else None)
+        workers = max(fill_threads, self.num_copy_threads)
+        self._pool = (concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="kv-copy")
+                      if workers > 1 else None)
         self.host_caches = []
         for g in self.groups:
             c = kv_caches[g[0]]
@@ -292,7 +292,10 @@ class KVOffloader:
             # written now, a tensor per task: the pages are faulted in (zeroed by the kernel) here, at start-up,
             # not by the first copy into each of them during a run (a 256-block SmolLM2 pass into a fresh pool
             # took 0.84 s on the CPU machine, 17 ms into written pages)
-            self._each_tensor(lambda j, h=h: h[j].fill(0), h.shape[0], h.nbytes)
+            if h.nbytes >= PARALLEL_BYTES:
+                self._split(lambda lo, hi, h=h: h[lo:hi].fill(0), len(h), fill_threads)
+            else:
+                h.fill(0)
             self.host_caches.append(h)
         self._pending: list[tuple[list[jax.Array], np.ndarray]] = []  # device → host copies on their way
         # arrived device → host copies are written into the pool here, one at a time, in arrival order
@@ -445,14 +448,17 @@ class KVOffloader:
         staging = jax.device_put(np.empty(shape, dtype), self.pinned)
         return staging, host_view(staging)
 
-    def _split(self, fn, n: int) -> None:
-        """``fn(lo, hi)`` over slices of ``n`` tensors, one per copy thread (here with one thread)."""
-        k = min(self.num_copy_threads, n)
-        if k <= 1 or self._copy_pool is None:
+    def _split(self, fn, n: int, threads: int | None = None) -> None:
+        """``fn(lo, hi)`` over slices of ``n`` tensors, one per thread (``threads``, default
+        :attr:`num_copy_threads`; with one, here). One NumPy call per slice: during a run every other Python
+        thread competes for the GIL, and each call that gives it up waits up to the interpreter's switch
+        interval (5 ms) to get it back, so a copy makes as few calls as it has threads (see :func:`_raw`)."""
+        k = min(threads or self.num_copy_threads, n)
+        if k <= 1 or self._pool is None:
             fn(0, n)
             return
         bounds = [n * i // k for i in range(k + 1)]
-        for f in [self._copy_pool.submit(fn, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
+        for f in [self._pool.submit(fn, lo, hi) for lo, hi in zip(bounds, bounds[1:])]:
             f.result()
 
     def poll(self) -> None:
@@ -484,17 +490,6 @@ class KVOffloader:
         for f in self._writes:
             f.result()
         self._writes.clear()
-
-    def _each_tensor(self, fn, num_tensors: int, nbytes: int) -> None:
-        """``fn(j)`` for every tensor ``j`` of a group: on the thread pool when the work is large enough to pay
-        for the hand-offs (``PARALLEL_BYTES``), else here. Only at start-up: during a run every other Python
-        thread competes for the GIL, and each NumPy call that gives it up waits up to the interpreter's switch
-        interval (5 ms) to get it back, so the copies make one call per group instead (see :func:`_raw`)."""
-        if nbytes >= PARALLEL_BYTES and num_tensors > 1:
-            list(self._pool.map(fn, range(num_tensors)))
-        else:
-            for j in range(num_tensors):
-                fn(j)
 
     def _write(self, blocks, host_ids) -> None:
         """(writer thread) Scatter one arrived copy's blocks into the pool (pinned staging: first move them from

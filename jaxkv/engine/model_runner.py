@@ -543,8 +543,7 @@ class ModelRunner:
                                                   program_devices(program.args[1][0]))
             return program.lowered.compile()
         workers = max_workers or min(len(programs), os.cpu_count() or 1)
-        fresh = (executable_cache.fresh_compiles() if any(p.lowered is not None for p in programs)
-                 and executable_cache is not None else contextlib.nullcontext())
+        fresh = executable_cache.fresh_compiles() if executable_cache is not None else contextlib.nullcontext()
         with fresh, ThreadPoolExecutor(max(1, workers)) as pool:
             built = list(pool.map(build, programs))
         for program, exe in zip(programs, built):
