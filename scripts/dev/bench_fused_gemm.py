@@ -6,7 +6,12 @@ Each of ``--layers`` layers has its own weights (so nothing stays in L2 between 
 projection. No attention, no norms: the difference between the two variants is the GEMMs alone. Prints
 milliseconds per stack and the weight-read bound (all weights once over ``--bandwidth-tb-s``).
 
-    python scripts/dev/bench_fused_gemm.py --rows 2,16,64,128,256,512,8192
+    python scripts/dev/bench_fused_gemm.py --rows 2,16,64,128,256,512,8192 [--impl torch] [--shared-weights]
+
+``--impl torch`` runs the same stack in PyTorch (cuBLAS through ``torch.matmul``, replayed as one CUDA graph
+per row count, as vLLM runs its decode steps): the GEMMs a vLLM-like engine would get on the same GPU.
+``--shared-weights`` gives every layer layer 0's weights (the projections that fit stay in L2 across layers),
+to see how much of the stack's time is the weights' trip from HBM.
 """
 
 from __future__ import annotations
@@ -18,11 +23,15 @@ import jax
 import jax.numpy as jnp
 
 
-def make_weights(key, layers, d, q, kv, f, fused, dtype=jnp.bfloat16):
+def make_weights(key, layers, d, q, kv, f, fused, dtype=jnp.bfloat16, shared=False):
+    """Per layer weights; ``shared``: every layer is layer 0 (same arrays)."""
     def w(k, shape):
         return (jax.random.normal(k, shape, jnp.float32) / shape[0] ** 0.5).astype(dtype)
     out = []
     for i in range(layers):
+        if shared and i:
+            out.append(out[0])
+            continue
         ks = jax.random.split(jax.random.fold_in(key, i), 7)
         o, down = w(ks[3], (q, d)), w(ks[6], (f, d))
         if fused:
@@ -33,7 +42,7 @@ def make_weights(key, layers, d, q, kv, f, fused, dtype=jnp.bfloat16):
     return out
 
 
-def stack(weights, x, q, kv, f, fused):
+def stack(weights, x, q, kv, f, fused, silu=jax.nn.silu, tile=jnp.tile):
     for lw in weights:
         if fused:
             qkv = x @ lw["qkv"]
@@ -43,10 +52,78 @@ def stack(weights, x, q, kv, f, fused):
         else:
             qq, k, v = x @ lw["q"], x @ lw["k"], x @ lw["v"]
             g, u = x @ lw["gate"], x @ lw["up"]
-        kv_sum = jnp.tile(k + v, q // kv)
+        kv_sum = tile(k + v, q // kv)
         h = (qq + kv_sum) @ lw["o"]
-        x = x + h + (jax.nn.silu(g) * u) @ lw["down"]
+        x = x + h + (silu(g) * u) @ lw["down"]
     return x
+
+
+def jax_timer(a, fused):
+    """``rows -> ms`` of the stack in JAX (best of 3 rounds of ``a.repeats`` calls)."""
+    d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
+    weights = make_weights(jax.random.key(0), a.layers, d, q, kv, f, fused, shared=a.shared_weights)
+    fn = jax.jit(lambda w, x: stack(w, x, q, kv, f, fused))
+
+    def time_rows(rows):
+        x = jax.random.normal(jax.random.key(rows), (rows, d), jnp.float32).astype(jnp.bfloat16) * 0.01
+        jax.block_until_ready(fn(weights, x))
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            for _ in range(a.repeats):
+                out = fn(weights, x)
+            jax.block_until_ready(out)
+            best = min(best, (time.perf_counter() - t0) / a.repeats * 1e3)
+        return best
+    return time_rows
+
+
+def torch_timer(a, fused):
+    """``rows -> ms`` of the same stack in PyTorch, one CUDA graph per row count, timed by CUDA events."""
+    import torch
+    d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
+    g = torch.Generator(device="cuda").manual_seed(0)
+
+    def w(shape):
+        return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) / shape[0] ** 0.5).to(torch.bfloat16)
+    weights = []
+    for i in range(a.layers):
+        if a.shared_weights and i:
+            weights.append(weights[0])
+        elif fused:
+            weights.append(dict(qkv=w((d, q + 2 * kv)), o=w((q, d)), gate_up=w((d, 2 * f)), down=w((f, d))))
+        else:
+            weights.append(dict(q=w((d, q)), k=w((d, kv)), v=w((d, kv)), o=w((q, d)), gate=w((d, f)), up=w((d, f)),
+                                down=w((f, d))))
+
+    def run(x):
+        return stack(weights, x, q, kv, f, fused, silu=torch.nn.functional.silu, tile=lambda t, n: t.repeat(1, n))
+
+    @torch.inference_mode()
+    def time_rows(rows):
+        x = torch.randn((rows, d), generator=g, device="cuda", dtype=torch.float32).to(torch.bfloat16) * 0.01
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            run(x)  # warm-up (cuBLAS handles, heuristics) outside the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            run(x)
+        graph.replay()
+        torch.cuda.synchronize()
+        best = float("inf")
+        for _ in range(3):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(a.repeats):
+                graph.replay()
+            end.record()
+            torch.cuda.synchronize()
+            best = min(best, start.elapsed_time(end) / a.repeats)
+        del graph
+        return best
+    return time_rows
 
 
 def main() -> None:
@@ -59,34 +136,36 @@ def main() -> None:
     p.add_argument("--ffn", type=int, default=14336)
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--bandwidth-tb-s", type=float, default=4.3)
+    p.add_argument("--impl", choices=("jax", "torch"), default="jax")
+    p.add_argument("--shared-weights", action="store_true", help="every layer uses layer 0's weights")
+    p.add_argument("--variants", default="separate,fused", help="which weight layouts to time")
     a = p.parse_args()
     d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
     weight_bytes = a.layers * 2 * (d * (q + 2 * kv) + q * d + 2 * d * f + f * d)
-    print(f"device {jax.devices()[0].device_kind}; {a.layers} layers, {weight_bytes / 1e9:.2f} GB of weights; "
-          f"read bound {weight_bytes / a.bandwidth_tb_s / 1e9:.3f} ms at {a.bandwidth_tb_s} TB/s")
-    print(f"{'rows':>6} {'separate ms':>12} {'fused ms':>10} {'fused/sep':>10} {'sep TFLOP/s':>12} {'fused TFLOP/s':>14}")
-    key = jax.random.key(0)
+    if a.impl == "torch":
+        import torch
+        device = torch.cuda.get_device_name()
+    else:
+        device = jax.devices()[0].device_kind
+    print(f"device {device}; impl {a.impl}; {a.layers} layers{' (shared weights)' if a.shared_weights else ''}, "
+          f"{weight_bytes / 1e9:.2f} GB of weights; read bound {weight_bytes / a.bandwidth_tb_s / 1e9:.3f} ms at "
+          f"{a.bandwidth_tb_s} TB/s")
+    row_counts = [int(r) for r in a.rows.split(",")]
+    variants = [v.strip() for v in a.variants.split(",")]
     results = {}
-    for fused in (False, True):
-        weights = make_weights(key, a.layers, d, q, kv, f, fused)
-        fn = jax.jit(lambda w, x, fused=fused: stack(w, x, q, kv, f, fused))
-        for rows in (int(r) for r in a.rows.split(",")):
-            x = jax.random.normal(jax.random.key(rows), (rows, d), jnp.float32).astype(jnp.bfloat16) * 0.01
-            jax.block_until_ready(fn(weights, x))
-            best = float("inf")
-            for _ in range(3):
-                t0 = time.perf_counter()
-                for _ in range(a.repeats):
-                    out = fn(weights, x)
-                jax.block_until_ready(out)
-                best = min(best, (time.perf_counter() - t0) / a.repeats * 1e3)
-            results[(fused, rows)] = best
-        del weights
+    for variant in variants:
+        timer = (torch_timer if a.impl == "torch" else jax_timer)(a, variant == "fused")
+        for rows in row_counts:
+            results[(variant, rows)] = timer(rows)
+        del timer
     flop_per_row = weight_bytes  # 2 FLOP per weight (bf16: 2 bytes per weight)
-    for rows in (int(r) for r in a.rows.split(",")):
-        s, fu = results[(False, rows)], results[(True, rows)]
-        print(f"{rows:>6} {s:>12.3f} {fu:>10.3f} {fu / s:>10.3f} {flop_per_row * rows / s / 1e9:>12.1f} "
-              f"{flop_per_row * rows / fu / 1e9:>14.1f}")
+    print(f"{'rows':>6} " + " ".join(f"{v + ' ms':>12} {v[:5] + ' TFLOP/s':>14}" for v in variants)
+          + (f" {'fused/sep':>10}" if len(variants) == 2 else ""))
+    for rows in row_counts:
+        cells = " ".join(f"{results[(v, rows)]:>12.3f} {flop_per_row * rows / results[(v, rows)] / 1e9:>14.1f}"
+                         for v in variants)
+        ratio = f" {results[(variants[1], rows)] / results[(variants[0], rows)]:>10.3f}" if len(variants) == 2 else ""
+        print(f"{rows:>6} {cells}{ratio}", flush=True)
 
 
 if __name__ == "__main__":

@@ -525,5 +525,26 @@ PY
   python3 -c "import json; a, b = (json.load(open(f'/tmp/diag/tokens-{t}.json')) for t in ('cold', 'warm')); print('greedy tokens equal:', a == b, len(a), 'prompts')" | tee -a /tmp/diag/z2.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2"; exit 2 ;;
+aa)  # (session 22, one GPU) an 8B layer stack's GEMMs in PyTorch (cuBLAS in a CUDA graph, what a vLLM-like engine gets)
+    # against JAX at the rows a step runs; JAX with every layer on layer 0's weights (L2); XLA GEMM flags at 128-512
+    # rows; then the 8B 1000-request run with the defaults on this GPU
+  mkdir -p /tmp/diag
+  R=2,64,128,256,512,1024,8192
+  (echo "-- torch"; timeout 120 python3 scripts/dev/bench_fused_gemm.py --impl torch --rows $R 2>&1 | quiet
+   echo "-- jax"; timeout 150 python3 scripts/dev/bench_fused_gemm.py --rows $R 2>&1 | quiet
+   echo "-- jax, shared weights"; timeout 90 python3 scripts/dev/bench_fused_gemm.py --rows 128,256,512 --shared-weights \
+     --variants separate 2>&1 | quiet
+   echo "-- torch, shared weights"; timeout 60 python3 scripts/dev/bench_fused_gemm.py --impl torch --rows 128,256,512 \
+     --shared-weights --variants separate 2>&1 | quiet
+   for flags in --xla_gpu_autotune_level=0 --xla_gpu_enable_cublaslt=true --xla_gpu_enable_split_k_autotuning=false \
+       --xla_gpu_single_wave_autotuning=false; do
+     echo "-- jax XLA_FLAGS=$flags"
+     XLA_FLAGS="$flags" timeout 60 python3 scripts/dev/bench_fused_gemm.py --rows 128,256,512 --variants separate 2>&1 | quiet | tail -4
+   done) | tee /tmp/diag/gemm-stack.txt
+  echo "== 8B, 1000 requests, LLM defaults" | tee /tmp/diag/big.txt
+  timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests /tmp/req1000.json --num-prompts 1000 --backend jaxkv \
+    --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee -a /tmp/diag/big.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa"; exit 2 ;;
 esac
