@@ -58,6 +58,21 @@ def stack(weights, x, q, kv, f, fused, silu=jax.nn.silu, tile=jnp.tile):
     return x
 
 
+def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
+    """CUPTI (``torch.profiler``) table of the ``top`` kernels of ``calls`` calls of ``run``: us and launches per call."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            run()
+        sync()
+    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events) / calls
+    print(f"   kernels, {label}: {total:9.1f} us of device time per stack")
+    for e in events[:top]:
+        print(f"   {e.device_time_total / calls:9.1f} us {e.count / calls:5.1f} x {e.device_time_total / e.count:7.1f} us  "
+              f"{e.key[:80]}")
+
+
 def jax_timer(a, fused):
     """``rows -> ms`` of the stack in JAX (best of 3 rounds of ``a.repeats`` calls)."""
     d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
@@ -74,6 +89,10 @@ def jax_timer(a, fused):
                 out = fn(weights, x)
             jax.block_until_ready(out)
             best = min(best, (time.perf_counter() - t0) / a.repeats * 1e3)
+        if rows in a.kernel_rows:
+            out = []
+            print_kernels(lambda: out.append(fn(weights, x)), lambda: jax.block_until_ready(out), 5, a.top_kernels,
+                          f"jax {'fused' if fused else 'separate'}, {rows} rows")
         return best
     return time_rows
 
@@ -121,6 +140,9 @@ def torch_timer(a, fused):
             end.record()
             torch.cuda.synchronize()
             best = min(best, start.elapsed_time(end) / a.repeats)
+        if rows in a.kernel_rows:  # eager (no graph) so that CUPTI names every kernel
+            print_kernels(lambda: run(x), torch.cuda.synchronize, 5, a.top_kernels,
+                          f"torch {'fused' if fused else 'separate'}, {rows} rows")
         del graph
         return best
     return time_rows
@@ -139,7 +161,10 @@ def main() -> None:
     p.add_argument("--impl", choices=("jax", "torch"), default="jax")
     p.add_argument("--shared-weights", action="store_true", help="every layer uses layer 0's weights")
     p.add_argument("--variants", default="separate,fused", help="which weight layouts to time")
+    p.add_argument("--kernel-rows", default="", help="row counts whose kernels to list (CUPTI through torch)")
+    p.add_argument("--top-kernels", type=int, default=12)
     a = p.parse_args()
+    a.kernel_rows = {int(r) for r in a.kernel_rows.split(",") if r}
     d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
     weight_bytes = a.layers * 2 * (d * (q + 2 * kv) + q * d + 2 * d * f + f * d)
     if a.impl == "torch":

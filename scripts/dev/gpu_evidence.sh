@@ -546,5 +546,18 @@ aa)  # (session 22, one GPU) an 8B layer stack's GEMMs in PyTorch (cuBLAS in a C
     --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee -a /tmp/diag/big.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa"; exit 2 ;;
+ab)  # (session 22, one GPU) the kernels of the 8B GEMM stack at 256 and 512 rows: PyTorch (cuBLAS), JAX with XLA's
+    # defaults, JAX with cuBLAS only; JAX without command buffers (timing)
+  mkdir -p /tmp/diag
+  K="scripts/dev/bench_fused_gemm.py --rows 256,512 --variants separate --kernel-rows 256,512 --top-kernels 14"
+  (echo "-- torch"; timeout 120 python3 $K --impl torch 2>&1 | quiet
+   echo "-- jax"; timeout 120 python3 $K 2>&1 | quiet
+   echo "-- jax, XLA_FLAGS=--xla_gpu_enable_triton_gemm=false"
+   XLA_FLAGS=--xla_gpu_enable_triton_gemm=false timeout 120 python3 $K 2>&1 | quiet
+   echo "-- jax, XLA_FLAGS=--xla_gpu_enable_command_buffer="
+   XLA_FLAGS=--xla_gpu_enable_command_buffer= timeout 90 python3 scripts/dev/bench_fused_gemm.py --rows 256,512 \
+     --variants separate 2>&1 | quiet) | grep -v "profiler.py\|_warn_once" | tee /tmp/diag/gemm-kernels.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab"; exit 2 ;;
 esac
