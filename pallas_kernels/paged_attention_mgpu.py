@@ -47,7 +47,9 @@ tokens; SmolLM2's decode step: 3 KV heads, head size 64, 100-200 tokens) each CT
 and the block table before the first TMA copy, the ring fill, the output store wait). The persistent
 kernel launches ``num_programs`` CTAs (the
 SM count by default), grid ``(num_programs,)``; work items are the (sequence, KV head, partition) triples,
-item ``i`` = sequence ``i // (num_kv_heads * num_splits)``, and CTA ``c`` runs items ``c, c + G, c + 2G, ...``.
+item ``i`` = sequence ``order[i // (num_kv_heads * num_splits)]`` with the sequences ordered longest first, dealt
+in a snake (round ``k`` gives CTA ``c`` item ``k * G + c`` in even rounds, ``k * G + G - 1 - c`` in odd ones), so
+CTAs end together with mixed lengths (``balance``; session 22).
 Both warpgroups count K/V steps across the CTA's items (slot ``g % num_stages``), so the memory warpgroup
 fills the ring with the next item's pages while the compute warpgroup finishes the current one. The query
 and output share the plain staging tile as above, double-buffered (``[2, 64, head_size]``; one when two leave no room for a
@@ -376,15 +378,18 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
                         k_consumed=k_consumed, v_consumed=v_consumed)
 
 
-def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref,
-                              scratch, *,
+def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref,
+                              lse_ref, scratch, *,
                               scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                               steps_per_partition: int, sliding_window: int | None,
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
                               num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float,
                               producer_converts: bool, num_stages16: int, convert_ahead: bool):
-    """The persistent kernel: program ``c`` runs work items ``c, c + G, c + 2G, ...`` (``G = num_programs``),
-    item ``i`` being (sequence ``i // (num_kv_heads * num_splits)``, KV head, partition).
+    """The persistent kernel: program ``c`` runs its ``k``-th work item from round ``k`` of ``G = num_programs``
+    items, dealt in a snake (item ``k * G + c`` in even rounds, ``k * G + G - 1 - c`` in odd ones); item ``i``
+    is (sequence ``order_ref[i // (num_kv_heads * num_splits)]``, KV head, partition). ``order_ref`` lists the
+    sequences longest first (:func:`_balanced_order`), so every round deals items of similar length and the
+    snake gives the programs that took the longer items of one round the shorter ones of the next.
 
     Barrier protocol (every waiter sees every phase it waits on, in order):
 
@@ -427,13 +432,17 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
     block_size = kv_ref.shape[3]
     c = lax.axis_index("c")
     wg = lax.axis_index("wg")
-    my_items = (num_items - c + num_programs - 1) // num_programs
+    full_rounds, last_round_items = num_items // num_programs, num_items % num_programs
+
+    def dealt(k):   # the position of program c in round k of the snake
+        return jnp.where(lax.rem(k, 2) == 0, c, num_programs - 1 - c)
+    my_items = full_rounds + jnp.where(dealt(full_rounds) < last_round_items, 1, 0)
     partition = functools.partial(_partition, block_size=block_size, block_kv=block_kv,
                                   steps_per_partition=steps_per_partition, sliding_window=sliding_window)
 
     def item(k):
-        i = c + k * num_programs
-        s = lax.div(i, num_kv_heads * num_splits)
+        i = k * num_programs + dealt(k)
+        s = order_ref[lax.div(i, num_kv_heads * num_splits)]
         r = lax.rem(i, num_kv_heads * num_splits)
         return s, lax.div(r, num_splits), lax.rem(r, num_splits), lax.rem(k, num_q_buffers)
 
@@ -552,7 +561,7 @@ def _decode_kernel_persistent(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_r
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
                           persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0,
-                          convert_ahead=False):
+                          convert_ahead=False, balance=False):
     """``num_stages16`` > 0 (persistent, fp8 cache): a converter warpgroup turns the fp8 ring into a ring
     of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`)."""
     num_seqs, num_heads, head_size = q.shape
@@ -629,10 +638,19 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     else:
         grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
 
-    def entry(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref):
-        pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref,
-                                              o_ref, lse_ref, scratch),
-                      smem, barriers, consumed, *extra, collective_axes="wg")
+    if persistent:
+        def entry(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref):
+            pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref, k_scale_ref,
+                                                  v_scale_ref, o_ref, lse_ref, scratch),
+                          smem, barriers, consumed, *extra, collective_axes="wg")
+        metadata = (seq_lens, _balanced_order(seq_lens) if balance else jnp.arange(num_seqs, dtype=jnp.int32),
+                    block_tables)
+    else:
+        def entry(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref):
+            pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref,
+                                                  v_scale_ref, o_ref, lse_ref, scratch),
+                          smem, barriers, consumed, *extra, collective_axes="wg")
+        metadata = (seq_lens, block_tables)
 
     part = (num_splits, num_seqs, num_kv_heads)
     o, lse = plgpu.kernel(
@@ -646,7 +664,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         # No reduction scratch: the row max and sum stay within a warp (tuning.mgpu_decode_smem_bytes).
         compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **PROFILE),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
-    )(seq_lens, block_tables, q, kv_cache, *scales)
+    )(*metadata, q, kv_cache, *scales)
 
     o = o.reshape(num_splits, num_seqs, num_kv_heads, rows, head_size)[:, :, :, :group]   # free: rows == group
     o = o.reshape(num_splits, num_seqs, num_heads, head_size)
@@ -654,6 +672,16 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         return o[0]
     lse = lse[:, :, :, :group].reshape(num_splits, num_seqs, num_heads)
     return merge_partitions(o, lse)
+
+
+def _balanced_order(seq_lens: jax.Array) -> jax.Array:
+    """``int32[num_seqs]``: the sequences longest first (ties in batch order), the persistent kernel's deal.
+
+    With the batch's own order, a program's items are every ``G``-th (sequence, KV head) of the batch, and
+    ShareGPT-like lengths leave the busiest program 1.2-1.7x the mean's work at 64-255 sequences (a
+    simulation of the 8B run's steps, docs/perf-notes.md, session 22); dealt longest first in a snake,
+    1.02-1.15x."""
+    return jnp.argsort(-seq_lens, stable=True).astype(jnp.int32)
 
 
 def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
@@ -687,7 +715,7 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
            "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts",
-           "convert_ahead", "num_q_buffers")
+           "convert_ahead", "num_q_buffers", "balance")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -720,6 +748,7 @@ def paged_attention_mgpu(
     producer_converts: bool | None = None,
     convert_ahead: bool | None = None,
     num_q_buffers: int | None = None,
+    balance: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -769,6 +798,9 @@ def paged_attention_mgpu(
             Ignored for a 16-bit cache and with ``producer_converts``.
         num_q_buffers: query/output staging tiles of the persistent kernel, 1 or 2 (static); ``None``:
             :func:`pallas_kernels.tuning.mgpu_decode_ring` (two where they fit beside the ring).
+        balance: the persistent kernel deals its items longest sequence first, in a snake over the programs
+            (static; an ``argsort`` of ``seq_lens`` per call); ``False``: in batch order. Same result. ``None``:
+            :data:`pallas_kernels.tuning.MGPU_DECODE_BALANCE`.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -838,4 +870,5 @@ def paged_attention_mgpu(
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
         num_programs=num_programs, num_stages16=num_stages16,
-        num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers)
+        num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers,
+        balance=tuning.MGPU_DECODE_BALANCE if balance is None else bool(balance))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import os
 
 from pallas_kernels._paging import padded_head_size
 
@@ -122,6 +123,9 @@ MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # the compute warpgroup converting (convert_ahead) and 1.40-1.49x in step order; 2, 3 or 4 fp8 stages within
 # ~2 % of each other, 64-key steps 1.42-1.47x (docs/perf-notes.md, session 13).
 MGPU_DECODE_PRODUCER_CONVERTS = True
+# Persistent decode: items dealt longest sequence first, in a snake over the CTAs (paged_attention_mgpu's
+# ``balance``; session 22). $JAXKV_MGPU_DECODE_BALANCE=0 deals them in batch order (for A/B runs).
+MGPU_DECODE_BALANCE = os.environ.get("JAXKV_MGPU_DECODE_BALANCE", "1") != "0"
 MGPU_DECODE_PRODUCER_STAGES = 2
 # fp8 decode with the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False):
 # each fp8 tile converted beside the other operand's wgmma (paged_attention_mgpu's ``convert_ahead``) rather

@@ -559,5 +559,21 @@ ab)  # (session 22, one GPU) the kernels of the 8B GEMM stack at 256 and 512 row
      --variants separate 2>&1 | quiet) | grep -v "profiler.py\|_warn_once" | tee /tmp/diag/gemm-kernels.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab"; exit 2 ;;
+ac)  # (session 22, one GPU) the Mosaic decode kernel's balanced deal (longest first, snake): its tests compiled, the
+    # kernel at the 8B run's decode batches (in order / balanced / equal lengths), then the 8B 1000-request run with
+    # the balanced deal (the default) and in batch order (JAXKV_MGPU_DECODE_BALANCE=0), one after the other
+  mkdir -p /tmp/diag
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/pallas_kernels/test_paged_attention_mgpu.py 2>&1 \
+    | quiet | tail -8 | tee /tmp/diag/mgpu-tests.txt
+  timeout 150 python3 scripts/dev/bench_decode_balance.py --requests /tmp/req1000.json 2>&1 | quiet \
+    | grep -v "profiler.py\|_warn_once" | tee /tmp/diag/decode-balance.txt
+  for bal in 1 0; do
+    echo "== 8B, 1000 requests, LLM defaults, JAXKV_MGPU_DECODE_BALANCE=$bal" | tee -a /tmp/diag/big-balance.txt
+    JAXKV_MGPU_DECODE_BALANCE=$bal timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests /tmp/req1000.json \
+      --num-prompts 1000 --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml \
+      | tee -a /tmp/diag/big-balance.txt
+  done
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac"; exit 2 ;;
 esac
