@@ -575,5 +575,13 @@ ac)  # (session 22, one GPU) the Mosaic decode kernel's balanced deal (longest f
   done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac"; exit 2 ;;
+ad)  # (session 22, one GPU) the 8B engine's decode step kernels at 256 and 64 rows (prompts of 32 tokens, 64 new
+    # tokens; prefill kernels show ~1 call a step), to set beside stage ab's PyTorch GEMM stack on the same GPU
+  mkdir -p /tmp/diag
+  timeout 400 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1 --batches 256,64 --prompt-len 32 \
+    --new-tokens 64 --repeats 1 --num-scheduler-steps 8 --top-kernels 22 2>&1 | quiet \
+    | grep -v "^engine\|INFO\|profiler\|warn_once" | tee /tmp/diag/kernels-8b-256.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad"; exit 2 ;;
 esac
