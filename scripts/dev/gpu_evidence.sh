@@ -583,5 +583,19 @@ ad)  # (session 22, one GPU) the 8B engine's decode step kernels at 256 and 64 r
     | grep -v "^engine\|INFO\|profiler\|warn_once" | tee /tmp/diag/kernels-8b-256.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad"; exit 2 ;;
+ae)  # (session 22, one GPU) XLA's dot merger off (--xla_gpu_dot_merger_threshold_mb=0): the 8B decode kernels at
+    # 256 rows, then the 8B 1000-request run with it and with the defaults, one after the other
+  mkdir -p /tmp/diag
+  XLA_FLAGS=--xla_gpu_dot_merger_threshold_mb=0 timeout 150 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b \
+    --tp 1 --batches 256 --prompt-len 32 --new-tokens 64 --repeats 1 --num-scheduler-steps 8 --top-kernels 10 2>&1 \
+    | quiet | grep -v "^engine\|INFO\|profiler\|warn_once" | tee /tmp/diag/kernels-8b-256-nomerge.txt
+  for flags in --xla_gpu_dot_merger_threshold_mb=0 ""; do
+    echo "== 8B, 1000 requests, LLM defaults, XLA_FLAGS=$flags" | tee -a /tmp/diag/big-merge.txt
+    XLA_FLAGS="$flags" timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests /tmp/req1000.json \
+      --num-prompts 1000 --backend jaxkv --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml \
+      | tee -a /tmp/diag/big-merge.txt
+  done
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae"; exit 2 ;;
 esac
