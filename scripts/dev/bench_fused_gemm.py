@@ -12,6 +12,11 @@ milliseconds per stack and the weight-read bound (all weights once over ``--band
 per row count, as vLLM runs its decode steps): the GEMMs a vLLM-like engine would get on the same GPU.
 ``--shared-weights`` gives every layer layer 0's weights (the projections that fit stay in L2 across layers),
 to see how much of the stack's time is the weights' trip from HBM.
+
+Caveat (session 22, H100): in this JAX stack XLA's dot merger merges the separate gate and up projections (they
+share ``x``) and concatenates their weights on every call (155.5 us a layer at 256 rows, against two 46.8 us cuBLAS
+GEMMs in PyTorch); the engine's step keeps them apart. For the engine's GEMM cost read its kernel table
+(``bench_mesh_step.py --top-kernels``), not this bench's JAX column.
 """
 
 from __future__ import annotations

@@ -16,6 +16,10 @@ completes in a step samples its first token there. Cost of a step with ``T`` tok
   FLOPs at ``--prefill-attention-tflops``;
 * everything else (norms, RoPE, the cache write, sampling): ``--other-ms`` a step plus ``--other-us-per-token``.
 
+Caveat (session 22): that JAX stack merged and concatenated the gate/up weights on every call, which the engine's
+step does not, so ``GEMM_MS`` overstates the engine's GEMMs at 256-1,024 rows (the H100's engine step: 218 us of GEMMs
+a layer at 256 rows; the stack, 9.15 ms / 32 = 286 us) and ``--other-ms`` absorbs the difference.
+
 ``--other-ms`` is calibrated so that the 8192-token run takes its measured 23.67 s (8,694.7 output tok/s, 1,888
 model steps, session 21); with 0.6 ms the model gave 21.20 s. A model, not a measurement.
 """
