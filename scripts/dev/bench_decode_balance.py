@@ -27,36 +27,14 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import BLOCK_SIZE, DTYPE, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, _timer  # noqa: E402
 
 from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
+from sim_token_budget import replay  # noqa: E402  (scripts/dev, this script's folder)
 
 
 def decode_batches(requests, *, seats=256, budget=8192, every=100, min_rows=8):
     """``[(step, [context length of each decoding sequence])]`` of the engine's schedule (sim_token_budget)."""
-    waiting, prefilling, decoding, out, step = list(requests)[::-1], [], [], [], 0
-    while waiting or prefilling or decoding:
-        while waiting and len(prefilling) + len(decoding) < seats:
-            p, o = waiting.pop()
-            prefilling.append([p, 0, o])
-        room, finished = budget - len(decoding), []
-        for r in prefilling:
-            if room <= 0:
-                break
-            chunk = min(room, r[0] - r[1])
-            r[1] += chunk
-            room -= chunk
-            if r[1] == r[0]:
-                finished.append(r)
-        if step % every == 0 and len(decoding) >= min_rows:
-            out.append((step, [c + 1 for c, _ in decoding]))   # the new token's K/V is read too
-        for r in decoding:
-            r[0] += 1
-            r[1] -= 1
-        decoding = [r for r in decoding if r[1] > 0]
-        for r in finished:
-            prefilling.remove(r)
-            if r[2] > 1:
-                decoding.append([r[0] + 1, r[2] - 1])
-        step += 1
-    return out
+    return [(step, [c + 1 for c in contexts])   # the new token's K/V is read too
+            for step, (contexts, _, _) in enumerate(replay(requests, budget=budget, seats=seats))
+            if step % every == 0 and len(contexts) >= min_rows]
 
 
 def make_inputs(rng, lens):

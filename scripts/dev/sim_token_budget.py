@@ -44,50 +44,56 @@ def gemm_ms(tokens: int) -> float:
     return GEMM_MS[a] + (t - a) / (b - a) * (GEMM_MS[b] - GEMM_MS[a])
 
 
-def simulate(requests, *, budget: int, seats: int, args) -> dict:
-    """Seconds and steps of the schedule above for ``(prompt_len, output_len)`` requests."""
-    kv_bytes = 2 * 32 * 8 * 128 * 2  # per token: K and V, 32 layers, 8 KV heads of 128, bf16
+def replay(requests, *, budget: int, seats: int):
+    """The schedule above, step by step: yields ``(contexts, chunks, completed)``: the context length of each
+    decoding sequence before this step's token, ``(tokens already prefilled, chunk)`` of each prefill chunk, and
+    how many prompts complete (and sample their first token) in the step."""
     waiting = list(requests)[::-1]
     prefilling: list[list[int]] = []  # [prompt, done, output]
     decoding: list[list[int]] = []  # [context, remaining]
-    parts = dict(gemm=0.0, lm_head=0.0, attention=0.0, other=0.0)  # ms
-    steps, out_tokens = 0, 0
     while waiting or prefilling or decoding:
         while waiting and len(prefilling) + len(decoding) < seats:
             p, o = waiting.pop()
             prefilling.append([p, 0, o])
-        tokens = len(decoding)
-        kv = sum(c for c, _ in decoding)
-        room, attn_flops, rows = budget - tokens, 0.0, len(decoding)
-        finished_prefill = []
+        room, chunks, finished = budget - len(decoding), [], []
         for r in prefilling:
             if room <= 0:
                 break
             chunk = min(room, r[0] - r[1])
-            attn_flops += 4 * 32 * 32 * 128 * chunk * (r[1] + chunk / 2)
+            chunks.append((r[1], chunk))
             r[1] += chunk
             room -= chunk
-            tokens += chunk
             if r[1] == r[0]:
-                finished_prefill.append(r)
-                rows += 1
+                finished.append(r)
+        yield [c for c, _ in decoding], chunks, len(finished)
+        for r in decoding:
+            r[0] += 1
+            r[1] -= 1
+        decoding = [r for r in decoding if r[1] > 0]
+        for r in finished:
+            prefilling.remove(r)
+            if r[2] > 1:
+                decoding.append([r[0] + 1, r[2] - 1])
+
+
+def simulate(requests, *, budget: int, seats: int, args) -> dict:
+    """Seconds and steps of the schedule above for ``(prompt_len, output_len)`` requests."""
+    kv_bytes = 2 * 32 * 8 * 128 * 2  # per token: K and V, 32 layers, 8 KV heads of 128, bf16
+    parts = dict(gemm=0.0, lm_head=0.0, attention=0.0, other=0.0)  # ms
+    steps, out_tokens = 0, 0
+    for contexts, chunks, completed in replay(requests, budget=budget, seats=seats):
+        tokens = len(contexts) + sum(chunk for _, chunk in chunks)
+        rows = len(contexts) + completed
+        attn_flops = sum(4 * 32 * 32 * 128 * chunk * (done + chunk / 2) for done, chunk in chunks)
         lm_head = max(1.05e9 / (args.bandwidth_tb_s * 1e12), 2 * 4096 * 128256 * rows / (args.tflops * 1e12)) * 1e3
-        attn = kv * kv_bytes / (args.attention_bw_share * args.bandwidth_tb_s * 1e12) * 1e3
+        attn = sum(contexts) * kv_bytes / (args.attention_bw_share * args.bandwidth_tb_s * 1e12) * 1e3
         attn += attn_flops / (args.prefill_attention_tflops * 1e12) * 1e3
         parts["gemm"] += gemm_ms(tokens)
         parts["lm_head"] += lm_head
         parts["attention"] += attn
         parts["other"] += args.other_ms + args.other_us_per_token * tokens / 1e3
         steps += 1
-        out_tokens += len(decoding) + len(finished_prefill)
-        for r in decoding:
-            r[0] += 1
-            r[1] -= 1
-        decoding = [r for r in decoding if r[1] > 0]
-        for r in finished_prefill:
-            prefilling.remove(r)
-            if r[2] > 1:
-                decoding.append([r[0] + 1, r[2] - 1])
+        out_tokens += rows
     return dict(seconds=sum(parts.values()) / 1e3, steps=steps, output_tokens=out_tokens,
                 parts_s={k: round(v / 1e3, 2) for k, v in parts.items()})
 
