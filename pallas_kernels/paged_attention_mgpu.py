@@ -49,7 +49,7 @@ kernel launches ``num_programs`` CTAs (the
 SM count by default), grid ``(num_programs,)``; work items are the (sequence, KV head, partition) triples,
 item ``i`` = sequence ``order[i // (num_kv_heads * num_splits)]`` with the sequences ordered longest first, dealt
 in a snake (round ``k`` gives CTA ``c`` item ``k * G + c`` in even rounds, ``k * G + G - 1 - c`` in odd ones), so
-CTAs end together with mixed lengths (``balance``; session 22).
+CTAs get similar work with mixed lengths (``balance``; session 22: 1.016x at the 8B run's batches, H100).
 Both warpgroups count K/V steps across the CTA's items (slot ``g % num_stages``), so the memory warpgroup
 fills the ring with the next item's pages while the compute warpgroup finishes the current one. The query
 and output share the plain staging tile as above, double-buffered (``[2, 64, head_size]``; one when two leave no room for a
@@ -638,19 +638,12 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     else:
         grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
 
-    if persistent:
-        def entry(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref):
-            pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref, k_scale_ref,
-                                                  v_scale_ref, o_ref, lse_ref, scratch),
-                          smem, barriers, consumed, *extra, collective_axes="wg")
-        metadata = (seq_lens, _balanced_order(seq_lens) if balance else jnp.arange(num_seqs, dtype=jnp.int32),
-                    block_tables)
-    else:
-        def entry(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref, lse_ref):
-            pl.run_scoped(lambda *scratch: kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref,
-                                                  v_scale_ref, o_ref, lse_ref, scratch),
-                          smem, barriers, consumed, *extra, collective_axes="wg")
-        metadata = (seq_lens, block_tables)
+    # the persistent kernel also reads the order its items are dealt in (sequence ids, longest first)
+    metadata = (seq_lens, block_tables) if not persistent else (
+        seq_lens, _balanced_order(seq_lens) if balance else jnp.arange(num_seqs, dtype=jnp.int32), block_tables)
+
+    def entry(*refs):   # metadata refs, q, kv, k_scale, v_scale, o, lse: the kernel's positional refs
+        pl.run_scoped(lambda *scratch: kernel(*refs, scratch), smem, barriers, consumed, *extra, collective_axes="wg")
 
     part = (num_splits, num_seqs, num_kv_heads)
     o, lse = plgpu.kernel(
@@ -677,10 +670,13 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
 def _balanced_order(seq_lens: jax.Array) -> jax.Array:
     """``int32[num_seqs]``: the sequences longest first (ties in batch order), the persistent kernel's deal.
 
-    With the batch's own order, a program's items are every ``G``-th (sequence, KV head) of the batch, and
-    ShareGPT-like lengths leave the busiest program 1.2-1.7x the mean's work at 64-255 sequences (a
-    simulation of the 8B run's steps, docs/perf-notes.md, session 22); dealt longest first in a snake,
-    1.02-1.15x."""
+    With the batch's own order, a program's items are every ``G``-th (sequence, KV head) of the batch; with
+    the 8B ShareGPT run's lengths the busiest program gets 1.2-1.7x the mean's pages at 64-255 sequences, and
+    1.02-1.15x dealt longest first in a snake (a simulation). Measured on an H100 at 13 of that run's batches
+    the kernel gained only 1.016x (geomean; ``scripts/dev/bench_decode_balance.py``, docs/perf-notes.md,
+    session 22): it is bound by the sum of bytes, and CTAs that finish early leave their bandwidth to the
+    others. Inside a model step every layer sorts the same ``seq_lens`` (XLA's CSE may merge them; no sort kernel
+    was among the 8B decode step's 22 largest on the H100, docs/logs/engine-core-h100/s22-ad)."""
     return jnp.argsort(-seq_lens, stable=True).astype(jnp.int32)
 
 

@@ -124,7 +124,8 @@ MGPU_DECODE_STAGED_MAX_HEAD_SIZE = 128
 # ~2 % of each other, 64-key steps 1.42-1.47x (docs/perf-notes.md, session 13).
 MGPU_DECODE_PRODUCER_CONVERTS = True
 # Persistent decode: items dealt longest sequence first, in a snake over the CTAs (paged_attention_mgpu's
-# ``balance``; session 22). $JAXKV_MGPU_DECODE_BALANCE=0 deals them in batch order (for A/B runs).
+# ``balance``; session 22: 1.016x geomean at the 8B run's decode batches on an H100, the whole run 1.012x in one A/B).
+# $JAXKV_MGPU_DECODE_BALANCE=0 deals them in batch order (for A/B runs).
 MGPU_DECODE_BALANCE = os.environ.get("JAXKV_MGPU_DECODE_BALANCE", "1") != "0"
 MGPU_DECODE_PRODUCER_STAGES = 2
 # fp8 decode with the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False):

@@ -28,22 +28,21 @@ import jax
 import jax.numpy as jnp
 
 
-def make_weights(key, layers, d, q, kv, f, fused, dtype=jnp.bfloat16, shared=False):
-    """Per layer weights; ``shared``: every layer is layer 0 (same arrays)."""
-    def w(k, shape):
-        return (jax.random.normal(k, shape, jnp.float32) / shape[0] ** 0.5).astype(dtype)
+def make_weights(normal, layers, d, q, kv, f, fused, shared=False):
+    """Per layer weights from ``normal(layer, index, shape)`` (LeCun-scaled bf16 in JAX or PyTorch; ``index`` names
+    the projection: 0 q or qkv, 1 k, 2 v, 3 o, 4 gate or gate_up, 5 up, 6 down); ``shared``: every layer is layer 0
+    (same arrays)."""
     out = []
     for i in range(layers):
         if shared and i:
             out.append(out[0])
             continue
-        ks = jax.random.split(jax.random.fold_in(key, i), 7)
-        o, down = w(ks[3], (q, d)), w(ks[6], (f, d))
+        o, down = normal(i, 3, (q, d)), normal(i, 6, (f, d))
         if fused:
-            out.append(dict(qkv=w(ks[0], (d, q + 2 * kv)), o=o, gate_up=w(ks[4], (d, 2 * f)), down=down))
+            out.append(dict(qkv=normal(i, 0, (d, q + 2 * kv)), o=o, gate_up=normal(i, 4, (d, 2 * f)), down=down))
         else:
-            out.append(dict(q=w(ks[0], (d, q)), k=w(ks[1], (d, kv)), v=w(ks[2], (d, kv)), o=o,
-                            gate=w(ks[4], (d, f)), up=w(ks[5], (d, f)), down=down))
+            out.append(dict(q=normal(i, 0, (d, q)), k=normal(i, 1, (d, kv)), v=normal(i, 2, (d, kv)), o=o,
+                            gate=normal(i, 4, (d, f)), up=normal(i, 5, (d, f)), down=down))
     return out
 
 
@@ -81,7 +80,12 @@ def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
 def jax_timer(a, fused):
     """``rows -> ms`` of the stack in JAX (best of 3 rounds of ``a.repeats`` calls)."""
     d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
-    weights = make_weights(jax.random.key(0), a.layers, d, q, kv, f, fused, shared=a.shared_weights)
+    key = jax.random.key(0)
+
+    def normal(layer, index, shape):
+        k = jax.random.split(jax.random.fold_in(key, layer), 7)[index]
+        return (jax.random.normal(k, shape, jnp.float32) / shape[0] ** 0.5).astype(jnp.bfloat16)
+    weights = make_weights(normal, a.layers, d, q, kv, f, fused, shared=a.shared_weights)
     fn = jax.jit(lambda w, x: stack(w, x, q, kv, f, fused))
 
     def time_rows(rows):
@@ -108,17 +112,9 @@ def torch_timer(a, fused):
     d, q, kv, f = a.hidden, a.q, a.kv, a.ffn
     g = torch.Generator(device="cuda").manual_seed(0)
 
-    def w(shape):
+    def normal(layer, index, shape):
         return (torch.randn(shape, generator=g, device="cuda", dtype=torch.float32) / shape[0] ** 0.5).to(torch.bfloat16)
-    weights = []
-    for i in range(a.layers):
-        if a.shared_weights and i:
-            weights.append(weights[0])
-        elif fused:
-            weights.append(dict(qkv=w((d, q + 2 * kv)), o=w((q, d)), gate_up=w((d, 2 * f)), down=w((f, d))))
-        else:
-            weights.append(dict(q=w((d, q)), k=w((d, kv)), v=w((d, kv)), o=w((q, d)), gate=w((d, f)), up=w((d, f)),
-                                down=w((f, d))))
+    weights = make_weights(normal, a.layers, d, q, kv, f, fused, shared=a.shared_weights)
 
     def run(x):
         return stack(weights, x, q, kv, f, fused, silu=torch.nn.functional.silu, tile=lambda t, n: t.repeat(1, n))
