@@ -78,6 +78,22 @@ def resolve_model(model: str | os.PathLike) -> pathlib.Path | str:
                      "checkpoint directory nor a config.json")
 
 
+def resolve_tokenizer(tokenizer: str | os.PathLike) -> pathlib.Path | str:
+    """Where a tokenizer given on its own is (vLLM's ``--tokenizer``): a directory holding ``tokenizer.json``
+    (``config.json`` not needed), a ``tokenizer.json`` path (its directory), or anything :func:`resolve_model`
+    takes (a model's own tokenizer). The result goes to :func:`load_tokenizer`.
+
+    Raises:
+        ValueError / FileNotFoundError: what :func:`resolve_model` raises for a source that is none of these.
+    """
+    path = pathlib.Path(tokenizer)
+    if path.is_dir() and (path / "tokenizer.json").is_file():
+        return path
+    if path.is_file() and path.name == "tokenizer.json":
+        return path.parent
+    return resolve_model(tokenizer)
+
+
 def model_format(source) -> str:
     """``"gguf"``, ``"hf"`` (a directory or a ``config.json``) or ``"builtin"`` for a :func:`resolve_model` result."""
     if isinstance(source, str) and not isinstance(source, os.PathLike) and source in BUILTIN_CONFIGS:

@@ -370,7 +370,8 @@ def load_workload(args) -> list[Conversation]:
         return synthetic_conversations(args.num_conversations, seed=args.seed, vocab_size=vocab,
                                        turns=args.synthetic_turns)
     import models
-    tok = models.registry.load_tokenizer(models.resolve_model(args.tokenizer or args.model))
+    tok = models.registry.load_tokenizer(models.registry.resolve_tokenizer(args.tokenizer) if args.tokenizer
+                                         else models.resolve_model(args.model))
     path = pathlib.Path(args.dataset) if args.dataset else bt.default_dataset_path()
     records, _ = bt.read_complete_records(path)
     convs = sample_conversations(records, tok, args.num_conversations, seed=args.seed,

@@ -556,7 +556,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "(a header-only GGUF from scripts/make_header_gguf.py will do), the HF directory / "
                         "config.json, or the built-in table; speed only, the text is noise")
     p.add_argument("--tokenizer", default=None,
-                   help="tokenize the dataset with this model's tokenizer (a name, GGUF or HF directory; vLLM "
+                   help="tokenize the dataset with this model's tokenizer (a name, GGUF, HF directory, or a directory or path of a tokenizer.json; vLLM "
                         "--tokenizer); default: --model's. The ids must be < the model's vocab_size")
     p.add_argument("--dtype", default="auto")
     p.add_argument("--kv-cache-dtype", default="auto")
@@ -661,7 +661,7 @@ def run(args) -> int:
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
     if args.tokenizer:  # vLLM's --tokenizer: sample (count) the prompts with another model's tokenizer
-        tok = models.registry.load_tokenizer(models.resolve_model(args.tokenizer))
+        tok = models.registry.load_tokenizer(models.registry.resolve_tokenizer(args.tokenizer))
     else:
         tok = models.registry.load_tokenizer(gguf)
     if getattr(tok, "is_placeholder", False):

@@ -33,7 +33,7 @@ from sim_token_budget import replay  # noqa: E402  (scripts/dev, this script's f
 def decode_batches(requests, *, seats=256, budget=8192, every=100, min_rows=8):
     """``[(step, [context length of each decoding sequence])]`` of the engine's schedule (sim_token_budget)."""
     return [(step, [c + 1 for c in contexts])   # the new token's K/V is read too
-            for step, (contexts, _, _) in enumerate(replay(requests, budget=budget, seats=seats))
+            for step, (contexts, _, _, _) in enumerate(replay(requests, budget=budget, seats=seats))
             if step % every == 0 and len(contexts) >= min_rows]
 
 

@@ -10,8 +10,12 @@ steps. Prefill: ``2 * params * prompt tokens`` plus causal attention FLOPs. The 
 bytes over bandwidth plus the prefill FLOPs over peak (they do not overlap in the engine's steps more than the
 mixed steps allow, so their sum is a fair bound; either term alone is a looser one). The *scheduled* bound
 (:func:`scheduled_bound`) replaces the packed decode term by a continuous-batching schedule's steps, each at
-least its bytes or its FLOPs: its step count is at least the longest answer. Defaults: H100 as
-measured here (device copy ~3.0 TB/s, bf16 matmul 798 TFLOP/s; KINDS.md); the H200: 4.3 TB/s, 788.
+least its bytes or its FLOPs: its step count is at least the longest answer. The *sequential* bound
+(:func:`sequential_bound`, session 23) is the one for an engine that runs a step's kernels one after another, as
+vLLM and jaxkv do: the GEMMs can hide FLOPs under their own weight reads, but decode attention's KV reads come
+on top (another kernel), and prefill goes in chunks within the token budget as seats free (the engine's
+schedule, ``sim_token_budget.replay``). Defaults: H100 as measured here (device copy ~3.0 TB/s, bf16 matmul
+798 TFLOP/s; KINDS.md); the H200: 4.3 TB/s, 788; the H100's datasheet: 3.35 TB/s, 989.
 """
 
 from __future__ import annotations
@@ -76,6 +80,53 @@ def scheduled_bound(config, requests, *, max_num_seqs: int, bandwidth: float, fl
     return dict(scheduled_steps=steps, scheduled_decode_s=decode_s, mean_rows=rows_total / max(steps, 1))
 
 
+def sequential_bound(config, requests, *, max_num_seqs: int, max_num_batched_tokens: int, bandwidth: float,
+                     flops: float, order: str = "fcfs") -> dict:
+    """The bound of an engine that runs each step's kernels one after another, on the engine's schedule.
+
+    Each step of ``sim_token_budget.replay`` (at most ``max_num_seqs`` requests, ``max_num_batched_tokens``
+    tokens a step: every decoding sequence's token, then prefill chunks in order) costs at least
+    ``max(weight bytes / bandwidth, 2 * params * tokens / flops)`` (the GEMMs, LM head included) ``+ KV bytes
+    the decoding sequences read / bandwidth`` (decode attention) ``+ prefill attention FLOPs / flops``.
+
+    Args:
+        requests: ``(prompt token ids, output len)`` pairs, in arrival order.
+        order: ``"fcfs"`` (arrival order, vLLM's default) or ``"longest_first"`` (by output length, longest
+            first: a makespan heuristic that needs the lengths in advance).
+
+    Returns:
+        ``seconds``, ``steps``, ``output_tok_s`` and ``phases``: ``{name: (steps, seconds)}`` by unfinished
+        requests at a step's start (``"1-32"``, ``"33-<max_num_seqs - 1>"``, ``">=<max_num_seqs>"``), as
+        ``bench_throughput.py`` splits a measured run.
+
+    Raises:
+        ValueError: an unknown ``order``.
+    """
+    from sim_token_budget import replay
+    if order not in ("fcfs", "longest_first"):
+        raise ValueError(f"order={order!r} is not 'fcfs' or 'longest_first'")
+    m = model_numbers(config)
+    reqs = [(len(p), n) for p, n in requests if n > 0]
+    if order == "longest_first":
+        reqs.sort(key=lambda r: -r[1])
+    attn = m["attn_flops_per_pair"]
+    names = ("1-32", f"33-{max_num_seqs - 1}", f">={max_num_seqs}")
+    phases = {k: [0, 0.0] for k in names}
+    total = 0.0
+    for contexts, chunks, _, unfinished in replay(reqs, budget=max_num_batched_tokens, seats=max_num_seqs):
+        tokens = len(contexts) + sum(c for _, c in chunks)
+        t = (max(m["weight_bytes"] / bandwidth, 2 * m["params"] * tokens / flops)
+             + m["kv_bytes_per_token"] * sum(contexts) / bandwidth
+             + sum(attn * c * (done + c / 2) for done, c in chunks) / flops)
+        phase = phases[names[0] if unfinished <= 32 else names[1] if unfinished < max_num_seqs else names[2]]
+        phase[0] += 1
+        phase[1] += t
+        total += t
+    output = sum(n for _, n in reqs)
+    return dict(seconds=total, steps=sum(p[0] for p in phases.values()), output_tok_s=output / total,
+                phases={k: tuple(v) for k, v in phases.items()})
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a model name, GGUF, HF directory, config.json or built-in name")
@@ -84,6 +135,7 @@ def main(argv=None) -> int:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--bandwidth-tb-s", type=float, default=3.0)
     p.add_argument("--tflops", type=float, default=798.0)
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the sequential bound's token budget")
     p.add_argument("--measured", type=float, default=None, help="a run's output tok/s, to compare")
     args = p.parse_args(argv)
     from models import registry
@@ -115,6 +167,15 @@ def main(argv=None) -> int:
     if args.measured:
         print(f"measured {args.measured:,.0f} = {args.measured / (b['output_tokens'] / total):.0%} of the scheduled "
               f"bound, {args.measured / (b['output_tokens'] / overlapped):.0%} of the one with prefill hidden")
+    for order in ("fcfs", "longest_first"):
+        q = sequential_bound(config, requests, max_num_seqs=args.max_num_seqs,
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             bandwidth=args.bandwidth_tb_s * 1e12, flops=args.tflops * 1e12, order=order)
+        phases = "; ".join(f"{k} unfinished: {n} steps, {sec:.2f} s" for k, (n, sec) in q["phases"].items())
+        print(f"sequential bound ({order}, {args.max_num_batched_tokens} tokens a step): {q['seconds']:.2f} s = "
+              f"{q['output_tok_s']:,.0f} output tok/s over {q['steps']} steps ({phases})"
+              + (f"; measured = {args.measured / q['output_tok_s']:.0%} of it" if args.measured and order == "fcfs"
+                 else ""))
     return 0
 
 

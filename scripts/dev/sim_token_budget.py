@@ -45,9 +45,10 @@ def gemm_ms(tokens: int) -> float:
 
 
 def replay(requests, *, budget: int, seats: int):
-    """The schedule above, step by step: yields ``(contexts, chunks, completed)``: the context length of each
-    decoding sequence before this step's token, ``(tokens already prefilled, chunk)`` of each prefill chunk, and
-    how many prompts complete (and sample their first token) in the step."""
+    """The schedule above, step by step: yields ``(contexts, chunks, completed, unfinished)``: the context length
+    of each decoding sequence before this step's token, ``(tokens already prefilled, chunk)`` of each prefill
+    chunk, how many prompts complete (and sample their first token) in the step, and how many requests are not
+    finished when it starts (waiting ones included: ``bench_throughput.py``'s "time by unfinished requests")."""
     waiting = list(requests)[::-1]
     prefilling: list[list[int]] = []  # [prompt, done, output]
     decoding: list[list[int]] = []  # [context, remaining]
@@ -55,6 +56,7 @@ def replay(requests, *, budget: int, seats: int):
         while waiting and len(prefilling) + len(decoding) < seats:
             p, o = waiting.pop()
             prefilling.append([p, 0, o])
+        unfinished = len(waiting) + len(prefilling) + len(decoding)
         room, chunks, finished = budget - len(decoding), [], []
         for r in prefilling:
             if room <= 0:
@@ -65,7 +67,7 @@ def replay(requests, *, budget: int, seats: int):
             room -= chunk
             if r[1] == r[0]:
                 finished.append(r)
-        yield [c for c, _ in decoding], chunks, len(finished)
+        yield [c for c, _ in decoding], chunks, len(finished), unfinished
         for r in decoding:
             r[0] += 1
             r[1] -= 1
@@ -81,7 +83,7 @@ def simulate(requests, *, budget: int, seats: int, args) -> dict:
     kv_bytes = 2 * 32 * 8 * 128 * 2  # per token: K and V, 32 layers, 8 KV heads of 128, bf16
     parts = dict(gemm=0.0, lm_head=0.0, attention=0.0, other=0.0)  # ms
     steps, out_tokens = 0, 0
-    for contexts, chunks, completed in replay(requests, budget=budget, seats=seats):
+    for contexts, chunks, completed, _ in replay(requests, budget=budget, seats=seats):
         tokens = len(contexts) + sum(chunk for _, chunk in chunks)
         rows = len(contexts) + completed
         attn_flops = sum(4 * 32 * 32 * 128 * chunk * (done + chunk / 2) for done, chunk in chunks)

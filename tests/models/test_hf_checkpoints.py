@@ -117,6 +117,18 @@ def test_tokenizer_files(tmp_path, tokenizer):
     assert tok.generation_config == {"temperature": 0.6, "top_p": 0.9}
 
 
+def test_tokenizer_directory_without_config(tmp_path, tokenizer):
+    """vLLM's --tokenizer: a directory of tokenizer files only (no config.json), or its tokenizer.json path."""
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    for source in (tmp_path, tmp_path / "tokenizer.json"):
+        assert registry.resolve_tokenizer(source) == tmp_path
+        tok = registry.load_tokenizer(registry.resolve_tokenizer(source))
+        assert tok.encode("Paris.") == tokenizer.encode("Paris.", add_special_tokens=False).ids
+    assert registry.resolve_tokenizer("smollm2-135m") == registry.resolve_model("smollm2-135m")
+    with pytest.raises(ValueError, match="without config.json"):
+        registry.resolve_tokenizer(tmp_path / "..")
+
+
 def test_bf16_checkpoint_into_bf16_model_keeps_the_bits(tmp_path, tokenizer):
     """A bfloat16 checkpoint loaded as bfloat16: every parameter holds exactly the stored bits (no f32 detour
     that rounds), norms in float32; on the one device."""
