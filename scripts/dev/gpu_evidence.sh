@@ -597,5 +597,22 @@ ae)  # (session 22, one GPU) XLA's dot merger off (--xla_gpu_dot_merger_threshol
   done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae"; exit 2 ;;
+af)  # (session 23, one GPU) the 8B 1000-request run with the defaults on the usual requests (SmolLM2-tokenized) and
+    # on vLLM's sampling rule with Llama 3's own tokenizer (.dummy/requests-llama3.json: bench_throughput.py
+    # --tokenizer .dummy/llama3-tokenizer --save-requests, seed 0); then the latter in-process under the profiler:
+    # device time by kernel over the whole run
+  mkdir -p /tmp/diag
+  for req in /tmp/req1000.json .dummy/requests-llama3.json; do
+    echo "== 8B, $req, LLM defaults" | tee -a /tmp/diag/big.txt
+    timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests $req --num-prompts 1000 --backend jaxkv \
+      --nvml-busy 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" -e "unfinished" \
+      | tee -a /tmp/diag/big.txt
+  done
+  echo "== 8B, .dummy/requests-llama3.json, in-process, --profile-busy" | tee /tmp/diag/big-profile.txt
+  JAXKV_PROFILE_TOP=60 timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests .dummy/requests-llama3.json \
+    --num-prompts 1000 --backend jaxkv-inproc --profile-busy 2>&1 | quiet | grep -v "INFO\|warn_once" \
+    | tee -a /tmp/diag/big-profile.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af"; exit 2 ;;
 esac
