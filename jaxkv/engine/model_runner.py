@@ -86,17 +86,32 @@ def _scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
 _SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
 
 
+# Each array of a packed buffer starts at a multiple of this many 4-byte elements (256 bytes): a static slice of a
+# parameter reaches a kernel as a pointer into it, and Mosaic GPU kernels refuse inputs that are not 256-byte
+# aligned ("Input buffer 2 is not 256-byte aligned": a mixed step's block table, session 23).
+PACK_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+
 def _pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, tuple]:
     """One ``int32`` and one ``float32`` buffer holding every host input of a step, and their static
     layout ``((name, shape, dtype), ...)``: two host-to-device copies per step instead of one per array
-    (about fifteen). ``uint32`` arrays travel as their ``int32`` bit patterns."""
+    (about fifteen). ``uint32`` arrays travel as their ``int32`` bit patterns. Each array starts at a multiple
+    of :data:`PACK_ALIGN` elements (zeros between them)."""
     ints, floats, layout = [], [], []
     for name, a in arrays.items():
         a = np.asarray(a)
         if a.dtype == np.float32:
-            floats.append(a.ravel())
+            flat, out = a.ravel(), floats
         else:
-            ints.append(a.view(np.int32).ravel() if a.dtype == np.uint32 else a.astype(np.int32, copy=False).ravel())
+            flat, out = (a.view(np.int32).ravel() if a.dtype == np.uint32
+                         else a.astype(np.int32, copy=False).ravel()), ints
+        out.append(flat)
+        if flat.size % PACK_ALIGN:
+            out.append(np.zeros(_aligned(flat.size) - flat.size, flat.dtype))
         layout.append((name, a.shape, a.dtype.name))
     empty = np.zeros(0, np.int32)
     return (np.concatenate(ints) if ints else empty,
@@ -111,7 +126,7 @@ def _unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.
         size = int(np.prod(shape, dtype=np.int64))
         buf = floats if kind == "float32" else ints
         a = buf[..., offsets[kind]:offsets[kind] + size].reshape(buf.shape[:-1] + tuple(shape))
-        offsets[kind] += size
+        offsets[kind] += _aligned(size)
         out[name] = lax.bitcast_convert_type(a, jnp.uint32) if dtype == "uint32" else a
     return out
 

@@ -638,5 +638,29 @@ ag)  # (session 23, one GPU) a mixed step's one-token rows on the Mosaic decode 
   done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag"; exit 2 ;;
+ah)  # (session 23, one GPU) stage ag again after the fix (the packed step inputs 256-byte aligned): the op test compiled;
+    # the 8B run with the decode rows apart and without; its kernel profile; XLA's exhaustive GEMM tiling search
+  mkdir -p /tmp/diag
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py \
+    tests/jaxkv/test_step_input_packing.py -rs > /tmp/diag/apart-tests.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/apart-tests.txt
+  tail -5 /tmp/diag/apart-tests.txt
+  for apart in 1 0; do
+    echo "== 8B, .dummy/requests-llama3.json, LLM defaults, JAXKV_MIXED_DECODE_APART=$apart" | tee -a /tmp/diag/big-apart.txt
+    JAXKV_MIXED_DECODE_APART=$apart timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b \
+      --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv --nvml-busy > /tmp/diag/run-$apart.log 2>&1
+    grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" -e "Error" /tmp/diag/run-$apart.log | tee -a /tmp/diag/big-apart.txt
+  done
+  echo "== the same, in-process, --profile-busy (apart)" | tee /tmp/diag/big-profile-apart.txt
+  JAXKV_PROFILE_TOP=24 timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests .dummy/requests-llama3.json \
+    --num-prompts 1000 --backend jaxkv-inproc --profile-busy 2>&1 | quiet | grep -e "  [0-9]" -e "done:" -e "busy" \
+    -e Error | tee -a /tmp/diag/big-profile-apart.txt
+  for flags in "" --xla_gpu_exhaustive_tiling_search=true; do
+    echo "== 8B decode step kernels, XLA_FLAGS=$flags" | tee -a /tmp/diag/kernels-tiling.txt
+    XLA_FLAGS="$flags" timeout $(( 595 - SECONDS )) python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1 \
+      --batches 256,64 --prompt-len 32 --new-tokens 64 --repeats 1 --num-scheduler-steps 8 --top-kernels 8 2>&1 \
+      | quiet | grep -v "^engine\|INFO\|profiler\|warn_once" | tail -22 | tee -a /tmp/diag/kernels-tiling.txt
+  done
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah"; exit 2 ;;
 esac
