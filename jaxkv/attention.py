@@ -8,7 +8,6 @@ from __future__ import annotations
 import warnings
 
 import jax
-import jax.numpy as jnp
 
 from jaxkv.checks import check_paged_metadata
 from jaxkv.metadata import AttentionMetadata
@@ -45,9 +44,7 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     (:func:`pallas_kernels.paged_attention.paged_attention`); every other batch (prefill, chunked
     prefill, prefix reuse, and mixed batches where some sequences decode, some prefill and some are
     zero-length padding dummies) goes to the prefill kernel
-    (:func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`), vLLM's ``forward_prefix``;
-    where the decode kernel is the Mosaic GPU one, a mixed batch's one-token rows go to it instead
-    (:func:`_decode_rows_apart`; ``pallas_kernels.tuning.MIXED_DECODE_ROWS_APART``).
+    (:func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`), vLLM's ``forward_prefix``.
     ``impl="pallas"``: the compiled Pallas-Triton kernels; ``"pallas_interpret"``: the same kernels in
     the Pallas interpreter (CPU tests); ``"pallas_mosaic"``: the Pallas Mosaic GPU kernels (Hopper;
     :mod:`pallas_kernels.paged_attention_mgpu` for decode, :mod:`pallas_kernels.paged_prefill_attention_mgpu`
@@ -96,46 +93,12 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     if impl == "reference":
         check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
         return _xla.paged_prefill_attention_xla(*args, scale=scale, max_query_len=metadata.max_query_len, **extras)
-    if _tuning.MIXED_DECODE_ROWS_APART and _use_mosaic("decode", q, kv_cache, impl, alibi_slopes is not None):
-        return _decode_rows_apart(q, kv_cache, metadata, scale=scale, impl=impl, interpret=interpret, **extras)
-    return _prefill_call(*args, scale=scale, max_query_len=metadata.max_query_len, impl=impl, interpret=interpret,
-                         **extras)
-
-
-def _prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, *, scale, max_query_len, impl, interpret,
-                  **extras):
-    """The prefill kernel for the batch: Mosaic GPU where :func:`_use_mosaic` says so, else Triton."""
-    args = (q, kv_cache, block_tables, seq_lens, query_start_loc)
-    if _use_mosaic("prefill", q, kv_cache, impl, extras.get("alibi_slopes") is not None,
-                   max_query_len=max_query_len, num_seqs=seq_lens.shape[0]):
+    if _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
+                   max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0]):
         return _prefill_mgpu.paged_prefill_attention_mgpu(
-            *args, scale=scale, max_query_len=max_query_len, interpret=interpret, **extras)
-    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=max_query_len,
+            *args, scale=scale, max_query_len=metadata.max_query_len, interpret=interpret, **extras)
+    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,
                                             interpret=interpret, **extras)
-
-
-def _decode_rows_apart(q, kv_cache, metadata: AttentionMetadata, *, scale, impl, interpret, **extras):
-    """A mixed batch with its one-token rows on the Mosaic decode kernel and the rest on the prefill kernel.
-
-    In the engine's mixed steps most rows decode (one new token over a context of hundreds) beside a few
-    prefill chunks; the prefill kernel gives each such row a query tile of its own and reads its context at
-    about a third of the decode kernel's speed (session 23). Here the prefill kernel sees every one-token row
-    with a context of one token (its own first slot: one page read, the result discarded) and the decode
-    kernel, on each row's first query token, sees only the one-token rows (the others with length 0, which
-    it skips); the decode rows' outputs then replace the prefill kernel's. A row with one new token is
-    exactly a decode whatever its history (a last prefill chunk of one token included). vLLM's FlashInfer
-    and MLA backends split a batch into decodes and prefills the same way (``split_decodes_and_prefills``),
-    after reordering decodes first; the gather and scatter here make the reorder unnecessary.
-    """
-    starts = metadata.query_start_loc[:-1]
-    one_token = metadata.query_start_loc[1:] - starts == 1
-    out = _prefill_call(q, kv_cache, metadata.block_tables, jnp.where(one_token, 1, metadata.seq_lens),
-                        metadata.query_start_loc, scale=scale, max_query_len=metadata.max_query_len, impl=impl,
-                        interpret=interpret, **extras)
-    decoded = _decode_mgpu.paged_attention_mgpu(
-        q[jnp.minimum(starts, q.shape[0] - 1)], kv_cache, metadata.block_tables,
-        jnp.where(one_token, metadata.seq_lens, 0), scale=scale, interpret=interpret, **extras)
-    return out.at[jnp.where(one_token, starts, q.shape[0])].set(decoded, mode="drop")
 
 
 def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: bool, *,

@@ -614,7 +614,8 @@ af)  # (session 23, one GPU) the 8B 1000-request run with the defaults on the us
     | tee -a /tmp/diag/big-profile.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-ag)  # (session 23, one GPU) a mixed step's one-token rows on the Mosaic decode kernel (jaxkv.attention._decode_rows_apart):
+ag)  # (session 23, one GPU; the split was reverted after stage ah measured it level) a mixed step's one-token rows on
+    # the Mosaic decode kernel (jaxkv.attention._decode_rows_apart, commit 2c272b6):
     # the op test compiled; the 8B run (vLLM's rule, Llama 3 tokens) with it and without (JAXKV_MIXED_DECODE_APART=0),
     # one after the other; its kernel profile; then XLA's exhaustive Triton GEMM tiling search at 256 and 64 rows
   mkdir -p /tmp/diag

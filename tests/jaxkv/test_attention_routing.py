@@ -113,38 +113,3 @@ def test_prefill_kernel_inside_jit(rng):
     step = jax.jit(lambda q, kv, md: jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="pallas_interpret"))
     ref = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="reference")
     assert rel_err(step(q, kv, md), np.asarray(ref, np.float64)) < TOLERANCE["float32"]
-
-
-def _hopper() -> bool:
-    d = jax.devices()[0]
-    return d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
-
-
-@pytest.mark.parametrize("impl", ["pallas_mosaic_interpret",
-                                  pytest.param("pallas_mosaic", marks=pytest.mark.skipif(
-                                      not _hopper(), reason="compiled Mosaic GPU kernels need an sm_90 GPU"))])
-@pytest.mark.parametrize("apart", [True, False])
-def test_mixed_batch_decode_rows_apart_on_the_mosaic_decode_kernel(rng, monkeypatch, apart, impl):
-    """Mosaic impls: a mixed batch's one-token rows go to the decode kernel, the rest to the prefill kernel,
-    and the result matches the reference on every real token (interpreted on CPU, compiled on an H100)."""
-    from pallas_kernels import paged_attention_mgpu as mgpu_mod
-    from pallas_kernels import tuning
-    monkeypatch.setattr(tuning, "MIXED_DECODE_ROWS_APART", apart)
-    decode_spy = _Spy(mgpu_mod.paged_attention_mgpu)
-    monkeypatch.setattr(mgpu_mod, "paged_attention_mgpu", decode_spy)
-    # a prefill, a decode over 30 tokens, a chunk after a cached prefix, a decode over 4, a one-token last chunk
-    # of a prompt (a decode too), then two dummies and padding tokens
-    context_lens, query_lens = [0, 30, 11, 4, 9], [13, 1, 6, 1, 1]
-    q, kv, md = _batch(rng, context_lens, query_lens, num_seqs_padded=7, num_tokens_padded=28)
-    q, kv = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
-    out = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl=impl)
-    assert len(decode_spy.calls) == (1 if apart else 0)
-    ref = np.asarray(jaxkv.paged_attention(q.astype(jnp.float32), kv.astype(jnp.float32), md, scale=SCALE,
-                                           impl="reference"), np.float64)
-    num_real = sum(query_lens)
-    got = np.asarray(out[:num_real].astype(jnp.float32))
-    assert np.isfinite(got).all()
-    assert rel_err(got, ref[:num_real]) < TOLERANCE["bfloat16"]
-    # the decode rows' tokens (starts 13, 20, 21) are the decode kernel's
-    for token, ctx in ((13, 31), (20, 5), (21, 10)):
-        assert rel_err(got[token], ref[token]) < TOLERANCE["bfloat16"], (token, ctx)
