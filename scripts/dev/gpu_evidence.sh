@@ -663,5 +663,24 @@ ah)  # (session 23, one GPU) stage ag again after the fix (the packed step input
   done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah"; exit 2 ;;
+ai)  # (session 23, one GPU) XLA's block-level fusion rewriter (Triton fusions of a reduction and its elementwise users:
+    # the RMSNorm's reduce and apply in one kernel) at the 8B decode step's 256 and 64 rows, then the 8B run (vLLM's
+    # rule, Llama 3 tokens) with it and without, one after the other
+  mkdir -p /tmp/diag
+  BL=--xla_gpu_experimental_enable_fusion_block_level_rewriter=true
+  for flags in "" $BL; do
+    echo "== 8B decode step kernels, XLA_FLAGS=$flags" | tee -a /tmp/diag/kernels-blocklevel.txt
+    XLA_FLAGS="$flags" timeout 150 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --tp 1 \
+      --batches 256 --prompt-len 32 --new-tokens 64 --repeats 1 --num-scheduler-steps 8 --top-kernels 16 2>&1 \
+      | quiet | grep -v "^engine\|INFO\|profiler\|warn_once" | tail -40 | tee -a /tmp/diag/kernels-blocklevel.txt
+  done
+  for flags in $BL ""; do
+    echo "== 8B, .dummy/requests-llama3.json, LLM defaults, XLA_FLAGS=$flags" | tee -a /tmp/diag/big-blocklevel.txt
+    XLA_FLAGS="$flags" timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests .dummy/requests-llama3.json \
+      --num-prompts 1000 --backend jaxkv --nvml-busy > /tmp/diag/run-bl-${flags:+on}.log 2>&1
+    grep -e "^jaxkv " -e "start-up" -e nvml -e "Error" /tmp/diag/run-bl-${flags:+on}.log | tee -a /tmp/diag/big-blocklevel.txt
+  done
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai"; exit 2 ;;
 esac
