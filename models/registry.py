@@ -84,14 +84,19 @@ def resolve_tokenizer(tokenizer: str | os.PathLike) -> pathlib.Path | str:
     takes (a model's own tokenizer). The result goes to :func:`load_tokenizer`.
 
     Raises:
-        ValueError / FileNotFoundError: what :func:`resolve_model` raises for a source that is none of these.
+        ValueError: none of these (naming ``tokenizer`` and what :func:`resolve_model` said).
+        FileNotFoundError: a model name whose package is not installed (the message gives the install command).
     """
     path = pathlib.Path(tokenizer)
     if path.is_dir() and (path / "tokenizer.json").is_file():
         return path
     if path.is_file() and path.name == "tokenizer.json":
         return path.parent
-    return resolve_model(tokenizer)
+    try:
+        return resolve_model(tokenizer)
+    except ValueError as e:
+        raise ValueError(f"tokenizer={str(tokenizer)!r} is not a directory holding tokenizer.json, a tokenizer.json "
+                         f"path, nor a model ({e})") from None
 
 
 def model_format(source) -> str:
@@ -173,14 +178,34 @@ def load_tokenizer(source, config: DecoderConfig | None = None):
                                 eos_token_id=raw.get("eos_token_id", config.eos_token_id))
 
 
-def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto"):
+def load_model_tokenizer(path, tokenizer: str | os.PathLike | None = None, config: DecoderConfig | None = None):
+    """The tokenizer a model runs with: ``tokenizer`` (vLLM's ``tokenizer`` argument; see
+    :func:`resolve_tokenizer`) when given, else the model's own (:func:`load_tokenizer` of ``path``).
+
+    Raises:
+        ValueError: a ``tokenizer`` with more tokens than the model's ``vocab_size`` (its ids would index past
+            the embedding), naming both; what :func:`resolve_tokenizer` and :func:`load_tokenizer` raise.
+    """
+    if tokenizer is None:
+        return load_tokenizer(path, config)
+    tok = load_tokenizer(resolve_tokenizer(tokenizer))
+    vocab = (config or load_config(path)).vocab_size
+    if tok.vocab_size > vocab:
+        raise ValueError(f"tokenizer={str(tokenizer)!r} has {tok.vocab_size} tokens, more than the model's "
+                         f"vocab_size={vocab}")
+    return tok
+
+
+def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto",
+                    tokenizer: str | os.PathLike | None = None):
     """``(config, weights, tokenizer)`` of a :func:`resolve_model` result; :func:`build_model` makes the model.
 
     ``weights`` is a dict of float32 NumPy arrays for a GGUF, an :class:`HFCheckpoint` (read by
     :func:`build_model` onto the devices) for an HF directory, and ``None`` with ``load_format="dummy"``
     (vLLM's ``--load-format dummy``): only the config and the tokenizer are read, :func:`build_model` makes
     random weights on the device. The GGUF may then be a header-only copy (``scripts/make_header_gguf.py``),
-    the HF directory a bare ``config.json``, or the model a built-in name.
+    the HF directory a bare ``config.json``, or the model a built-in name. ``tokenizer``: another tokenizer
+    than the model's (:func:`load_model_tokenizer`).
 
     Raises:
         ValueError: ``load_format`` not one of :data:`LOAD_FORMATS`; a built-in name or a bare ``config.json``
@@ -191,20 +216,23 @@ def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto"):
     fmt = model_format(path)
     if fmt == "gguf":
         if load_format == "dummy":  # metadata only: the cached header, no parse of the file
-            return load_config(path), None, GGUFTokenizer.from_gguf(path)
+            config = load_config(path)
+            return config, None, (GGUFTokenizer.from_gguf(path) if tokenizer is None
+                                  else load_model_tokenizer(path, tokenizer, config))
         reader = open_gguf(path)
         if architecture(reader) == "gemma3":
             config, weights = load_gemma3_gguf(reader, progress=progress)
         else:
             config, weights = load_llama_gguf(reader, progress=progress)
-        return config, weights, GGUFTokenizer.from_gguf(reader)
+        return config, weights, (GGUFTokenizer.from_gguf(reader) if tokenizer is None
+                                 else load_model_tokenizer(path, tokenizer, config))
     config = load_config(path)
-    tokenizer = load_tokenizer(path, config)
+    tok = load_model_tokenizer(path, tokenizer, config)
     if load_format == "dummy":
-        return config, None, tokenizer
+        return config, None, tok
     if fmt == "builtin" or not pathlib.Path(path).is_dir():
         raise ValueError(f"model={model_name(path)!r} is a config without weights: use load_format='dummy'")
-    return config, HFCheckpoint(pathlib.Path(path)), tokenizer
+    return config, HFCheckpoint(pathlib.Path(path)), tok
 
 
 def load_config(path) -> DecoderConfig:

@@ -121,6 +121,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "config.json or a built-in name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, mistral-7b, gemma-3-4b)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights made on the device (speed only; the text is noise)")
+    p.add_argument("--tokenizer", default=None,
+                   help="another tokenizer than the model's (vLLM --tokenizer): a directory with tokenizer.json, a "
+                        "tokenizer.json path or a model name")
     p.add_argument("--gguf", default=None, help="a GGUF path (overrides --model)")
     p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
                    help="devices each model replica is split over (heads, MLP)")
@@ -159,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
     # the sizes depend on the prompts: tokenize with the model's tokenizer first (no weights; the GGUF
     # reader is shared with the weight loader)
     path = models.resolve_model(args.gguf or args.model)
-    tok = models.registry.load_tokenizer(path)
+    tok = models.registry.load_model_tokenizer(path, args.tokenizer)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in args.prompt]
     # chat prompts carry their BOS in the template; plain prompts get it from the tokenizer
@@ -185,7 +188,7 @@ def run(args: argparse.Namespace) -> int:
                      tensor_parallel_size=args.tensor_parallel_size, data_parallel_size=args.data_parallel_size,
                      enable_multiprocessing=args.enable_multiprocessing if mp is None else mp,
                      load_format=args.load_format, kv_offloading_size=args.kv_offloading_size,
-                     preemption_mode=args.preemption_mode)
+                     preemption_mode=args.preemption_mode, tokenizer=args.tokenizer)
     info = llm.engine_info[0]
     impl = info["attention_impl"]
     if args.attention_impl is None and not info["device"].startswith("gpu"):

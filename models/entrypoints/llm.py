@@ -43,9 +43,9 @@ class LLM:
             ``Qwen3ForCausalLM``, ``Gemma3ForCausalLM``; docs/models.md), or with ``load_format="dummy"`` a
             ``config.json`` or a built-in name (``llama-3.1-8b``, ``qwen2.5-7b``, ``qwen3-8b``, ``mistral-7b``,
             ``gemma-3-4b``; random weights made on the device(s), a byte-level placeholder tokenizer for a
-            built-in name). Models with sliding-window layers (Gemma 3, Mistral) run with hybrid KV-cache
-            groups: sliding-window layers keep only their window's blocks.
-        dtype, kv_cache_dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
+            built-in name; give ``tokenizer`` for a real one). Models with sliding-window layers (Gemma 3,
+            Mistral) run with hybrid KV-cache groups: sliding-window layers keep only their window's blocks.
+        tokenizer, dtype, kv_cache_dtype, block_size, max_model_len, max_num_seqs, max_num_batched_tokens,
             gpu_memory_utilization, num_gpu_blocks, enable_prefix_caching, long_prefill_token_threshold,
             num_scheduler_steps, max_admission_delay_steps, async_scheduling, attention_impl, seed,
             return_logits, tensor_parallel_size, load_format, compile_ahead, compilation_cache_dir,
@@ -105,8 +105,8 @@ class LLM:
             weakref.finalize(self, self._client.shutdown)
             try:
                 # while the cores start, this process reads what it needs itself (in parallel with them)
-                self.tokenizer = registry.load_tokenizer(path)
                 self.config = registry.load_config(path)
+                self.tokenizer = registry.load_model_tokenizer(path, self.engine_args.tokenizer, self.config)
                 self.engine_info = self._client.wait_ready()
             except EngineDeadError as e:
                 self._client.shutdown()

@@ -125,7 +125,7 @@ def test_tokenizer_directory_without_config(tmp_path, tokenizer):
         tok = registry.load_tokenizer(registry.resolve_tokenizer(source))
         assert tok.encode("Paris.") == tokenizer.encode("Paris.", add_special_tokens=False).ids
     assert registry.resolve_tokenizer("smollm2-135m") == registry.resolve_model("smollm2-135m")
-    with pytest.raises(ValueError, match="without config.json"):
+    with pytest.raises(ValueError, match=r"tokenizer='.*' is not a directory holding tokenizer.json.*without config"):
         registry.resolve_tokenizer(tmp_path / "..")
 
 
@@ -205,3 +205,25 @@ def test_tensor_parallel_size_that_does_not_split_names_the_field(tmp_path, toke
     with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by tensor_parallel_size=3"):
         from models.parallel import check_model_tensor_parallel
         check_model_tensor_parallel(registry.load_config(tmp_path), 3)
+
+
+def test_llm_with_another_tokenizer(tmp_path, tokenizer):
+    """LLM(tokenizer=...) (vLLM's): dummy weights of a bare config.json, a tokenizer-only directory beside them;
+    prompts are encoded and outputs decoded with it. A tokenizer larger than the model's vocabulary is refused."""
+    model_dir, tok_dir = tmp_path / "model", tmp_path / "tok"
+    model_dir.mkdir()
+    tok_dir.mkdir()
+    (model_dir / "config.json").write_text(json.dumps(hfc.hf_config("LlamaForCausalLM", tokenizer.get_vocab_size())))
+    tokenizer.save(str(tok_dir / "tokenizer.json"))
+    with models.LLM(model_dir, load_format="dummy", tokenizer=str(tok_dir), dtype="float32",
+                    attention_impl="reference", enable_multiprocessing=False, num_gpu_blocks=16,
+                    max_model_len=64) as llm:
+        prompt = "The capital of France"
+        assert llm.tokenizer.encode(prompt) == tokenizer.encode(prompt, add_special_tokens=False).ids
+        out = llm.generate([prompt], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True), use_tqdm=False)[0]
+        assert out.prompt_token_ids[0] == 0  # BOS from the given tokenizer.json's post-processor
+        assert len(out.outputs[0].token_ids) == 4
+        assert out.outputs[0].text == tokenizer.decode(out.outputs[0].token_ids)
+    (model_dir / "config.json").write_text(json.dumps(hfc.hf_config("LlamaForCausalLM", 100)))
+    with pytest.raises(ValueError, match=r"tok'? has \d+ tokens, more than the model's vocab_size=100"):
+        models.LLM(model_dir, load_format="dummy", tokenizer=str(tok_dir), enable_multiprocessing=False)

@@ -21,6 +21,7 @@ def run(*args, timeout=300):
     (["--prompt", "hi", "--temperature", "-1"], "error: temperature=-1.0 must be >= 0"),
     (["--prompt", "hi", "--top-p", "0"], "error: top_p=0.0 must be in (0, 1]"),
     (["--prompt", "hi", "--max-new-tokens", "0"], "error: max_tokens=0 must be >= 1"),
+    (["--prompt", "hi", "--tokenizer", "/nonexistent"], "error: tokenizer='/nonexistent' is not a directory holding"),
 ])
 def test_bad_arguments_fail_fast_with_one_line(args, message):
     proc = run(*args)
