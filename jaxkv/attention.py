@@ -8,6 +8,8 @@ from __future__ import annotations
 import warnings
 
 import jax
+import jax.numpy as jnp
+from jax import lax
 
 from jaxkv.checks import check_paged_metadata
 from jaxkv.metadata import AttentionMetadata
@@ -44,7 +46,9 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     (:func:`pallas_kernels.paged_attention.paged_attention`); every other batch (prefill, chunked
     prefill, prefix reuse, and mixed batches where some sequences decode, some prefill and some are
     zero-length padding dummies) goes to the prefill kernel
-    (:func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`), vLLM's ``forward_prefix``.
+    (:func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention`), vLLM's ``forward_prefix``;
+    where the decode kernel is the Mosaic GPU one, a mixed batch's leading one-token rows go to it instead
+    (:func:`_leading_decodes_apart`; ``pallas_kernels.tuning.MIXED_DECODES_FIRST_APART``).
     ``impl="pallas"``: the compiled Pallas-Triton kernels; ``"pallas_interpret"``: the same kernels in
     the Pallas interpreter (CPU tests); ``"pallas_mosaic"``: the Pallas Mosaic GPU kernels (Hopper;
     :mod:`pallas_kernels.paged_attention_mgpu` for decode, :mod:`pallas_kernels.paged_prefill_attention_mgpu`
@@ -93,12 +97,57 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     if impl == "reference":
         check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
         return _xla.paged_prefill_attention_xla(*args, scale=scale, max_query_len=metadata.max_query_len, **extras)
-    if _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
-                   max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0]):
+    if (_tuning.MIXED_DECODES_FIRST_APART and _use_mosaic("decode", q, kv_cache, impl, alibi_slopes is not None)
+            and not _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
+                                max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0])):
+        return _leading_decodes_apart(q, kv_cache, metadata, scale=scale, interpret=interpret, **extras)
+    return _prefill_call(*args, scale=scale, max_query_len=metadata.max_query_len, impl=impl, interpret=interpret,
+                         **extras)
+
+
+def _prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, *, scale, max_query_len, impl, interpret,
+                  **extras):
+    """The prefill kernel for the batch: Mosaic GPU where :func:`_use_mosaic` says so, else Triton."""
+    args = (q, kv_cache, block_tables, seq_lens, query_start_loc)
+    if _use_mosaic("prefill", q, kv_cache, impl, extras.get("alibi_slopes") is not None,
+                   max_query_len=max_query_len, num_seqs=seq_lens.shape[0]):
         return _prefill_mgpu.paged_prefill_attention_mgpu(
-            *args, scale=scale, max_query_len=metadata.max_query_len, interpret=interpret, **extras)
-    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,
+            *args, scale=scale, max_query_len=max_query_len, interpret=interpret, **extras)
+    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=max_query_len,
                                             interpret=interpret, **extras)
+
+
+def _leading_decodes_apart(q, kv_cache, metadata: AttentionMetadata, *, scale, interpret, **extras):
+    """A mixed batch whose leading one-token rows run on the Mosaic decode kernel and the rest on the Triton prefill
+    kernel (the only one that takes a ``query_start_loc`` starting past 0; batches the Mosaic prefill kernel would
+    take do not come here).
+
+    The scheduler puts a mixed step's one-token rows first (:meth:`jaxkv.core.scheduler.Scheduler.schedule`, as
+    vLLM's model runner reorders decodes first for its FlashInfer and MLA backends), so their tokens are the
+    batch's first ``D`` and ``query_start_loc[i] == i`` for ``i <= D``. The prefill kernel then gets
+    ``max(query_start_loc, D)``: the leading rows have no new token there, hence no query tile (the kernel's
+    grid had given each a program of its own, a fixed cost per row that reading its context did not explain:
+    session 23). The decode kernel reads every row's first token with the other rows' lengths set to 0, which
+    it skips, and its first ``D`` rows replace the prefill kernel's output there. Only the leading run counts
+    as ``D``; a one-token row after a longer one goes to the prefill kernel, which is exact for it too, so the
+    result does not depend on the order, only the speed. A one-token row is exactly a decode whatever its
+    history (a one-token last prefill chunk included).
+    """
+    qsl, seq_lens = metadata.query_start_loc, metadata.seq_lens
+    num_rows, num_tokens = seq_lens.shape[0], q.shape[0]
+    one_token = (qsl[1:] - qsl[:-1]) == 1
+    num_decodes = jnp.sum(jnp.cumprod(one_token.astype(jnp.int32)))  # the leading run
+    leading = jnp.arange(num_rows) < num_decodes
+    out = _prefill.paged_prefill_attention(q, kv_cache, metadata.block_tables, jnp.where(leading, 0, seq_lens),
+                                           jnp.maximum(qsl, num_decodes), scale=scale,
+                                           max_query_len=metadata.max_query_len, interpret=interpret, **extras)
+    n = min(num_rows, num_tokens)  # row i < D is token i
+    q_rows = q[:num_rows] if num_tokens >= num_rows else jnp.pad(q, ((0, num_rows - num_tokens), (0, 0), (0, 0)))
+    decoded = _decode_mgpu.paged_attention_mgpu(q_rows, kv_cache, metadata.block_tables,
+                                                jnp.where(leading, seq_lens, 0), scale=scale, interpret=interpret,
+                                                **extras)
+    head = jnp.where(leading[:n, None, None], decoded[:n], out[:n])
+    return lax.dynamic_update_slice(out, head, (0, 0, 0))
 
 
 def _use_mosaic(kind: str, q: jax.Array, kv_cache: jax.Array, impl: str, alibi: bool, *,

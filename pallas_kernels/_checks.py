@@ -152,13 +152,14 @@ def check_block_ids(mode: str, ids, used, where: str, num_blocks: int | None, *,
 # ------------------------------------------------------------------------------------------------
 
 def check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc=None, *,
-                         num_tokens: int | None = None, max_query_len: int | None = None) -> None:
+                         num_tokens: int | None = None, max_query_len: int | None = None,
+                         query_offset: bool = False) -> None:
     """Value checks of a paged-attention batch: everything the kernels rely on to stay in bounds.
 
     ``seq_lens[s]`` in ``[0, max_num_blocks_per_seq * block_size]``; every block a sequence reads
     (logical blocks ``i < cdiv(seq_lens[s], block_size)``) a block id in ``[0, num_blocks)`` (entries
-    past them are never read and are not checked); with ``query_start_loc`` (prefill): it starts at 0,
-    never decreases, ends at most at ``num_tokens``, and each ``query_len`` is at most ``max_query_len``
+    past them are never read and are not checked); with ``query_start_loc`` (prefill): it starts at 0 (at
+    ``>= 0`` with ``query_offset``: tokens before it belong to no sequence), never decreases, ends at most at ``num_tokens``, and each ``query_len`` is at most ``max_query_len``
     and its ``seq_len``. Host mode when the metadata is concrete, checkify when traced and the check mode
     is on, nothing otherwise (see the module docstring). Inputs whose shapes are wrong are skipped: the
     ops' shape checks report them.
@@ -170,6 +171,7 @@ def check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc=None,
         query_start_loc: ``int32[num_seqs + 1]`` or ``None`` (decode: one query per sequence).
         num_tokens: rows of ``q`` (with ``query_start_loc``).
         max_query_len: static bound on each ``query_len`` (with ``query_start_loc``).
+        query_offset: the kernel accepts a ``query_start_loc`` that starts past 0 (the Triton prefill kernel).
 
     Raises:
         ValueError: in host mode, naming the field, the index, the value and the bound.
@@ -188,7 +190,10 @@ def check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc=None,
     num_seqs, width = tables.shape
     seq = np_.arange(num_seqs)
     if qsl is not None:
-        require(mode, qsl[0] == 0, "query_start_loc[0]={value} must be 0", value=qsl[0])
+        if query_offset:
+            require(mode, qsl[0] >= 0, "query_start_loc[0]={value} must be >= 0", value=qsl[0])
+        else:
+            require(mode, qsl[0] == 0, "query_start_loc[0]={value} must be 0", value=qsl[0])
         steps = qsl[1:] - qsl[:-1]
         require(mode, steps >= 0, "query_start_loc[{next}]={hi} < query_start_loc[{s}]={lo}: "
                 "query_start_loc must be non-decreasing", index_names=("s",), next=seq + 1, hi=qsl[1:],

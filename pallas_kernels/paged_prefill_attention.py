@@ -277,8 +277,10 @@ def _paged_prefill_attention_pallas(
     )(tiles.q_start, tiles.q_len, tiles.seq_len, tiles.row0, block_tables[tiles.seq], q4, kv_cache, kv_cache,
       *kv_scales, alibi_slopes)
     out = out.reshape(num_tokens, num_heads, head_size)
-    # Tokens past query_start_loc[-1] belong to no sequence and are never written: give them 0.
-    owned = jnp.arange(num_tokens) < query_start_loc[-1]
+    # Tokens before query_start_loc[0] or past query_start_loc[-1] belong to no sequence and are never written:
+    # give them 0.
+    token = jnp.arange(num_tokens)
+    owned = (token >= query_start_loc[0]) & (token < query_start_loc[-1])
     return jnp.where(owned[:, None, None], out, jnp.zeros((), q.dtype))
 
 
@@ -306,14 +308,16 @@ def _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_le
 
 
 def check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, *, max_query_len, k_scale,
-                       v_scale, alibi_slopes, sliding_window, logits_soft_cap, scale) -> None:
+                       v_scale, alibi_slopes, sliding_window, logits_soft_cap, scale,
+                       query_offset: bool = False) -> None:
     """The checks every paged prefill kernel (Triton, Mosaic GPU) runs on entry: shapes, dtypes and static
     arguments (:func:`_validate`), the metadata values when concrete
-    (:func:`pallas_kernels._checks.check_paged_metadata`) and the head size. Raises ``ValueError``."""
+    (:func:`pallas_kernels._checks.check_paged_metadata`; ``query_offset``: a ``query_start_loc`` may start
+    past 0) and the head size. Raises ``ValueError``."""
     _validate(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len, k_scale, v_scale,
               alibi_slopes, sliding_window, logits_soft_cap, scale)
     _checks.check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc, num_tokens=q.shape[0],
-                                 max_query_len=max_query_len)
+                                 max_query_len=max_query_len, query_offset=query_offset)
     _check_head_size(q.shape[-1])
 
 
@@ -367,7 +371,8 @@ def paged_prefill_attention(
 
     Args:
         q: ``[num_tokens, num_heads, head_size]`` f32/bf16/f16, the new tokens of all sequences,
-            concatenated. Tokens past ``query_start_loc[-1]`` are padding: their output is 0.
+            concatenated. Tokens before ``query_start_loc[0]`` or past ``query_start_loc[-1]`` belong to no
+            sequence: their output is 0.
         kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` in ``q.dtype`` or fp8
             (``float8_e4m3fn`` / ``float8_e5m2``, dequantised in registers), holding every token of every
             sequence up to its ``seq_len`` (the new ones included); index 0 keys, 1 values.
@@ -375,8 +380,9 @@ def paged_prefill_attention(
             ``cdiv(seq_lens[s], block_size)`` are never read.
         seq_lens: ``int32[num_seqs]`` cached + new tokens per sequence.
         query_start_loc: ``int32[num_seqs + 1]``; sequence ``s`` owns tokens
-            ``[query_start_loc[s], query_start_loc[s+1])`` of ``q``. A sequence with no new token (a
-            padding dummy) costs nothing and writes nothing.
+            ``[query_start_loc[s], query_start_loc[s+1])`` of ``q``; it may start past 0 (the tokens before
+            are someone else's: ``jaxkv.attention`` runs a mixed batch's leading decodes on the decode kernel
+            so). A sequence with no new token (a padding dummy) costs nothing and writes nothing.
         scale: softmax scale, usually ``head_size ** -0.5``.
         max_query_len: bound on every ``query_len`` (static; sets the grid's query-tile count).
         k_scale, v_scale: f32 scalars, fp8 dequantisation scales; required for an fp8 cache, default 1.
@@ -398,14 +404,15 @@ def paged_prefill_attention(
     Raises:
         ValueError: inconsistent shapes, unsupported dtype, head size > 256, non-int32 metadata, an fp8
             cache without scales, a bad window / cap / tuning knob, a block size that is not a power of
-            two; with concrete metadata also a ``query_start_loc`` that does not start at 0, decreases or
+            two; with concrete metadata also a ``query_start_loc`` that starts below 0, decreases or
             runs past ``num_tokens``, a ``query_len`` above ``max_query_len`` or its ``seq_len``, a block
             table too narrow for a ``seq_len`` or holding a block id outside the cache among the blocks
             a sequence reads (:func:`pallas_kernels._checks.check_paged_metadata`, shared with decode).
     """
     check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
                        k_scale=k_scale, v_scale=v_scale, alibi_slopes=alibi_slopes,
-                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale)
+                       sliding_window=sliding_window, logits_soft_cap=logits_soft_cap, scale=scale,
+                       query_offset=True)
     head_size, block_size = q.shape[-1], kv_cache.shape[3]
     if block_size & (block_size - 1):
         raise ValueError(f"block_size={block_size} must be a power of two for the Pallas kernel")

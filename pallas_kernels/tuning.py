@@ -128,6 +128,12 @@ MGPU_DECODE_PRODUCER_CONVERTS = True
 # $JAXKV_MGPU_DECODE_BALANCE=0 deals them in batch order (for A/B runs).
 MGPU_DECODE_BALANCE = os.environ.get("JAXKV_MGPU_DECODE_BALANCE", "1") != "0"
 MGPU_DECODE_PRODUCER_STAGES = 2
+# Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
+# (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention._leading_decodes_apart),
+# instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed
+# steps, 0.84 s of a 23.9 s run; giving those rows a one-slot context there still left 241 us: a program per row).
+# $JAXKV_MIXED_DECODES_APART=0 sends every row to the prefill kernel (for A/B runs).
+MIXED_DECODES_FIRST_APART = os.environ.get("JAXKV_MIXED_DECODES_APART", "1") != "0"
 # fp8 decode with the compute warpgroup converting (the one-CTA-per-item kernel, or producer_converts=False):
 # each fp8 tile converted beside the other operand's wgmma (paged_attention_mgpu's ``convert_ahead``) rather
 # than in step order: 1.45-1.56x against 1.40-1.49x at batch >= 64 in the run above.

@@ -682,5 +682,25 @@ ai)  # (session 23, one GPU) XLA's block-level fusion rewriter (Triton fusions o
   done
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai"; exit 2 ;;
+aj)  # (session 23, one GPU) a mixed step's leading one-token rows on the Mosaic decode kernel, the rest on the Triton
+    # prefill kernel with query_start_loc starting past them (jaxkv.attention._leading_decodes_apart; the scheduler puts
+    # them first): the tests compiled; the 8B run (vLLM's rule, Llama 3 tokens) with it and without
+    # (JAXKV_MIXED_DECODES_APART=0), one after the other; the kernel profile of a run with it
+  mkdir -p /tmp/diag
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py \
+    tests/pallas_kernels/test_paged_prefill_kernel.py -rs > /tmp/diag/tests.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/tests.txt
+  tail -4 /tmp/diag/tests.txt
+  for apart in 1 0; do
+    echo "== 8B, .dummy/requests-llama3.json, LLM defaults, JAXKV_MIXED_DECODES_APART=$apart" | tee -a /tmp/diag/big.txt
+    JAXKV_MIXED_DECODES_APART=$apart timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b \
+      --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv --nvml-busy > /tmp/diag/run-$apart.log 2>&1
+    grep -e "^jaxkv " -e "start-up" -e nvml -e "Error" /tmp/diag/run-$apart.log | tee -a /tmp/diag/big.txt
+  done
+  echo "== the same, in-process, --profile-busy (apart)" | tee /tmp/diag/big-profile.txt
+  JAXKV_PROFILE_TOP=30 timeout $(( 595 - SECONDS )) $B --model llama-3.1-8b --requests .dummy/requests-llama3.json \
+    --num-prompts 1000 --backend jaxkv-inproc --profile-busy 2>&1 | quiet | grep -e "  [0-9]" -e "done:" -e "busy" \
+    -e Error | tee -a /tmp/diag/big-profile.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai | aj"; exit 2 ;;
 esac

@@ -113,3 +113,44 @@ def test_prefill_kernel_inside_jit(rng):
     step = jax.jit(lambda q, kv, md: jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="pallas_interpret"))
     ref = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl="reference")
     assert rel_err(step(q, kv, md), np.asarray(ref, np.float64)) < TOLERANCE["float32"]
+
+
+def _hopper() -> bool:
+    d = jax.devices()[0]
+    return d.platform == "gpu" and getattr(d, "compute_capability", "") == "9.0"
+
+
+@pytest.mark.parametrize("impl", [pytest.param("pallas_interpret", marks=pytest.mark.skipif(
+                                      jax.default_backend() == "gpu", reason="the Mosaic GPU interpreter is for CPU")),
+                                  pytest.param("pallas", marks=pytest.mark.skipif(
+                                      not _hopper(), reason="compiled Mosaic GPU kernels need an sm_90 GPU"))])
+@pytest.mark.parametrize("apart", [True, False])
+@pytest.mark.parametrize("order", ["decodes_first", "mixed_order"])
+def test_mixed_batch_leading_decodes_on_the_mosaic_decode_kernel(rng, monkeypatch, apart, order, impl):
+    """Where decode runs on the Mosaic kernel and prefill on Triton (the 8B shape on an H100; forced here), a mixed
+    batch's leading one-token rows go to the decode kernel and the rest to the prefill kernel; every real token
+    matches the reference (interpreters on CPU, compiled on an H100), whatever the row order."""
+    from jaxkv import attention as attention_mod
+    from pallas_kernels import paged_attention_mgpu as mgpu_mod
+    from pallas_kernels import tuning
+    monkeypatch.setattr(tuning, "MIXED_DECODES_FIRST_APART", apart)
+    monkeypatch.setattr(attention_mod, "_use_mosaic", lambda kind, *a, **k: kind == "decode")
+    decode_spy = _Spy(mgpu_mod.paged_attention_mgpu)
+    monkeypatch.setattr(mgpu_mod, "paged_attention_mgpu", decode_spy)
+    if order == "decodes_first":  # as the scheduler orders a mixed step: decodes over 30, 4 and 9 tokens, a one-token
+        # last chunk of a prompt (a decode too), then a prefill and a chunk after a cached prefix; dummies; padding
+        context_lens, query_lens = [30, 4, 9, 17, 0, 11], [1, 1, 1, 1, 13, 6]
+    else:  # one-token rows after longer ones go to the prefill kernel
+        context_lens, query_lens = [30, 0, 4, 11, 9], [1, 13, 1, 6, 1]
+    q, kv, md = _batch(rng, context_lens, query_lens, num_seqs_padded=8, num_tokens_padded=32)
+    q, kv = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
+    out = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl=impl)
+    assert len(decode_spy.calls) == (1 if apart else 0)
+    ref = np.asarray(jaxkv.paged_attention(q.astype(jnp.float32), kv.astype(jnp.float32), md, scale=SCALE,
+                                           impl="reference"), np.float64)
+    num_real = sum(query_lens)
+    got = np.asarray(out.astype(jnp.float32))
+    assert np.isfinite(got).all()
+    for token in range(num_real):  # each token on its own: a wrong row would hide in a whole-batch norm
+        assert rel_err(got[token], ref[token]) < TOLERANCE["bfloat16"], token
+    np.testing.assert_array_equal(got[num_real:], 0.0)  # padding tokens

@@ -117,7 +117,7 @@ def test_prefill_query_start_loc_checked_under_jit():
                                        max_query_len=4, interpret=True)
 
     jitted = jax.jit(checked(prefill))
-    for qsl, match in (([1, 3, 8], r"query_start_loc\[0\]=1 must be 0"),
+    for qsl, match in (([-1, 3, 8], r"query_start_loc\[0\]=-1 must be >= 0"),
                        ([0, 5, 3], r"query_start_loc\[2\]=3 < query_start_loc\[1\]=5"),
                        ([0, 3, 9], r"query_start_loc\[-1\]=9 exceeds num_tokens=8"),
                        ([0, 3, 8], r"query_len=5 of sequence 1 exceeds max_query_len=4")):

@@ -39,8 +39,9 @@ def test_budget_chunking_and_blocks_on_demand():
     assert [len(r.block_ids) for r in (a, b, c)] == [2, 1, 2]  # blocks for scheduled tokens only
     _run(s, out)
     assert (a.num_output_tokens, b.num_output_tokens, c.num_output_tokens) == (0, 1, 0)
-    out = s.schedule()  # running first: a's rest (4), b decodes (1), c's next chunk (6)
-    assert [(r.request_id, n) for r, n in out.scheduled] == [("r1", 4), ("r2", 1), ("r3", 6)]
+    out = s.schedule()  # running first: a's rest (4), b decodes (1), c's next chunk (6); in the batch the
+    # one-token rows come first (the attention op's leading decodes), the rest in scheduling order
+    assert [(r.request_id, n) for r, n in out.scheduled] == [("r2", 1), ("r1", 4), ("r3", 6)]
     _run(s, out)
     out = s.schedule()  # a, b, c decode now
     assert [n for _, n in out.scheduled] == [1, 1, 1]

@@ -236,6 +236,25 @@ def test_mixed_batch_in_a_large_token_bucket(rng):
     np.testing.assert_array_equal(np.asarray(out[n:]), 0.0)
 
 
+def test_query_start_loc_may_start_past_zero(rng):
+    """``query_start_loc[0] = D > 0`` (jaxkv.attention runs a mixed step's D leading decodes elsewhere): rows with no
+    token before it, the first D tokens belong to no sequence (output 0), the rest match the loop."""
+    context_lens = [30, 4, 9, 0, 11, 6]
+    query_lens = [1, 1, 1, 13, 6, 0]
+    batch, q, args = make_batch(rng, context_lens, query_lens, num_heads=9, num_kv_heads=3, head_size=64,
+                                block_size=8)
+    d = 3
+    qsl = jnp.maximum(args[4], d)  # the three leading one-token rows now own no token
+    seq_lens = args[3].at[:d].set(0)
+    out = paged_prefill_attention(args[0], args[1], args[2], seq_lens, qsl, scale=0.125, max_query_len=16,
+                                  interpret=INTERPRET)
+    expected = prefill_loop(q, batch, query_lens, 0.125)
+    n = sum(query_lens)
+    np.testing.assert_array_equal(np.asarray(out[:d]), 0.0)
+    assert rel_err(np.asarray(out[d:n], np.float64), expected[d:n]) < TOLERANCE["float32"]
+    np.testing.assert_array_equal(np.asarray(out[n:]), 0.0)
+
+
 def test_works_under_jit_with_traced_metadata(rng):
     """Inside jax.jit the metadata is traced: only shapes are validated, the kernel still runs."""
     batch, q, args = make_batch(rng, [3, 0], [9, 4], num_heads=4, num_kv_heads=2, head_size=64,
@@ -257,7 +276,7 @@ def _bad_args(change):
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(qsl=[1, 3, 8]), r"query_start_loc\[0\]=1"),
+    (dict(qsl=[-1, 3, 8]), r"query_start_loc\[0\]=-1 must be >= 0"),
     (dict(qsl=[0, 5, 3]), r"query_start_loc\[2\]=3 < query_start_loc\[1\]=5"),
     (dict(qsl=[0, 3, 9]), r"query_start_loc\[-1\]=9 exceeds num_tokens=8"),
     (dict(seq_lens=[2, 9]), r"query_len=3 of sequence 0 exceeds its seq_len=2"),
