@@ -702,5 +702,16 @@ aj)  # (session 23, one GPU) a mixed step's leading one-token rows on the Mosaic
     -e Error | tee -a /tmp/diag/big-profile.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai | aj"; exit 2 ;;
+ak)  # (session 23, one GPU) stage aj's tests compiled, one file at a time with its own time limit (the interpreter
+    # variants are skipped on a GPU)
+  mkdir -p /tmp/diag
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py -k "leading" -rs \
+    > /tmp/diag/tests-routing.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/tests-routing.txt
+  tail -5 /tmp/diag/tests-routing.txt
+  timeout 300 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_paged_prefill_kernel.py -rs \
+    > /tmp/diag/tests-prefill.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/tests-prefill.txt
+  tail -5 /tmp/diag/tests-prefill.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai | aj | ak"; exit 2 ;;
 esac
