@@ -124,9 +124,10 @@ def _hopper() -> bool:
                                       jax.default_backend() == "gpu", reason="the Mosaic GPU interpreter is for CPU")),
                                   pytest.param("pallas", marks=pytest.mark.skipif(
                                       not _hopper(), reason="compiled Mosaic GPU kernels need an sm_90 GPU"))])
-@pytest.mark.parametrize("apart", [True, False])
+@pytest.mark.parametrize("apart,extras", [(True, {}), (False, {}),
+                                          (True, dict(sliding_window=8, logits_soft_cap=5.0))])  # Gemma 3's extras
 @pytest.mark.parametrize("order", ["decodes_first", "mixed_order"])
-def test_mixed_batch_leading_decodes_on_the_mosaic_decode_kernel(rng, monkeypatch, apart, order, impl):
+def test_mixed_batch_leading_decodes_on_the_mosaic_decode_kernel(rng, monkeypatch, apart, extras, order, impl):
     """Where decode runs on the Mosaic kernel and prefill on Triton (the 8B shape on an H100; forced here), a mixed
     batch's leading one-token rows go to the decode kernel and the rest to the prefill kernel; every real token
     matches the reference (interpreters on CPU, compiled on an H100), whatever the row order."""
@@ -144,10 +145,10 @@ def test_mixed_batch_leading_decodes_on_the_mosaic_decode_kernel(rng, monkeypatc
         context_lens, query_lens = [30, 0, 4, 11, 9], [1, 13, 1, 6, 1]
     q, kv, md = _batch(rng, context_lens, query_lens, num_seqs_padded=8, num_tokens_padded=32)
     q, kv = q.astype(jnp.bfloat16), kv.astype(jnp.bfloat16)
-    out = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl=impl)
+    out = jaxkv.paged_attention(q, kv, md, scale=SCALE, impl=impl, **extras)
     assert len(decode_spy.calls) == (1 if apart else 0)
     ref = np.asarray(jaxkv.paged_attention(q.astype(jnp.float32), kv.astype(jnp.float32), md, scale=SCALE,
-                                           impl="reference"), np.float64)
+                                           impl="reference", **extras), np.float64)
     num_real = sum(query_lens)
     got = np.asarray(out.astype(jnp.float32))
     assert np.isfinite(got).all()
