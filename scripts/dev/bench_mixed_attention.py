@@ -9,6 +9,12 @@ rows beside one or a few prefill chunks): SmolLM2's heads (9 query, 3 KV, head s
 contexts 100-800 tokens. Prints device time per call (CUPTI through torch when importable, else wall
 time, as ``bench_attention.py``) and, per shape, the 30-layer total: what one mixed step of SmolLM2
 spends in attention. Every output is checked against ``paged_prefill_attention_reference`` first.
+
+``--model-shape llama-8b`` (session 23): Llama-3.1-8B's heads (32 query, 8 KV, head size 128) at the 8B run's mixed
+step (a 4096-token bucket, 240 decode rows of 100-800 tokens, 14 prompts of 231 tokens), in four forms: every row on
+the prefill kernel; the prefill kernel with the leading decodes removed (``query_start_loc`` past them, as
+``jaxkv.attention`` runs it); the same prompts in a 16-row batch (the grid without a program per decode row); the
+Mosaic decode kernel on the decode rows. Where the prefill kernel's time goes when its rows are decodes.
 """
 
 from __future__ import annotations
@@ -31,24 +37,25 @@ ROWS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_LAYERS = 256, 16, 9, 3
 SHAPES = [(512, [200], 250), (1024, [700], 250), (2048, [1000, 700], 240), (4096, [3800], 200), (512, [], 250)]
 
 
-def make_inputs(rng, bucket: int, chunks: list[int], num_decodes: int):
-    q_lens = np.zeros(ROWS, np.int64)
-    ctx = rng.integers(100, 800, ROWS)
+def make_inputs(rng, bucket: int, chunks: list[int], num_decodes: int, *, rows: int = ROWS, heads=None):
+    num_heads, num_kv_heads, head_size = heads or (NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE)
+    q_lens = np.zeros(rows, np.int64)
+    ctx = rng.integers(100, 800, rows)
     q_lens[:num_decodes] = 1
     for i, n in enumerate(chunks):
         q_lens[num_decodes + i], ctx[num_decodes + i] = n, 0
     ctx[q_lens == 0] = 0
     seq_lens = (ctx + q_lens).astype(np.int32)
     pages = [-(-int(n) // BLOCK_SIZE) for n in seq_lens]
-    tables = np.zeros((ROWS, max(pages)), np.int32)
+    tables = np.zeros((rows, max(pages)), np.int32)
     perm = rng.permutation(sum(pages) + 1)
     c = 0
     for s, n in enumerate(pages):
         tables[s, :n] = perm[c:c + n]
         c += n
     qsl = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
-    q = jnp.asarray(rng.standard_normal((bucket, NUM_HEADS, HEAD_SIZE)), jnp.bfloat16)
-    kv = jnp.asarray(rng.standard_normal((2, sum(pages) + 1, NUM_KV_HEADS, BLOCK_SIZE, HEAD_SIZE)), jnp.bfloat16)
+    q = jnp.asarray(rng.standard_normal((bucket, num_heads, head_size)), jnp.bfloat16)
+    kv = jnp.asarray(rng.standard_normal((2, sum(pages) + 1, num_kv_heads, BLOCK_SIZE, head_size)), jnp.bfloat16)
     return (q, kv, jnp.asarray(tables), jnp.asarray(seq_lens), jnp.asarray(qsl)), int(qsl[-1])
 
 
@@ -71,14 +78,50 @@ def max_error_vs_reference(out, inputs) -> float:
     return err
 
 
+def llama8b_forms(time_calls, iters: int) -> None:
+    """The 8B mixed step's attention in the four forms of the module docstring, us per call (one layer)."""
+    from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu
+    rng = np.random.default_rng(0)
+    heads, bucket, decodes, chunks = (32, 8, 128), 4096, 240, [231] * 14
+    scale = 128 ** -0.5
+    args, real = make_inputs(rng, bucket, chunks, decodes, rows=256, heads=heads)
+    q, kv, tables, seq_lens, qsl = args
+    prefill = jax.jit(lambda *a: paged_prefill_attention(*a, scale=scale, max_query_len=bucket))
+    lead = np.arange(256) < decodes
+    apart = (q, kv, tables, jnp.where(lead, 0, seq_lens), jnp.maximum(qsl, decodes))
+    few = (q[decodes:], kv, tables[decodes:decodes + 16], seq_lens[decodes:decodes + 16],
+           qsl[decodes:decodes + 17] - decodes)
+    decode = jax.jit(lambda q, kv, t, s: paged_attention_mgpu(q, kv, t, s, scale=scale))
+    dec_args = (q[:256], kv, tables, jnp.where(lead, seq_lens, 0))
+    full, part = np.asarray(prefill(*args), np.float32), np.asarray(prefill(*apart), np.float32)
+    small = np.asarray(prefill(*few), np.float32)
+    dec = np.asarray(decode(*dec_args), np.float32)
+    err = max(float(np.abs(part[decodes:real] - full[decodes:real]).max()),
+              float(np.abs(small[:real - decodes] - full[decodes:real]).max()),
+              float(np.abs(dec[:decodes] - full[:decodes]).max()))
+    print(f"llama-8b heads, bucket {bucket}, {decodes} decode rows + {len(chunks)} prompts of {chunks[0]}: "
+          f"max |difference| between the forms {err:.3g}")
+    for name, fn, a in (("every row on the prefill kernel", prefill, args),
+                        ("prefill kernel, leading decodes removed (query_start_loc past them)", prefill, apart),
+                        ("prefill kernel, the prompts alone in 16 rows", prefill, few),
+                        ("Mosaic decode kernel, the decode rows", decode, dec_args)):
+        t = statistics.median(time_calls(fn, [a], iters))
+        print(f"  {1e6 * t:8.1f} us  {name}", flush=True)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--model-shape", choices=("smollm2", "llama-8b"), default="smollm2")
     args = p.parse_args(argv)
     if jax.default_backend() != "gpu":
         print("bench_mixed_attention needs a GPU", file=sys.stderr)
         return 2
     time_calls, how = _timer()
+    if args.model_shape == "llama-8b":
+        print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  timing: {how}")
+        llama8b_forms(time_calls, args.iters)
+        return 0
     rng = np.random.default_rng(0)
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  timing: {how}")
     print(f"{'bucket':>6} {'chunks':>12} {'decodes':>7} {'real tokens':>11} {'us/call':>9} {'x30 layers ms':>13}")

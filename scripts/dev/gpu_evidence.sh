@@ -713,5 +713,13 @@ ak)  # (session 23, one GPU) stage aj's tests compiled, one file at a time with 
   tail -5 /tmp/diag/tests-prefill.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai | aj | ak"; exit 2 ;;
+al)  # (session 23, one GPU) where the Triton prefill kernel's time goes in the 8B run's mixed steps: the kernel at the
+    # 8B heads with every row, with the leading decodes removed, with the prompts alone in 16 rows; the Mosaic decode
+    # kernel on the decode rows
+  mkdir -p /tmp/diag
+  timeout 240 python3 scripts/dev/bench_mixed_attention.py --model-shape llama-8b 2>&1 | quiet \
+    | grep -v "profiler.py\|_warn_once" | tee /tmp/diag/mixed-forms.txt
+  tar -C /tmp -czf $OUT/diag.tgz diag
+  ;;
+*) echo "stage: a | b | c | d | e | f | g | h | i | j | k | l | m | n | o | q | r | s | t | u | v | w | x | y | z | z2 | aa | ab | ac | ad | ae | af | ag | ah | ai | aj | ak | al"; exit 2 ;;
 esac
