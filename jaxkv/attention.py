@@ -97,23 +97,15 @@ def paged_attention(q: jax.Array, kv_cache: jax.Array, metadata: AttentionMetada
     if impl == "reference":
         check_paged_metadata(*args[1:], num_tokens=q.shape[0], max_query_len=metadata.max_query_len)
         return _xla.paged_prefill_attention_xla(*args, scale=scale, max_query_len=metadata.max_query_len, **extras)
-    if (_tuning.MIXED_DECODES_FIRST_APART and _use_mosaic("decode", q, kv_cache, impl, alibi_slopes is not None)
-            and not _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
-                                max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0])):
+    mosaic_prefill = _use_mosaic("prefill", q, kv_cache, impl, alibi_slopes is not None,
+                                 max_query_len=metadata.max_query_len, num_seqs=metadata.seq_lens.shape[0])
+    if (_tuning.MIXED_DECODES_FIRST_APART and not mosaic_prefill
+            and _use_mosaic("decode", q, kv_cache, impl, alibi_slopes is not None)):
         return _leading_decodes_apart(q, kv_cache, metadata, scale=scale, interpret=interpret, **extras)
-    return _prefill_call(*args, scale=scale, max_query_len=metadata.max_query_len, impl=impl, interpret=interpret,
-                         **extras)
-
-
-def _prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, *, scale, max_query_len, impl, interpret,
-                  **extras):
-    """The prefill kernel for the batch: Mosaic GPU where :func:`_use_mosaic` says so, else Triton."""
-    args = (q, kv_cache, block_tables, seq_lens, query_start_loc)
-    if _use_mosaic("prefill", q, kv_cache, impl, extras.get("alibi_slopes") is not None,
-                   max_query_len=max_query_len, num_seqs=seq_lens.shape[0]):
+    if mosaic_prefill:
         return _prefill_mgpu.paged_prefill_attention_mgpu(
-            *args, scale=scale, max_query_len=max_query_len, interpret=interpret, **extras)
-    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=max_query_len,
+            *args, scale=scale, max_query_len=metadata.max_query_len, interpret=interpret, **extras)
+    return _prefill.paged_prefill_attention(*args, scale=scale, max_query_len=metadata.max_query_len,
                                             interpret=interpret, **extras)
 
 
@@ -122,7 +114,7 @@ def _leading_decodes_apart(q, kv_cache, metadata: AttentionMetadata, *, scale, i
     kernel (the only one that takes a ``query_start_loc`` starting past 0; batches the Mosaic prefill kernel would
     take do not come here).
 
-    The scheduler puts a mixed step's one-token rows first (:meth:`jaxkv.core.scheduler.Scheduler.schedule`, as
+    The scheduler puts a mixed step's one-token rows first (``Scheduler._schedule_mixed``, as
     vLLM's model runner reorders decodes first for its FlashInfer and MLA backends), so their tokens are the
     batch's first ``D`` and ``query_start_loc[i] == i`` for ``i <= D``. The prefill kernel then gets
     ``max(query_start_loc, D)``: the leading rows have no new token there, hence no query tile (the kernel's

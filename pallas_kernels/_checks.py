@@ -159,10 +159,10 @@ def check_paged_metadata(kv_cache, block_tables, seq_lens, query_start_loc=None,
     ``seq_lens[s]`` in ``[0, max_num_blocks_per_seq * block_size]``; every block a sequence reads
     (logical blocks ``i < cdiv(seq_lens[s], block_size)``) a block id in ``[0, num_blocks)`` (entries
     past them are never read and are not checked); with ``query_start_loc`` (prefill): it starts at 0 (at
-    ``>= 0`` with ``query_offset``: tokens before it belong to no sequence), never decreases, ends at most at ``num_tokens``, and each ``query_len`` is at most ``max_query_len``
-    and its ``seq_len``. Host mode when the metadata is concrete, checkify when traced and the check mode
-    is on, nothing otherwise (see the module docstring). Inputs whose shapes are wrong are skipped: the
-    ops' shape checks report them.
+    ``>= 0`` with ``query_offset``: tokens before it belong to no sequence), never decreases, ends at most at
+    ``num_tokens``, and each ``query_len`` is at most ``max_query_len`` and its ``seq_len``. Host mode when the
+    metadata is concrete, checkify when traced and the check mode is on, nothing otherwise (see the module
+    docstring). Inputs whose shapes are wrong are skipped: the ops' shape checks report them.
 
     Args:
         kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (only its shape is read).

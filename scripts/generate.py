@@ -162,7 +162,8 @@ def run(args: argparse.Namespace) -> int:
     # the sizes depend on the prompts: tokenize with the model's tokenizer first (no weights; the GGUF
     # reader is shared with the weight loader)
     path = models.resolve_model(args.gguf or args.model)
-    tok = models.registry.load_model_tokenizer(path, args.tokenizer)
+    config = models.registry.load_config(path)
+    tok = models.registry.load_model_tokenizer(path, args.tokenizer, config)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in args.prompt]
     # chat prompts carry their BOS in the template; plain prompts get it from the tokenizer
@@ -170,7 +171,6 @@ def run(args: argparse.Namespace) -> int:
     longest = max(len(t) for t in token_ids)
     max_model_len = args.max_model_len or longest + args.max_tokens
     max_num_seqs = args.max_num_seqs or len(texts)
-    config = models.registry.load_config(path)
     blocks_per_seq = models.registry.blocks_per_sequence(
         config, max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
