@@ -33,8 +33,17 @@ from typing import Callable
 from jax.experimental import checkify
 
 # The public API is __all__; the helpers below are what jaxkv's ops build their checks from.
-from pallas_kernels._checks import (as_checked, below, check_block_ids, check_mode,  # noqa: F401
-                                    check_paged_metadata, checks_are_enabled, checks_enabled, require, xp)
+from pallas_kernels._checks import (  # noqa: F401
+    as_checked,
+    below,
+    check_block_ids,
+    check_mode,
+    check_paged_metadata,
+    checks_are_enabled,
+    checks_enabled,
+    require,
+    xp,
+)
 
 __all__ = ["checked", "checks_are_enabled", "checks_enabled", "raise_if_error"]
 

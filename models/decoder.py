@@ -9,7 +9,7 @@ which :class:`models.decoder_config.DecoderConfig` answers. Parameter names are 
 Tokens travel in vLLM's flat layout: the new tokens of every sequence of the batch are concatenated
 (``[num_tokens, ...]``), described by :class:`jaxkv.AttentionMetadata` (one per KV-cache group for hybrid
 models). Each attention layer writes its new K/V into its paged cache through the slot mapping and attends
-through ``jaxkv.paged_attention`` (on a ``(dp, tp)`` mesh, per shard: :func:`jaxkv.parallel.paged_attention_layer`).
+through ``jaxkv.paged_attention`` (on a ``(dp, tp)`` mesh, per shard: :func:`jaxkv.parallel.attention.paged_attention_layer`).
 :meth:`DecoderForCausalLM.forward_dense` is an independent cache-free forward (plain masked attention over
 whole sequences), the reference the paged path is checked against.
 
@@ -20,7 +20,6 @@ model holds final norm weights (a Gemma checkpoint's ``w - 1`` gets its 1 added 
 from __future__ import annotations
 
 import functools
-
 from typing import Sequence
 
 import jax
@@ -29,8 +28,9 @@ import numpy as np
 from flax import nnx
 from jaxtyping import Array, Float, Int
 
-import jaxkv
-from jaxkv.parallel import gather_logits_rows, paged_attention_layer
+from jaxkv.attention.metadata import AttentionMetadata
+from jaxkv.kv_cache.dtypes import FP8_DTYPES
+from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
 from models.decoder_config import DecoderConfig
 
 
@@ -116,14 +116,14 @@ class Attention(nnx.Module):
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def __call__(self, x: Float[Array, "num_tokens hidden"], positions: Int[Array, "num_tokens"],
-                 kv_cache: jax.Array, metadata: jaxkv.AttentionMetadata, *, attention_impl: str, mesh=None
+                 kv_cache: jax.Array, metadata: AttentionMetadata, *, attention_impl: str, mesh=None
                  ) -> tuple[Float[Array, "num_tokens hidden"], jax.Array]:
         c = self.config
         q, k, v = self._qkv(x, positions)
         extras = {}
         # An fp8 cache (kv_cache_dtype "fp8*") is quantised on write and dequantised on read with
         # k_scale = v_scale = 1, vLLM's default when a checkpoint ships no calibrated scales.
-        if jnp.dtype(kv_cache.dtype) in jaxkv.FP8_DTYPES:
+        if jnp.dtype(kv_cache.dtype) in FP8_DTYPES:
             extras.update(k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
         if self.sliding_window is not None:
             extras["sliding_window"] = self.sliding_window

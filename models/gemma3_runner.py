@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-import jaxkv
+from jaxkv.engine.llm_engine import LLMEngine
+from jaxkv.kv_cache.config import KVCacheConfig
 from models import runner
 from models.gemma3_config import Gemma3Config
 from models.runner import cache_layout, kv_cache_specs, layer_names
@@ -24,26 +25,26 @@ __all__ = ["cache_layout", "dense_logits", "get_kv_cache_config", "init_kv_cache
 
 
 def get_kv_cache_config(config: Gemma3Config, *, block_size: int, dtype, num_blocks: int,
-                        hybrid: bool = True) -> jaxkv.KVCacheConfig:
+                        hybrid: bool = True) -> KVCacheConfig:
     """The model's :class:`jaxkv.KVCacheConfig` with ``num_blocks`` blocks (vLLM's grouping rules)."""
     return runner.get_kv_cache_config(config, block_size=block_size, dtype=dtype, num_blocks=num_blocks,
                                       hybrid=hybrid)
 
 
 def init_kv_caches(config: Gemma3Config, *, block_size: int, dtype, num_blocks: int, hybrid: bool = True,
-                   mesh=None) -> tuple[jaxkv.KVCacheConfig, list]:
+                   mesh=None) -> tuple[KVCacheConfig, list]:
     """The config and its zero-filled tensors, in ``kv_cache_tensors`` order (see :func:`models.runner.init_kv_caches`)."""
     return runner.init_kv_caches(config, block_size=block_size, dtype=dtype, num_blocks=num_blocks, hybrid=hybrid,
                                  mesh=mesh)
 
 
-def make_model_fn(model, kv_config: jaxkv.KVCacheConfig, *, attention_impl: str, mesh=None):
+def make_model_fn(model, kv_config: KVCacheConfig, *, attention_impl: str, mesh=None):
     """``(params, fn)``: the pure step :class:`jaxkv.LLMEngine` drives (see :func:`models.runner.make_model_fn`)."""
     return runner.make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
 
 
 def make_engine(model, *, attention_impl: str, block_size: int, num_blocks: int, max_model_len: int,
-                cache_dtype=None, hybrid: bool = True, **engine_options) -> jaxkv.LLMEngine:
+                cache_dtype=None, hybrid: bool = True, **engine_options) -> LLMEngine:
     """The model with freshly allocated (hybrid) caches behind a :class:`jaxkv.LLMEngine`."""
     return runner.make_engine(model, attention_impl=attention_impl, block_size=block_size, num_blocks=num_blocks,
                               max_model_len=max_model_len, cache_dtype=cache_dtype, hybrid=hybrid,

@@ -15,8 +15,16 @@ import pathlib
 from typing import Any
 
 from models.config import LlamaConfig
-from models.decoder_config import (FULL_ATTENTION, GEMMA3, LLAMA, QWEN2, QWEN3, SLIDING_ATTENTION, DecoderConfig,
-                                   RopeScaling)
+from models.decoder_config import (
+    FULL_ATTENTION,
+    GEMMA3,
+    LLAMA,
+    QWEN2,
+    QWEN3,
+    SLIDING_ATTENTION,
+    DecoderConfig,
+    RopeScaling,
+)
 from models.gemma3_config import Gemma3Config
 
 # vLLM architecture name -> (switches, HF defaults that differ between the families)

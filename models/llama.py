@@ -11,8 +11,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from models.config import LlamaConfig
-from models.decoder import (Attention, DecoderForCausalLM, DecoderLayer, MLP, apply_rope, dense_attention,
-                            rope_cos_sin, set_weight)
+from models.decoder import (
+    MLP,
+    Attention,
+    DecoderForCausalLM,
+    DecoderLayer,
+    apply_rope,
+    dense_attention,
+    rope_cos_sin,
+    set_weight,
+)
 from models.decoder import from_weights as _from_weights
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "MLP", "apply_rope", "dense_attention", "from_weights",

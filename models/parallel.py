@@ -28,9 +28,10 @@ on large vocabularies; not done).
 from __future__ import annotations
 
 import jax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from jaxkv.parallel import TP, check_tensor_parallel, mesh_sizes
+from jaxkv.parallel.mesh import TP, check_tensor_parallel, mesh_sizes
 from models.decoder_config import DecoderConfig
 
 _COLUMN = {"q_proj", "gate_proj", "up_proj"}

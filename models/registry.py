@@ -26,8 +26,9 @@ import pathlib
 import gguf
 import jax.numpy as jnp
 
-import jaxkv
-import jaxkv.parallel
+from jaxkv.kv_cache.config import KVCacheConfig
+from jaxkv.kv_cache.specs import SlidingWindowSpec
+from jaxkv.parallel.mesh import mesh_sizes
 from models import runner
 from models.decoder_config import DecoderConfig
 from models.gemma3 import Gemma3ForCausalLM
@@ -279,7 +280,7 @@ def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=No
 class EngineCaches:
     """What :class:`jaxkv.LLMEngine` needs beside the step: the caches and the groups."""
 
-    kv_cache_config: jaxkv.KVCacheConfig
+    kv_cache_config: KVCacheConfig
     kv_caches: list
     kv_cache_groups: tuple | None
     params: object
@@ -293,7 +294,7 @@ def check_mesh_support(config) -> None:
 def use_hybrid(mesh) -> bool:
     """Whether sliding-window layers get their own KV-cache groups: always, an engine's mesh having
     ``dp == 1`` (data-parallel ranks are engine-core processes); kept for callers."""
-    return jaxkv.parallel.mesh_sizes(mesh)[0] == 1
+    return mesh_sizes(mesh)[0] == 1
 
 
 def make_engine_caches(model, *, block_size: int, num_blocks: int, dtype, attention_impl: str,
@@ -325,7 +326,7 @@ def blocks_per_sequence(config, num_tokens: int, *, block_size: int, max_num_bat
     total = 1  # the null block
     for g in groups:
         w = getattr(g.kv_cache_spec, "sliding_window", None)
-        if isinstance(g.kv_cache_spec, jaxkv.SlidingWindowSpec):
+        if isinstance(g.kv_cache_spec, SlidingWindowSpec):
             total += min(full, -(-min(w - 1 + max_num_batched_tokens, num_tokens) // block_size) + 1)
         else:
             total += full

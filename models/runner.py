@@ -19,10 +19,17 @@ import functools
 import jax
 import jax.numpy as jnp
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jaxkv
-import jaxkv.parallel
+from jaxkv.attention.dispatch import check_attention_impl
+from jaxkv.engine.llm_engine import LLMEngine
+from jaxkv.kv_cache.allocation import allocate_kv_cache
+from jaxkv.kv_cache.backends.pallas import PallasAttentionBackend
+from jaxkv.kv_cache.config import KVCacheConfig
+from jaxkv.kv_cache.config import get_kv_cache_config as kv_cache_config_from_specs
+from jaxkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from jaxkv.parallel.mesh import DP, allocate_sharded_kv_caches, mesh_sizes, num_kv_heads_per_rank
 from models.decoder import DecoderForCausalLM
 from models.decoder_config import DecoderConfig
 from models.gguf_loader import find_smollm2_gguf, load_llama_gguf
@@ -35,14 +42,14 @@ def layer_names(config: DecoderConfig) -> list[str]:
     return [f"model.layers.{i}.self_attn.attn" for i in range(config.num_layers)]
 
 
-def kv_cache_spec(config: DecoderConfig, *, block_size: int, dtype) -> jaxkv.FullAttentionSpec:
+def kv_cache_spec(config: DecoderConfig, *, block_size: int, dtype) -> FullAttentionSpec:
     """The full-attention spec of one layer (every layer's page size is this one's)."""
-    return jaxkv.FullAttentionSpec(block_size=block_size, num_kv_heads=config.num_kv_heads,
+    return FullAttentionSpec(block_size=block_size, num_kv_heads=config.num_kv_heads,
                                    head_size=config.head_size, dtype=dtype)
 
 
 def kv_cache_specs(config: DecoderConfig, *, block_size: int, dtype, hybrid: bool = True,
-                   num_kv_heads: int | None = None) -> dict[str, jaxkv.KVCacheSpec]:
+                   num_kv_heads: int | None = None) -> dict[str, KVCacheSpec]:
     """Layer name -> spec: :class:`jaxkv.SlidingWindowSpec` for sliding-window layers (``hybrid``), else
     :class:`jaxkv.FullAttentionSpec` (recording the window when ``hybrid`` is off). ``num_kv_heads``: the
     heads one device keeps (a ``tp`` rank's; default the model's)."""
@@ -52,34 +59,34 @@ def kv_cache_specs(config: DecoderConfig, *, block_size: int, dtype, hybrid: boo
     for i, name in enumerate(layer_names(config)):
         window = config.layer_sliding_window(i)
         if window is not None and hybrid:
-            specs[name] = jaxkv.SlidingWindowSpec(sliding_window=window, **common)
+            specs[name] = SlidingWindowSpec(sliding_window=window, **common)
         elif window is not None:
-            specs[name] = jaxkv.FullAttentionSpec(sliding_window=window, **common)
+            specs[name] = FullAttentionSpec(sliding_window=window, **common)
         else:
-            specs[name] = jaxkv.FullAttentionSpec(**common)
+            specs[name] = FullAttentionSpec(**common)
     return specs
 
 
 def get_kv_cache_config(config: DecoderConfig, *, block_size: int, dtype, num_blocks: int | None = None,
                         memory_bytes: int | None = None, hybrid: bool = True,
-                        tensor_parallel_size: int = 1) -> jaxkv.KVCacheConfig:
+                        tensor_parallel_size: int = 1) -> KVCacheConfig:
     """The model's :class:`jaxkv.KVCacheConfig` (vLLM's grouping rules) with ``num_blocks`` blocks or as many
     as ``memory_bytes`` hold (both: the blocks must fit). With ``tensor_parallel_size`` the specs are one
-    ``tp`` rank's (:func:`jaxkv.parallel.num_kv_heads_per_rank` heads) and the budget one device's.
+    ``tp`` rank's (:func:`jaxkv.parallel.mesh.num_kv_heads_per_rank` heads) and the budget one device's.
 
     Raises:
         ValueError: neither given, or the budget holds fewer blocks than asked (from jaxkv).
     """
-    heads = jaxkv.parallel.num_kv_heads_per_rank(config.num_kv_heads, tensor_parallel_size)
+    heads = num_kv_heads_per_rank(config.num_kv_heads, tensor_parallel_size)
     specs = kv_cache_specs(config, block_size=block_size, dtype=dtype, hybrid=hybrid, num_kv_heads=heads)
     if memory_bytes is None:
         if num_blocks is None:
             raise ValueError("give num_blocks or memory_bytes")
         memory_bytes = num_blocks * next(iter(specs.values())).page_size_bytes * config.num_layers
-    return jaxkv.get_kv_cache_config(specs, memory_bytes, num_blocks=num_blocks)
+    return kv_cache_config_from_specs(specs, memory_bytes, num_blocks=num_blocks)
 
 
-def cache_layout(config: DecoderConfig, kv_config: jaxkv.KVCacheConfig) -> tuple[tuple[int, int], ...]:
+def cache_layout(config: DecoderConfig, kv_config: KVCacheConfig) -> tuple[tuple[int, int], ...]:
     """Per layer ``(kv_cache_group index, tensor index)`` (static, for :class:`DecoderForCausalLM`).
 
     Raises:
@@ -97,30 +104,30 @@ def cache_layout(config: DecoderConfig, kv_config: jaxkv.KVCacheConfig) -> tuple
 
 def init_kv_caches(config: DecoderConfig, *, block_size: int, dtype, num_blocks: int | None = None,
                    memory_bytes: int | None = None, mesh=None, hybrid: bool = True
-                   ) -> tuple[jaxkv.KVCacheConfig, list[jax.Array]]:
+                   ) -> tuple[KVCacheConfig, list[jax.Array]]:
     """Allocate the model's paged caches (Pallas layout ``[2, num_blocks, num_kv_heads, block_size,
     head_size]``), one per ``kv_cache_tensors`` entry of the config (one per layer unless the model is hybrid).
 
     Give ``num_blocks`` or a ``memory_bytes`` budget (both: the blocks must fit). With a ``(dp, tp)`` ``mesh``
     both are per device (one ``dp`` rank's pool, one ``tp`` rank's KV heads) and the caches are the global
-    arrays (``dp * num_blocks`` blocks) sharded with :func:`jaxkv.parallel.kv_cache_sharding`, created in
+    arrays (``dp * num_blocks`` blocks) sharded with :func:`jaxkv.parallel.mesh.kv_cache_sharding`, created in
     their shards.
 
     Raises:
         ValueError: neither given, or the budget holds fewer blocks than asked (from jaxkv).
     """
-    _, tp = jaxkv.parallel.mesh_sizes(mesh)
+    _, tp = mesh_sizes(mesh)
     kv_config = get_kv_cache_config(config, block_size=block_size, dtype=dtype, num_blocks=num_blocks,
                                     memory_bytes=memory_bytes, hybrid=hybrid, tensor_parallel_size=tp)
     if mesh is not None:
-        return kv_config, jaxkv.parallel.allocate_sharded_kv_caches(
+        return kv_config, allocate_sharded_kv_caches(
             len(kv_config.kv_cache_tensors), kv_config.num_blocks, block_size, config.num_kv_heads,
             config.head_size, dtype, mesh)
-    by_layer = jaxkv.allocate_kv_cache(kv_config, jaxkv.PallasAttentionBackend)
+    by_layer = allocate_kv_cache(kv_config, PallasAttentionBackend)
     return kv_config, [by_layer[t.shared_by[0]] for t in kv_config.kv_cache_tensors]
 
 
-def make_model_fn(model: DecoderForCausalLM, kv_config: jaxkv.KVCacheConfig | None = None, *,
+def make_model_fn(model: DecoderForCausalLM, kv_config: KVCacheConfig | None = None, *,
                   attention_impl: str, mesh=None):
     """Split ``model`` into ``(params, fn)`` where ``fn`` is the pure step :class:`jaxkv.LLMEngine` drives
     (``kv_caches`` = the config's tensors; ``metadata`` = one per group, or one for all when there is one
@@ -130,13 +137,13 @@ def make_model_fn(model: DecoderForCausalLM, kv_config: jaxkv.KVCacheConfig | No
     when the heads do not split over ``tp``) and the logits are constrained to be replicated over ``tp``
     (rows over ``dp``): sampling sees whole vocabularies.
     """
-    jaxkv.attention.check_attention_impl(attention_impl)
+    check_attention_impl(attention_impl)
     layout = None if kv_config is None else cache_layout(model.config, kv_config)
     graphdef, state = nnx.split(model)
     logits_sharding = None
     if mesh is not None:
         state = shard_params(state, model.config, mesh)
-        logits_sharding = NamedSharding(mesh, P(jaxkv.parallel.DP, None))
+        logits_sharding = NamedSharding(mesh, P(DP, None))
 
     def fn(state, input_ids, positions, kv_caches, metadata, logits_indices):
         logits, kv_caches = nnx.merge(graphdef, state)(input_ids, positions, kv_caches, metadata, logits_indices,
@@ -162,7 +169,7 @@ def load_gguf_checkpoint(path=None, *, progress: bool = True) -> tuple[DecoderCo
 
 def make_engine(model: DecoderForCausalLM, *, attention_impl: str, block_size: int, num_blocks: int,
                 max_model_len: int, cache_dtype=None, mesh=None, hybrid: bool = True, **engine_options
-                ) -> jaxkv.LLMEngine:
+                ) -> LLMEngine:
     """The model with freshly allocated paged caches behind a :class:`jaxkv.LLMEngine`.
 
     Args:
@@ -171,19 +178,19 @@ def make_engine(model: DecoderForCausalLM, *, attention_impl: str, block_size: i
         block_size, num_blocks: the cache's block size and capacity in blocks.
         max_model_len: longest sequence in tokens.
         cache_dtype: KV-cache dtype (default: the model's; fp8 dtypes quantise).
-        mesh: a ``(dp, tp)`` :func:`jaxkv.parallel.make_mesh` mesh; ``num_blocks`` is then per ``dp`` rank. With
+        mesh: a ``(dp, tp)`` :func:`jaxkv.parallel.mesh.make_mesh` mesh; ``num_blocks`` is then per ``dp`` rank. With
             ``dp > 1`` the cache is not hybrid (the lockstep data-parallel runner has one block table per row).
         hybrid: sliding-window layers in their own KV-cache groups (vLLM's hybrid KV-cache manager).
         **engine_options: the other :class:`jaxkv.LLMEngine` options (``max_num_seqs``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ``eos_token_id``,
             ``long_prefill_token_threshold``, ``num_scheduler_steps``, ``return_logits``, ...).
     """
-    dp, _ = jaxkv.parallel.mesh_sizes(mesh)
+    dp, _ = mesh_sizes(mesh)
     kv_config, caches = init_kv_caches(model.config, block_size=block_size, num_blocks=num_blocks,
                                        dtype=model.dtype if cache_dtype is None else cache_dtype, mesh=mesh,
                                        hybrid=hybrid and dp == 1)
     params, fn = make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
-    return jaxkv.LLMEngine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
+    return LLMEngine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
                            kv_cache_groups=kv_config.kv_cache_groups, mesh=mesh, **engine_options)
 
 

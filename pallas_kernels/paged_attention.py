@@ -2,7 +2,7 @@
 
 vLLM: ``PagedAttention.forward_decode`` (``paged_attention_v1`` / ``paged_attention_v2`` CUDA kernels).
 
-Layout read by the kernel (jaxkv's Pallas backend, see ``jaxkv/backends/pallas.py``)::
+Layout read by the kernel (jaxkv's Pallas backend, see ``jaxkv/kv_cache/backends/pallas.py``)::
 
     kv_cache: [2, num_blocks, num_kv_heads, block_size, head_size]   # 0 = key, 1 = value
 
@@ -531,7 +531,7 @@ def paged_attention_reference(
 
     Gathers every sequence's blocks into a dense ``[num_seqs, num_kv_heads, max_len, head_size]``
     float32 copy and runs a masked float32 softmax. Used by tests, ``scripts/accuracy.py`` and as the
-    CPU implementation of ``jaxkv.attention``.
+    CPU implementation of ``jaxkv.attention.dispatch``.
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
               logits_soft_cap, scale)

@@ -2,7 +2,7 @@
 
 Same contract as :func:`pallas_kernels.paged_attention.paged_attention` (vLLM's
 ``PagedAttention.forward_decode``) for the subset :func:`unsupported_reason` accepts; the op-level
-dispatch (``jaxkv.attention``, ``impl="pallas_mosaic"``) sends everything else to the Triton kernel.
+dispatch (``jaxkv.attention.dispatch``, ``impl="pallas_mosaic"``) sends everything else to the Triton kernel.
 
 Cache layout: the Pallas backend's ``[2, num_blocks, num_kv_heads, block_size, head_size]`` unchanged. One
 page of one KV head is a contiguous ``block_size x head_size`` tile, which is exactly what one 2-D TMA

@@ -381,7 +381,7 @@ def paged_prefill_attention(
         seq_lens: ``int32[num_seqs]`` cached + new tokens per sequence.
         query_start_loc: ``int32[num_seqs + 1]``; sequence ``s`` owns tokens
             ``[query_start_loc[s], query_start_loc[s+1])`` of ``q``; it may start past 0 (the tokens before
-            are someone else's: ``jaxkv.attention`` runs a mixed batch's leading decodes on the decode kernel
+            are someone else's: ``jaxkv.attention.dispatch`` runs a mixed batch's leading decodes on the decode kernel
             so). A sequence with no new token (a padding dummy) costs nothing and writes nothing.
         scale: softmax scale, usually ``head_size ** -0.5``.
         max_query_len: bound on every ``query_len`` (static; sets the grid's query-tile count).
@@ -461,7 +461,7 @@ def paged_prefill_attention_reference(
 
     Gathers every sequence's blocks into dense float32 K/V and its queries into
     ``[num_seqs, max_query_len, ...]``. Used by tests, ``scripts/accuracy.py`` and as the CPU
-    implementation of ``jaxkv.attention`` (``impl="reference"``).
+    implementation of ``jaxkv.attention.dispatch`` (``impl="reference"``).
 
     Args:
         q: ``[num_tokens, num_heads, head_size]``, the new tokens of all sequences, concatenated.

@@ -3,7 +3,7 @@
 Same contract as :func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention` (vLLM's
 ``PagedAttention.forward_prefix`` / unified attention: varlen batch through ``query_start_loc``, each new
 token causal over the cached prefix and the new tokens up to itself) for the subset
-:func:`unsupported_reason` accepts; the op-level dispatch (``jaxkv.attention``, ``impl="pallas_mosaic"``)
+:func:`unsupported_reason` accepts; the op-level dispatch (``jaxkv.attention.dispatch``, ``impl="pallas_mosaic"``)
 sends everything else to the Triton-lowered kernel with that reason.
 
 Layout. The cache is the Pallas backend's ``[2, num_blocks, num_kv_heads, block_size, head_size]``

@@ -129,7 +129,7 @@ MGPU_DECODE_PRODUCER_CONVERTS = True
 MGPU_DECODE_BALANCE = os.environ.get("JAXKV_MGPU_DECODE_BALANCE", "1") != "0"
 MGPU_DECODE_PRODUCER_STAGES = 2
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
-# (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention._leading_decodes_apart),
+# (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention.dispatch._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed
 # steps, 0.84 s of a 23.9 s run; giving those rows a one-slot context there still left 241 us: a program per row).
 # $JAXKV_MIXED_DECODES_APART=0 sends every row to the prefill kernel (for A/B runs).

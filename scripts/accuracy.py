@@ -78,8 +78,7 @@ def kernel_accuracy(interpret: bool, seed: int) -> bool:
 
 def prefill_accuracy(interpret: bool, seed: int) -> bool:
     """(c) The Pallas prefill kernel vs the reference: varlen batches with cached prefixes and windows."""
-    from pallas_kernels.paged_prefill_attention import (paged_prefill_attention,
-                                                        paged_prefill_attention_reference)
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
     rng = np.random.default_rng(seed + 1)
     bs = 16
     print(f"(c) Pallas prefill kernel vs reference ({'interpret' if interpret else 'compiled'}); "

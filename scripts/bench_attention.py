@@ -291,7 +291,7 @@ def main(argv=None) -> int:
 
 def bench_write(time_calls, copy_gbs) -> int:
     """The write path (XLA scatter, cache donated): time per call must not grow with num_blocks."""
-    from jaxkv.ops import write_to_paged_cache
+    from jaxkv.kv_cache.write import write_to_paged_cache
     print("write_to_paged_cache (XLA scatter under donation), SmolLM2-like layer: 3 KV heads, D 64, bf16")
     print(f"{'tokens':>6} {'num_blocks':>10} {'cache MB':>9} {'us/call':>8} {'written GB/s':>12}")
     step = jax.jit(write_to_paged_cache, donate_argnums=0)

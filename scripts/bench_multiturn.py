@@ -51,6 +51,7 @@ import bench_throughput as bt  # noqa: E402  (one ShareGPT reader, the NVML samp
 
 from jaxkv import SamplingParams  # noqa: E402
 from models.entrypoints.engine_args import add_kv_offload_arguments  # noqa: E402
+from models.registry import load_config, load_tokenizer, resolve_tokenizer
 
 log = logging.getLogger("bench_multiturn")
 
@@ -273,7 +274,7 @@ def copy_overlap(trace_dir) -> dict | None:
 
 
 def _engine_stats(engine) -> dict:
-    from jaxkv.engine.core_proc import engine_stats
+    from jaxkv.engine.core import engine_stats
     return engine_stats(engine)
 
 
@@ -366,11 +367,11 @@ def load_workload(args) -> list[Conversation]:
         return convs
     if args.synthetic:
         import models
-        vocab = models.registry.load_config(models.resolve_model(args.model)).vocab_size
+        vocab = load_config(models.resolve_model(args.model)).vocab_size
         return synthetic_conversations(args.num_conversations, seed=args.seed, vocab_size=vocab,
                                        turns=args.synthetic_turns)
     import models
-    tok = models.registry.load_tokenizer(models.registry.resolve_tokenizer(args.tokenizer) if args.tokenizer
+    tok = load_tokenizer(resolve_tokenizer(args.tokenizer) if args.tokenizer
                                          else models.resolve_model(args.model))
     path = pathlib.Path(args.dataset) if args.dataset else bt.default_dataset_path()
     records, _ = bt.read_complete_records(path)

@@ -41,7 +41,6 @@ from typing import Sequence
 
 import numpy as np
 
-
 # ------------------------------------------------------------------------------------------ the workload
 
 @dataclasses.dataclass(frozen=True)
@@ -480,8 +479,8 @@ def main(argv=None) -> int:
             import openai  # noqa: F401
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is missing: pip install -e '.[bench]'") from None
-    from models.tokenizer import GGUFTokenizer
     from models.gguf_loader import find_smollm2_gguf
+    from models.tokenizer import GGUFTokenizer
     try:
         tokenizer = None if args.requests else GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf())
         per_run = args.num_prompts

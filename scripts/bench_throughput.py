@@ -43,12 +43,12 @@ from __future__ import annotations
 import argparse
 import contextlib
 import cProfile
-import pstats
 import dataclasses
 import json
 import logging
 import os
 import pathlib
+import pstats
 import random
 import shutil
 import sys
@@ -61,6 +61,7 @@ import jax
 import jaxkv
 import models
 from models.entrypoints.engine_args import add_kv_offload_arguments, multiprocessing_enabled
+from models.registry import load_config, load_tokenizer, model_format, model_name, resolve_tokenizer
 
 log = logging.getLogger("bench_throughput")
 BACKENDS = ("jaxkv", "jaxkv-inproc", "jaxkv-static", "hf")
@@ -661,11 +662,11 @@ def run(args) -> int:
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     gguf = models.resolve_model(args.model)
     if args.tokenizer:  # vLLM's --tokenizer: sample (count) the prompts with another model's tokenizer
-        tok = models.registry.load_tokenizer(models.registry.resolve_tokenizer(args.tokenizer))
+        tok = load_tokenizer(resolve_tokenizer(args.tokenizer))
     else:
-        tok = models.registry.load_tokenizer(gguf)
+        tok = load_tokenizer(gguf)
     if getattr(tok, "is_placeholder", False):
-        print(f"note: {models.registry.model_name(gguf)} has no tokenizer here: prompts are tokenized by a byte-level "
+        print(f"note: {model_name(gguf)} has no tokenizer here: prompts are tokenized by a byte-level "
               "placeholder (~4x the tokens of a BPE vocabulary); give --tokenizer smollm2-135m (or an HF directory) "
               "for realistic ShareGPT lengths")
     if args.requests:  # sampled elsewhere with the same rule and tokenizer (e.g. where the dataset is)
@@ -695,7 +696,7 @@ def run(args) -> int:
           f"output tokens {sum(r.output_len for r in requests)} (seed {args.seed})")
     batch_size = args.static_batch_size or args.max_num_seqs
     if args.tokenizer:
-        vocab = models.registry.load_config(gguf).vocab_size
+        vocab = load_config(gguf).vocab_size
         big = max((max(r.prompt_token_ids) for r in requests), default=0)
         if big >= vocab:
             raise ValueError(f"--tokenizer={args.tokenizer!r} gives token id {big} >= the model's vocab_size={vocab}")
@@ -706,7 +707,7 @@ def run(args) -> int:
     device = None
     for backend in sorted(backends, key=BACKENDS.index):  # engine-core processes first, then in-process
         if backend == "hf":
-            if models.registry.model_format(gguf) != "gguf":
+            if model_format(gguf) != "gguf":
                 print("hf: skipped (the transformers backend reads GGUF files only)")
                 continue
             try:
@@ -755,7 +756,7 @@ def run(args) -> int:
     for llm in llms.values():
         llm.shutdown()
 
-    print(f"\ndevice: {device}  jax {jax.__version__}  model {models.registry.model_name(gguf)}  "
+    print(f"\ndevice: {device}  jax {jax.__version__}  model {model_name(gguf)}  "
           f"{len(requests)} requests, max_num_seqs {args.max_num_seqs}, static batch {batch_size}")
     head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
             f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'nvml':>6} {'time s':>8}")

@@ -28,6 +28,7 @@ import time
 import jaxkv
 import models
 from models.entrypoints.engine_args import add_kv_offload_arguments
+from models.registry import blocks_per_sequence, load_config, load_model_tokenizer
 
 log = logging.getLogger("generate")
 
@@ -162,8 +163,8 @@ def run(args: argparse.Namespace) -> int:
     # the sizes depend on the prompts: tokenize with the model's tokenizer first (no weights; the GGUF
     # reader is shared with the weight loader)
     path = models.resolve_model(args.gguf or args.model)
-    config = models.registry.load_config(path)
-    tok = models.registry.load_model_tokenizer(path, args.tokenizer, config)
+    config = load_config(path)
+    tok = load_model_tokenizer(path, args.tokenizer, config)
     texts = [tok.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
              for p in args.prompt]
     # chat prompts carry their BOS in the template; plain prompts get it from the tokenizer
@@ -171,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     longest = max(len(t) for t in token_ids)
     max_model_len = args.max_model_len or longest + args.max_tokens
     max_num_seqs = args.max_num_seqs or len(texts)
-    blocks_per_seq = models.registry.blocks_per_sequence(
+    blocks_per_seq = blocks_per_sequence(
         config, max_model_len, block_size=args.block_size,
         max_num_batched_tokens=args.max_num_batched_tokens or max(256, max_num_seqs),
         hybrid=args.tensor_parallel_size == 1)

@@ -184,9 +184,9 @@ def main(argv=None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
     try:
-        import uvicorn  # noqa: F401 - fail before loading weights (and before the flags, which need them)
-        import starlette  # noqa: F401
         import pydantic  # noqa: F401
+        import starlette  # noqa: F401
+        import uvicorn  # noqa: F401 - fail before loading weights (and before the flags, which need them)
     except ImportError as e:
         raise SystemExit(f"error: {e.name} is missing: pip install -e '.[serve]'") from None
     args = parse_args(argv)

@@ -13,7 +13,6 @@ import pathlib
 import gguf
 
 
-
 def _byte_symbols() -> list[str]:
     """GPT-2's byte-level alphabet: printable bytes as themselves, the rest shifted past U+0100."""
     keep = list(range(ord("!"), ord("~") + 1)) + list(range(0xA1, 0xAC + 1)) + list(range(0xAE, 0xFF + 1))

@@ -1,13 +1,9 @@
-"""The serving core: requests, the KV-cache manager (blocks on demand, prefix caching) and the scheduler.
+"""The host side of a step (vLLM ``vllm/v1/core/``): NumPy and Python only.
 
-vLLM: ``vllm/v1/core/``. Host-side only (NumPy / Python); the device step lives in :mod:`jaxkv.engine`.
+* ``block_pool`` -- the free-list block pool; ``prefix_cache`` -- full blocks by the hash of their prefix.
+* ``request`` -- a request's state through the scheduler.
+* ``kv_cache_manager`` -- blocks for requests on demand, freed at once, cached prefixes reused;
+  ``hybrid_kv_cache_manager`` -- one block table per KV-cache group over one pool (sliding windows);
+  ``host_kv_pool`` -- the host tier's bookkeeping.
+* ``scheduler`` -- continuous batching: which requests run this step, with how many tokens each; preemption.
 """
-
-from jaxkv.core.host_kv_pool import HostBlockPool
-from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
-from jaxkv.core.kv_cache_manager import KVCacheManager
-from jaxkv.core.request import Request, RequestStatus
-from jaxkv.core.scheduler import Scheduler, SchedulerConfig, SchedulerOutput
-
-__all__ = ["HostBlockPool", "HybridKVCacheManager", "KVCacheManager", "Request", "RequestStatus", "Scheduler",
-           "SchedulerConfig", "SchedulerOutput"]

@@ -4,7 +4,7 @@ vLLM: V0's CPU block allocator for ``swap_space`` (``BlockSpaceManager.swap_out`
 scheduler's ``blocks_to_swap_out`` / ``blocks_to_swap_in``) and V1's CPU KV offloading
 (``--kv-offloading-size``, ``LRUOffloadingManager``: evicted blocks kept in host memory under their block
 hash). Host side only: this module decides which host block holds what and which copies a scheduling pass
-needs; :mod:`jaxkv.engine.kv_offload` owns the host arrays and issues the copies.
+needs; :mod:`jaxkv.worker.kv_offload` owns the host arrays and issues the copies.
 
 A host block holds one device block's pages (all cache tensors, every layer; for a hybrid model a block of
 any KV-cache group, as on the device, where the groups share one pool). Two kinds of owner:
@@ -29,7 +29,7 @@ import collections
 import dataclasses
 from collections.abc import Hashable, Sequence
 
-from jaxkv.block_allocator import BlockAllocator
+from jaxkv.core.block_pool import BlockAllocator
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

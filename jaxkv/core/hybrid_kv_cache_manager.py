@@ -13,7 +13,7 @@ never handed out nor written; block tables point skipped logical blocks to it an
 never read it (its keys are outside every window).
 
 Prefix caching follows vLLM's hybrid rules (``HybridKVCacheCoordinator.find_longest_cache_hit``): blocks are
-cached per group under ``(group, chained block hash)`` in one :class:`jaxkv.prefix_cache.PrefixCache` (one
+cached per group under ``(group, chained block hash)`` in one :class:`jaxkv.core.prefix_cache.PrefixCache` (one
 LRU over the shared pool); a full-attention group hits on the longest cached prefix (left to right); a
 sliding-window group needs only the last ``cdiv(sliding_window - 1, block_size)`` blocks before the hit
 point to be cached (searched right to left, earlier ones become the null block), or a cached run from the
@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from jaxkv.core.host_kv_pool import HostBlock, HostBlockPool
 from jaxkv.core.kv_cache_manager import BlockPool, cdiv
 from jaxkv.core.request import Request
-from jaxkv.spec import FullAttentionSpec, SlidingWindowSpec
+from jaxkv.kv_cache.specs import FullAttentionSpec, SlidingWindowSpec
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ class HybridKVCacheManager(BlockPool):
 
     """The blocks of every live request, one block list per KV-cache group (``request.group_block_ids``).
 
-    Same interface as :class:`jaxkv.core.KVCacheManager`; ``request.block_ids`` is the first group's list
+    Same interface as :class:`jaxkv.core.kv_cache_manager.KVCacheManager`; ``request.block_ids`` is the first group's list
     (what the scheduler checks for "holds blocks").
 
     Args:

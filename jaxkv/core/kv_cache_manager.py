@@ -2,15 +2,15 @@
 
 vLLM: ``vllm/v1/core/kv_cache_manager.py`` (``KVCacheManager.get_computed_blocks``, ``allocate_slots``,
 ``free``, ``usage``) over the block pool. Here the pool is :class:`jaxkv.BlockAllocator` and the hash
-table :class:`jaxkv.prefix_cache.PrefixCache` (chained block hashes, reference counts, LRU eviction).
+table :class:`jaxkv.core.prefix_cache.PrefixCache` (chained block hashes, reference counts, LRU eviction).
 """
 
 from __future__ import annotations
 
-from jaxkv.block_allocator import BlockAllocator
+from jaxkv.core.block_pool import BlockAllocator
 from jaxkv.core.host_kv_pool import HostBlock, HostBlockPool
+from jaxkv.core.prefix_cache import PrefixCache
 from jaxkv.core.request import Request
-from jaxkv.prefix_cache import PrefixCache
 
 
 def cdiv(a: int, b: int) -> int:

@@ -6,7 +6,7 @@ import enum
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from jaxkv.engine.sampling_params import SamplingParams
+    from jaxkv.sampling_params import SamplingParams
 
 
 class RequestStatus(enum.IntEnum):
@@ -89,7 +89,7 @@ class Request:
         self.host_block_ids: list[list[int | None]] | None = None
         # WAITING_FOR_REMOTE_KVS: the (host, device) blocks to load, and the engine's load of them in flight
         self.kv_load_pairs: list[tuple[int, int]] | None = None
-        self.kv_load = None  # jaxkv.engine.kv_offload.KVLoad
+        self.kv_load = None  # jaxkv.worker.kv_offload.KVLoad
         self.pending_prefix: list[tuple[list, list[int]]] = []  # host hits to cache once the load lands
         self.arrival_index = arrival_index
         self.seed = seed
@@ -135,7 +135,7 @@ class Request:
 
     def hashes_of_full_blocks(self, num_tokens: int, block_size: int) -> list[int]:
         """Chained hashes of the full blocks of ``all_token_ids[:num_tokens]``, extended incrementally;
-        equal to :func:`jaxkv.prefix_cache.block_hashes` of those tokens."""
+        equal to :func:`jaxkv.core.prefix_cache.block_hashes` of those tokens."""
         full = num_tokens // block_size
         if len(self.block_hashes) < full:
             prev = self.block_hashes[-1] if self.block_hashes else None

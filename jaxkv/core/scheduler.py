@@ -261,7 +261,7 @@ class Scheduler:
                 scheduled.append((req, n))
                 budget -= n
         # one-token rows first (stable): the attention op runs them on the decode kernel as a leading block
-        # (jaxkv.attention._leading_decodes_apart), as vLLM's model runner reorders decodes first for FlashInfer/MLA
+        # (jaxkv.attention.dispatch._leading_decodes_apart), as vLLM's model runner reorders decodes first for FlashInfer/MLA
         scheduled.sort(key=lambda rn: rn[1] != 1)
         return SchedulerOutput(scheduled, 0, preempted)
 

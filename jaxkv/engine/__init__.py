@@ -1,17 +1,11 @@
-"""The serving engine: sampling parameters, outputs, the model runner and the request-level engine.
+"""The engine loop (vLLM ``vllm/v1/engine/``).
 
-vLLM: ``vllm/v1/engine/`` (``LLMEngine`` / ``EngineCore``), ``vllm/sampling_params.py``,
-``vllm/outputs.py``. The host-side scheduler and KV-cache manager are in :mod:`jaxkv.core`.
+* ``llm_engine`` -- :class:`~jaxkv.engine.llm_engine.LLMEngine`: add requests, abort them, step, read outputs;
+  the scheduler (:mod:`jaxkv.core`) and the model runner (:mod:`jaxkv.worker`) in one process.
+* ``core`` -- the engine core in a process of its own (vLLM ``EngineCoreProc``): a busy loop over ZeroMQ.
+* ``core_client`` -- front-end clients of engine-core processes: launch, liveness, shutdown (vLLM
+  ``SyncMPClient`` / ``AsyncMPClient``); ``load_balancer`` picks a data-parallel rank.
+* ``protocol`` -- the messages between them and their msgpack codec.
+
+Front-end processes import ``core_client`` and ``protocol`` only, which import no JAX.
 """
-
-from jaxkv._lazy import lazy_exports as _lazy_exports
-
-# public name -> the module that defines it; imported on first use (jaxkv/_lazy.py)
-_EXPORTS = {
-    **dict.fromkeys(("EngineStats", "LLMEngine"), "jaxkv.engine.core"),
-    **dict.fromkeys(("ModelRunner",), "jaxkv.engine.model_runner"),
-    **dict.fromkeys(("CompletionOutput", "RequestOutput"), "jaxkv.engine.outputs"),
-    **dict.fromkeys(("SamplingParams",), "jaxkv.engine.sampling_params"),
-}
-__getattr__, __dir__ = _lazy_exports(__name__, _EXPORTS)
-__all__ = ["CompletionOutput", "EngineStats", "LLMEngine", "ModelRunner", "RequestOutput", "SamplingParams"]

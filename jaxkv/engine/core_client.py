@@ -3,7 +3,7 @@
 vLLM: ``vllm/v1/engine/core_client.py`` (``SyncMPClient``, ``AsyncMPClient``, ``DPLBAsyncMPClient``) and
 ``v1/engine/utils.py`` (process launch). The front end binds two ZeroMQ sockets, a ROUTER for its input
 messages (one routing id per data-parallel rank) and a PULL for every rank's outputs; each engine core
-(:mod:`jaxkv.engine.core_proc`) connects to both. A rank on another host is only another process that
+(:mod:`jaxkv.engine.core`) connects to both. A rank on another host is only another process that
 connects to the same two TCP endpoints (:class:`DataParallelConfig`, ``data_parallel_address``).
 
 * :class:`SyncMPClient` — for the offline ``LLM``: a reader thread takes every message off the output
@@ -45,10 +45,21 @@ import zmq
 import zmq.asyncio
 
 from jaxkv.engine import protocol
-from jaxkv.engine.core_proc import EngineCoreLaunch, as_tuple, routing_id
+from jaxkv.engine.core import EngineCoreLaunch, as_tuple, routing_id
 from jaxkv.engine.load_balancer import LoadBalancer
-from jaxkv.engine.protocol import (AbortRequests, AddRequests, AddResult, EngineCoreOutputs, EngineCoreRequest,
-                                   EngineDead, Heartbeat, Ready, Shutdown, UtilityCall, UtilityResult)
+from jaxkv.engine.protocol import (
+    AbortRequests,
+    AddRequests,
+    AddResult,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    EngineDead,
+    Heartbeat,
+    Ready,
+    Shutdown,
+    UtilityCall,
+    UtilityResult,
+)
 
 logger = logging.getLogger("jaxkv.engine_core")
 
@@ -173,7 +184,7 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
                         input_address: str | Sequence[str], output_address: str | Sequence[str], *,
                         parent_pid: int | None = None, env: dict[str, str] | None = None
                         ) -> dict[int, subprocess.Popen]:
-    """Start this host's engine cores (``python -m jaxkv.engine.core_proc``), one per local rank.
+    """Start this host's engine cores (``python -m jaxkv.engine.core``), one per local rank.
 
     With more than one local rank each gets its own devices (:func:`device_env`); ``env`` is added to
     every core's environment. ``input_address`` / ``output_address``: the front end's endpoints, or a
@@ -187,7 +198,7 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
             child_env.update(device_env(i, dp.devices_per_rank, visible))
         launch = EngineCoreLaunch(rank, as_tuple(input_address), as_tuple(output_address), factory,
                                   parent_pid=os.getpid() if parent_pid is None else parent_pid)
-        proc = subprocess.Popen([sys.executable, "-m", "jaxkv.engine.core_proc"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "jaxkv.engine.core"], stdin=subprocess.PIPE,
                                 env=child_env)
         proc.stdin.write(pickle.dumps(launch))
         proc.stdin.close()

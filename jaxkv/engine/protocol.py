@@ -28,7 +28,7 @@ from typing import Any, Union
 
 import msgspec
 
-from jaxkv.engine.sampling_params import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 
 HEARTBEAT_INTERVAL_S = 0.5
 
@@ -107,7 +107,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 class EngineCoreOutputs(msgspec.Struct, tag="outputs", array_like=True, omit_defaults=True, gc=False):
     """Everything one step produced on one engine core (``engine_index`` = its data-parallel rank), and
-    at most every ``stats_interval_s`` the engine's counters (:class:`jaxkv.engine.EngineStats` as a
+    at most every ``stats_interval_s`` the engine's counters (:class:`jaxkv.engine.llm_engine.EngineStats` as a
     dict)."""
 
     engine_index: int

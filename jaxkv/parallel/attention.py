@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import Mesh, PartitionSpec as P
+from jax.sharding import Mesh
+from jax.sharding import PartitionSpec as P
 
-from jaxkv.attention import paged_attention
-from jaxkv.metadata import AttentionMetadata
-from jaxkv.ops import write_to_paged_cache
+from jaxkv.attention.dispatch import paged_attention
+from jaxkv.attention.metadata import AttentionMetadata
+from jaxkv.kv_cache.write import write_to_paged_cache
 from jaxkv.parallel.mesh import DP, TP, kv_head_map, mesh_sizes
 
 
@@ -40,7 +41,7 @@ def paged_attention_layer(q: jax.Array, k: jax.Array, v: jax.Array, kv_cache: ja
         k, v: ``[num_tokens, num_kv_heads, head_size]`` (the model's KV heads).
         kv_cache: ``[2, num_blocks, cache_kv_heads, block_size, head_size]``; with a mesh the global
             array (``dp * blocks per rank`` blocks, ``tp * max(1, num_kv_heads // tp)`` heads), sharded as
-            :func:`jaxkv.parallel.kv_cache_sharding`.
+            :func:`jaxkv.parallel.mesh.kv_cache_sharding`.
         metadata: the batch; with ``dp > 1``, ``query_start_loc`` is ``int32[dp * (rows_per_rank + 1)]``
             of per-rank offsets (ignored for decode-only batches).
         scale, impl, k_scale, v_scale, extras: as :func:`jaxkv.paged_attention`.

@@ -128,7 +128,7 @@ class AsyncLLM:
     Args:
         engine: ``add_request(request_id, prompt_token_ids, sampling_params)``, ``abort_request(ids)``,
             ``step() -> list[RequestOutput]``, ``has_unfinished_requests()``, ``stats``
-            (:class:`jaxkv.engine.LLMEngine`).
+            (:class:`jaxkv.engine.llm_engine.LLMEngine`).
         tokenizer: ``decode(ids, skip_special_tokens=...)``.
         log_stats_interval_s: seconds between stats log lines (``None``: never log). Lines are only
             written when something happened since the last one.
@@ -194,7 +194,7 @@ class AsyncLLM:
 
         Args:
             prompt_token_ids: ``[num_prompt_tokens]``.
-            sampling_params: :class:`jaxkv.engine.SamplingParams`.
+            sampling_params: :class:`jaxkv.sampling_params.SamplingParams`.
             request_id: unique among unfinished requests.
             stop: stop strings, checked on the detokenized text.
             skip_special_tokens: drop control tokens from the text.

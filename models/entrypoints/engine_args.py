@@ -202,8 +202,11 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     import jax.numpy as jnp
     from flax import nnx
 
-    import jaxkv
-    import jaxkv.parallel
+    from jaxkv.attention.dispatch import check_attention_impl, default_attention_impl
+    from jaxkv.engine.llm_engine import LLMEngine
+    from jaxkv.kv_cache.dtypes import resolve_kv_cache_dtype
+    from jaxkv.kv_cache.memory import memory_snapshot
+    from jaxkv.parallel.mesh import make_mesh
     from models import registry
     from models.parallel import check_model_tensor_parallel
     from models.registry import resolve_model
@@ -213,13 +216,13 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     cache_dir = configure_compilation_cache(args.compilation_cache_dir)
     path = resolve_model(args.model)
     tp = args.tensor_parallel_size
-    mesh = jaxkv.parallel.make_mesh(tp, 1) if tp > 1 else None  # one device: exactly the plain program
+    mesh = make_mesh(tp, 1) if tp > 1 else None  # one device: exactly the plain program
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.dtype(("bfloat16" if on_gpu else "float32") if args.dtype == "auto" else args.dtype)
-    attention_impl = jaxkv.attention.check_attention_impl(args.attention_impl or jaxkv.default_attention_impl())
+    attention_impl = check_attention_impl(args.attention_impl or default_attention_impl())
     snapshot = None
     if args.num_gpu_blocks is None and _has_memory_stats():
-        snapshot = jaxkv.memory_snapshot()  # before the weights, as vLLM profiles at start-up
+        snapshot = memory_snapshot()  # before the weights, as vLLM profiles at start-up
     t_backend = time.perf_counter()
     config, weights, tokenizer = registry.load_checkpoint(path, progress=False, load_format=args.load_format,
                                                           tokenizer=args.tokenizer)
@@ -231,7 +234,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     t_model = time.perf_counter()
     max_model_len = resolve_max_model_len(args, config)
     max_num_batched_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(on_gpu, args.max_num_seqs)
-    cache_dtype = jaxkv.resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
     num_blocks = args.num_gpu_blocks
     if num_blocks is None:
         spec = kv_cache_spec(config, block_size=args.block_size, dtype=cache_dtype)
@@ -240,7 +243,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                                         dtype=cache_dtype, attention_impl=attention_impl, mesh=mesh)
     if mesh is not None:
         nnx.update(model, parts.params)  # the sharded weights replace the single-device copy
-    engine = jaxkv.LLMEngine(
+    engine = LLMEngine(
         parts.model_fn, parts.params, parts.kv_caches, kv_cache_groups=parts.kv_cache_groups,
         block_size=args.block_size, max_model_len=max_model_len, max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=max_num_batched_tokens, enable_prefix_caching=args.enable_prefix_caching,
@@ -278,13 +281,13 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
 
 
 def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, cache_dtype, attention_impl):
-    """The warm-up's executable cache (:mod:`jaxkv.engine.executable_cache`) in ``cache_dir``'s
+    """The warm-up's executable cache (:mod:`jaxkv.worker.executable_cache`) in ``cache_dir``'s
     ``jaxkv-executables`` folder, keyed by everything ``args`` and the model config decide; ``None`` when the
     compilation cache is off or ``$JAXKV_EXECUTABLE_CACHE`` is ``0``. A SmolLM2 server's warm start with its
     defaults: 12.5-12.7 s with it, 23.9-24.4 s with JAX's persistent cache alone (H200, session 21)."""
     if not cache_dir or os.environ.get("JAXKV_EXECUTABLE_CACHE", "1") == "0":
         return None
-    from jaxkv.engine.executable_cache import ExecutableCache
+    from jaxkv.worker.executable_cache import ExecutableCache
 
     description = repr((args, config, str(dtype), str(cache_dtype), attention_impl))
     return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
@@ -292,7 +295,7 @@ def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, ca
 
 @dataclasses.dataclass(frozen=True)
 class EngineCoreFactory:
-    """The picklable ``() -> (engine, info)`` an engine-core process runs (:mod:`jaxkv.engine.core_proc`)."""
+    """The picklable ``() -> (engine, info)`` an engine-core process runs (:mod:`jaxkv.engine.core`)."""
 
     args: EngineArgs
 
@@ -311,7 +314,7 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
                         max_num_batched_tokens: int) -> int:
     import jax
 
-    import jaxkv
+    from jaxkv.kv_cache.memory import num_blocks_from_device_memory
     from models import registry
 
     if snapshot is None:  # no memory statistics (CPU): enough for max_num_seqs full sequences
@@ -324,7 +327,7 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
     # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
     activations = max(1 << 30, 4 * 4 * max(args.max_num_seqs, 256) * config.vocab_size
                       + 64 * max_num_batched_tokens * config.hidden_size * 4)
-    return jaxkv.num_blocks_from_device_memory(
+    return num_blocks_from_device_memory(
         spec, num_layers=registry.num_cache_tensors(config, hybrid=registry.use_hybrid(mesh)),
         gpu_memory_utilization=args.gpu_memory_utilization,
         reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes, free_bytes=snapshot.free_bytes,

@@ -14,10 +14,10 @@ import time
 import weakref
 from typing import Any, Mapping, Sequence
 
-from jaxkv import RequestOutput, SamplingParams
 from jaxkv.engine.core_client import DataParallelConfig, EngineDeadError, SyncMPClient
-from jaxkv.engine.outputs import CompletionOutput
 from jaxkv.engine.protocol import EngineCoreRequest
+from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.sampling_params import SamplingParams
 from models import registry
 from models.entrypoints.engine_args import EngineArgs, EngineCoreFactory, build_engine, multiprocessing_enabled
 from models.registry import resolve_model
@@ -134,9 +134,9 @@ class LLM:
         return [] if self._client is None else self._client.pids
 
     def get_engine_stats(self) -> list[dict]:
-        """Every rank's engine counters (:class:`jaxkv.engine.EngineStats` fields as a dict), by rank."""
+        """Every rank's engine counters (:class:`jaxkv.engine.llm_engine.EngineStats` fields as a dict), by rank."""
         if self._client is None:
-            from jaxkv.engine.core_proc import engine_stats
+            from jaxkv.engine.core import engine_stats
             return [engine_stats(self.engine)]
         return self._client.call_utility("stats")
 

@@ -21,10 +21,11 @@ import sys
 
 import jax
 import jax.numpy as jnp
+from bench_common import add_workload_args, decode_prompts
 
 import jaxkv
 import models
-from bench_common import add_workload_args, decode_prompts
+from models.registry import LOAD_FORMATS, blocks_per_sequence, build_model, load_checkpoint
 
 
 def _sampling(new_tokens: int) -> jaxkv.SamplingParams:
@@ -34,7 +35,7 @@ def _sampling(new_tokens: int) -> jaxkv.SamplingParams:
 def run_one(model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capacity_factor=1,
             impl, repeats=3):
     max_model_len = prompt_len + new_tokens
-    blocks_per_seq = models.registry.blocks_per_sequence(model.config, max_model_len, block_size=16,
+    blocks_per_seq = blocks_per_sequence(model.config, max_model_len, block_size=16,
                                                          max_num_batched_tokens=max(batch * prompt_len, 16))
     make_engine = models.make_engine
     if isinstance(model.config, models.Gemma3Config):
@@ -80,13 +81,13 @@ def main(argv=None) -> int:
     add_workload_args(p, batches="1,8,64")
     p.add_argument("--steps-per-sync", default="1,16")
     p.add_argument("--attention-impl", default=None)
-    p.add_argument("--load-format", default="auto", choices=models.registry.LOAD_FORMATS,
+    p.add_argument("--load-format", default="auto", choices=LOAD_FORMATS,
                    help="dummy: random weights, config and tokenizer from the GGUF's metadata (speed only)")
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
-    config, weights, tok = models.registry.load_checkpoint(models.resolve_model(args.gguf or args.model),
+    config, weights, tok = load_checkpoint(models.resolve_model(args.gguf or args.model),
                                                            load_format=args.load_format)
-    model = models.registry.build_model(config, weights, dtype=jnp.bfloat16)
+    model = build_model(config, weights, dtype=jnp.bfloat16)
     del weights
     print(f"device: {jax.devices()[0].device_kind}  jax {jax.__version__}  attention={impl}  bf16  "
           f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, greedy, no stop token")

@@ -25,9 +25,9 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from bench_attention import BLOCK_SIZE, DTYPE, HEAD_SIZE, NUM_HEADS, NUM_KV_HEADS, _timer  # noqa: E402
+from sim_token_budget import replay  # noqa: E402  (scripts/dev, this script's folder)
 
 from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu  # noqa: E402
-from sim_token_budget import replay  # noqa: E402  (scripts/dev, this script's folder)
 
 
 def decode_batches(requests, *, seats=256, budget=8192, every=100, min_rows=8):

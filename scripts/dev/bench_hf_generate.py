@@ -17,8 +17,9 @@ import statistics
 import sys
 import time
 
-import models
 from bench_common import add_workload_args, decode_prompts
+
+import models
 
 
 def main(argv=None) -> int:

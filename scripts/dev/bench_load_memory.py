@@ -113,7 +113,7 @@ def measure(directory: str, tensor_parallel_size: int) -> dict:
     """Load ``directory`` in this process; the numbers of the module docstring."""
     import jax
 
-    from jaxkv.parallel import make_mesh
+    from jaxkv.parallel.mesh import make_mesh
     from models import registry
 
     jax.devices()  # the backend is up: part of the baseline

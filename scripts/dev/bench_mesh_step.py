@@ -28,7 +28,7 @@ from flax import nnx
 
 import jaxkv
 import models
-from jaxkv.parallel import make_mesh
+from jaxkv.parallel.mesh import make_mesh
 from models.config import LlamaConfig
 from models.llama import LlamaForCausalLM
 

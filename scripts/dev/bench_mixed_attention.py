@@ -2,7 +2,7 @@
 
     python scripts/dev/bench_mixed_attention.py [--iters 20]
 
-A mixed step (``jaxkv.engine.model_runner``) attends all rows of the largest request bucket (256, dummy
+A mixed step (``jaxkv.worker.model_runner``) attends all rows of the largest request bucket (256, dummy
 rows own no token) with ``max_query_len`` = the step's token bucket. The shapes below are what the
 1000-request ShareGPT workload produces (docs/perf-notes.md, session 5: buckets 512 to 4096, ~250 decode
 rows beside one or a few prefill chunks): SmolLM2's heads (9 query, 3 KV, head size 64), bf16, block 16,
@@ -13,7 +13,7 @@ spends in attention. Every output is checked against ``paged_prefill_attention_r
 ``--model-shape llama-8b`` (session 23): Llama-3.1-8B's heads (32 query, 8 KV, head size 128) at the 8B run's mixed
 step (a 4096-token bucket, 240 decode rows of 100-800 tokens, 14 prompts of 231 tokens), in four forms: every row on
 the prefill kernel; the prefill kernel with the leading decodes removed (``query_start_loc`` past them, as
-``jaxkv.attention`` runs it); the same prompts in a 16-row batch (the grid without a program per decode row); the
+``jaxkv.attention.dispatch`` runs it); the same prompts in a 16-row batch (the grid without a program per decode row); the
 Mosaic decode kernel on the decode rows. Where the prefill kernel's time goes when its rows are decodes.
 """
 
@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/ (bench_attention)
 from bench_attention import _timer  # noqa: E402
+
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention, paged_prefill_attention_reference
 
 ROWS, BLOCK_SIZE, NUM_HEADS, NUM_KV_HEADS, HEAD_SIZE, NUM_LAYERS = 256, 16, 9, 3, 64, 30

@@ -32,6 +32,7 @@ LAST = 16  # positions whose logits are compared
 def ours(args) -> None:
     sys.path.insert(0, str(ROOT))
     import jax
+
     import jaxkv
     from models import gemma3_runner, registry
     path = args.gguf or registry.resolve_model("gemma3-270m")

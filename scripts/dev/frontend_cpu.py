@@ -37,7 +37,7 @@ def cpu_seconds(pid: int) -> float:
 
 def api_server_pids(pid: int) -> list[int]:
     """``pid`` and its children that run ``serve.py`` (the API-server processes of ``--api-server-count``;
-    engine cores, ``python -m jaxkv.engine.core_proc``, are left out)."""
+    engine cores, ``python -m jaxkv.engine.core``, are left out)."""
     out = [pid]
     for d in pathlib.Path("/proc").iterdir():
         if not d.name.isdigit():

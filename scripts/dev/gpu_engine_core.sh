@@ -46,7 +46,7 @@ smol)
   timeout 200 python3 scripts/bench_serving.py --requests .dummy/requests.json --num-prompts 1000 \
     --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
     --result-json $OUT/serving.json 2>&1 | quiet | tee $OUT/serving.txt | tail -8
-  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core_proc)" | tee -a $OUT/serve-start.txt
+  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core)" | tee -a $OUT/serve-start.txt
   echo "== data parallel: 3000 requests, one GPU vs -dp 2"
   for dp in 1 2; do
     timeout 150 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv -dp $dp \
@@ -66,7 +66,7 @@ smol2)
     --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
     --result-json $OUT/serving.json 2>&1 | quiet > /tmp/serving.txt; tail -8 /tmp/serving.txt | tee $OUT/serving-table.txt
   grep -e "Output token throughput" -e "Failed" -e "error" /tmp/serving.txt | head -12
-  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core_proc)" | tee -a $OUT/serve-start.txt
+  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core)" | tee -a $OUT/serve-start.txt
   grep -e "Avg prompt" /tmp/server.log | tail -3
   echo "== max_num_batched_tokens 2048 vs 8192, 3000 requests, 1 GPU"
   for t in 2048 8192; do
@@ -125,7 +125,7 @@ v2)  # session 16: the defaults (max_num_batched_tokens 8192 on GPU), SmolLM2 on
     --request-rate inf,0.5x,0.9x --warmup-requests 256 --client-processes 6 --markdown \
     2>&1 | quiet > /tmp/serving.txt; tail -6 /tmp/serving.txt | tee $OUT/serving-table.txt
   grep -e "Failed" /tmp/serving.txt | head -3
-  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core_proc)" | tee -a $OUT/serve-start.txt
+  t1=$(date +%s.%N); kill -TERM $SERVER; wait $SERVER; echo "server exit code $? after SIGTERM in $(python3 -c "print(round($(date +%s.%N) - $t1, 1))") s; core processes left: $(pgrep -fc jaxkv.engine.core)" | tee -a $OUT/serve-start.txt
   echo "== SmolLM2 offline, 3000 requests, defaults"
   CUDA_VISIBLE_DEVICES=0 timeout 120 $B --model $S --requests /tmp/req3000.json --num-prompts 3000 --backend jaxkv \
     --nvml-busy --output-json $OUT/smol3000.json 2>&1 | quiet | grep -e "^jaxkv " -e "start-up" -e nvml -e "host loop" | tee $OUT/smol3000.txt

@@ -348,8 +348,8 @@ s)  # (session 20) the host tier staged in pinned memory with threaded NumPy cop
      --model llama-3.1-8b --tp 1 --batches 1,64,256 --new-tokens 32 --repeats 1 --num-scheduler-steps 8 --top-kernels 8 2>&1 \
      | quiet | grep -v "^engine\|INFO\|profiler" > /tmp/diag/kernels-8b-nomerge.txt) &
   BIG=$!
-  echo '$ pytest tests/jaxkv/test_host_kv_pool.py tests/models/test_kv_host_tier.py (GPU 0)'
-  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/jaxkv/test_host_kv_pool.py \
+  echo '$ pytest tests/jaxkv/core/test_host_kv_pool.py tests/models/test_kv_host_tier.py (GPU 0)'
+  CUDA_VISIBLE_DEVICES=0 timeout 200 python3 -m pytest -q -p no:cacheprovider -x tests/jaxkv/core/test_host_kv_pool.py \
     tests/models/test_kv_host_tier.py 2>&1 | quiet | tail -8 | tee /tmp/diag/tests.txt
   M="scripts/bench_multiturn.py --load-format dummy --conversations .multiturn/conversations.json --nvml-busy"
   sed -n '/^{"architectures"/,/^JSON/p' scripts/dev/gpu_multiturn.sh | grep -v '^JSON' > /tmp/smollm2/config.json
@@ -416,14 +416,14 @@ v)  # (session 21) GPU 0: the 8B 1000-request run with decode loops of >= 2 rows
   wait $FG; cat /tmp/diag/fused-gemm.txt
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
-w)  # (session 21) issue 27: the server's start with its defaults and the executable cache (jaxkv/engine/executable_cache.py):
+w)  # (session 21) issue 27: the server's start with its defaults and the executable cache (jaxkv/worker/executable_cache.py):
     # cold and warm with only JAX's persistent cache, then the executable cache filled from the persistent cache's
     # executables (re-serialized) and used; greedy text compared across the starts; a cProfile of LLM's warm start.
     # Then, both GPUs: SmolLM2 -dp 2 on 8000 requests with the cores bound to their GPU's NUMA node and without.
   mkdir -p /tmp/diag
   python3 -c "import json; r = json.load(open('.dummy/requests-8256.json')); json.dump(r[256:8256], open('/tmp/req8000.json', 'w'))"
   (nvidia-smi topo -m; lscpu | grep -i -e numa -e "^CPU(s)" -e "Model name"
-   python3 -c "from jaxkv.engine.core_proc import gpu_local_cpus as g; print('GPU0 local CPUs', sorted(g('0') or [])); print('GPU1 local CPUs', sorted(g('1') or []))") 2>&1 | tee /tmp/diag/topo.txt
+   python3 -c "from jaxkv.engine.core import gpu_local_cpus as g; print('GPU0 local CPUs', sorted(g('0') or [])); print('GPU1 local CPUs', sorted(g('1') or []))") 2>&1 | tee /tmp/diag/topo.txt
   serve_start cold-persistent-only JAXKV_EXECUTABLE_CACHE=0
   serve_start warm-persistent-only JAXKV_EXECUTABLE_CACHE=0
   serve_start warm-fill-executables
@@ -615,11 +615,11 @@ af)  # (session 23, one GPU) the 8B 1000-request run with the defaults on the us
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
 ag)  # (session 23, one GPU; the split was reverted after stage ah measured it level) a mixed step's one-token rows on
-    # the Mosaic decode kernel (jaxkv.attention._decode_rows_apart, commit 2c272b6):
+    # the Mosaic decode kernel (jaxkv.attention.dispatch._decode_rows_apart, commit 2c272b6):
     # the op test compiled; the 8B run (vLLM's rule, Llama 3 tokens) with it and without (JAXKV_MIXED_DECODE_APART=0),
     # one after the other; its kernel profile; then XLA's exhaustive Triton GEMM tiling search at 256 and 64 rows
   mkdir -p /tmp/diag
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py -k decode_rows_apart -rs \
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/attention/test_dispatch.py -k decode_rows_apart -rs \
     2>&1 | quiet | tail -6 | tee /tmp/diag/apart-tests.txt
   for apart in 1 0; do
     echo "== 8B, .dummy/requests-llama3.json, LLM defaults, JAXKV_MIXED_DECODE_APART=$apart" | tee -a /tmp/diag/big-apart.txt
@@ -642,8 +642,8 @@ ag)  # (session 23, one GPU; the split was reverted after stage ah measured it l
 ah)  # (session 23, one GPU) stage ag again after the fix (the packed step inputs 256-byte aligned): the op test compiled;
     # the 8B run with the decode rows apart and without; its kernel profile; XLA's exhaustive GEMM tiling search
   mkdir -p /tmp/diag
-  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py \
-    tests/jaxkv/test_step_input_packing.py -rs > /tmp/diag/apart-tests.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/apart-tests.txt
+  timeout 240 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/attention/test_dispatch.py \
+    tests/jaxkv/worker/test_step_input_packing.py -rs > /tmp/diag/apart-tests.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/apart-tests.txt
   tail -5 /tmp/diag/apart-tests.txt
   for apart in 1 0; do
     echo "== 8B, .dummy/requests-llama3.json, LLM defaults, JAXKV_MIXED_DECODE_APART=$apart" | tee -a /tmp/diag/big-apart.txt
@@ -683,11 +683,11 @@ ai)  # (session 23, one GPU) XLA's block-level fusion rewriter (Triton fusions o
   tar -C /tmp -czf $OUT/diag.tgz diag
   ;;
 aj)  # (session 23, one GPU) a mixed step's leading one-token rows on the Mosaic decode kernel, the rest on the Triton
-    # prefill kernel with query_start_loc starting past them (jaxkv.attention._leading_decodes_apart; the scheduler puts
+    # prefill kernel with query_start_loc starting past them (jaxkv.attention.dispatch._leading_decodes_apart; the scheduler puts
     # them first): the tests compiled; the 8B run (vLLM's rule, Llama 3 tokens) with it and without
     # (JAXKV_MIXED_DECODES_APART=0), one after the other; the kernel profile of a run with it
   mkdir -p /tmp/diag
-  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py \
+  timeout 200 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/attention/test_dispatch.py \
     tests/pallas_kernels/test_paged_prefill_kernel.py -rs > /tmp/diag/tests.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/tests.txt
   tail -4 /tmp/diag/tests.txt
   for apart in 1 0; do
@@ -705,7 +705,7 @@ aj)  # (session 23, one GPU) a mixed step's leading one-token rows on the Mosaic
 ak)  # (session 23, one GPU) stage aj's tests compiled, one file at a time with its own time limit (the interpreter
     # variants are skipped on a GPU)
   mkdir -p /tmp/diag
-  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/test_attention_routing.py -k "leading" -rs \
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/jaxkv/attention/test_dispatch.py -k "leading" -rs \
     > /tmp/diag/tests-routing.txt 2>&1; echo "pytest rc $?" >> /tmp/diag/tests-routing.txt
   tail -5 /tmp/diag/tests-routing.txt
   timeout 300 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_paged_prefill_kernel.py -rs \

@@ -41,8 +41,10 @@ def lower_to_ttir(kind: str, args) -> list[str]:
     registration.lowering.lower_jaxpr_to_triton_module = capture
 
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # scripts/
-    from bench_attention import BLOCK_SIZE as block, HEAD_SIZE as head_size  # the benchmarks' shapes
-    from bench_attention import NUM_HEADS as heads, NUM_KV_HEADS as kv_heads
+    from bench_attention import BLOCK_SIZE as block  # the benchmarks' shapes
+    from bench_attention import HEAD_SIZE as head_size
+    from bench_attention import NUM_HEADS as heads
+    from bench_attention import NUM_KV_HEADS as kv_heads
 
     S = jax.ShapeDtypeStruct
     if kind == "prefill":

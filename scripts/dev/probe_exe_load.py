@@ -1,5 +1,5 @@
 """Where a serialized step executable's 0.49 s load goes (session 21, H200): for the first ``--limit`` files of an
-executable-cache folder (``jaxkv/engine/executable_cache.py``), the PJRT executable's bytes are taken out of the
+executable-cache folder (``jaxkv/worker/executable_cache.py``), the PJRT executable's bytes are taken out of the
 pickle and loaded by ``backend.deserialize_executable`` without compile options (what
 ``jax.experimental.serialize_executable`` does), then with compile options rebuilt as JAX's compiler builds them
 for one device (what JAX's persistent cache passes), each twice.

@@ -5,7 +5,7 @@
 The pool is one ``pinned_host`` array ``[tensors, 2, host_blocks, kv_heads, block_size, head_size]`` (SmolLM2's
 shapes by default). Three ways to put ``--blocks`` random blocks of it on the device, each timed over repeats:
 
-* ``numpy``: what ``jaxkv.engine.kv_offload`` does today on a pageable pool (``np.take`` into a staging buffer,
+* ``numpy``: what ``jaxkv.worker.kv_offload`` does today on a pageable pool (``np.take`` into a staging buffer,
   one ``device_put``);
 * ``host-gather``: one jitted program that gathers on the host (``compute_on("device_host")``, XLA's host
   offloading) from the pinned pool and moves the result to device memory;
@@ -30,7 +30,7 @@ from jax._src.core import MemorySpace
 from jax.experimental.compute_on import compute_on
 from jax.sharding import SingleDeviceSharding
 
-from jaxkv.engine.kv_offload import _uncommitted, host_view
+from jaxkv.worker.kv_offload import _uncommitted, host_view
 
 
 def host_gather(pool, ids):

@@ -31,8 +31,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 _SCRIPTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # scripts/ (bench_attention)
 sys.path[:0] = [os.path.dirname(_SCRIPTS), _SCRIPTS]
-import pallas_kernels.paged_attention_mgpu as mgpu  # noqa: E402
 from bench_attention import HEAD_SIZE, _make_inputs, _timer  # noqa: E402
+
+import pallas_kernels.paged_attention_mgpu as mgpu  # noqa: E402
 
 ROLES = ("compute", "memory", "converter")
 

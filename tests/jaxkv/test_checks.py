@@ -13,12 +13,13 @@ import pytest
 from jax.experimental import checkify
 
 import jaxkv
-from jaxkv import block_ops, ops
+from jaxkv.attention.metadata import AttentionMetadata, build_attn_metadata, build_attn_metadata_for_groups
 from jaxkv.checks import checked, checks_are_enabled, checks_enabled, raise_if_error
-from jaxkv.graph_buckets import pad_decode_metadata
-from jaxkv.metadata import AttentionMetadata, build_attn_metadata, build_attn_metadata_for_groups
-from jaxkv.slot_mapping import compute_slot_mapping, compute_slot_mapping_batch, slot_mapping_from_positions
-from jaxkv.swap import swap_blocks_donated
+from jaxkv.kv_cache import write as ops
+from jaxkv.kv_cache.slot_mapping import compute_slot_mapping, compute_slot_mapping_batch, slot_mapping_from_positions
+from jaxkv.vllm_parity import block_ops
+from jaxkv.vllm_parity.graph_buckets import pad_decode_metadata
+from jaxkv.vllm_parity.swap import swap_blocks_donated
 from pallas_kernels import paged_attention as decode_mod
 from pallas_kernels.paged_attention import paged_attention, paged_attention_reference
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention
@@ -265,7 +266,7 @@ def _step(cache, q, k, v, slots, tables, lens, pairs, seq_ids, positions):
 
 def _bare_step(cache, q, k, v, slots, tables, lens, pairs, seq_ids, positions):
     """The same step from the unchecked internals (what main ran: no value check exists in a trace)."""
-    from jaxkv.slot_mapping import _slots_from_positions
+    from jaxkv.kv_cache.slot_mapping import _slots_from_positions
     cache = ops._scatter(cache, k, v, slots, None, None)
     out = paged_attention.__wrapped__(q, cache, tables, lens, scale=0.25, interpret=True)
     cache = block_ops._copy_jit(cache, pairs, block_axis=1)

@@ -1,4 +1,4 @@
-"""Lazy package attributes (jaxkv/_lazy.py): every public name of ``jaxkv``, ``jaxkv.engine``, ``models`` and
+"""Lazy package attributes (jaxkv/_lazy.py): every public name of ``jaxkv``, ``models`` and
 ``models.entrypoints`` resolves to the object its module defines, and importing what a front end needs to
 start an engine-core process does not import jax."""
 
@@ -11,7 +11,7 @@ import sys
 import pytest
 
 
-@pytest.mark.parametrize("package", ["jaxkv", "jaxkv.engine", "models", "models.entrypoints"])
+@pytest.mark.parametrize("package", ["jaxkv", "models", "models.entrypoints"])
 def test_every_export_resolves_to_its_module_object(package):
     pkg = importlib.import_module(package)
     for name in pkg.__all__:

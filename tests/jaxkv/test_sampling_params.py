@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-from jaxkv.engine import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 
 
 def test_defaults_follow_vllm():

@@ -210,7 +210,7 @@ def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_p
     description, or a file that does not load, compiles again."""
     import pickle
 
-    from jaxkv.engine.executable_cache import ExecutableCache
+    from jaxkv.worker.executable_cache import ExecutableCache
 
     def make():
         return models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
@@ -245,7 +245,7 @@ def test_step_programs_hold_no_device_predicated_control_flow():
     blocks the dispatching thread until the device is nearly done (session 8, H100: 11.8 of 15.7 ms of
     host work per round trip). Neither step program may hold a conditional; the decode loop's scan (a
     while loop with a trip count known at compile time) is allowed, and measured not to block."""
-    from jaxkv.engine.model_runner import _LowerOnly
+    from jaxkv.worker.model_runner import _LowerOnly
     eng = models.make_engine(_tiny_model(5), attention_impl="reference", block_size=BLOCK, num_blocks=16,
                              max_model_len=64, max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=3)
     runner, lowered = eng.runner, []

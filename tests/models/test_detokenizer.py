@@ -109,7 +109,9 @@ def test_decode_stream_flushes_a_broken_character_when_finished_and_keeps_each_v
 def test_decode_stream_with_a_sentencepiece_style_decoder():
     """Metaspace ("▁" for spaces, the first one dropped) and byte fallback, as Gemma's and Llama 2's are."""
     import tokenizers
-    from tokenizers import decoders, models as tmodels, pre_tokenizers
+    from tokenizers import decoders, pre_tokenizers
+    from tokenizers import models as tmodels
+
     from models.hf_tokenizer import HFTokenizer
     vocab = {"<unk>": 0, **{f"<0x{b:02X}>": 1 + b for b in range(256)}}
     for piece in ["▁", "▁Hello", "▁world", "▁é", "t", "e", "s", "▁t"]:

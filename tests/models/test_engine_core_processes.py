@@ -165,7 +165,7 @@ def test_core_binds_to_its_gpus_numa_node(monkeypatch):
     import sys
     import types
 
-    from jaxkv.engine import core_proc
+    from jaxkv.engine import core
 
     allowed = sorted(os.sched_getaffinity(0))
     masks = {0: [1 << allowed[0]], 1: [0]}  # GPU 0: the first allowed CPU; GPU 1: a node with none of ours
@@ -180,9 +180,9 @@ def test_core_binds_to_its_gpus_numa_node(monkeypatch):
     fake = types.SimpleNamespace(NVMLError=NVMLError, nvmlInit=lambda: None, nvmlShutdown=lambda: None,
                                  nvmlDeviceGetHandleByIndex=lambda i: i, nvmlDeviceGetCpuAffinity=cpu_affinity)
     monkeypatch.setitem(sys.modules, "pynvml", fake)
-    assert core_proc.gpu_local_cpus("0,1") == {allowed[0]}
+    assert core.gpu_local_cpus("0,1") == {allowed[0]}
     assert asked == [(0, (os.cpu_count() + 63) // 64)]
-    assert core_proc.gpu_local_cpus("1") is None
-    assert core_proc.gpu_local_cpus("GPU-8f2c") is None and core_proc.gpu_local_cpus("") is None
+    assert core.gpu_local_cpus("1") is None
+    assert core.gpu_local_cpus("GPU-8f2c") is None and core.gpu_local_cpus("") is None
     monkeypatch.setitem(sys.modules, "pynvml", None)  # not installed
-    assert core_proc.gpu_local_cpus("0") is None
+    assert core.gpu_local_cpus("0") is None

@@ -7,6 +7,7 @@ import pytest
 
 import models
 from jaxkv import SamplingParams
+from models.registry import load_tokenizer
 from tests.conftest import SMOLLM2_LLM_OPTIONS, load_script
 
 
@@ -31,7 +32,7 @@ def test_gguf_and_hf_directory_give_the_same_greedy_text(smollm2_llm, hf_dir):
         outs = llm.generate(prompts, greedy, use_tqdm=False)
         runs[name] = [(o.prompt_token_ids, o.outputs[0].token_ids, o.outputs[0].text) for o in outs]
         runs[name + "_stop"] = tok.stop_token_ids
-    assert type(models.registry.load_tokenizer(hf_dir)).__name__ == "HFTokenizer"
+    assert type(load_tokenizer(hf_dir)).__name__ == "HFTokenizer"
     assert runs["hf"] == runs["gguf"]
     assert runs["hf_stop"] == runs["gguf_stop"]
     assert "Paris" in runs["hf"][0][2]

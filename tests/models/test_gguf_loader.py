@@ -13,7 +13,6 @@ from models.gguf_loader import (
     unpermute_qk_from_interleaved_rope,
 )
 
-
 # ----------------------------------------------------------------------------------------
 # Synthetic: permutation and RoPE equivalence (float64, no file needed).
 

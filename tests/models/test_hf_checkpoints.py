@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import json
 
-import jax.numpy as jnp
 import jax
+import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 import pytest
+from flax import nnx
 
 import models
 from jaxkv import SamplingParams

@@ -20,8 +20,8 @@ import pytest
 
 import models
 from jaxkv import SamplingParams, SlidingWindowSpec
-from jaxkv.engine.core_proc import engine_stats
-from jaxkv.engine.kv_offload import bytes_per_block
+from jaxkv.engine.core import engine_stats
+from jaxkv.worker.kv_offload import bytes_per_block
 from tests.conftest import load_script, slow
 from tests.models.test_llama_paged import TINY, _tiny_model
 

@@ -155,7 +155,7 @@ def test_fp8_kv_cache_follows_the_dense_forward_within_fp8_error():
     """kv_cache_dtype fp8 (e4m3, scales 1) is wired through write and attention: logits move, but only
     by the K/V rounding (e4m3 keeps 3 mantissa bits, 2^-4 relative; through this random 2-layer model
     that moved the logits by ~12 % of their largest value). Exactness of fp8 write + read is tested
-    against float64 loops in tests/jaxkv/test_ops_fp8.py and the kernel tests."""
+    against float64 loops in tests/jaxkv/kv_cache/test_write_fp8.py and the kernel tests."""
     model = _tiny_model(7)
     eng = models.make_engine(model, attention_impl="reference", block_size=8, num_blocks=32, max_model_len=64,
                              cache_dtype=jnp.float8_e4m3fn, num_scheduler_steps=4, max_num_seqs=4,

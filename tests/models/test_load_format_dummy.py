@@ -10,6 +10,7 @@ import pytest
 import models
 from jaxkv import SamplingParams
 from models import registry
+from models.dummy import dummy_model
 from tests.conftest import load_script, slow
 from tests.models.test_llama_paged import TINY, _tiny_model
 
@@ -109,7 +110,7 @@ def test_dummy_init_compiles_per_distinct_shape_not_per_layer(monkeypatch):
     built = {}
     for layers in (2, 6):
         counts.append(0)
-        built[layers] = models.dummy.dummy_model(dataclasses.replace(base, num_layers=layers), dtype=jnp.float32)
+        built[layers] = dummy_model(dataclasses.replace(base, num_layers=layers), dtype=jnp.float32)
     assert 4 <= counts[0] == counts[1] <= 10, counts  # one program per distinct parameter shape and kind
     m = built[6]
     attn = m.layers[5].self_attn

@@ -21,7 +21,7 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
-from jaxkv.engine import SamplingParams  # noqa: E402
+from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from models.entrypoints.openai.api_server import build_app  # noqa: E402
 
@@ -351,6 +351,7 @@ def test_bench_serving_measures_a_run(server):
 
 def test_async_llm_abort_early_close_and_dead_engine():
     import asyncio
+
     from models.entrypoints.async_llm import EngineDeadError
 
     class CrashingEngine(FakeEngine):

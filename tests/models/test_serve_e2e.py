@@ -30,7 +30,7 @@ pytest.importorskip("starlette")
 SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "serve.py"
 REFERENCE = """
 import json, sys
-from jaxkv.engine import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.llm import LLM
 engine, prompts, max_tokens = (json.loads(a) for a in sys.argv[2:])
 llm = LLM(model=sys.argv[1], enable_multiprocessing=False, **engine)  # the server runs core processes

@@ -227,7 +227,7 @@ def test_two_api_servers_exit_1_when_the_core_dies(tiny, tmp_path):
     server = Server(tmp_path, tiny, "--api-server-count", "2")
     try:
         kids = _children(server.proc.pid)
-        cores = [k for k in kids if b"jaxkv.engine.core_proc" in pathlib.Path(f"/proc/{k}/cmdline").read_bytes()]
+        cores = [k for k in kids if b"jaxkv.engine.core" in pathlib.Path(f"/proc/{k}/cmdline").read_bytes()]
         assert len(cores) == 1 and len(kids) == 3, kids
         os.kill(cores[0], signal.SIGKILL)
         assert server.proc.wait(30) == 1  # both API servers see the core gone and exit 1; so does the supervisor

@@ -20,11 +20,12 @@ import pytest
 openai = pytest.importorskip("openai")
 uvicorn = pytest.importorskip("uvicorn")
 
+from test_openai_api_fake_engine import EOS, MODEL, ByteTokenizer, FakeEngine, expected_text  # noqa: E402
+
 from models.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from models.entrypoints.openai.api_server import build_app  # noqa: E402
 from models.entrypoints.openai.drain import GracefulServer  # noqa: E402
 from models.entrypoints.openai.limits import ServerLimits, json_depth  # noqa: E402
-from test_openai_api_fake_engine import EOS, MODEL, ByteTokenizer, FakeEngine, expected_text  # noqa: E402
 
 KEYS = ["key-one", "second-key"]
 LIMITS = ServerLimits(max_request_body_bytes=256 * 1024, max_json_depth=8, max_stop_strings=3, max_stop_chars=20,

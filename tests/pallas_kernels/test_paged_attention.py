@@ -191,6 +191,7 @@ def test_decode_call_is_only_pallas_kernels(num_splits, launches):
     call is the decode kernel (and the merge kernel when split) plus free reshapes and the constant
     fp8 scales: no pad, slice, cast or reduction left to run as its own small XLA kernel."""
     import collections
+
     import jax
     shapes = [jax.ShapeDtypeStruct(s, d) for s, d in (((8, 9, 64), jnp.bfloat16),
                                                       ((2, 1025, 3, 16, 64), jnp.bfloat16),

@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.paged_prefill_attention import paged_prefill_attention_reference
-from tests.conftest import TOLERANCE, PagedBatch, prefill_attention_loop as prefill_loop, rel_err
+from tests.conftest import TOLERANCE, PagedBatch, rel_err
+from tests.conftest import prefill_attention_loop as prefill_loop
 
 
 @pytest.mark.parametrize("extra", [{}, dict(sliding_window=7), dict(logits_soft_cap=3.0),

@@ -261,7 +261,7 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setattr(mgpu_mod, "paged_prefill_attention_mgpu",
                         spy("mosaic", mgpu_mod.paged_prefill_attention_mgpu))
     monkeypatch.setattr(triton_mod, "paged_prefill_attention", spy("triton", triton_mod.paged_prefill_attention))
-    monkeypatch.setattr(jaxkv.attention, "_warned_fallbacks", set())
+    monkeypatch.setattr(jaxkv.attention.dispatch, "_warned_fallbacks", set())
     lengths = [(20, 9), (7, 1)]
     cls = _cls(lengths, kv_heads=2, group=2, head=64, block=8)
     case = fuzz.make_case(np.random.default_rng(2), cls, lengths)
@@ -332,7 +332,8 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
     batches); the engine's mixed steps, short prompts, other head sizes, fp8 and other GPUs stay on Triton,
     and decode moves only for the measured head size 128 with a bf16 or fp8 e4m3 cache."""
     import types
-    from jaxkv.attention import _use_mosaic
+
+    from jaxkv.attention.dispatch import _use_mosaic
     sds = jax.ShapeDtypeStruct
     sm90 = [types.SimpleNamespace(platform="gpu", compute_capability="9.0")]
     monkeypatch.setattr(jax, "devices", lambda *a: sm90)

@@ -14,9 +14,15 @@ import pytest
 
 from pallas_kernels import tuning
 from pallas_kernels.paged_attention import paged_attention as decode_attention
-from pallas_kernels.paged_prefill_attention import (_query_tiles, _tile_kv_range, num_query_tiles,
-                                                    paged_prefill_attention, paged_prefill_attention_reference)
-from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, prefill_attention_loop as prefill_loop, rel_err
+from pallas_kernels.paged_prefill_attention import (
+    _query_tiles,
+    _tile_kv_range,
+    num_query_tiles,
+    paged_prefill_attention,
+    paged_prefill_attention_reference,
+)
+from tests.conftest import TOLERANCE, PagedBatch, decode_attention_loop, rel_err
+from tests.conftest import prefill_attention_loop as prefill_loop
 
 # Interpret mode on CPU (CI); on a GPU the same tests run the compiled Pallas-Triton kernel.
 INTERPRET = jax.default_backend() != "gpu"
@@ -237,7 +243,7 @@ def test_mixed_batch_in_a_large_token_bucket(rng):
 
 
 def test_query_start_loc_may_start_past_zero(rng):
-    """``query_start_loc[0] = D > 0`` (jaxkv.attention runs a mixed step's D leading decodes elsewhere): rows with no
+    """``query_start_loc[0] = D > 0`` (jaxkv.attention.dispatch runs a mixed step's D leading decodes elsewhere): rows with no
     token before it, the first D tokens belong to no sequence (output 0), the rest match the loop."""
     context_lens = [30, 4, 9, 0, 11, 6]
     query_lens = [1, 1, 1, 13, 6, 0]

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from jaxkv.engine.outputs import CompletionOutput, RequestOutput
+from jaxkv.outputs import CompletionOutput, RequestOutput
 from tests.conftest import load_script
 
 

@@ -134,6 +134,7 @@ def test_union_seconds_matches_a_brute_force_count():
 def test_device_busy_counts_gpu_stream_lines_only(tmp_path, monkeypatch):
     """Only ``Stream`` lines of ``/device:GPU`` planes count ("XLA Modules" spans the gaps between kernels)."""
     import types
+
     import jax.profiler
     mod = _module()
     ev = lambda a, d: types.SimpleNamespace(start_ns=a, duration_ns=d)

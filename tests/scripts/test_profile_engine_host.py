@@ -7,6 +7,7 @@ import re
 
 from tests.conftest import load_script
 
+
 def _module():
     return load_script("profile_engine_host")
 

@@ -29,6 +29,7 @@ def test_exposure_flags_build_limits_and_keys():
     """serve.py's --api-key / JAXKV_API_KEY and limit flags (in-process: no model is loaded)."""
     sys.path.insert(0, str(SCRIPTS))
     import serve
+
     from models.entrypoints.openai.limits import ServerLimits
 
     args = serve.parse_args([])

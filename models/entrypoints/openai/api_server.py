@@ -44,8 +44,15 @@ from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineNotRea
 from models.entrypoints.openai.auth import ApiKeyMiddleware
 from models.entrypoints.openai.drain import AbortingEngine
 from models.entrypoints.openai.limits import Admission, RequestLimitsMiddleware, ServerLimits, parse_json_object
-from models.entrypoints.openai.protocol import (ChatCompletionRequest, CompletionRequest, ModelCard,
-                                                ModelList, OpenAIError, error_from_validation, random_id)
+from models.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+    OpenAIError,
+    error_from_validation,
+    random_id,
+)
 from models.entrypoints.openai.serving_chat import OpenAIServingChat
 from models.entrypoints.openai.serving_completion import OpenAIServingCompletion
 

@@ -5,7 +5,7 @@ vLLM: ``entrypoints/openai/protocol.py``.
 Requests accept the fields OpenAI clients send (unknown fields are ignored, as OpenAI's server does for
 most of them); fields the engine cannot honour (``n > 1``, logprobs, penalties, ``echo``, ``suffix``,
 tools) are rejected with a 400 that names the field rather than silently ignored. Every range check
-happens here or in :class:`jaxkv.engine.SamplingParams`, so a request that gets past validation cannot
+happens here or in :class:`jaxkv.sampling_params.SamplingParams`, so a request that gets past validation cannot
 make the engine fail.
 """
 

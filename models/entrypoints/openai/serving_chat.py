@@ -14,10 +14,23 @@ from typing import AsyncIterator
 
 import jinja2
 
-from models.entrypoints.openai.protocol import (ChatChoice, ChatCompletionChunk, ChatCompletionRequest,
-                                                ChatCompletionResponse, ChatMessageOut, OpenAIError)
-from models.entrypoints.openai.serving_engine import (SSE_DONE, ChunkFormatter, OpenAIServing, error_event,
-                                                      final_output, sse, usage_of)
+from models.entrypoints.openai.protocol import (
+    ChatChoice,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatMessageOut,
+    OpenAIError,
+)
+from models.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChunkFormatter,
+    OpenAIServing,
+    error_event,
+    final_output,
+    sse,
+    usage_of,
+)
 
 
 class OpenAIServingChat(OpenAIServing):

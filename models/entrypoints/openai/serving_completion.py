@@ -11,10 +11,17 @@ import contextlib
 import time
 from typing import AsyncIterator
 
-from models.entrypoints.openai.protocol import (CompletionChoice, CompletionRequest, CompletionResponse,
-                                                OpenAIError)
-from models.entrypoints.openai.serving_engine import (SSE_DONE, ChunkFormatter, OpenAIServing, error_event,
-                                                      merge_streams, sse, usage_of)
+from models.entrypoints.openai.protocol import CompletionChoice, CompletionRequest, CompletionResponse, OpenAIError
+from models.entrypoints.openai.serving_engine import (
+    SSE_DONE,
+    ChunkFormatter,
+    OpenAIServing,
+    error_event,
+    merge_streams,
+    sse,
+    usage_of,
+)
+
 
 class OpenAIServingCompletion(OpenAIServing):
     """Handles text completions."""

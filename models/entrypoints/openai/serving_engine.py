@@ -13,7 +13,7 @@ from typing import Any, AsyncIterator, Sequence
 
 from pydantic import BaseModel
 
-from jaxkv.engine import SamplingParams
+from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, StreamOutput
 from models.entrypoints.openai.limits import ServerLimits, check_stop
 from models.entrypoints.openai.protocol import OpenAIError, UsageInfo, _SamplingFields

@@ -1,0 +1,612 @@
+"""The request-level engine: add requests, abort them, step, read outputs. Model-agnostic.
+
+vLLM: ``vllm/v1/engine/core.py`` (``EngineCore.step``: schedule → execute → update) and the offline
+``LLMEngine`` (``add_request``, ``abort_request``, ``step``, ``has_unfinished_requests``). One step:
+
+1. :meth:`Scheduler.schedule` picks requests and token counts, allocating blocks on demand;
+2. :class:`ModelRunner` pads the flat batch to a bucket and dispatches the jitted step (cache donated);
+3. the host blocks only on the sampled tokens (``int32`` per request, or per request and decode step);
+4. :meth:`Scheduler.update_from_output` appends them, checks stops, frees finished requests' blocks.
+
+Timing: ``stats.device_wait_s`` sums the host's blocking waits for results; ``stats.device_idle_s``
+bounds from above the time the device had no program queued: from the moment a result was fetched (the
+device was busy until then) to the end of the next dispatch, counted only when at that moment the device
+has nothing left to run (always in synchronous mode; with ``async_scheduling`` only when the step queued
+behind is already done). It does not see gaps between the kernels of one program (launch overhead), which
+a profiler or the driver's utilization counter does (``scripts/bench_throughput.py --nvml-busy``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from typing import Iterable
+
+import numpy as np
+
+from jaxkv.core.host_kv_pool import HostBlockPool
+from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
+from jaxkv.core.kv_cache_manager import KVCacheManager
+from jaxkv.core.request import Request, RequestStatus
+from jaxkv.core.scheduler import Scheduler, SchedulerConfig
+from jaxkv.engine.protocol import EngineCoreOutput
+from jaxkv.kv_cache.specs import SlidingWindowSpec
+from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.sampling_params import SamplingParams
+from jaxkv.worker.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
+from jaxkv.worker.model_runner import ModelFn, ModelRunner
+
+
+@dataclasses.dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine's counters (``LLMEngine.stats``).
+
+    Attributes:
+        num_running, num_waiting: requests in each queue now.
+        kv_cache_usage: share of blocks held by live requests (0..1).
+        num_preemptions: preemptions so far (recompute and swap).
+        prefix_cache_hit_rate: prompt tokens found cached (on the device or in the host tier) / prompt
+            tokens looked up (first admissions).
+        num_compiles: jitted-step compilations so far; ``num_buckets`` bounds it.
+        steps: host round trips (``step()`` calls that ran the model); ``model_steps`` counts decode-loop
+            iterations individually.
+        num_generated_tokens: tokens appended to outputs; ``num_prompt_tokens_computed``: prompt (and
+            re-prefill) tokens run through the model.
+        step_s: wall seconds inside ``step()``; ``device_wait_s``: of which blocked on device results;
+            ``device_idle_s``: an upper bound of the time the device had nothing queued (from the last
+            fetched result, when the device was busy, to a dispatch that found nothing queued or the
+            queued step already done).
+        decode_s, decode_steps, decode_tokens: the same for pure-decode loops only, excluding calls that
+            compiled.
+        schedule_s, execute_s, update_s: the host's part of ``step_s`` by phase: scheduling, building and
+            dispatching the step's inputs, applying the sampled tokens (outputs included).
+        transfer_s, call_s: of ``execute_s`` (warm-up included), the input transfers and the time inside
+            the jitted calls (which return at once unless the program makes the host wait).
+        num_host_blocks: blocks of the host tier (0: no tier); ``host_kv_cache_usage``: share of them
+            holding data (swapped-out requests' blocks or the host prefix cache's), 0..1.
+        num_swaps_out, num_swaps_in: requests swapped out to / in from the host tier;
+            ``num_blocks_swapped_out`` / ``_in``: their blocks.
+        num_swap_recompute_fallbacks: swap preemptions that recomputed instead (the host pool was full).
+        num_blocks_offloaded: blocks evicted from the device prefix cache and kept in the host tier.
+        num_host_prefix_hit_tokens: tokens whose blocks came back from the host prefix cache.
+        kv_offload_bytes_to_host, kv_offload_bytes_to_device: bytes of the blocks copied each way.
+        kv_offload_copy_s: seconds of the engine thread spent issuing those copies and waiting for them
+            (device time is not seen here; a profiler trace shows it).
+        kv_offload_write_s: seconds of the host tier's writer thread writing arrived blocks into the pool.
+        kv_offload_load_s: seconds of its loader thread gathering host blocks and starting their transfers
+            to the device (the requests they are for wait, the others step).
+    """
+
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_preemptions: int
+    prefix_cache_hit_rate: float
+    num_compiles: int
+    num_buckets: int
+    steps: int
+    model_steps: int
+    num_generated_tokens: int
+    num_prompt_tokens_computed: int
+    step_s: float
+    device_wait_s: float
+    device_idle_s: float
+    decode_s: float
+    decode_steps: int
+    decode_tokens: int
+    schedule_s: float = 0.0
+    execute_s: float = 0.0
+    update_s: float = 0.0
+    transfer_s: float = 0.0
+    call_s: float = 0.0
+    num_host_blocks: int = 0
+    host_kv_cache_usage: float = 0.0
+    num_swaps_out: int = 0
+    num_swaps_in: int = 0
+    num_blocks_swapped_out: int = 0
+    num_blocks_swapped_in: int = 0
+    num_swap_recompute_fallbacks: int = 0
+    num_blocks_offloaded: int = 0
+    num_host_prefix_hit_tokens: int = 0
+    kv_offload_bytes_to_host: int = 0
+    kv_offload_bytes_to_device: int = 0
+    kv_offload_copy_s: float = 0.0
+    kv_offload_write_s: float = 0.0
+    kv_offload_load_s: float = 0.0
+
+    @property
+    def gpu_idle_share(self) -> float:
+        """Upper bound of the device's idle share of ``step()`` time: ``device_idle_s / step_s``."""
+        return self.device_idle_s / self.step_s if self.step_s > 0 else float("nan")
+
+    @property
+    def decode_ms_per_step(self) -> float:
+        return 1e3 * self.decode_s / self.decode_steps if self.decode_steps else float("nan")
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class LLMEngine:
+    """Continuous batching over a paged KV cache, driving any ``model_fn``.
+
+    Args:
+        model_fn: ``(params, input_ids, positions, kv_caches, metadata, logits_indices) ->
+            (f32[num_logits, vocab] logits, kv_caches)``, traceable by ``jax.jit``.
+        params: pytree passed to ``model_fn`` (not donated).
+        kv_caches: one ``[2, num_blocks, num_kv_heads, block_size, head_size]`` cache per layer; the
+            engine owns them from now on (donated to every step).
+        block_size: tokens per block.
+        max_model_len: longest sequence (prompt + output) in tokens.
+        max_num_seqs: most requests in one step.
+        max_num_batched_tokens: the step's token budget (prefill chunks + decodes).
+        enable_prefix_caching: reuse computed full blocks across requests and re-prefills (vLLM V1 default).
+        eos_token_id: an id or a set of ids that end a request unless ``ignore_eos``; ``None``: none.
+        long_prefill_token_threshold: most prompt tokens a request gets per step (0 = budget only).
+        num_scheduler_steps: most decode steps run on the device per host round trip.
+        max_admission_delay_steps: decode steps an admissible waiting request may be held back so that
+            running requests decode in a device loop (0 = admit at the next step, vLLM's behaviour).
+        async_scheduling: schedule and dispatch step N+1 before fetching step N's tokens (vLLM V1 async
+            scheduling); the pending tokens are read on the device.
+        seed: draws the seeds of requests whose ``SamplingParams.seed`` is ``None``.
+        max_num_stop_token_ids: most EOS + stop tokens of a request with ``min_tokens > 0``.
+        return_logits: keep every sampled token's logits (``CompletionOutput.logits``; tests only).
+        kv_cache_groups: the model's KV-cache groups (``KVCacheConfig.kv_cache_groups``); with more than one
+            (a hybrid model), every request gets one block table per group (:class:`HybridKVCacheManager`)
+            and ``model_fn`` receives a tuple of metadata, one per group; ``kv_caches`` are then the
+            config's tensors (shared by one layer of each group). ``None``: one group.
+        check_kernel_inputs: debug mode: check every attention call's metadata and written slots on the
+            device (checkify) and raise ``ValueError`` at the first violation (slower: no overlap).
+        mesh: a :func:`jaxkv.parallel.mesh.make_mesh` mesh (``dp == 1``) the model and caches are sharded over
+            for tensor parallelism (``model_fn`` attends through it). Data parallelism is one engine per
+            rank, each in its own process (:mod:`jaxkv.engine.core_client`).
+        kv_offloading_size: GiB of host memory for the KV cache's host tier (vLLM V1's
+            ``--kv-offloading-size``; ``None``: no tier): host blocks with the device cache's layout
+            (:mod:`jaxkv.worker.kv_offload`). With prefix
+            caching, full blocks evicted from the device prefix cache are kept there (least recently used
+            out first) and a prompt's prefix lookup continues there after the device's hits (copied back
+            before the step); with ``preemption_mode="swap"`` preempted requests' blocks go there.
+            Single-device caches only (hybrid groups included: blocks are kept per ``(group, hash)``).
+        preemption_mode: ``"recompute"`` (default; vLLM V1's behaviour) or ``"swap"`` (vLLM V0's: a
+            preempted request's blocks are copied to the host tier and back when it resumes, without
+            recomputing; when the tier is full it recomputes, counted in
+            ``stats.num_swap_recompute_fallbacks``). ``"swap"`` needs ``kv_offloading_size``.
+
+    Raises:
+        ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
+            max_num_batched_tokens``, a bad ``preemption_mode`` or ``kv_offloading_size``, swap without a
+            host tier, a host tier with a mesh.
+    """
+
+    def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
+                 max_num_seqs: int = 256, max_num_batched_tokens: int = 2048,
+                 enable_prefix_caching: bool = True, eos_token_id: int | Iterable[int] | None = None,
+                 long_prefill_token_threshold: int = 0, num_scheduler_steps: int = 8,
+                 max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False,
+                 check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
+                 kv_offloading_size: float | None = None, preemption_mode: str = "recompute"):
+        self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+                                      max_model_len=max_model_len,
+                                      long_prefill_token_threshold=long_prefill_token_threshold,
+                                      num_scheduler_steps=num_scheduler_steps,
+                                      max_admission_delay_steps=max_admission_delay_steps,
+                                      preemption_mode=preemption_mode)
+        if preemption_mode == "swap" and not kv_offloading_size:
+            raise ValueError(f"preemption_mode='swap' needs a host tier: kv_offloading_size={kv_offloading_size!r}")
+        if kv_offloading_size is not None and mesh is not None:
+            raise ValueError(f"kv_offloading_size={kv_offloading_size} with a mesh {dict(mesh.shape)}: the host "
+                             "tier supports single-device caches only")
+        self.mesh = mesh
+        if mesh is not None and mesh.shape.get("dp", 1) > 1:
+            raise ValueError(f"mesh with dp={mesh.shape['dp']}: data-parallel ranks are engines of their own "
+                             "(engine-core processes, LLM(data_parallel_size=...)); an engine's mesh has dp == 1")
+        self.runner = ModelRunner(model_fn, params, kv_caches, block_size=block_size,
+                                  max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=max_num_batched_tokens,
+                                  num_scheduler_steps=num_scheduler_steps,
+                                  max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
+                                  check_kernel_inputs=check_kernel_inputs,
+                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1)
+        self.block_size = block_size
+        self.max_model_len = max_model_len
+        self.kv_cache_groups = tuple(kv_cache_groups or ())
+        self.offloader = None
+        self.host_pool = None
+        if kv_offloading_size is not None:
+            num_host_blocks = num_host_blocks_for(kv_offloading_size, self.runner.kv_caches)
+            self.offloader = KVOffloader(self.runner.kv_caches, num_host_blocks)
+            self.host_pool = HostBlockPool(num_host_blocks)
+        self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
+        # host → device copies as loads beside the steps; JAXKV_ASYNC_KV_LOADS=0 issues them inside the pass
+        # instead, before its step (session 18's path; kept for A/B measurements)
+        self._async_loads = self.offloader is not None and os.environ.get("JAXKV_ASYNC_KV_LOADS", "1") != "0"
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self._async_loads)
+        self._loads: list[tuple[Request, KVLoad]] = []  # host → device loads in flight (cancelled ones too)
+        if eos_token_id is None:
+            self.eos_token_ids = frozenset()
+        elif isinstance(eos_token_id, (int, np.integer)):
+            self.eos_token_ids = frozenset({int(eos_token_id)})
+        else:
+            self.eos_token_ids = frozenset(int(t) for t in eos_token_id)
+        self.return_logits = return_logits
+        self.async_scheduling = async_scheduling
+        self._inflight = None  # (SchedulerOutput, StepResult) dispatched, tokens not fetched yet
+        self._busy_until = None
+        self._requests: dict[str, Request] = {}
+        self._aborted: list[Request] = []
+        self._arrivals = 0
+        self._seed_rng = np.random.default_rng(seed)
+        self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
+                              step_s=0.0, device_wait_s=0.0, device_idle_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0,
+                              schedule_s=0.0, execute_s=0.0, update_s=0.0)
+
+    # -- properties ------------------------------------------------------------------------------------
+    @property
+    def _per_group_blocks(self) -> bool:
+        """Several KV-cache groups, or one sliding-window group (Mistral): the hybrid manager's per-group
+        block lists, with the blocks that leave a window freed."""
+        return len(self.kv_cache_groups) > 1 or any(isinstance(g.kv_cache_spec, SlidingWindowSpec)
+                                                    for g in self.kv_cache_groups)
+
+    @property
+    def kv_caches(self):
+        return self.runner.kv_caches
+
+    @property
+    def num_compiles(self) -> int:
+        return self.runner.num_compiles
+
+    @property
+    def num_buckets(self) -> int:
+        return self.runner.num_buckets
+
+    @property
+    def stats(self) -> EngineStats:
+        kv = self.kv_cache_manager
+        return EngineStats(num_running=len(self.scheduler.running),
+                           num_waiting=len(self.scheduler.waiting) + len(self.scheduler.loading),
+                           kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
+                           prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
+                           num_buckets=self.num_buckets, transfer_s=self.runner.transfer_s,
+                           call_s=self.runner.call_s, **self._counters, **self._host_tier_stats())
+
+    def _host_tier_stats(self) -> dict:
+        host, off = self.host_pool, self.offloader
+        if host is None:
+            return {}
+        return dict(num_host_blocks=host.num_blocks, host_kv_cache_usage=host.usage,
+                    num_swaps_out=host.num_swaps_out, num_swaps_in=host.num_swaps_in,
+                    num_blocks_swapped_out=host.num_blocks_swapped_out,
+                    num_blocks_swapped_in=host.num_blocks_swapped_in,
+                    num_swap_recompute_fallbacks=self.scheduler.num_swap_fallbacks,
+                    num_blocks_offloaded=host.num_blocks_offloaded,
+                    num_host_prefix_hit_tokens=host.num_host_prefix_hit_tokens,
+                    kv_offload_bytes_to_host=off.bytes_to_host, kv_offload_bytes_to_device=off.bytes_to_device,
+                    kv_offload_copy_s=off.copy_s, kv_offload_write_s=off.write_s, kv_offload_load_s=off.load_s)
+
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None,
+               executable_cache=None) -> None:
+        """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
+        compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``.
+        ``top_k_top_p``: also the buckets' programs for batches with a top-k/top-p request (otherwise
+        compiled when first needed; ``num_compiles == 2 * num_buckets`` then). ``run``: run each bucket
+        once on a dummy batch too (default: except on CPU; :meth:`ModelRunner.warmup`).
+        ``executable_cache``: a :class:`jaxkv.worker.executable_cache.ExecutableCache` to load the
+        programs from (a warm start traces none of them) and store new ones in."""
+        self.runner.warmup(max_workers, top_k_top_p, run, executable_cache=executable_cache)
+        if self.offloader is not None:  # the host tier's copy programs, one per padded size
+            self.runner.kv_caches = self.offloader.warmup(self.runner.kv_caches)
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).
+
+        Raises:
+            ValueError: requests are still running or waiting.
+        """
+        while (self._inflight is not None or self._loads) and not self.scheduler.has_unfinished_requests():
+            self.step()  # a step dispatched for requests that have finished since, or cancelled loads still reading
+        if self.has_unfinished_requests():
+            raise ValueError(f"{self.get_num_unfinished_requests()} requests are unfinished")
+        if self.host_pool is not None:
+            self.host_pool.reset_prefix_cache()
+        self.kv_cache_manager = self._new_kv_cache_manager(self.kv_cache_manager.prefix_cache is not None)
+        old = self.scheduler
+        self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self._async_loads)
+        self.scheduler.num_preemptions = old.num_preemptions
+        self.scheduler.num_swap_fallbacks = old.num_swap_fallbacks
+
+    def _new_kv_cache_manager(self, enable_prefix_caching: bool):
+        if self._per_group_blocks:
+            return HybridKVCacheManager(self.kv_cache_groups, self.runner.num_blocks,
+                                        enable_prefix_caching=enable_prefix_caching, host_pool=self.host_pool)
+        return KVCacheManager(self.runner.num_blocks, self.block_size, enable_prefix_caching=enable_prefix_caching,
+                              host_pool=self.host_pool)
+
+    # -- requests -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
+                    *, final_only: bool = False) -> None:
+        """Queue a request (WAITING). vLLM: ``LLMEngine.add_request``.
+
+        ``final_only``: :meth:`step_core_outputs` reports it only when it finishes (vLLM
+        ``RequestOutputKind.FINAL_ONLY``).
+
+        Raises:
+            ValueError: a live request with this id, an empty prompt, a prompt of ``>= max_model_len``
+                tokens, a request whose longest sequence needs more blocks than the whole cache, or too
+                many stop tokens for ``min_tokens``; nothing changes.
+        """
+        if not isinstance(sampling_params, SamplingParams):
+            raise ValueError(f"sampling_params={sampling_params!r} is not a SamplingParams")
+        if request_id in self._requests:
+            raise ValueError(f"request_id={request_id!r} is already running or waiting")
+        prompt = [int(t) for t in prompt_token_ids]
+        if not prompt:
+            raise ValueError(f"request_id={request_id!r}: prompt_token_ids is empty")
+        if len(prompt) >= self.max_model_len:
+            raise ValueError(f"request_id={request_id!r}: the prompt has {len(prompt)} tokens; "
+                             f"max_model_len={self.max_model_len} leaves no room to generate")
+        seed = sampling_params.seed
+        if seed is None:
+            seed = int(self._seed_rng.integers(0, 2 ** 32))
+        req = Request(request_id, prompt, sampling_params, arrival_index=self._arrivals, seed=seed,
+                      max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        longest = req.num_prompt_tokens + req.max_tokens
+        need = self.kv_cache_manager.max_num_blocks(longest, self.config.max_num_batched_tokens)
+        if need > self.kv_cache_manager.num_blocks:
+            raise ValueError(f"request_id={request_id!r} needs {need} blocks ({longest} tokens), the cache "
+                             f"has {self.kv_cache_manager.num_blocks} in all")
+        if sampling_params.min_tokens and len(req.stop_ids_for_min_tokens) > self.runner.max_num_stop_token_ids:
+            raise ValueError(f"request_id={request_id!r}: {len(req.stop_ids_for_min_tokens)} EOS/stop token "
+                             f"ids with min_tokens > 0; max_num_stop_token_ids="
+                             f"{self.runner.max_num_stop_token_ids}")
+        req.final_only = final_only
+        self._arrivals += 1
+        self._requests[request_id] = req
+        self.scheduler.add_request(req)
+
+    def add_requests(self, requests: Iterable[tuple[str, list[int], SamplingParams, bool]]) -> None:
+        """Queue ``(request_id, prompt_token_ids, sampling_params, final_only)`` requests: all or none.
+
+        Raises:
+            ValueError: what :meth:`add_request` raises for one of them; none of them is then queued
+                (and no output is produced for them).
+        """
+        added: list[str] = []
+        try:
+            for rid, prompt, params, final_only in requests:
+                self.add_request(rid, prompt, params, final_only=final_only)
+                added.append(rid)
+        except ValueError:
+            aborted = len(self._aborted)
+            self.abort_request(added)
+            del self._aborted[aborted:]  # rolled back, not aborted: no output for them
+            raise
+
+    def abort_request(self, request_id: str | Iterable[str]) -> None:
+        """Finish requests as aborted and free their blocks now; unknown ids are ignored. Their final
+        output (``finish_reason="abort"``) comes with the next :meth:`step`."""
+        ids = [request_id] if isinstance(request_id, str) else list(request_id)
+        for rid in ids:
+            req = self._requests.pop(rid, None)
+            if req is None:
+                continue
+            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+            req.new_token_ids = []
+            self._aborted.append(req)
+
+    def has_unfinished_requests(self) -> bool:
+        """Requests waiting, loading or running, a dispatched step not fetched, or a cancelled load that has
+        not read its host blocks yet (steps release them)."""
+        return self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._loads)
+
+    def get_num_unfinished_requests(self) -> int:
+        return self.scheduler.get_num_unfinished_requests()
+
+    # -- the loop ---------------------------------------------------------------------------------------
+    def step(self, *, final_only: bool = False) -> list[RequestOutput]:
+        """Schedule, run the model once (one mixed step or a decode loop), apply the tokens.
+
+        With ``async_scheduling``, the next step is scheduled and dispatched before this step's tokens
+        are fetched, so the host's work overlaps the device's; a request that ends on a stop token then
+        costs one discarded step of work.
+
+        Args:
+            final_only: return only finished requests (vLLM ``RequestOutputKind.FINAL_ONLY``, what the
+                offline ``LLM`` uses; saves building an output per running request per step).
+
+        Returns:
+            A :class:`RequestOutput` for every request that got tokens or finished (aborts included).
+        """
+        aborted, touched = self.step_requests()
+        return [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
+
+    def step_core_outputs(self) -> list[EngineCoreOutput]:
+        """:meth:`step` as an engine-core process sends it: only token ids, one
+        :class:`EngineCoreOutput` per request that got tokens or finished; a request added with
+        ``final_only`` appears once, when it finishes, with all its tokens."""
+        aborted, touched = self.step_requests()
+        outs = []
+        for req in aborted + touched:
+            finished = req.is_finished
+            if req.final_only and not finished:
+                continue
+            outs.append(EngineCoreOutput(
+                req.request_id, list(req.output_token_ids) if req.final_only else req.new_token_ids,
+                RequestStatus.get_finished_reason(req.status) if finished else None, req.stop_reason,
+                req.num_cached_prompt_tokens or 0))
+        return outs
+
+    def step_requests(self) -> tuple[list[Request], list[Request]]:
+        """One step (see :meth:`step`); returns ``(aborted, touched)``: the requests aborted since the
+        last step and those that got tokens in this one (finished ones included), without building
+        outputs."""
+        t0 = time.perf_counter()
+        aborted, self._aborted = self._aborted, []
+        compiles = self.num_compiles
+        c = self._counters
+        t_sched = t_exec = 0.0
+        if self._inflight is None:
+            self._land_loads()
+            sched = self.scheduler.schedule()
+            self._copy_blocks(sched)
+            t_sched = time.perf_counter() - t0
+            if sched.is_empty:
+                self._busy_until = None
+                if self._loads:  # only loads in flight: wait a little for one instead of spinning
+                    self._loads[0][1].wait(0.005)
+                return aborted, []
+            t = time.perf_counter()
+            self._inflight = (sched, self._execute(sched, None))
+            t_exec = time.perf_counter() - t
+            self._note_idle(None)  # nothing was queued: the device idled from the last result to now
+        sched, result = self._inflight
+        self._inflight = None
+        if self.async_scheduling:
+            t = time.perf_counter()
+            self._land_loads()
+            nxt = self.scheduler.schedule()
+            self._copy_blocks(nxt)
+            t_mid = time.perf_counter()
+            t_sched += t_mid - t
+            if not nxt.is_empty:
+                self._inflight = (nxt, self._execute(nxt, (sched, result)))
+                t_exec += time.perf_counter() - t_mid
+                self._note_idle(result)
+        t_wait = time.perf_counter()
+        tokens = np.asarray(result.tokens)  # the one blocking wait per step
+        logits = None if result.logits is None else np.asarray(result.logits)
+        t_back = time.perf_counter()
+        self._busy_until = t_back  # the device was busy until this result came back
+        if self.offloader is not None:
+            self.offloader.poll()
+        loop = sched.num_decode_steps
+        # Python ints per row in one conversion (not one int() per token in the scheduler)
+        sampled = tokens.T.tolist() if loop else tokens[:, None].tolist()
+        lens_before = [req.num_output_tokens for req, _ in sched.scheduled]
+        touched = self.scheduler.update_from_output(sched, sampled)
+        generated = 0
+        for r, (req, _) in enumerate(sched.scheduled):
+            got = req.num_output_tokens - lens_before[r]
+            generated += got
+            if logits is not None and got:
+                req.logits.extend(logits[:got, r] if loop else logits[r:r + 1])
+        c["steps"] += 1
+        c["model_steps"] += max(1, loop)
+        c["num_generated_tokens"] += generated
+        if not loop:
+            c["num_prompt_tokens_computed"] += sum(n for (_, n), k in zip(sched.scheduled, sched.samples)
+                                                   if n > 1 or not k)
+        for req in touched:
+            if req.is_finished:
+                self._requests.pop(req.request_id, None)
+        if not self.has_unfinished_requests():
+            self._busy_until = None  # no work left: idle time until the next request is not the host's
+        t1 = time.perf_counter()
+        c["step_s"] += t1 - t0
+        c["device_wait_s"] += t_back - t_wait
+        c["schedule_s"] += t_sched
+        c["execute_s"] += t_exec
+        c["update_s"] += t1 - t_back
+        if loop and self.num_compiles == compiles:
+            c["decode_s"] += t1 - t0
+            c["decode_steps"] += loop
+            c["decode_tokens"] += generated
+        return aborted, touched
+
+    def _copy_blocks(self, sched) -> None:
+        """The host tier's copies a schedule asked for, before its step (and after every step dispatched
+        before it): device to host first, then the loads it began (host to device beside the steps; see
+        :mod:`jaxkv.core.host_kv_pool`)."""
+        if sched.blocks_to_swap_out:
+            self.offloader.swap_out(self.runner.kv_caches, sched.blocks_to_swap_out)
+        if sched.blocks_to_swap_in:
+            self.runner.kv_caches = self.offloader.swap_in(self.runner.kv_caches, sched.blocks_to_swap_in)
+        for req in sched.loads:
+            req.kv_load = self.offloader.start_load(req.kv_load_pairs)
+            self._loads.append((req, req.kv_load))
+
+    def _land_loads(self) -> None:
+        """Before a pass: scatter every load that is on the device into the caches (its request runs from
+        this pass on); release the host blocks of every gathered one (cancelled ones included)."""
+        if not self._loads:
+            return
+        keep = []
+        for req, load in self._loads:
+            if load.cancelled:  # the request ended: never scattered, its device blocks are free already
+                if load.gathered:
+                    self.host_pool.release(load.host_blocks)
+                    continue
+            elif load.ready:
+                self.runner.kv_caches = self.offloader.finish_load(self.runner.kv_caches, load)
+                self.host_pool.release(load.host_blocks)
+                self.scheduler.finish_loading(req)
+                continue
+            keep.append((req, load))
+        self._loads = keep
+
+    def _note_idle(self, queued) -> None:
+        """Right after a dispatch (input preparation included): if the device had nothing else to run
+        (no ``queued`` result, or it is ready by now), it has been idle at most since the last moment it
+        was known busy (a fetched result). Gaps between kernels inside one program are not counted."""
+        if self._busy_until is not None and (queued is None or queued.tokens.is_ready()):
+            self._counters["device_idle_s"] += time.perf_counter() - self._busy_until
+
+    def _execute(self, sched, prev):
+        src_rows = prev_tokens = None
+        if prev is not None and any(sched.pending_input):
+            prev_sched, prev_result = prev
+            row_of = {id(req): r for r, (req, _) in enumerate(prev_sched.scheduled)}
+            src_rows = [row_of[id(req)] if pending else -1
+                        for (req, _), pending in zip(sched.scheduled, sched.pending_input)]
+            prev_tokens = prev_result.last
+        if sched.num_decode_steps:
+            return self.runner.execute_decode(sched, src_rows, prev_tokens)
+        return self.runner.execute_mixed(sched, src_rows, prev_tokens)
+
+    def _output(self, req: Request) -> RequestOutput:
+        finished = req.is_finished
+        completion = CompletionOutput(
+            index=0, token_ids=list(req.output_token_ids), new_token_ids=list(req.new_token_ids),
+            finish_reason=RequestStatus.get_finished_reason(req.status), stop_reason=req.stop_reason,
+            logits=np.stack(req.logits) if finished and req.logits else None)
+        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
+                             outputs=[completion], finished=finished,
+                             num_cached_tokens=req.num_cached_prompt_tokens or 0)
+
+    # -- convenience -----------------------------------------------------------------------------------
+    def generate(self, prompt_token_ids: list[list[int]],
+                 sampling_params: SamplingParams | list[SamplingParams], *, progress=None
+                 ) -> list[RequestOutput]:
+        """Add every prompt, step until all are done, return the final outputs in input order.
+
+        Args:
+            prompt_token_ids: the prompts.
+            sampling_params: one for all, or one per prompt.
+            progress: optional callable ``(finished_output) -> None`` called as each request ends.
+
+        Raises:
+            ValueError: what :meth:`add_request` raises (checked for every prompt before any is added)
+                or a list of sampling params of the wrong length.
+        """
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(prompt_token_ids))
+        if len(params) != len(prompt_token_ids):
+            raise ValueError(f"{len(params)} sampling_params for {len(prompt_token_ids)} prompts")
+        base = f"gen-{self._arrivals}-"
+        ids = [f"{base}{i}" for i in range(len(prompt_token_ids))]
+        for i, p in enumerate(prompt_token_ids):  # validate all before adding any
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+        self.add_requests((rid, p, sp, True) for rid, p, sp in zip(ids, prompt_token_ids, params))
+        final: dict[str, RequestOutput] = {}
+        wanted = set(ids)
+        while len(final) < len(ids):
+            for out in self.step(final_only=True):
+                if out.request_id in wanted:
+                    final[out.request_id] = out
+                    if progress is not None:
+                        progress(out)
+        return [final[i] for i in ids]

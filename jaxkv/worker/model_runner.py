@@ -1,0 +1,633 @@
+"""The device side of a step: flat inputs padded to buckets, one jitted function per bucket kind.
+
+vLLM: ``vllm/v1/worker/gpu_model_runner.py`` (``_prepare_inputs``, CUDA-graph padding, ``execute_model``).
+Two jitted functions, each compiled once per bucket (their argument shapes are the bucket sizes):
+
+* **mixed step** — prefill chunks and decodes together: ``num_tokens`` padded to a token bucket (powers
+  of two from 16 to ``max_num_batched_tokens``), requests padded to the largest request bucket (dummy
+  rows own no token, ``seq_len`` 0); the attention metadata's static ``max_query_len`` is the token
+  bucket, so the prefill kernel serves it;
+* **decode loop** — only decodes: one token per request, requests padded to a request bucket (powers of
+  two up to ``max_num_seqs``, dummy rows write to ``PAD_SLOT_ID``), ``num_scheduler_steps`` steps in one
+  ``lax.scan``; a row runs its own number of steps and writes to ``PAD_SLOT_ID`` after them, so the step
+  count is not part of the shape; slot mapping, sequence lengths and sampling stay on the device and only
+  the sampled tokens come back. The decode kernel serves it (``max_query_len == 1``).
+
+Neither program holds control flow with a device-side predicate: on GPU, XLA runs a ``lax.cond`` by
+copying its predicate to the host and waiting for it, which made each jitted call block until the device
+had nearly finished the step (11.8 of 15.7 ms of host work per round trip on an H100, docs/perf-notes.md,
+session 8). So the scan runs all its iterations (those past every row's steps compute and discard), and
+whether the sampler filters by top-k/top-p is a static argument decided on the host: a bucket has two
+programs, the filtering one compiled when a batch first needs it.
+
+The caches are donated to each call (updated in place).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import itertools
+import os
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import checkify
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxkv.attention.metadata import AttentionMetadata
+from jaxkv.checks import checked, checks_are_enabled, raise_if_error
+from jaxkv.core.request import Request
+from jaxkv.kv_cache.slot_mapping import slot_mapping_from_positions
+from jaxkv.worker.executable_cache import program_devices
+from jaxkv.worker.sampler import SamplingArrays, needs_top_k_top_p, sample_tokens_per_row
+
+ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
+
+
+def pow2_buckets(low: int, high: int) -> tuple[int, ...]:
+    """``low, 2*low, 4*low, ...`` up to the first size ``>= high``."""
+    sizes = [low]
+    while sizes[-1] < high:
+        sizes.append(sizes[-1] * 2)
+    return tuple(sizes)
+
+
+def _bucket(n: int, buckets: tuple[int, ...]) -> int:
+    for b in buckets:
+        if b >= n:
+            return b
+    raise ValueError(f"{n} exceeds the largest bucket {buckets[-1]}")
+
+
+def _per_group(block_tables, make):
+    """``make(table)`` for a single ``[R, W]`` table; a tuple of one per group for ``[G, R, W]`` tables."""
+    if block_tables.ndim == 2:
+        return make(block_tables)
+    return tuple(make(block_tables[g]) for g in range(block_tables.shape[0]))
+
+
+def _scatter_rows(table: np.ndarray, rows: list[list[int]]) -> None:
+    """``table[r, :len(rows[r])] = rows[r]`` for every row, as one NumPy scatter (no per-row call)."""
+    if not rows:
+        return
+    lens = np.fromiter((len(ids) for ids in rows), np.int64, count=len(rows))
+    flat = np.fromiter(itertools.chain.from_iterable(rows), np.int32, count=int(lens.sum()))
+    starts = np.repeat(np.cumsum(lens) - lens, lens)
+    table[np.repeat(np.arange(len(rows)), lens), np.arange(flat.size) - starts] = flat
+
+
+_SAMPLING_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingArrays))
+
+
+# Each array of a packed buffer starts at a multiple of this many 4-byte elements (256 bytes): a static slice of a
+# parameter reaches a kernel as a pointer into it, and Mosaic GPU kernels refuse inputs that are not 256-byte
+# aligned ("Input buffer 2 is not 256-byte aligned": a mixed step's block table, session 23).
+PACK_ALIGN = 64
+
+
+def _aligned(n: int) -> int:
+    return -(-n // PACK_ALIGN) * PACK_ALIGN
+
+
+def _pack(arrays: dict[str, np.ndarray]) -> tuple[np.ndarray, np.ndarray, tuple]:
+    """One ``int32`` and one ``float32`` buffer holding every host input of a step, and their static
+    layout ``((name, shape, dtype), ...)``: two host-to-device copies per step instead of one per array
+    (about fifteen). ``uint32`` arrays travel as their ``int32`` bit patterns. Each array starts at a multiple
+    of :data:`PACK_ALIGN` elements (zeros between them)."""
+    ints, floats, layout = [], [], []
+    for name, a in arrays.items():
+        a = np.asarray(a)
+        if a.dtype == np.float32:
+            flat, out = a.ravel(), floats
+        else:
+            flat, out = (a.view(np.int32).ravel() if a.dtype == np.uint32
+                         else a.astype(np.int32, copy=False).ravel()), ints
+        out.append(flat)
+        if flat.size % PACK_ALIGN:
+            out.append(np.zeros(_aligned(flat.size) - flat.size, flat.dtype))
+        layout.append((name, a.shape, a.dtype.name))
+    empty = np.zeros(0, np.int32)
+    return (np.concatenate(ints) if ints else empty,
+            np.concatenate(floats) if floats else empty.astype(np.float32), tuple(layout))
+
+
+def _unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.Array]:
+    """Inverse of :func:`_pack` on the device (static slices, no copies after fusion)."""
+    out, offsets = {}, {"float32": 0, "int32": 0}
+    for name, shape, dtype in layout:
+        kind = "float32" if dtype == "float32" else "int32"
+        size = int(np.prod(shape, dtype=np.int64))
+        buf = floats if kind == "float32" else ints
+        a = buf[..., offsets[kind]:offsets[kind] + size].reshape(buf.shape[:-1] + tuple(shape))
+        offsets[kind] += _aligned(size)
+        out[name] = lax.bitcast_convert_type(a, jnp.uint32) if dtype == "uint32" else a
+    return out
+
+
+def _sampling_dict(sampling: SamplingArrays) -> dict[str, np.ndarray]:
+    return {f"sampling.{name}": getattr(sampling, name) for name in _SAMPLING_FIELDS}
+
+
+def _filters(sampling: SamplingArrays) -> bool:
+    """The static top-k/top-p flag of a step, from its host (NumPy) sampling arrays."""
+    return needs_top_k_top_p(sampling.temperature, sampling.top_p, sampling.top_k)
+
+
+def _split_sampling(arrays: dict) -> tuple[dict, SamplingArrays]:
+    sampling = SamplingArrays(**{name: arrays.pop(f"sampling.{name}") for name in _SAMPLING_FIELDS})
+    return arrays, sampling
+
+
+def _check_fed_tokens(input_ids, positions) -> None:
+    """In check mode: every token fed at a real position (``>= 0``) has an id ``>= 0`` (a pending token
+    taken from the previous step's output must have been sampled there)."""
+    if checks_are_enabled():
+        bad = (positions >= 0) & (input_ids < 0)
+        checkify.check(~jnp.any(bad), "input_ids[{i}]={value} is fed at position {pos}: token ids must be >= 0",
+                       i=jnp.argmax(bad), value=jnp.min(jnp.where(bad, input_ids, 0)),
+                       pos=jnp.max(jnp.where(bad, positions, -1)))
+
+
+def _raising(step):
+    """A ``checked`` jitted step that raises its first failed check and returns the step's output."""
+    def run(*args, **kwargs):
+        err, out = step(*args, **kwargs)
+        raise_if_error(err)
+        return out
+    run.jitted = step
+    return run
+
+
+def _executable_key(kind: str, ints, floats, static: dict) -> tuple:
+    """The in-memory key of a step's executable: its kind, packed input shapes and static arguments (the
+    weights, caches and previous tokens keep one shape and sharding for the runner's life)."""
+    return (kind, ints.shape, floats.shape, tuple(sorted(static.items())))
+
+
+@dataclasses.dataclass
+class _WarmupProgram:
+    """One program of the warm-up: ``lowered`` to compile, or ``payload`` (an executable-cache file's
+    contents) to load; ``args``/``kwargs`` of its call, to lower it after all if the payload does not load."""
+
+    step: "_LowerOnly"
+    mem_key: tuple
+    disk_key: str | None
+    lowered: object = None
+    payload: tuple | None = None
+    args: tuple = ()
+    kwargs: dict = dataclasses.field(default_factory=dict)
+
+
+class _LowerOnly:
+    """Stands in for a jitted step during :meth:`ModelRunner.warmup`'s first pass: lowers the call
+    (tracing it; nothing runs) into a :class:`_WarmupProgram` and returns the outputs' shapes
+    (``jax.ShapeDtypeStruct``), so the warm-up code runs unchanged. With an
+    :class:`~jaxkv.worker.executable_cache.ExecutableCache` holding the program, it reads the file instead
+    (no tracing, no lowering; the warm-up loads the executables on threads afterwards) and returns
+    placeholders (the outputs' tree from the file). The step's last output, the caches, is returned as the
+    caches it was given (argument 1): lowering the next bucket with the real arrays keeps its input
+    shardings those of the real calls, whose executables it must match."""
+
+    def __init__(self, kind: str, step, sink: list, cache=None):
+        self.kind = kind
+        self.jitted = getattr(step, "jitted", step)  # a _raising wrapper's jitted (err, out) step
+        self.checked = hasattr(step, "jitted")
+        self.sink = sink
+        self.cache = None if self.checked else cache
+
+    def __call__(self, *args, **kwargs):
+        program = _WarmupProgram(self, _executable_key(self.kind, args[2], args[3], kwargs),
+                                 self.cache.key(self.kind, args, kwargs) if self.cache is not None else None)
+        program.payload = self.cache.read(program.disk_key) if program.disk_key is not None else None
+        if program.payload is not None:
+            program.args, program.kwargs = args, kwargs
+            self.sink.append(program)
+            num_outputs = len(program.payload[2].children())  # out_tree: (outputs..., caches)
+            return (None,) * (num_outputs - 1) + (args[1],)
+        program.lowered = self.jitted.lower(*args, **kwargs)
+        self.sink.append(program)
+        out = program.lowered.out_info[1] if self.checked else program.lowered.out_info
+        return (*out[:-1], args[1])
+
+
+@dataclasses.dataclass
+class StepResult:
+    """Device results of one call (not yet fetched): ``tokens`` ``int32[R]`` (mixed) or
+    ``int32[max_steps, R]`` (decode loop), optional logits of the same leading shape, and ``last``
+    ``int32[largest request bucket]``: each row's last sampled token (what the next step may read)."""
+
+    tokens: jax.Array
+    logits: jax.Array | None
+    last: jax.Array
+
+
+class ModelRunner:
+    """Builds padded inputs from a :class:`jaxkv.core.scheduler.SchedulerOutput` and runs the jitted step.
+
+    Args:
+        model_fn: ``(params, input_ids, positions, kv_caches, metadata, logits_indices) -> (f32[n, vocab]
+            logits, kv_caches)``, traceable.
+        params: the model's parameters (not donated).
+        kv_caches: one ``[2, num_blocks, num_kv_heads, block_size, head_size]`` array per layer (owned
+            and donated from now on).
+        block_size, max_model_len, max_num_seqs, max_num_batched_tokens, num_scheduler_steps: the
+            engine's limits.
+        max_num_stop_token_ids: width of the per-row stop-id table used to mask stop tokens before
+            ``min_tokens``.
+        return_logits: also return the logits of every sampled token (tests, accuracy scripts).
+        num_kv_cache_groups: KV-cache groups of the model; with more than one, block tables are
+            ``int32[num_kv_cache_groups, R, max_num_blocks_per_seq]`` (from ``Request.group_block_ids``) and
+            ``model_fn`` gets a tuple of metadata, one per group (vLLM: one metadata per group).
+        check_kernel_inputs: debug mode: both step functions run under ``checkify`` with jaxkv's value
+            checks on (:mod:`jaxkv.checks`): every attention call's block table, sequence lengths and
+            ``query_start_loc`` and every written slot are checked on the device, and a violation raises
+            ``ValueError`` after the step (each step then waits for its result: no overlap).
+
+    Raises:
+        ValueError: caches of different shapes or a block size that disagrees with them.
+    """
+
+    def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
+                 max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
+                 max_num_stop_token_ids: int = 8, return_logits: bool = False,
+                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1):
+        shapes = {c.shape for c in kv_caches}
+        if len(shapes) != 1:
+            raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
+        (shape,) = shapes
+        if shape[3] != block_size:
+            raise ValueError(f"block_size={block_size} != cache block size {shape[3]}")
+        # The jitted steps take the weights as a flat list of arrays: JAX flattens every argument on
+        # every call, and an nnx.State of SmolLM2's 272 arrays cost ~300 us per call to flatten on the
+        # CPU dev box against ~35 us as a list. The model still sees its own pytree (unflattened at trace).
+        leaves, treedef = jax.tree.flatten(params)
+        self.model_fn = lambda flat, *args, **kwargs: model_fn(jax.tree.unflatten(treedef, flat), *args, **kwargs)
+        self.params = leaves
+        self.kv_caches = list(kv_caches)
+        self.num_blocks = shape[1]
+        self.block_size = block_size
+        self.max_num_blocks_per_seq = -(-max_model_len // block_size)
+        self.num_kv_cache_groups = num_kv_cache_groups
+        self.num_scheduler_steps = num_scheduler_steps
+        self.max_num_stop_token_ids = max_num_stop_token_ids
+        self.return_logits = return_logits
+        # decode loops run at least 2 rows: with one row XLA:GPU rewrites the small projections (an 8B's k and v:
+        # 1 x 4096 x 1024) as a multiply that writes the whole weight-sized product and a column reduction; a
+        # Llama-3.1-8B decode step took 7.7 ms of device time at 1 row and 4.6 ms at 2 (H200, session 20);
+        # $JAXKV_MIN_DECODE_ROWS overrides it for A/B measurements
+        min_rows = int(os.environ.get("JAXKV_MIN_DECODE_ROWS", 2))
+        self.request_buckets = pow2_buckets(min(min_rows, max_num_seqs), max_num_seqs)
+        self.token_buckets = pow2_buckets(min(16, max_num_batched_tokens), max_num_batched_tokens)
+        self.prev_len = self.request_buckets[-1]  # length of a step's per-row last tokens
+        self.num_compiles = 0
+        self.transfer_s = self.call_s = 0.0  # host seconds in input transfers / jitted calls (dispatch)
+        self._no_prev = None
+        # on a mesh (caches with a NamedSharding): the previous step's tokens are replicated over it
+        mesh = getattr(self.kv_caches[0].sharding, "mesh", None)
+        self._replicated = None if mesh is None else NamedSharding(mesh, P())
+        wrap = checked if check_kernel_inputs else (lambda fn: fn)
+        self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1,),
+                              static_argnames=("layout", "max_query_len", "top_k_top_p"))
+        self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1,),
+                               static_argnames=("layout", "top_k_top_p"))
+        if check_kernel_inputs:
+            self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
+        self._checked = check_kernel_inputs
+        # (kind, packed shapes, static arguments) -> the executable warmup() compiled or loaded for it
+        self.executables: dict[tuple, jax.stages.Compiled] = {}
+
+    @property
+    def num_buckets(self) -> int:
+        """Distinct compiled shapes the engine can need: request buckets (decode loop) + token buckets
+        (mixed step). Each has a second program for batches with a top-k/top-p row, compiled on first use
+        (or by ``warmup(top_k_top_p=True)``), so ``num_compiles <= 2 * num_buckets``, and
+        ``<= num_buckets`` while no request filters."""
+        return len(self.request_buckets) + len(self.token_buckets)
+
+    # -- device functions (traced once per bucket) --------------------------------------------------
+    def _slot_mapping(self, block_tables, seq_ids, positions):
+        return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
+
+    def _sample(self, logits, sampling: SamplingArrays, top_k_top_p: bool):
+        return sample_tokens_per_row(logits, sampling, top_k_top_p=top_k_top_p)
+
+    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, *, layout, max_query_len,
+                           top_k_top_p):
+        inputs, sampling = _split_sampling(_unpack(ints, floats, layout))
+        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len,
+                                top_k_top_p=top_k_top_p)
+
+    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, *, layout, top_k_top_p):
+        a, sampling = _split_sampling(_unpack(ints, floats, layout))
+        return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
+                                 a["steps"], a["block_tables"], sampling, top_k_top_p=top_k_top_p)
+
+    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, prev_tokens, *,
+                    max_query_len, top_k_top_p):
+        """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
+        padding token; ``src_rows >= 0``: the id is ``prev_tokens[src_rows]``, a token the previous step
+        sampled), ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
+        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``; ``prev_tokens``
+        ``int32[R]``. Returns the sampled ``int32[R]`` (also the next step's ``prev_tokens``)."""
+        self.num_compiles += 1
+        src = inputs["src_rows"]
+        input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs["input_ids"])
+        positions = inputs["positions"]
+        _check_fed_tokens(input_ids, positions)
+        metadata = _per_group(inputs["block_tables"], lambda block_tables: AttentionMetadata(
+            slot_mapping=self._slot_mapping(block_tables, inputs["seq_ids"], positions),
+            seq_lens=inputs["seq_lens"], block_tables=block_tables,
+            query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
+            max_seq_len=block_tables.shape[1] * self.block_size))
+        logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
+                                          metadata, inputs["logits_indices"])
+        tokens = self._sample(logits, sampling, top_k_top_p)
+        return tokens, (logits if self.return_logits else None), kv_caches
+
+    def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
+                     sampling: SamplingArrays, *, top_k_top_p):
+        """Runs ``num_scheduler_steps`` steps; row ``r`` decodes in the first ``steps[r]`` and writes
+        nothing after them (every iteration computes: no ``lax.cond``, see the module docstring).
+        Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
+        token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches."""
+        self.num_compiles += 1
+        tokens = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], tokens)
+        num_reqs = tokens.shape[0]
+        rows = jnp.arange(num_reqs, dtype=jnp.int32)
+
+        def metadata_for(fed):
+            return _per_group(block_tables, lambda table: AttentionMetadata(
+                slot_mapping=self._slot_mapping(table, rows, fed),
+                seq_lens=jnp.where(fed >= 0, fed + 1, 1).astype(jnp.int32), block_tables=table,
+                query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
+                max_seq_len=table.shape[1] * self.block_size))
+
+        def run(i, carry):
+            toks, pos, gen, caches = carry
+            active = i < steps
+            fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
+            _check_fed_tokens(toks, fed)
+            logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
+                                           rows)
+            new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), top_k_top_p)
+            new = jnp.where(active, new, -1)
+            step = active.astype(jnp.int32)
+            return ((jnp.where(active, new, toks), pos + step, gen + step, caches),
+                    (new, logits if self.return_logits else None))
+
+        carry0 = (tokens, positions, sampling.gen_idx, kv_caches)
+        (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
+            lambda carry, i: run(i, carry), carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
+        last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
+        last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
+        return out_tokens, last, out_logits, kv_caches
+
+    # -- host side ------------------------------------------------------------------------------------
+    def _block_table(self, reqs: list[Request], num_rows: int) -> np.ndarray:
+        if self.num_kv_cache_groups > 1:
+            return self._group_block_tables(reqs, num_rows)
+        table = np.zeros((num_rows, self.max_num_blocks_per_seq), np.int32)
+        _scatter_rows(table, [r.block_ids for r in reqs])
+        return table
+
+    def _group_block_tables(self, reqs: list[Request], num_rows: int) -> np.ndarray:
+        """``int32[num_kv_cache_groups, num_rows, max_num_blocks_per_seq]`` from ``group_block_ids``."""
+        table = np.zeros((self.num_kv_cache_groups, num_rows, self.max_num_blocks_per_seq), np.int32)
+        for g in range(self.num_kv_cache_groups):
+            _scatter_rows(table[g], [r.group_block_ids[g] for r in reqs])
+        return table
+
+    def _empty_tables(self, num_rows: int) -> np.ndarray:
+        lead = (self.num_kv_cache_groups,) if self.num_kv_cache_groups > 1 else ()
+        return np.zeros((*lead, num_rows, self.max_num_blocks_per_seq), np.int32)
+
+    def _sampling_arrays(self, reqs: list[Request], num_rows: int, gen_idx_rows=(), *,
+                         top_k_top_p: bool = False) -> SamplingArrays:
+        """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer.
+        ``top_k_top_p`` (warm-up): padding rows that select the filtering program."""
+        temperature = np.zeros(num_rows, np.float32)
+        top_p = np.ones(num_rows, np.float32)
+        if top_k_top_p:
+            temperature[:] = 1.0
+            top_p[:] = 0.5
+        top_k = np.full(num_rows, -1, np.int32)
+        seeds = np.zeros(num_rows, np.uint32)
+        gen_idx = np.zeros(num_rows, np.int32)
+        min_tokens = np.zeros(num_rows, np.int32)
+        stop_ids = np.full((num_rows, self.max_num_stop_token_ids), -1, np.int32)
+        n = len(reqs)
+        if n:
+            sps = [r.sampling_params for r in reqs]
+            temperature[:n] = [sp.temperature for sp in sps]
+            top_p[:n] = [sp.top_p for sp in sps]
+            top_k[:n] = [sp.top_k for sp in sps]
+            seeds[:n] = [r.seed & 0xFFFFFFFF for r in reqs]
+            gen_idx[:n] = gen_idx_rows
+            for r, req in enumerate(reqs):
+                if req.sampling_params.min_tokens > gen_idx[r]:
+                    min_tokens[r] = req.sampling_params.min_tokens
+                    ids = sorted(req.stop_ids_for_min_tokens)
+                    stop_ids[r, :len(ids)] = ids
+        return SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
+
+    def _prev(self, prev_tokens):
+        """The previous step's last tokens (``int32[prev_len]``; all -1 when there is none). On a mesh
+        (caches with a ``NamedSharding``) they are replicated over it, so the placeholder of the warm-up
+        and a step's output are one input type and share one executable (a single-device placeholder
+        made each bucket's first real step after the warm-up compile again)."""
+        if prev_tokens is None:
+            if self._no_prev is None:
+                self._no_prev = jnp.full(self.prev_len, -1, jnp.int32)
+                if self._replicated is not None:
+                    self._no_prev = jax.device_put(self._no_prev, self._replicated)
+            return self._no_prev
+        return prev_tokens if self._replicated is None else jax.device_put(prev_tokens, self._replicated)
+
+    def execute_mixed(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
+        """One step of prefill chunks and decodes (``sched``: a committed
+        :class:`jaxkv.core.scheduler.SchedulerOutput`): ``tokens[r]`` is request ``r``'s next token (meaningful
+        where ``sched.samples[r]``). ``src_rows[r] >= 0``: request ``r``'s input token is
+        ``prev_tokens[src_rows[r]]`` (sampled by the previous, still running step)."""
+        t = _bucket(sched.total_num_scheduled_tokens, self.token_buckets)
+        inputs, sampling = self.prepare_mixed(sched, src_rows, self.request_buckets[-1], t)
+        tokens, logits = self._run_mixed(inputs, sampling, prev_tokens, max_query_len=t)
+        return StepResult(tokens, logits, tokens)
+
+    def prepare_mixed(self, sched, src_rows, num_rows: int, t: int) -> tuple[dict, SamplingArrays]:
+        """Host (NumPy) inputs of a mixed step: ``num_rows`` rows, ``t`` token slots."""
+        scheduled = sched.scheduled
+        reqs = [r for r, _ in scheduled]
+        n = len(reqs)
+        q_lens = np.array([k for _, k in scheduled], np.int32)
+        context = np.array(sched.context_lens, np.int32)
+        num_tokens = int(q_lens.sum())
+        ids = np.zeros(t, np.int32)
+        pos = np.full(t, -1, np.int32)
+        seq_ids = np.zeros(t, np.int32)
+        src = np.full(t, -1, np.int32)
+        c = 0
+        for r, (req, start, k) in enumerate(zip(reqs, context, q_lens)):
+            known = min(k, max(0, req.num_tokens - start))
+            ids[c:c + known] = req.all_token_ids[start:start + known]
+            if known < k:  # a decode whose input is the token the previous step is sampling
+                src[c + k - 1] = src_rows[r]
+            c += k
+        pos[:num_tokens] = np.arange(num_tokens) - np.repeat(np.cumsum(q_lens) - q_lens - context, q_lens)
+        seq_ids[:num_tokens] = np.repeat(np.arange(n, dtype=np.int32), q_lens)
+        seq_lens = np.zeros(num_rows, np.int32)
+        seq_lens[:n] = context + q_lens
+        qsl = np.full(num_rows + 1, num_tokens, np.int32)
+        qsl[0] = 0
+        qsl[1:n + 1] = np.cumsum(q_lens)
+        last = np.zeros(num_rows, np.int32)
+        last[:n] = qsl[1:n + 1] - 1
+        inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, src_rows=src, seq_lens=seq_lens,
+                      query_start_loc=qsl, block_tables=self._block_table(reqs, num_rows), logits_indices=last)
+        return inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+
+    def _run_mixed(self, inputs: dict, sampling: SamplingArrays, prev_tokens, *, max_query_len: int):
+        ints, floats, layout = _pack(inputs | _sampling_dict(sampling))
+        tokens, logits = self._dispatch("mixed", self._mixed, ints, floats, self._prev(prev_tokens), layout=layout,
+                                        max_query_len=max_query_len, top_k_top_p=_filters(sampling))
+        return tokens, logits
+
+    def _run_decode(self, arrays: dict, sampling: SamplingArrays, prev_tokens):
+        ints, floats, layout = _pack(arrays | _sampling_dict(sampling))
+        return self._dispatch("decode", self._decode, ints, floats, self._prev(prev_tokens), layout=layout,
+                              top_k_top_p=_filters(sampling))
+
+    def _put_packed(self, ints: np.ndarray, floats: np.ndarray):
+        """The packed host buffers on the device (one batched transfer)."""
+        return jax.device_put((ints, floats))
+
+    def _dispatch(self, kind: str, step, ints, floats, *args, **static):
+        """Transfer the packed buffers and call the ``kind`` step: the executable the warm-up compiled or
+        loaded for these shapes (``executables``), else the jitted ``step`` (caches donated and replaced);
+        returns its outputs but the caches. Adds the host seconds of the transfer to ``transfer_s`` and
+        of the call to ``call_s``."""
+        t0 = time.perf_counter()
+        ints, floats = self._put_packed(ints, floats)
+        t1 = time.perf_counter()
+        exe = (self.executables.get(_executable_key(kind, ints, floats, static))
+               if self.executables and not isinstance(step, _LowerOnly) else None)
+        if exe is not None:
+            *out, self.kv_caches = exe(self.params, self.kv_caches, ints, floats, *args)
+        else:
+            *out, self.kv_caches = step(self.params, self.kv_caches, ints, floats, *args, **static)
+        self.transfer_s += t1 - t0
+        self.call_s += time.perf_counter() - t1
+        return out
+
+    def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None,
+               executable_cache=None) -> None:
+        """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then (``run``) run each
+        once with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
+        outputs are discarded).
+
+        The buckets are traced and lowered one after another, then compiled by ``max_workers`` threads
+        at once (default: one per CPU core; XLA's compiler releases the GIL), so start-up takes about
+        the longest compile instead of their sum on a many-core host. Each executable is kept in
+        ``executables`` and later steps of its shapes call it directly. With ``executable_cache`` (an
+        :class:`~jaxkv.worker.executable_cache.ExecutableCache`), programs it holds are loaded instead
+        of traced, lowered and compiled, and new ones are stored in it. ``run`` defaults to True except
+        on CPU: there a run of every bucket's all-padding batch computes every padded token (minutes for
+        4096-token buckets) and buys nothing. Afterwards ``num_compiles == num_buckets`` (loaded
+        programs count); with ``top_k_top_p`` the programs for batches with a top-k/top-p row are
+        compiled too (``2 * num_buckets``)."""
+        variants = (False, True) if top_k_top_p else (False,)
+        programs: list[_WarmupProgram] = []
+        saved = self._mixed, self._decode, self.kv_caches
+        self._mixed = _LowerOnly("mixed", self._mixed, programs, executable_cache)
+        self._decode = _LowerOnly("decode", self._decode, programs, executable_cache)
+        try:
+            for flag in variants:
+                self._warmup_batches(flag)
+        finally:
+            self._mixed, self._decode, self.kv_caches = saved
+
+        def build(program: _WarmupProgram):
+            if program.lowered is None:  # loading releases the GIL: a GPU executable takes ~0.5 s (session 21)
+                return executable_cache.load_payload(program.disk_key, program.payload,
+                                                  program_devices(program.args[1][0]))
+            return program.lowered.compile()
+        workers = max_workers or min(len(programs), os.cpu_count() or 1)
+        fresh = executable_cache.fresh_compiles() if executable_cache is not None else contextlib.nullcontext()
+        with fresh, ThreadPoolExecutor(max(1, workers)) as pool:
+            built = list(pool.map(build, programs))
+        for program, exe in zip(programs, built):
+            if exe is None:  # its file did not load (deleted by load_payload): trace, lower and compile it now
+                program.lowered = program.step.jitted.lower(*program.args, **program.kwargs)
+                with executable_cache.fresh_compiles():
+                    exe = program.lowered.compile()
+            elif program.lowered is None:
+                self.num_compiles += 1  # loaded: counts as the bucket's compile (nothing was traced)
+            if not self._checked:  # a checkify step returns (error, outputs): it keeps its _raising wrapper
+                self.executables[program.mem_key] = exe
+            if program.lowered is not None and program.disk_key is not None:
+                executable_cache.store(program.disk_key, exe)
+        if run is None:
+            run = jax.default_backend() != "cpu"
+        for flag in variants if run else ():
+            self._warmup_batches(flag)
+
+    def _warmup_batches(self, top_k_top_p: bool = False) -> None:
+        """One all-padding call per bucket: every token bucket's mixed step, then every request
+        bucket's decode loop (their top-k/top-p programs if ``top_k_top_p``)."""
+        num_rows = self.request_buckets[-1]
+        width = self.max_num_blocks_per_seq
+        for t in self.token_buckets:
+            qsl = np.full(num_rows + 1, t, np.int32)
+            qsl[0] = 0
+            seq_lens = np.zeros(num_rows, np.int32)
+            seq_lens[0] = min(t, width * self.block_size)
+            inputs = dict(input_ids=np.zeros(t, np.int32), positions=np.full(t, -1, np.int32),
+                          seq_ids=np.zeros(t, np.int32), src_rows=np.full(t, -1, np.int32),
+                          seq_lens=seq_lens, query_start_loc=qsl,
+                          block_tables=self._empty_tables(num_rows),
+                          logits_indices=np.zeros(num_rows, np.int32))
+            tokens, _ = self._run_mixed(inputs, self._sampling_arrays([], num_rows, top_k_top_p=top_k_top_p),
+                                        None, max_query_len=t)
+            jax.block_until_ready(tokens)
+        for rows in self.request_buckets:
+            zeros = np.zeros(rows, np.int32)
+            arrays = dict(tokens=zeros, src_rows=np.full(rows, -1, np.int32), positions=zeros, steps=zeros,
+                          block_tables=self._empty_tables(rows))
+            out, _, _ = self._run_decode(arrays, self._sampling_arrays([], rows, top_k_top_p=top_k_top_p), None)
+            jax.block_until_ready(out)
+
+    def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
+        """``sched.num_decode_steps`` decode steps; request ``r`` runs ``sched.scheduled[r][1]`` of them
+        (its blocks for them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped
+        running). ``src_rows`` / ``prev_tokens``: as in :meth:`execute_mixed`."""
+        num_rows = _bucket(len(sched.scheduled), self.request_buckets)
+        arrays, sampling = self.prepare_decode(sched, src_rows, num_rows)
+        out, last, logits = self._run_decode(arrays, sampling, prev_tokens)
+        return StepResult(out, logits, last)
+
+    def prepare_decode(self, sched, src_rows, num_rows: int) -> tuple[dict, SamplingArrays]:
+        """Host (NumPy) inputs of a decode loop over ``num_rows`` rows: ``tokens``, ``src_rows``,
+        ``positions``, ``steps``, ``block_tables``, and the sampling arrays."""
+        scheduled = sched.scheduled
+        reqs = [r for r, _ in scheduled]
+        tokens = np.zeros(num_rows, np.int32)
+        src = np.full(num_rows, -1, np.int32)
+        positions = np.zeros(num_rows, np.int32)
+        steps = np.zeros(num_rows, np.int32)
+        n = len(reqs)
+        for r, req in enumerate(reqs):
+            if sched.pending_input[r]:
+                src[r] = src_rows[r]
+            else:
+                tokens[r] = req.all_token_ids[-1]
+        positions[:n] = sched.context_lens
+        steps[:n] = [s for _, s in scheduled]
+        arrays = dict(tokens=tokens, src_rows=src, positions=positions, steps=steps,
+                      block_tables=self._block_table(reqs, num_rows))
+        return arrays, self._sampling_arrays(reqs, num_rows, sched.gen_idx)
