@@ -218,3 +218,14 @@ class DecoderConfig:
 
     def replace(self, **changes) -> DecoderConfig:
         return dataclasses.replace(self, **changes)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LlamaConfig(DecoderConfig):
+    """A :class:`models.decoder_config.DecoderConfig` with Llama's defaults (pre-norm blocks, SwiGLU, no
+    bias, one RoPE base). Qwen 2/3 and Mistral are Llama configs with other :attr:`arch` switches or a
+    ``sliding_window``.
+
+    Hashable, so it can be a static argument of ``jax.jit``. SmolLM2-135M: ``hidden_size=576``,
+    ``intermediate_size=1536``, ``num_layers=30``, ``num_heads=9``, ``num_kv_heads=3``, ``head_size=64``.
+    """

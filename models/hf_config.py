@@ -14,7 +14,6 @@ import os
 import pathlib
 from typing import Any
 
-from models.config import LlamaConfig
 from models.decoder_config import (
     FULL_ATTENTION,
     GEMMA3,
@@ -23,6 +22,7 @@ from models.decoder_config import (
     QWEN3,
     SLIDING_ATTENTION,
     DecoderConfig,
+    LlamaConfig,
     RopeScaling,
 )
 from models.gemma3_config import Gemma3Config

@@ -1,5 +1,5 @@
 """Llama-family decoder (SmolLM2, Llama 2/3, Mistral, Qwen 2/3): :class:`models.decoder.DecoderForCausalLM`
-with a :class:`models.config.LlamaConfig`.
+with a :class:`models.decoder_config.LlamaConfig`.
 
 Kept as its own name for the GGUF path and its callers; the layers are :mod:`models.decoder`'s, shared
 with Gemma 3. :meth:`LlamaForCausalLM.forward_dense` is the independent cache-free forward the paged path is
@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from models.config import LlamaConfig
 from models.decoder import (
     MLP,
     Attention,
@@ -22,6 +21,7 @@ from models.decoder import (
     set_weight,
 )
 from models.decoder import from_weights as _from_weights
+from models.decoder_config import LlamaConfig
 
 __all__ = ["Attention", "DecoderLayer", "LlamaForCausalLM", "MLP", "apply_rope", "dense_attention", "from_weights",
            "rope_cos_sin", "set_weight"]

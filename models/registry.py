@@ -26,10 +26,11 @@ import pathlib
 import gguf
 import jax.numpy as jnp
 
+from jaxkv.config import LOAD_FORMATS
 from jaxkv.kv_cache.config import KVCacheConfig
 from jaxkv.kv_cache.specs import SlidingWindowSpec
 from jaxkv.parallel.mesh import mesh_sizes
-from models import runner
+from models import engine_setup
 from models.decoder_config import DecoderConfig
 from models.gemma3 import Gemma3ForCausalLM
 from models.gemma3 import from_weights as gemma3_from_weights
@@ -44,7 +45,6 @@ from models.tokenizer import GGUFTokenizer
 SMOLLM2_NAMES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
 GEMMA3_NAMES = frozenset({"gemma3-270m", "gemma-3-270m", "google/gemma-3-270m"})
 ARCHITECTURES = ("llama", "gemma3")  # GGUF general.architecture values
-LOAD_FORMATS = ("auto", "dummy")
 
 
 def resolve_model(model: str | os.PathLike) -> pathlib.Path | str:
@@ -301,16 +301,16 @@ def make_engine_caches(model, *, block_size: int, num_blocks: int, dtype, attent
                        hybrid: bool = True, mesh=None) -> EngineCaches:
     """Allocate ``model``'s caches and split it into ``(params, model_fn)`` (hybrid groups for models with
     sliding-window layers). With a ``(dp, tp)`` ``mesh`` the caches and parameters are sharded over it."""
-    kv_config, caches = runner.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
+    kv_config, caches = engine_setup.init_kv_caches(model.config, block_size=block_size, dtype=dtype,
                                               num_blocks=num_blocks, mesh=mesh, hybrid=hybrid and use_hybrid(mesh))
-    params, fn = runner.make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
+    params, fn = engine_setup.make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
     return EngineCaches(kv_config, caches, kv_config.kv_cache_groups, params, fn)
 
 
 def num_cache_tensors(config, *, hybrid: bool = True) -> int:
     """Cache tensors of ``num_blocks`` pages each (bytes per block = this x page size)."""
     if config.has_sliding_layers and hybrid:
-        return len(runner.get_kv_cache_config(config, block_size=16, dtype="float32", num_blocks=1)
+        return len(engine_setup.get_kv_cache_config(config, block_size=16, dtype="float32", num_blocks=1)
                    .kv_cache_tensors)
     return config.num_layers
 
@@ -321,7 +321,7 @@ def blocks_per_sequence(config, num_tokens: int, *, block_size: int, max_num_bat
     full = -(-num_tokens // block_size)
     if not (config.has_sliding_layers and hybrid):
         return full
-    groups = runner.get_kv_cache_config(config, block_size=block_size, dtype="float32",
+    groups = engine_setup.get_kv_cache_config(config, block_size=block_size, dtype="float32",
                                         num_blocks=1).kv_cache_groups
     total = 1  # the null block
     for g in groups:

@@ -185,7 +185,7 @@ def gemma3_accuracy(impl: str, steps: int, gguf_path: str | None, *, num_schedul
     """(e) Gemma 3 f32 logits, hybrid paged cache vs the dense forward (sliding-window mask), > 1000 tokens."""
     import pathlib
 
-    from models import gemma3_runner, registry
+    from models import engine_setup, registry
     path = gguf_path or registry.resolve_model("gemma3-270m")
     config, weights, tok = registry.load_checkpoint(path)
     model = registry.build_model(config, weights, dtype=jnp.float32)
@@ -195,13 +195,13 @@ def gemma3_accuracy(impl: str, steps: int, gguf_path: str | None, *, num_schedul
     print(f"(e) Gemma 3 f32 logits: hybrid paged cache ({impl}) vs dense forward, a {len(prompt)}-token "
           f"prompt (window {config.sliding_window}), chunked prefill of 512, {steps} decode steps")
     with jax.default_matmul_precision("highest"):
-        engine = gemma3_runner.make_engine(
+        engine = engine_setup.make_engine(
             model, attention_impl=impl, block_size=16, num_blocks=2 * (-(-(len(prompt) + steps + 1) // 16)) * 6,
             max_model_len=len(prompt) + steps + 1, max_num_seqs=1, max_num_batched_tokens=512,
             num_scheduler_steps=num_scheduler_steps, enable_prefix_caching=False, return_logits=True)
         out = engine.generate([prompt], jaxkv.SamplingParams(max_tokens=steps + 1, temperature=0))[0]
         seq = out.prompt_token_ids + out.outputs[0].token_ids
-        dense = gemma3_runner.dense_logits(model, np.array([seq]), first_logit=len(prompt) - 1)[0]
+        dense = np.asarray(engine_setup.dense_logits(model, np.array([seq]), first_logit=len(prompt) - 1))[0]
     got = np.asarray(out.outputs[0].logits, np.float64)
     want = dense[:steps + 1].astype(np.float64)
     abs_err = np.abs(got - want).max(-1)

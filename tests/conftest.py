@@ -254,6 +254,17 @@ def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
 
 
+def jaxkv_command() -> list[str]:
+    """The installed ``jaxkv`` command (``[project.scripts]``, beside this interpreter in the venv ``pip
+    install -e .`` made), as a user types it."""
+    import pathlib
+    import sys
+    path = pathlib.Path(sys.executable).with_name("jaxkv")
+    if not path.exists():
+        pytest.fail(f"{path} is missing: `pip install -e .` installs the jaxkv command")
+    return [str(path)]
+
+
 def load_script(name: str):
     """``scripts/<name>.py`` (or, for maintainers' tools, ``scripts/dev/<name>.py``) imported as module
     ``name`` (scripts are not a package); registered in ``sys.modules`` first, since dataclasses look their

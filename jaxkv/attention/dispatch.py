@@ -14,13 +14,13 @@ from jax import lax
 from jaxkv.attention import xla as _xla
 from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.checks import check_paged_metadata
+from jaxkv.config import ATTENTION_IMPLS
 from pallas_kernels import paged_attention as _decode
 from pallas_kernels import paged_attention_mgpu as _decode_mgpu
 from pallas_kernels import paged_prefill_attention as _prefill
 from pallas_kernels import paged_prefill_attention_mgpu as _prefill_mgpu
 from pallas_kernels import tuning as _tuning
 
-ATTENTION_IMPLS = ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret", "reference")
 _MOSAIC_IMPLS = ("pallas_mosaic", "pallas_mosaic_interpret")
 _warned_fallbacks: set[str] = set()
 

@@ -221,7 +221,7 @@ class LLMEngine:
             self.host_pool = HostBlockPool(num_host_blocks)
         self.kv_cache_manager = self._new_kv_cache_manager(enable_prefix_caching)
         # host → device copies as loads beside the steps; JAXKV_ASYNC_KV_LOADS=0 issues them inside the pass
-        # instead, before its step (session 18's path; kept for A/B measurements)
+        # instead, before its step (the A side of A/B measurements)
         self._async_loads = self.offloader is not None and os.environ.get("JAXKV_ASYNC_KV_LOADS", "1") != "0"
         self.scheduler = Scheduler(self.config, self.kv_cache_manager, async_loads=self._async_loads)
         self._loads: list[tuple[Request, KVLoad]] = []  # host → device loads in flight (cancelled ones too)

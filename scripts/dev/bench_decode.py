@@ -39,7 +39,7 @@ def run_one(model, tok, *, batch, new_tokens, steps_per_sync, prompt_len, capaci
                                                          max_num_batched_tokens=max(batch * prompt_len, 16))
     make_engine = models.make_engine
     if isinstance(model.config, models.Gemma3Config):
-        from models.gemma3_runner import make_engine
+        from models.engine_setup import make_engine
     engine = make_engine(model, attention_impl=impl, block_size=16,
                                 num_blocks=blocks_per_seq * batch * capacity_factor,
                                 max_model_len=max_model_len, max_num_seqs=batch,

@@ -29,7 +29,7 @@ from flax import nnx
 import jaxkv
 import models
 from jaxkv.parallel.mesh import make_mesh
-from models.config import LlamaConfig
+from models.decoder_config import LlamaConfig
 from models.llama import LlamaForCausalLM
 
 PRESETS = {

@@ -34,7 +34,7 @@ def ours(args) -> None:
     import jax
 
     import jaxkv
-    from models import gemma3_runner, registry
+    from models import engine_setup, registry
     path = args.gguf or registry.resolve_model("gemma3-270m")
     config, weights, tok = registry.load_checkpoint(path)
     model = registry.build_model(config, weights, dtype="float32")
@@ -43,10 +43,10 @@ def ours(args) -> None:
     out.mkdir(parents=True, exist_ok=True)
     np.save(out / "ids.npy", np.asarray(ids, np.int32))
     with jax.default_matmul_precision("highest"):
-        dense = gemma3_runner.dense_logits(model, np.asarray([ids]), first_logit=len(ids) - LAST)[0]
+        dense = np.asarray(engine_setup.dense_logits(model, np.asarray([ids]), first_logit=len(ids) - LAST))[0]
         # the paged engine: the prompt minus its last LAST tokens as a prefill, then the last tokens one
         # by one as "decodes" is not what the engine does; instead compare the prefill's last logits
-        engine = gemma3_runner.make_engine(model, attention_impl="reference", block_size=16,
+        engine = engine_setup.make_engine(model, attention_impl="reference", block_size=16,
                                            num_blocks=6 * (len(ids) // 16 + 4), max_model_len=len(ids) + 2,
                                            max_num_seqs=1, max_num_batched_tokens=512,
                                            enable_prefix_caching=False, return_logits=True)

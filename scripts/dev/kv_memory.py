@@ -20,8 +20,8 @@ from jaxkv import SamplingParams
 from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxkv.core.request import Request
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
+from models.engine_setup import get_kv_cache_config
 from models.gemma3_config import Gemma3Config
-from models.gemma3_runner import get_kv_cache_config
 
 GEMMA3_270M = Gemma3Config(vocab_size=262144, hidden_size=640, intermediate_size=2048, num_layers=18,
                            num_heads=4, num_kv_heads=1, head_size=256, sliding_window=512)

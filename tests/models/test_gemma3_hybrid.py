@@ -17,9 +17,9 @@ import pytest
 from flax import nnx
 
 from jaxkv import SamplingParams
+from models.engine_setup import get_kv_cache_config, make_engine
 from models.gemma3 import random_weights
 from models.gemma3_config import Gemma3Config
-from models.gemma3_runner import get_kv_cache_config, make_engine
 
 TINY = Gemma3Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_layers=6, num_heads=2,
                     num_kv_heads=1, head_size=32, query_pre_attn_scalar=24.0, sliding_window=24,

@@ -117,9 +117,9 @@ def test_config_from_gguf_metadata():
 @slow
 def test_greedy_capital_of_france_names_france():
     from jaxkv import SamplingParams
-    from models import gemma3_runner
+    from models import engine_setup
     tok, model = _tokenizer(), _model()
-    eng = gemma3_runner.make_engine(model, attention_impl="reference", block_size=16, num_blocks=32,
+    eng = engine_setup.make_engine(model, attention_impl="reference", block_size=16, num_blocks=32,
                                     max_model_len=32, max_num_seqs=1, max_num_batched_tokens=32,
                                     enable_prefix_caching=False, num_scheduler_steps=4)
     out = eng.generate([tok.encode("The capital of France is", add_special_tokens=True)],
@@ -133,19 +133,19 @@ def test_long_prompt_paged_logits_match_dense_forward():
     """> 1000 tokens (window 512): the hybrid engine's logits (chunked prefill, decode) equal the dense
     forward with sliding-window masks to ~1e-4 (f32)."""
     from jaxkv import SamplingParams
-    from models import gemma3_runner
+    from models import engine_setup
     tok, model = _tokenizer(), _model()
     prompt = tok.encode((ROOT / "docs/prompts/gemma3-long-qa.txt").read_text(), add_special_tokens=True)
     assert len(prompt) > 1000
     steps = 4
     with jax.default_matmul_precision("highest"):
-        eng = gemma3_runner.make_engine(model, attention_impl="reference", block_size=16, num_blocks=800,
+        eng = engine_setup.make_engine(model, attention_impl="reference", block_size=16, num_blocks=800,
                                         max_model_len=len(prompt) + steps, max_num_seqs=1,
                                         max_num_batched_tokens=512, enable_prefix_caching=False,
                                         num_scheduler_steps=2, return_logits=True)
         out = eng.generate([prompt], SamplingParams(max_tokens=steps, temperature=0))[0].outputs[0]
         seq = prompt + out.token_ids
-        dense = gemma3_runner.dense_logits(model, np.asarray([seq]), first_logit=len(prompt) - 1)[0]
+        dense = np.asarray(engine_setup.dense_logits(model, np.asarray([seq]), first_logit=len(prompt) - 1))[0]
     got, want = np.asarray(out.logits, np.float64), dense[:steps].astype(np.float64)
     assert np.abs(got - want).max() / np.abs(want).max() < 1e-4
     np.testing.assert_array_equal(out.token_ids, want.argmax(-1))

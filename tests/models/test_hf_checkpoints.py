@@ -21,10 +21,9 @@ from flax import nnx
 
 import models
 from jaxkv import SamplingParams
-from models import registry, runner
-from models.config import LlamaConfig
+from models import engine_setup, registry
 from models.decoder import from_weights
-from models.decoder_config import GEMMA3, LLAMA, QWEN2, QWEN3, RopeScaling
+from models.decoder_config import GEMMA3, LLAMA, QWEN2, QWEN3, LlamaConfig, RopeScaling
 from models.gemma3_config import Gemma3Config
 from tests.models import hf_checkpoints as hfc
 
@@ -89,7 +88,7 @@ def test_loads_and_matches_the_dense_reference(checkpoint):
     seqs = [out.prompt_token_ids + out.outputs[0].token_ids for out in outs]
     width = max(map(len, seqs))  # one batch, right-padded (causal: padding cannot change earlier logits)
     ids = np.array([s + [0] * (width - len(s)) for s in seqs])
-    dense_all = np.asarray(runner.dense_logits(ref, ids, ids * 0 == 0))
+    dense_all = np.asarray(engine_setup.dense_logits(ref, ids, ids * 0 == 0))
     for out, dense in zip(outs, dense_all):
         c = out.outputs[0]
         assert out.prompt_token_ids[0] == 0  # BOS from tokenizer.json's post-processor

@@ -179,9 +179,9 @@ def test_hybrid_gemma3_swaps_every_group_and_hits_the_host(bench):
     swapped-out requests hold host blocks of both groups (the sliding group's skipped blocks stay null:
     ``None``), the host prefix cache serves hits under ``(group, hash)``, and the transcripts equal the
     tier-off engine's and each conversation's solo run."""
+    from models.engine_setup import make_engine
     from models.gemma3 import random_weights
     from models.gemma3_config import Gemma3Config
-    from models.gemma3_runner import make_engine
 
     cfg = Gemma3Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=2,
                        num_kv_heads=1, head_size=16, query_pre_attn_scalar=16.0, sliding_window=8,

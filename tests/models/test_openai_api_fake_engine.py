@@ -313,15 +313,12 @@ def test_sampling_params_contract():
 
 
 def test_bench_serving_measures_a_run(server):
-    """scripts/bench_serving.py's client and metrics against this server (the dataset part is tested with
+    """``jaxkv bench serving``'s client and metrics against this server (the dataset part is tested with
     bench_throughput's loader)."""
     import asyncio
     import math
-    import pathlib
-    import sys
     pytest.importorskip("aiohttp")
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
-    import bench_serving
+    from models.benchmarks import serving as bench_serving
 
     args = bench_serving.parse_args(["--base-url", server[0], "--model", MODEL, "--request-rate", "200,inf",
                                      "--num-prompts", "6"])
@@ -436,11 +433,8 @@ def test_async_llm_folds_outputs_a_slow_stream_missed():
 
 def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_reader):
     """The serving benchmark's requests are bench_throughput's (same loader, rule, seed), sent as ids."""
-    import pathlib
-    import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
-    import bench_serving
-    bench_throughput = pytest.importorskip("bench_throughput", reason="scripts/bench_throughput.py (issue 10)")
+    from models.benchmarks import serving as bench_serving
+    from models.benchmarks import throughput as bench_throughput
     from models.tokenizer import GGUFTokenizer
 
     words = "the cat sat on a mat and looked at the big red sun over the hill".split()
@@ -470,10 +464,7 @@ def test_bench_serving_samples_like_bench_throughput(tmp_path, gguf_reader):
 def test_bench_serving_server_delta_across_api_server_processes():
     """With ``serve.py --api-server-count N`` the /stats reads before and after a run may come from different
     API-server processes: their own counters are not subtracted then; the engine cores' still are."""
-    import pathlib
-    import sys
-    sys.path.insert(0, str(pathlib.Path(__file__).parents[2] / "scripts"))
-    import bench_serving
+    from models.benchmarks import serving as bench_serving
 
     before = {"num_preemptions": 2, "num_generation_tokens_total": 900, "api_server_index": 0}
     after = {"num_preemptions": 5, "num_generation_tokens_total": 100, "api_server_index": 1}

@@ -23,11 +23,12 @@ import time
 import httpx
 import pytest
 
+from tests.conftest import jaxkv_command
+
 openai = pytest.importorskip("openai")
 pytest.importorskip("uvicorn")
 pytest.importorskip("starlette")
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "serve.py"
 REFERENCE = """
 import json, sys
 from jaxkv.sampling_params import SamplingParams
@@ -72,7 +73,7 @@ def served(gguf_path, tmp_path_factory):
     procs = []
     try:
         with open(log_path, "w") as log:
-            server = subprocess.Popen([sys.executable, str(SCRIPT), "--model", MODEL, "--gguf", str(gguf_path),
+            server = subprocess.Popen([*jaxkv_command(), "serve", MODEL, "--gguf", str(gguf_path),
                                        "--port", str(port), *SERVER_ARGS], stdout=log, stderr=subprocess.STDOUT,
                                       env=env, start_new_session=True)
         procs.append(server)

@@ -17,7 +17,6 @@ import pathlib
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 
@@ -26,9 +25,9 @@ import pytest
 httpx = pytest.importorskip("httpx")
 pytest.importorskip("uvicorn")
 
+from tests.conftest import jaxkv_command  # noqa: E402
 from tests.tiny_gguf import write_tiny_llama_gguf  # noqa: E402
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "serve.py"
 ROOT = pathlib.Path(__file__).parents[2]
 
 
@@ -73,7 +72,7 @@ class Server:
                    PYTHONPATH=os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]))
         with open(self.log, "w") as f:
             self.proc = subprocess.Popen(
-                [sys.executable, str(SCRIPT), "--model", model, "--served-model-name", "m", "--load-format", "dummy",
+                [*jaxkv_command(), "serve", "--model", model, "--served-model-name", "m", "--load-format", "dummy",
                  "--dtype", "float32",
                  "--port", str(self.port), "--max-model-len", "512", "--max-num-seqs", "4", "--num-gpu-blocks",
                  "128", "--max-num-batched-tokens", "64", "--compile-ahead", "off", *extra],

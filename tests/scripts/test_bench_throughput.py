@@ -1,4 +1,5 @@
-"""scripts/bench_throughput.py: truncated-JSON reading, vLLM's ShareGPT sampling rule, a CPU run."""
+"""``jaxkv bench throughput`` (models/benchmarks/throughput.py): truncated-JSON reading, vLLM's ShareGPT sampling
+rule, a CPU run of the installed command."""
 
 from __future__ import annotations
 
@@ -6,18 +7,18 @@ import json
 import pathlib
 import random
 import subprocess
-import sys
 
 import numpy as np
 import pytest
 
-from tests.conftest import load_script
+from models.benchmarks import throughput
+from tests.conftest import jaxkv_command
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "bench_throughput.py"
+BENCH = ["bench", "throughput"]
 
 
 def _module():
-    return load_script("bench_throughput")
+    return throughput
 
 
 def fake_sharegpt(path: pathlib.Path, n: int = 40, *, truncate: bool = True) -> pathlib.Path:
@@ -71,27 +72,27 @@ def test_sampling_rule_drops_short_and_long_pairs(tmp_path):
 
 
 def _run_small(tmp_path, num_prompts: int, *extra: str) -> subprocess.CompletedProcess:
-    """The script on a fake ShareGPT file with a tiny engine (CPU, no warm-up)."""
+    """The command on a fake ShareGPT file with a tiny engine (CPU, no warm-up)."""
     data = fake_sharegpt(tmp_path / "sharegpt.json")
     return subprocess.run(
-        [sys.executable, str(SCRIPT), "--dataset", str(data), "--num-prompts", str(num_prompts),
+        [*jaxkv_command(), *BENCH, "--dataset", str(data), "--num-prompts", str(num_prompts),
          "--max-model-len", "96", "--max-num-seqs", "2", "--max-num-batched-tokens", "16",
-         "--num-gpu-blocks", "24", "--output-len", "5", "--no-progress", "--no-warmup", *extra],
+         "--num-gpu-blocks", "24", "--output-len", "5", "--no-progress", "--compile-ahead", "off", *extra],
         capture_output=True, text=True, timeout=600)
 
 
 def test_cpu_run_prints_the_table_and_json(tmp_path, gguf_path):
     out = tmp_path / "bench.json"
-    proc = _run_small(tmp_path, 6, "--backend", "jaxkv", "--backend", "jaxkv-static", "--output-json", str(out),
+    proc = _run_small(tmp_path, 8, "--backend", "jaxkv", "--backend", "jaxkv-static", "--output-json", str(out),
                       "--profile-busy")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "39 complete records (the file is truncated" in proc.stdout
     assert "jaxkv-static" in proc.stdout and "out tok/s" in proc.stdout
     result = json.loads(out.read_text())
     by = {r["backend"]: r for r in result["results"]}
-    assert by["jaxkv"]["output_tokens"] == 30 and by["jaxkv"]["generated_tokens"] == 30
+    assert by["jaxkv"]["output_tokens"] == 40 and by["jaxkv"]["generated_tokens"] == 40
     assert by["jaxkv"]["num_compiles"] <= by["jaxkv"]["num_buckets"]
-    assert by["jaxkv-static"]["output_tokens"] == 30
+    assert by["jaxkv-static"]["output_tokens"] == 40
     # the host loop's split: every round trip is host work or a wait, and ran at least one model step
     j = by["jaxkv"]
     assert 0 < j["round_trips"] <= j["model_steps"] and j["host_s"] > 0 and j["wait_s"] >= 0
@@ -115,7 +116,7 @@ def test_cprofile_saves_the_host_profile(tmp_path, gguf_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     names = {fn for _, _, fn in pstats.Stats(str(prof)).stats}
     assert {"schedule", "update_from_output"} <= names and "Ordered by: cumulative time" in proc.stdout
-    both = subprocess.run([sys.executable, str(SCRIPT), "--cprofile", str(prof), "--profile-busy"],
+    both = subprocess.run([*jaxkv_command(), *BENCH, "--cprofile", str(prof), "--profile-busy"],
                           capture_output=True, text=True, timeout=120)
     assert both.returncode == 2 and "--cprofile" in both.stderr and "--profile-busy" in both.stderr
 

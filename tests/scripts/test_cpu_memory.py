@@ -42,8 +42,7 @@ finally:
 
 GENERATE_64 = """
 import sys
-sys.path.insert(0, "scripts")
-import bench_throughput as bt
+from models.benchmarks import throughput as bt
 import models
 from jaxkv import SamplingParams
 gguf = models.resolve_model("smollm2-135m")

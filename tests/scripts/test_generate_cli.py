@@ -1,19 +1,20 @@
-"""scripts/generate.py as a user runs it: bad input gives one clear line; a real run prints a summary."""
+"""``jaxkv generate`` as a user runs it: bad input gives one clear line; a real run prints a summary; a hybrid
+(sliding + full attention) model over ``-tp 2 -dp 2`` gets a cache sized for its KV-cache groups."""
 
 from __future__ import annotations
 
-import pathlib
+import os
 import subprocess
-import sys
 
 import pytest
 
-SCRIPT = pathlib.Path(__file__).parents[2] / "scripts" / "generate.py"
+from tests.conftest import jaxkv_command
+from tests.models.hf_checkpoints import write_checkpoint
 
 
-def run(*args, timeout=300):
-    return subprocess.run([sys.executable, str(SCRIPT), *args], capture_output=True, text=True,
-                          timeout=timeout)
+def run(*args, timeout=300, env=None):
+    return subprocess.run([*jaxkv_command(), "generate", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env)
 
 
 @pytest.mark.parametrize("args,message", [
@@ -39,3 +40,17 @@ def test_end_to_end_cpu_run_and_errors_on_real_weights(gguf_path):
     assert "using the XLA reference attention" in proc.stderr  # the CPU fallback says so
     empty = run("--prompt", "")
     assert empty.returncode != 0 and "error: prompts[0] is empty" in empty.stderr
+
+
+def test_hybrid_model_over_tp_and_dp_gets_blocks_for_every_group(tmp_path):
+    """A Gemma 3 checkpoint (one sliding-window and one full-attention layer: two KV-cache groups) over
+    ``-tp 2 -dp 2`` on 4 host devices. The cache is sized per group as the engine allocates it; sizing it as one
+    group at tp > 1 left 4 blocks for a 23-token request that needs 5 ("the cache has 4 in all")."""
+    ckpt = tmp_path / "gemma3"
+    write_checkpoint(ckpt, "Gemma3ForCausalLM")
+    env = dict(os.environ, XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4",
+               JAX_PLATFORMS="cpu", JAXKV_ENABLE_MULTIPROCESSING="1")  # -dp needs engine-core processes
+    proc = run(str(ckpt), "-tp", "2", "-dp", "2", "--prompt", "The capital of France is Paris and",
+               "--max-tokens", "4", env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "tp=2, dp=2" in proc.stderr and "generated_tokens=4" in proc.stdout

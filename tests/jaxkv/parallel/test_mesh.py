@@ -27,9 +27,9 @@ import jaxkv
 import models
 from jaxkv import AttentionMetadata, SamplingParams
 from jaxkv.parallel.mesh import make_mesh
-from models.config import LlamaConfig
+from models.decoder_config import LlamaConfig
+from models.engine_setup import init_kv_caches, make_model_fn
 from models.llama import LlamaForCausalLM
-from models.runner import init_kv_caches, make_model_fn
 from tests.conftest import step_compiles
 
 NUM_DEVICES = 4

@@ -10,7 +10,6 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``; there the tests bel
 
 from __future__ import annotations
 
-import json
 import os
 import pathlib
 import re
@@ -22,11 +21,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import jaxkv
 import models
 from jaxkv import AttentionMetadata, SamplingParams
 from jaxkv.parallel.mesh import make_mesh
-from models import registry, runner
+from models import engine_setup, registry
 from models.dummy import dummy_model
 from models.hf_config import builtin_config
 from tests.models import hf_checkpoints as hfc
@@ -86,8 +84,8 @@ def _prefill_metadata(config, kv_config, lens):
 def _step(directory, mesh):
     config, weights, _ = registry.load_checkpoint(directory)
     model = registry.build_model(config, weights, dtype="float32", mesh=mesh)
-    kv_config, caches = runner.init_kv_caches(config, block_size=BLOCK, dtype=jnp.float32, num_blocks=16, mesh=mesh)
-    params, fn = runner.make_model_fn(model, kv_config, attention_impl="reference", mesh=mesh)
+    kv_config, caches = engine_setup.init_kv_caches(config, block_size=BLOCK, dtype=jnp.float32, num_blocks=16, mesh=mesh)
+    params, fn = engine_setup.make_model_fn(model, kv_config, attention_impl="reference", mesh=mesh)
     lens = [13, 6]
     md, pos, last = _prefill_metadata(config, kv_config, lens)
     ids = np.random.default_rng(0).integers(3, config.vocab_size, sum(lens)).astype(np.int32)

