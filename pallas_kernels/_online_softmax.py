@@ -2,7 +2,7 @@
 
 The Triton kernels use natural ``exp``, not ``exp2``: a base-2 variant (log2(e) folded into the logit
 scale, ``jnp.exp2`` → libdevice ``__nv_exp2f``) measured 13 % slower in the prefill kernel on the H200
-(267 vs 306 TF/s at 8192 tokens; docs/perf-notes.md), so it was reverted there. The Mosaic GPU kernels
+(267 vs 306 TF/s at 8192 tokens; docs/perf-notes.md). The Mosaic GPU kernels
 use :func:`softmax_rescale_exp2` (``ex2.approx`` with ``approx_math``) and do ``P V`` with ``wgmma``.
 """
 

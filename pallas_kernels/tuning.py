@@ -10,7 +10,7 @@ from pallas_kernels._paging import padded_head_size
 # Decode. Sweep on the H200 (docs/logs/bench-decode-sweep-h200.txt; 32q/8kv heads, D 128, bf16, block 16):
 # 4 pages per step (16 KiB K and V tiles) beat 8 on 7 of 8 shapes, by up to 40 % (batch 256 / ctx 1024:
 # 3592 vs 2570 GB/s): with 8 pages Triton's 2-stage pipeline needs ~132 KiB of shared memory, so one
-# program fits per SM; with 4, three. Split counts: the best of {x1, x2, x4} the old rule was, per shape,
+# program fits per SM; with 4, three. Split counts: the best of {x1, x2, x4} times a base rule, per shape, is
 # about ~1024 programs in all but no partition shorter than 16 pages (batch 1 / ctx 32768: 32 splits;
 # batch 8 / ctx 32768: 16; batch 64: 2; batch 256: 1-2). A 32-page minimum cost batch 1 / ctx 4096 23 %
 # (8 splits: 720 vs 932 GB/s with 16; docs/logs/bench-decode-rule32-h200.txt vs bench-decode-h200.txt).
