@@ -129,6 +129,22 @@ class EngineStats:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
+# SamplingParams fields the engine does not implement yet: refused with a clear error, never ignored
+_NOT_YET = {"n": lambda p: p.n != 1, "logprobs": lambda p: p.logprobs is not None,
+            "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
+            "presence_penalty": lambda p: p.presence_penalty != 0, "frequency_penalty": lambda p: p.frequency_penalty != 0,
+            "repetition_penalty": lambda p: p.repetition_penalty != 1, "min_p": lambda p: p.min_p != 0,
+            "logit_bias": lambda p: p.logit_bias is not None, "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
+            "bad_words": lambda p: bool(p.bad_words) or p.bad_words_token_ids is not None,
+            "structured_outputs": lambda p: p.structured_outputs is not None}
+
+
+def _check_supported(params: SamplingParams) -> None:
+    for name, used in _NOT_YET.items():
+        if used(params):
+            raise ValueError(f"{name}={getattr(params, name)!r} is not supported by this engine yet")
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache, driving any ``model_fn``.
 
@@ -340,6 +356,7 @@ class LLMEngine:
         """
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params={sampling_params!r} is not a SamplingParams")
+        _check_supported(sampling_params)
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already running or waiting")
         prompt = [int(t) for t in prompt_token_ids]

@@ -80,17 +80,40 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
     pass
 
 
+class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
+    """Log-probabilities of consecutive positions, compact (vLLM ``LogprobsLists``): position ``p``'s
+    ``token_ids[p]`` are the chosen token (sampled, or the prompt's next token) then the top-k tokens,
+    ``logprobs[p]`` theirs, ``ranks[p]`` the chosen token's rank (1 = most likely)."""
+
+    token_ids: list[list[int]]
+    logprobs: list[list[float]]
+    ranks: list[int]
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+
+def child_request_id(request_id: str, index: int) -> str:
+    """The engine's id of completion ``index`` of a request with ``n > 1`` (vLLM's ``f"{index}_{parent}"``):
+    aborting it ends that completion only; aborting ``request_id`` ends them all."""
+    return f"{index}_{request_id}"
+
+
 class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
-    """One request's progress in one step. vLLM: ``EngineCoreOutput``.
+    """One completion's progress in one step. vLLM: ``EngineCoreOutput``.
 
     Attributes:
-        request_id: the request.
+        request_id: the request (the parent's id for a completion of ``n > 1``).
         new_token_ids: tokens generated in this step (every generated token for a ``final_only``
-            request, sent once at its end).
+            request, sent once at its end); a stop token or EOS that ended it is the last one.
         finish_reason: ``None`` while running; ``"stop"``, ``"length"`` or ``"abort"`` at the end.
         stop_reason: the stop token id that ended it, if any.
         num_cached_tokens: prompt tokens served from the prefix cache at admission.
         error: the request was rejected (``ValueError`` text); nothing else is set.
+        index: which completion of the request's ``n``.
+        new_logprobs: with ``logprobs``: one position per token of ``new_token_ids``.
+        new_prompt_logprobs: with ``prompt_logprobs``: positions ``1..`` of the prompt computed in this
+            step (none for position 0); all of them arrive before the first generated token.
     """
 
     request_id: str
@@ -99,6 +122,9 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     stop_reason: int | None = None
     num_cached_tokens: int = 0
     error: str | None = None
+    index: int = 0
+    new_logprobs: LogprobsLists | None = None
+    new_prompt_logprobs: LogprobsLists | None = None
 
     @property
     def finished(self) -> bool:

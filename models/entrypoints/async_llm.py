@@ -37,27 +37,55 @@ import traceback
 from typing import Any, AsyncIterator, Iterable, Sequence
 
 from jaxkv.engine.core_client import AsyncMPClient, EngineDeadError, EngineNotReadyError, aggregate_stats
-from jaxkv.engine.protocol import EngineCoreOutput, EngineCoreOutputs, EngineCoreRequest
+from jaxkv.engine.protocol import (
+    EngineCoreOutput,
+    EngineCoreOutputs,
+    EngineCoreRequest,
+    LogprobsLists,
+    child_request_id,
+)
+from jaxkv.outputs import Logprob
+from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
 
 logger = logging.getLogger("jaxkv.serve")
 
-__all__ = ["AsyncLLM", "EngineDeadError", "EngineNotReadyError", "StreamOutput"]
+__all__ = ["AsyncLLM", "EngineDeadError", "EngineNotReadyError", "StreamOutput", "truncate_prompt"]
+
+
+def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int | None = None) -> list[int]:
+    """The last ``truncate_prompt_tokens`` prompt tokens (vLLM's left truncation; ``-1``: the last
+    ``max_model_len``); the prompt itself when ``None`` or when it is no longer."""
+    if truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return prompt_token_ids if keep is None or len(prompt_token_ids) <= keep else prompt_token_ids[-keep:]
 
 
 @dataclasses.dataclass
 class StreamOutput:
-    """What :meth:`AsyncLLM.generate` yields: one request's progress after an engine step.
+    """What :meth:`AsyncLLM.generate` yields: one completion's progress after an engine step.
 
     Attributes:
         request_id: the id given to :meth:`AsyncLLM.generate`.
-        prompt_token_ids: ``[num_prompt_tokens]``.
-        token_ids: every generated token so far, ``[num_generated_tokens]``.
-        text: detokenized text that may be sent to the client so far (cut before a stop string; while
-            running, the characters that could still start a stop string are held back). It only grows.
-        finished: the request ended; this is its last output.
+        prompt_token_ids: ``[num_prompt_tokens]`` (after ``truncate_prompt_tokens``).
+        token_ids: every token of this completion so far, ``[num_generated_tokens]``: a stop token or EOS
+            that ended it is the last one; with a stop string, the token that completed it is the last
+            (tokens the engine generated after it are dropped). ``usage.completion_tokens`` is their count.
+        text: detokenized text that may be sent to the client so far (cut before a stop string, or after it
+            with ``include_stop_str_in_output``; while running, the characters that could still start a stop
+            string are held back). It only grows.
+        finished: this completion ended; this is its last output.
         finish_reason: ``None`` while running, then ``"stop"``, ``"length"`` or ``"abort"``.
         stop_reason: the stop string or stop token id that ended it, or ``None``.
+        index: which of the request's ``n`` completions (outputs of several interleave).
+        logprobs: with ``SamplingParams.logprobs``: one ``{token_id: Logprob}`` per token of ``token_ids``
+            (the sampled token and the top ones; ``decoded_token`` filled).
+        prompt_logprobs: with ``SamplingParams.prompt_logprobs``: ``None`` then one dict per prompt token
+            after the first; complete in every output that carries generated tokens.
+        cumulative_logprob: the sum of the sampled tokens' logprobs (with ``logprobs``).
+        num_cached_tokens: prompt tokens served from the prefix cache.
     """
 
     request_id: str
@@ -67,47 +95,128 @@ class StreamOutput:
     finished: bool = False
     finish_reason: str | None = None
     stop_reason: int | str | None = None
+    index: int = 0
+    logprobs: list[dict[int, Logprob]] | None = None
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
+    cumulative_logprob: float | None = None
+    num_cached_tokens: int = 0
 
 
 _ABORTED = object()  # queue marker: AsyncLLM.abort was called for this request
 
 
-class _RequestState:
-    """Detokenizer and stop strings of one request, run on the event loop."""
+def logprob_dicts(lists: LogprobsLists, decode_token) -> list[dict[int, Logprob]]:
+    """:class:`LogprobsLists` as vLLM's ``{token_id: Logprob}`` per position, ``decoded_token`` from
+    ``decode_token(token_id)``; the chosen token first, then the top ones by rank."""
+    out = []
+    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+        d = {ids[0]: Logprob(lps[0], rank, decode_token(ids[0]))}
+        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            if tok not in d:
+                d[tok] = Logprob(lp, r, decode_token(tok))
+        out.append(d)
+    return out
 
-    def __init__(self, request_id: str, prompt_token_ids: list[int], tokenizer, stop: Sequence[str],
-                 skip_special_tokens: bool):
-        self.request_id = request_id
-        self.prompt_token_ids = prompt_token_ids
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=skip_special_tokens)
-        self.stops = StopChecker(stop)
-        self.queue: asyncio.Queue = asyncio.Queue()
+
+class _CompletionState:
+    """Detokenizer, stop strings and logprobs of one completion, run on the event loop."""
+
+    def __init__(self, index: int, tokenizer, params: SamplingParams):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.stops = StopChecker(params.stop)
+        self.include_stop = params.include_stop_str_in_output
+        self.want_logprobs = params.logprobs is not None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
+        self.cumulative = 0.0 if self.want_logprobs else None
         self.finished = False
+        self.stopped_by_string = False
+        self.result: tuple | None = None  # (text, finish_reason, stop_reason) once finished
 
-    def process(self, out) -> StreamOutput:
-        """Fold one step's :class:`EngineCoreOutput` into the request's text; applies stop strings."""
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def add(self, out: EngineCoreOutput) -> tuple[str, bool, str | None, int | str | None]:
+        """Fold one step's tokens in; returns ``(text, finished, finish_reason, stop_reason)``."""
         finished = out.finish_reason is not None
-        self.detok.add_tokens(out.new_token_ids, finished=finished)
         finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        new = list(out.new_token_ids)
+        new_lp = (logprob_dicts(out.new_logprobs, self.decode_token)
+                  if self.want_logprobs and out.new_logprobs is not None else None)
+        hit = None
+        if self.stops.stop:  # a token at a time: the stop string's token is the completion's last
+            for k, token in enumerate(new):
+                self.detok.add_tokens([token], finished=finished and k == len(new) - 1)
+                hit = self.stops.check(self.detok.text)
+                if hit is not None:
+                    new, new_lp = new[:k + 1], None if new_lp is None else new_lp[:k + 1]
+                    break
+        else:
+            self.detok.add_tokens(new, finished=finished)
+        if new_lp is not None:
+            self.logprobs.extend(new_lp)
+            self.cumulative += sum(d[tok].logprob for d, tok in zip(new_lp, new))
         text = self.detok.text
-        hit = self.stops.check(text)
         if hit is not None:
-            index, stop = hit
-            text, finished, finish_reason, stop_reason = text[:index], True, "stop", stop
+            at, stop = hit
+            text = text[:at + len(stop)] if self.include_stop else text[:at]
+            finished, finish_reason, stop_reason = True, "stop", stop
+            self.stopped_by_string = True
         text = text[:self.stops.safe_len(text, finished)]
         self.finished = finished
+        return text, finished, finish_reason, stop_reason
+
+
+
+class _RequestState:
+    """The front end's state of one request: its completions (``n``), prompt logprobs and output queue."""
+
+    def __init__(self, request_id: str, prompt_token_ids: list[int], tokenizer, params: SamplingParams):
+        self.request_id = request_id
+        self.prompt_token_ids = prompt_token_ids
+        self.tokenizer = tokenizer
+        self.completions = [_CompletionState(i, tokenizer, params) for i in range(params.n)]
+        self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
+        self.num_cached_tokens = 0
+        self.queue: asyncio.Queue = asyncio.Queue()
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    @finished.setter
+    def finished(self, value: bool) -> None:
+        for c in self.completions:
+            c.finished = value
+
+    def process(self, out: EngineCoreOutput) -> StreamOutput:
+        """Fold one step's :class:`EngineCoreOutput` into its completion; applies stop strings."""
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].decode_token))
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        c = self.completions[out.index]
+        text, finished, finish_reason, stop_reason = c.add(out)
+        return self._output(c, text, finished, finish_reason, stop_reason)
+
+    def _output(self, c: _CompletionState, text: str, finished: bool, finish_reason, stop_reason) -> StreamOutput:
         return StreamOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                            token_ids=list(self.detok.token_ids), text=text, finished=finished,
+                            token_ids=list(c.detok.token_ids), text=text, finished=finished,
                             finish_reason=finish_reason if finished else None,
-                            stop_reason=stop_reason if finished else None)
+                            stop_reason=stop_reason if finished else None, index=c.index,
+                            logprobs=None if c.logprobs is None else list(c.logprobs),
+                            prompt_logprobs=self.prompt_logprobs, cumulative_logprob=c.cumulative,
+                            num_cached_tokens=self.num_cached_tokens)
 
-
-    def aborted(self) -> StreamOutput:
-        self.finished = True
-        return StreamOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                            token_ids=list(self.detok.token_ids),
-                            text=self.detok.text[:self.stops.safe_len(self.detok.text, False)],
-                            finished=True, finish_reason="abort")
+    def aborted(self) -> list[StreamOutput]:
+        """An ``"abort"`` output for every completion still running."""
+        outs = []
+        for c in self.completions:
+            if not c.finished:
+                c.finished = True
+                text = c.detok.text[:c.stops.safe_len(c.detok.text, False)]
+                outs.append(self._output(c, text, True, "abort", None))
+        return outs
 
 
 def _stats_dict(stats: Any) -> dict[str, Any]:
@@ -187,20 +296,21 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------------------------- requests
 
-    async def generate(self, prompt_token_ids: Sequence[int], sampling_params, request_id: str, *,
-                       stop: Sequence[str] = (), skip_special_tokens: bool = True
+    async def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str, *,
+                       stop: Sequence[str] | None = None, skip_special_tokens: bool | None = None
                        ) -> AsyncIterator[StreamOutput]:
         """Submit a request and yield its outputs as they are produced. vLLM: ``AsyncLLM.generate``.
 
         Args:
-            prompt_token_ids: ``[num_prompt_tokens]``.
-            sampling_params: :class:`jaxkv.sampling_params.SamplingParams`.
+            prompt_token_ids: ``[num_prompt_tokens]``; cut to the last ``truncate_prompt_tokens``.
+            sampling_params: :class:`jaxkv.sampling_params.SamplingParams` (stop strings, detokenization,
+                ``bad_words`` are applied here; the rest in the engine).
             request_id: unique among unfinished requests.
-            stop: stop strings, checked on the detokenized text.
-            skip_special_tokens: drop control tokens from the text.
+            stop, skip_special_tokens: override ``sampling_params``' fields of the same names.
 
         Yields:
-            :class:`StreamOutput`, the last one with ``finished=True``. Closing the generator early
+            :class:`StreamOutput` s of every completion (``index``) as they progress, each ending with one
+            whose ``finished`` is true; the iteration ends when all ``n`` have. Closing the generator early
             (``aclose()``, task cancelled, client gone) aborts the request.
 
         Raises:
@@ -211,35 +321,45 @@ class AsyncLLM:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         if request_id in self._requests:
             raise ValueError(f"request_id={request_id!r} is already running")
-        prompt = [int(t) for t in prompt_token_ids]
-        state = _RequestState(request_id, prompt, self.tokenizer, stop, skip_special_tokens)
-        self._submit(request_id, prompt, sampling_params)  # raises before anything is registered
+        params = sampling_params
+        if stop is not None or skip_special_tokens is not None:
+            params = params.replace(**{k: v for k, v in (("stop", stop), ("skip_special_tokens", skip_special_tokens))
+                                       if v is not None})
+        if not params.spaces_between_special_tokens:
+            raise ValueError("spaces_between_special_tokens=False is not supported")
+        params = params.with_bad_words_tokenized(self.tokenizer)
+        prompt = truncate_prompt([int(t) for t in prompt_token_ids], params.truncate_prompt_tokens)
+        state = _RequestState(request_id, prompt, self.tokenizer, params)
+        self._submit(request_id, prompt, params)  # raises before anything is registered
         self._requests[request_id] = state
         try:
-            while True:
-                # everything that arrived while this stream was busy is folded into one output (vLLM's
-                # RequestOutputCollector): a front end that falls behind sends fewer, larger chunks
+            while not state.finished:
+                # everything that arrived while this stream was busy is folded into one output per
+                # completion (vLLM's RequestOutputCollector): a front end that falls behind sends fewer,
+                # larger chunks
                 items = [await state.queue.get()]
                 while not state.queue.empty():
                     items.append(state.queue.get_nowait())
-                out = None
+                latest: dict[int, StreamOutput] = {}
                 for item in items:
                     if isinstance(item, BaseException) or item is _ABORTED:
-                        if out is not None:
+                        for out in latest.values():
                             yield out
                         if item is _ABORTED:
-                            yield state.aborted()
+                            for out in state.aborted():
+                                yield out
                             return
                         state.finished = True  # rejected or engine dead: nothing to abort
                         raise item
+                    if state.completions[item.index].finished:
+                        continue  # ended by a stop string: the engine's tokens after it are not its
                     out = state.process(item)
-                    if out.finished:
-                        if item.finish_reason is None:  # a stop string ended it: the engine runs on
-                            self._abort_in_core([request_id])
-                        break
-                yield out
-                if out.finished:
-                    return
+                    latest[out.index] = out
+                    if out.finished and item.finish_reason is None:  # a stop string: the engine runs on
+                        self._abort_in_core([request_id if len(state.completions) == 1
+                                             else child_request_id(request_id, out.index)])
+                for out in latest.values():
+                    yield out
         finally:
             self._requests.pop(request_id, None)
             if not state.finished:
@@ -309,7 +429,7 @@ class AsyncLLM:
                 if self._stop.is_set():
                     break
                 if self.engine.has_unfinished_requests():
-                    outputs = self.engine.step()
+                    outputs = self._step()
                     self._num_steps += 1
                     self._count(outputs)
                     if outputs:
@@ -361,14 +481,22 @@ class AsyncLLM:
                     self.engine.abort_request(rid)
         self._num_requests_aborted += len(request_ids)
 
-    def _count(self, outputs) -> None:
+    def _step(self) -> list[EngineCoreOutput]:
+        """One engine step as :class:`EngineCoreOutput` s: the engine's own (``step_core_outputs``), or
+        converted from the :class:`RequestOutput` s of an engine with only ``step()`` (test stand-ins)."""
+        step_core = getattr(self.engine, "step_core_outputs", None)
+        if step_core is not None:
+            return step_core()
+        return [core_output_of(out, c) for out in self.engine.step() for c in out.outputs]
+
+    def _count(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
-            completion = out.outputs[0]
-            new = len(completion.new_token_ids)
-            if new and len(completion.token_ids) == new:  # first tokens: the prompt was computed
-                self._num_prompt_tokens += len(out.prompt_token_ids)
+            state = self._requests.get(out.request_id)
+            new = len(out.new_token_ids)
+            if new and state is not None and not state.completions[out.index].detok.token_ids and out.index == 0:
+                self._num_prompt_tokens += len(state.prompt_token_ids)  # first tokens: the prompt was computed
             self._num_generation_tokens += new
-            if out.finished and completion.finish_reason != "abort":
+            if out.finish_reason is not None and out.finish_reason != "abort":
                 self._num_requests_finished += 1
 
     def _log_stats(self, interval: float, logged: tuple[int, int, int]) -> tuple[int, int, int]:
@@ -400,14 +528,11 @@ class AsyncLLM:
 
     # ---------------------------------------------------------------- event loop side, from the thread
 
-    def _deliver(self, outputs) -> None:
+    def _deliver(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
             state = self._requests.get(out.request_id)
             if state is not None:  # else: aborted / gone
-                c = out.outputs[0]
-                state.queue.put_nowait(EngineCoreOutput(out.request_id, list(c.new_token_ids),
-                                                        c.finish_reason if out.finished else None,
-                                                        c.stop_reason))
+                state.queue.put_nowait(out)
 
     def _deliver_error(self, request_id: str, error: BaseException) -> None:
         state = self._requests.get(request_id)
@@ -478,7 +603,7 @@ class _MPAsyncLLM(AsyncLLM):
                 continue
             new = len(out.new_token_ids)
             if state is not None:
-                if new and not state.detok.token_ids:  # first tokens: the prompt was computed
+                if new and out.index == 0 and not state.completions[0].detok.token_ids:  # the prompt was computed
                     self._num_prompt_tokens += len(state.prompt_token_ids)
                 state.queue.put_nowait(out)
             self._num_generation_tokens += new
@@ -504,3 +629,30 @@ class _MPAsyncLLM(AsyncLLM):
             await asyncio.sleep(self.log_stats_interval_s)
             self._stats = aggregate_stats(self.client.engine_stats)
             logged = self._log_stats(self.log_stats_interval_s, logged)
+
+
+def lists_of(logprobs: list[dict[int, Logprob]], token_ids: Sequence[int]) -> LogprobsLists:
+    """``{token_id: Logprob}`` per position (the chosen ``token_ids``) back to :class:`LogprobsLists`."""
+    ids, lps, ranks = [], [], []
+    for d, tok in zip(logprobs, token_ids):
+        others = sorted((t for t in d if t != tok), key=lambda t: d[t].rank or 0)
+        ids.append([tok, *others])
+        lps.append([d[tok].logprob, *(d[t].logprob for t in others)])
+        ranks.append(d[tok].rank or 0)
+    return LogprobsLists(ids, lps, ranks)
+
+
+def core_output_of(out, completion) -> EngineCoreOutput:
+    """One completion of a :class:`jaxkv.outputs.RequestOutput` (an in-process engine's ``step()``) as the
+    :class:`EngineCoreOutput` an engine core sends."""
+    new = list(completion.new_token_ids)
+    new_logprobs = None
+    if getattr(completion, "logprobs", None) is not None and new:
+        new_logprobs = lists_of(completion.logprobs[len(completion.logprobs) - len(new):], new)
+    prompt_lp = getattr(out, "prompt_logprobs", None)
+    new_prompt = None
+    if prompt_lp and new and len(completion.token_ids) == len(new):  # with the first tokens
+        new_prompt = lists_of(prompt_lp[1:], out.prompt_token_ids[1:])
+    return EngineCoreOutput(out.request_id, new, completion.finish_reason if completion.finish_reason else None,
+                            completion.stop_reason, getattr(out, "num_cached_tokens", 0), None,
+                            completion.index, new_logprobs, new_prompt)
