@@ -149,7 +149,7 @@ class HybridKVCacheManager(BlockPool):
         is always computed). ``use_host``: blocks in the host prefix cache count as cached
         (:class:`jaxkv.core.host_kv_pool.HostBlock` entries). Takes no reference. vLLM:
         ``HybridKVCacheCoordinator.find_longest_cache_hit``."""
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or request.skips_prefix_cache:
             return [], 0
         use_host = use_host and self.has_host_prefix_cache
         hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)

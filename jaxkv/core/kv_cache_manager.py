@@ -186,7 +186,7 @@ class KVCacheManager(BlockPool):
         the step has logits to sample from (as vLLM does). ``use_host``: after the device's hits, the host
         prefix cache's, as :class:`jaxkv.core.host_kv_pool.HostBlock` entries. Takes no reference.
         """
-        if self.prefix_cache is None:
+        if self.prefix_cache is None or request.skips_prefix_cache:
             return [], 0
         hashes = request.hashes_of_full_blocks(request.num_tokens - 1, self.block_size)
         blocks = self.prefix_cache.match(hashes)

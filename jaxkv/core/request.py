@@ -47,7 +47,7 @@ class Request:
         request_id: the caller's id.
         prompt_token_ids: the prompt.
         sampling_params: how to sample and stop.
-        output_token_ids: generated tokens (a stop token is not included).
+        output_token_ids: generated tokens; a stop token or EOS that ended it is the last (vLLM).
         all_token_ids: prompt + output.
         num_computed_tokens: tokens whose K/V are in the cache or are being written by a dispatched step
             (advanced when a step is scheduled, as vLLM V1 does).
@@ -106,10 +106,49 @@ class Request:
         self.num_output_placeholders = 0  # tokens sampled by dispatched steps, not yet back
         self.logits: list = []  # per generated token, only when the engine returns logits
         self.final_only = False  # an engine core sends its tokens once, at the end (vLLM FINAL_ONLY)
+        # logprobs: per generated token (sampled, top ids...), (its logprob, top logprobs...), rank
+        self.logprobs: list[tuple[list[int], list[float], int]] | None = (
+            [] if sampling_params.logprobs is not None else None)
+        # prompt logprobs of positions 1.. computed so far (the prompt is never taken from the prefix cache)
+        self.prompt_logprobs: list[tuple[list[int], list[float], int]] | None = (
+            [] if sampling_params.prompt_logprobs is not None else None)
+        self.num_prompt_logprobs_sent = 0  # of them, already in an output
+        self.num_logprobs_sent = 0
+        # n > 1: the parent's id and this completion's index (the engine's id is child_request_id's)
+        self.parent_id: str = request_id
+        self.index = 0
+        # its sampling reads its own tokens (penalties, bad words of several tokens): it is scheduled only
+        # when all of them are known (never with an input token still being sampled)
+        self.needs_known_history = sampling_params.has_penalties or any(
+            len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ()))
+        self._token_buffer = None  # all_token_ids as int32, grown on demand (penalties' history)
 
     @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
+
+    @property
+    def skips_prefix_cache(self) -> bool:
+        """Prompt logprobs need every prompt position's logits: the prompt is computed, never looked up
+        (vLLM does the same)."""
+        return self.prompt_logprobs is not None
+
+    def token_array(self):
+        """``all_token_ids`` as an ``int32`` NumPy array (a view of a buffer extended as tokens arrive)."""
+        import numpy as np
+        n = len(self.all_token_ids)
+        buf = self._token_buffer
+        if buf is None or len(buf[0]) < n:
+            arr = np.zeros(max(64, 2 * n), np.int32)
+            arr[:n] = self.all_token_ids
+            self._token_buffer = buf = [arr, n]
+        elif buf[1] < n:
+            buf[0][buf[1]:n] = self.all_token_ids[buf[1]:n]
+            buf[1] = n
+        elif buf[1] > n:  # tokens were taken back (not expected): rebuild
+            buf[0][:n] = self.all_token_ids
+            buf[1] = n
+        return buf[0][:n]
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -219,7 +219,9 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            if req.remaining_tokens <= 0:  # only waits for its last (dispatched) token
+            if req.remaining_tokens <= 0 or (req.needs_known_history and req.num_output_placeholders):
+                # only waits for its last (dispatched) token; or its sampling reads its own tokens, the last
+                # of which is still being sampled: it runs once that token is back
                 i += 1
                 continue
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
@@ -316,6 +318,8 @@ class Scheduler:
         live = [r for r in self.running if r.remaining_tokens > 0]
         if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
+        if any(r.needs_known_history and r.num_output_placeholders for r in live):
+            return None  # such a request waits for its token: a mixed step runs the others
         remaining = [r.remaining_tokens for r in live]
         if not self.waiting and not self.loading:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
@@ -389,21 +393,21 @@ class Scheduler:
 
     @staticmethod
     def _append(req: Request, tokens: list[int]) -> list[int]:
-        """vLLM ``check_stop`` over one row's sampled ``tokens``, in order: a stop token (counted only once
-        ``min_tokens`` are generated; not kept, per jaxkv's contract) ends the request, then the length
-        cap. Appends the kept tokens (one list extend; the per-token scan runs only when a token could
-        stop it) and returns them."""
+        """vLLM ``check_stop`` over one row's sampled ``tokens``, in order: a stop token or EOS (counted only
+        once ``min_tokens`` are generated; kept as the request's last token, as vLLM keeps it) ends the
+        request, then the length cap. Appends the kept tokens (one list extend; the per-token scan runs only
+        when a token could stop it) and returns them."""
         room = req.max_tokens - req.num_output_tokens
         stop_at = None
         if not req.stop_ids_for_min_tokens.isdisjoint(tokens):
-            first_counted = req.sampling_params.min_tokens - req.num_output_tokens
+            first_counted = req.sampling_params.min_tokens - req.num_output_tokens - 1  # vLLM: once num_output >= min
             stop_at = next((i for i, t in enumerate(tokens)
                             if i >= first_counted and t in req.stop_ids_for_min_tokens), None)
-        if stop_at is not None and stop_at < room:  # reached before the length cap
-            kept = tokens[:stop_at]
+        if stop_at is not None and stop_at < room - 1:  # before the length cap (vLLM checks the length first)
+            kept = tokens[:stop_at + 1]
             token = tokens[stop_at]
             req.status = RequestStatus.FINISHED_STOPPED
-            req.stop_reason = token if token in req.stop_token_ids else None  # EOS: no stop reason
+            req.stop_reason = None if token in req.eos_token_ids else token  # EOS (checked first, as vLLM): none
         else:
             kept = tokens[:room]
             if len(kept) == room:

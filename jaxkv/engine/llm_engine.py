@@ -30,9 +30,9 @@ from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
-from jaxkv.engine.protocol import EngineCoreOutput
+from jaxkv.engine.protocol import EngineCoreOutput, LogprobsLists, child_request_id
 from jaxkv.kv_cache.specs import SlidingWindowSpec
-from jaxkv.outputs import CompletionOutput, RequestOutput
+from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
 from jaxkv.worker.model_runner import ModelFn, ModelRunner
@@ -129,20 +129,47 @@ class EngineStats:
         return self.decode_tokens / self.decode_s if self.decode_s > 0 else float("nan")
 
 
-# SamplingParams fields the engine does not implement yet: refused with a clear error, never ignored
-_NOT_YET = {"n": lambda p: p.n != 1, "logprobs": lambda p: p.logprobs is not None,
-            "prompt_logprobs": lambda p: p.prompt_logprobs is not None,
-            "presence_penalty": lambda p: p.presence_penalty != 0, "frequency_penalty": lambda p: p.frequency_penalty != 0,
-            "repetition_penalty": lambda p: p.repetition_penalty != 1, "min_p": lambda p: p.min_p != 0,
-            "logit_bias": lambda p: p.logit_bias is not None, "allowed_token_ids": lambda p: p.allowed_token_ids is not None,
-            "bad_words": lambda p: bool(p.bad_words) or p.bad_words_token_ids is not None,
-            "structured_outputs": lambda p: p.structured_outputs is not None}
+def _check_params(request_id: str, params: SamplingParams, *, vocab_size: int | None, max_logprobs: int) -> None:
+    """What :class:`SamplingParams` cannot check alone: token ids against the vocabulary, logprobs against
+    ``max_logprobs``, fields this engine does not implement (refused, never ignored).
+
+    Raises:
+        ValueError: naming the request, the field and the value.
+    """
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= max_logprobs:
+            raise ValueError(f"request_id={request_id!r}: {name}={k} must be in [0, max_logprobs={max_logprobs}]")
+    if params.bad_words and params.bad_words_token_ids is None:
+        raise ValueError(f"request_id={request_id!r}: bad_words={params.bad_words!r} need their token ids "
+                         "(SamplingParams.with_bad_words_tokenized: the engine has no tokenizer)")
+    if params.structured_outputs is not None:
+        raise ValueError(f"request_id={request_id!r}: structured_outputs is not supported by this engine yet")
+    if vocab_size is None:
+        return
+    for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
+                      ("stop_token_ids", params.stop_token_ids),
+                      ("bad_words", [t for seq in params.bad_words_token_ids or () for t in seq])):
+        bad = [t for t in ids if t >= vocab_size]
+        if bad:
+            raise ValueError(f"request_id={request_id!r}: {name} has token ids {bad[:4]} outside the vocabulary "
+                             f"[0, {vocab_size})")
 
 
-def _check_supported(params: SamplingParams) -> None:
-    for name, used in _NOT_YET.items():
-        if used(params):
-            raise ValueError(f"{name}={getattr(params, name)!r} is not supported by this engine yet")
+def _lists(entries) -> LogprobsLists | None:
+    return None if not entries else LogprobsLists([e[0] for e in entries], [e[1] for e in entries],
+                                                  [e[2] for e in entries])
+
+
+def _dicts(entries) -> list[dict[int, Logprob]]:
+    """Logprob entries ``(ids, logprobs, rank)`` as vLLM's ``{token_id: Logprob}`` (chosen token first)."""
+    out = []
+    for ids, lps, rank in entries:
+        d = {ids[0]: Logprob(lps[0], rank)}
+        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            d.setdefault(tok, Logprob(lp, r))
+        out.append(d)
+    return out
 
 
 class LLMEngine:
@@ -189,6 +216,9 @@ class LLMEngine:
             preempted request's blocks are copied to the host tier and back when it resumes, without
             recomputing; when the tier is full it recomputes, counted in
             ``stats.num_swap_recompute_fallbacks``). ``"swap"`` needs ``kv_offloading_size``.
+        vocab_size: the model's vocabulary: token ids of requests (``logit_bias``, ``allowed_token_ids``,
+            stop tokens, bad words) are checked against it (``None``: not checked).
+        max_logprobs: most ``logprobs`` / ``prompt_logprobs`` per token a request may ask for (vLLM's).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -203,7 +233,8 @@ class LLMEngine:
                  max_admission_delay_steps: int = 0, async_scheduling: bool = False, seed: int = 0,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
                  check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
-                 kv_offloading_size: float | None = None, preemption_mode: str = "recompute"):
+                 kv_offloading_size: float | None = None, preemption_mode: str = "recompute",
+                 vocab_size: int | None = None, max_logprobs: int = 20):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -225,7 +256,9 @@ class LLMEngine:
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
                                   check_kernel_inputs=check_kernel_inputs,
-                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1)
+                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1, max_logprobs=max_logprobs)
+        self.vocab_size = vocab_size
+        self.max_logprobs = max_logprobs
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
@@ -253,6 +286,11 @@ class LLMEngine:
         self._busy_until = None
         self._requests: dict[str, Request] = {}
         self._aborted: list[Request] = []
+        # n > 1: each parent's completions (by index), those waiting for the first one's prompt to be
+        # computed (they then take its blocks from the prefix cache), and finished ones of final_only parents
+        self._children: dict[str, list[Request]] = {}
+        self._held: dict[str, list[Request]] = {}
+        self._done_children: dict[str, dict[int, Request]] = {}
         self._arrivals = 0
         self._seed_rng = np.random.default_rng(seed)
         self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
@@ -356,8 +394,8 @@ class LLMEngine:
         """
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params={sampling_params!r} is not a SamplingParams")
-        _check_supported(sampling_params)
-        if request_id in self._requests:
+        _check_params(request_id, sampling_params, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
+        if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id={request_id!r} is already running or waiting")
         prompt = [int(t) for t in prompt_token_ids]
         if not prompt:
@@ -365,11 +403,20 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"request_id={request_id!r}: the prompt has {len(prompt)} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
+        n = sampling_params.n
         seed = sampling_params.seed
         if seed is None:
             seed = int(self._seed_rng.integers(0, 2 ** 32))
-        req = Request(request_id, prompt, sampling_params, arrival_index=self._arrivals, seed=seed,
-                      max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+        reqs = []
+        for i in range(n):
+            # completion i: seed + i; only the first computes the prompt's logprobs (the others share its blocks)
+            params = sampling_params if i == 0 else sampling_params.replace(prompt_logprobs=None)
+            rid = request_id if n == 1 else child_request_id(request_id, i)
+            req = Request(rid, prompt, params, arrival_index=self._arrivals, seed=seed + i,
+                          max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+            req.parent_id, req.index, req.final_only = request_id, i, final_only
+            reqs.append(req)
+        req = reqs[0]
         longest = req.num_prompt_tokens + req.max_tokens
         need = self.kv_cache_manager.max_num_blocks(longest, self.config.max_num_batched_tokens)
         if need > self.kv_cache_manager.num_blocks:
@@ -379,10 +426,24 @@ class LLMEngine:
             raise ValueError(f"request_id={request_id!r}: {len(req.stop_ids_for_min_tokens)} EOS/stop token "
                              f"ids with min_tokens > 0; max_num_stop_token_ids="
                              f"{self.runner.max_num_stop_token_ids}")
-        req.final_only = final_only
         self._arrivals += 1
-        self._requests[request_id] = req
+        for r in reqs:
+            self._requests[r.request_id] = r
         self.scheduler.add_request(req)
+        if n > 1:
+            self._children[request_id] = reqs
+            self._held[request_id] = reqs[1:]
+
+    def _release_held(self) -> None:
+        """Completions 1.. of an ``n > 1`` request join the queue once the first one's prompt is computed (its
+        full blocks are in the prefix cache then: they compute only the prompt's last partial block)."""
+        for parent, held in list(self._held.items()):
+            first = self._children[parent][0]
+            if first.num_output_tokens or first.is_finished:
+                for req in held:
+                    if not req.is_finished:
+                        self.scheduler.add_request(req)
+                del self._held[parent]
 
     def add_requests(self, requests: Iterable[tuple[str, list[int], SamplingParams, bool]]) -> None:
         """Queue ``(request_id, prompt_token_ids, sampling_params, final_only)`` requests: all or none.
@@ -407,20 +468,21 @@ class LLMEngine:
         output (``finish_reason="abort"``) comes with the next :meth:`step`."""
         ids = [request_id] if isinstance(request_id, str) else list(request_id)
         for rid in ids:
-            req = self._requests.pop(rid, None)
-            if req is None:
-                continue
-            self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-            req.new_token_ids = []
-            self._aborted.append(req)
+            for req in ([c for c in self._children[rid]] if rid in self._children else [self._requests.get(rid)]):
+                if req is None or self._requests.pop(req.request_id, None) is None:
+                    continue
+                self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                req.new_token_ids = []
+                self._aborted.append(req)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting, loading or running, a dispatched step not fetched, or a cancelled load that has
         not read its host blocks yet (steps release them)."""
-        return self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._loads)
+        return (self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._loads)
+                or bool(self._held))
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests()
+        return self.scheduler.get_num_unfinished_requests() + sum(map(len, self._held.values()))
 
     # -- the loop ---------------------------------------------------------------------------------------
     def step(self, *, final_only: bool = False) -> list[RequestOutput]:
@@ -438,22 +500,51 @@ class LLMEngine:
             A :class:`RequestOutput` for every request that got tokens or finished (aborts included).
         """
         aborted, touched = self.step_requests()
-        return [self._output(r) for r in aborted + touched if r.is_finished or not final_only]
+        outs = []
+        for req in aborted + touched:
+            if req.parent_id == req.request_id:  # n == 1
+                if req.is_finished or not final_only:
+                    outs.append(self._output([req]))
+            elif not final_only:
+                outs.append(self._output([req]))
+            elif req.is_finished:  # n > 1, final only: once every completion finished
+                done = self._done_children.setdefault(req.parent_id, {})
+                done[req.index] = req
+                if len(done) == len(self._children[req.parent_id]):
+                    del self._done_children[req.parent_id]
+                    del self._children[req.parent_id]
+                    outs.append(self._output([done[i] for i in sorted(done)]))
+        for req in aborted + touched:  # streamed n > 1 parents: forgotten once every completion finished
+            children = self._children.get(req.parent_id)
+            if children is not None and not final_only and all(c.is_finished for c in children):
+                del self._children[req.parent_id]
+        return outs
 
     def step_core_outputs(self) -> list[EngineCoreOutput]:
-        """:meth:`step` as an engine-core process sends it: only token ids, one
-        :class:`EngineCoreOutput` per request that got tokens or finished; a request added with
-        ``final_only`` appears once, when it finishes, with all its tokens."""
+        """:meth:`step` as an engine-core process sends it: only token ids (and logprobs), one
+        :class:`EngineCoreOutput` per completion that got tokens or finished; a request added with
+        ``final_only`` appears once per completion, when it finishes, with all its tokens."""
         aborted, touched = self.step_requests()
         outs = []
         for req in aborted + touched:
             finished = req.is_finished
             if req.final_only and not finished:
                 continue
+            new = list(req.output_token_ids) if req.final_only else req.new_token_ids
+            new_lp = None
+            if req.logprobs is not None:
+                start = 0 if req.final_only else req.num_logprobs_sent
+                new_lp = _lists(req.logprobs[start:])
+                req.num_logprobs_sent = len(req.logprobs)
+            new_plp = None
+            if req.prompt_logprobs is not None and req.num_prompt_logprobs_sent < len(req.prompt_logprobs):
+                new_plp = _lists(req.prompt_logprobs[req.num_prompt_logprobs_sent:])
+                req.num_prompt_logprobs_sent = len(req.prompt_logprobs)
             outs.append(EngineCoreOutput(
-                req.request_id, list(req.output_token_ids) if req.final_only else req.new_token_ids,
-                RequestStatus.get_finished_reason(req.status) if finished else None, req.stop_reason,
-                req.num_cached_prompt_tokens or 0))
+                req.parent_id, new, RequestStatus.get_finished_reason(req.status) if finished else None,
+                req.stop_reason, req.num_cached_prompt_tokens or 0, None, req.index, new_lp, new_plp))
+            if finished and req.parent_id in self._children and all(c.is_finished for c in self._children[req.parent_id]):
+                del self._children[req.parent_id]
         return outs
 
     def step_requests(self) -> tuple[list[Request], list[Request]]:
@@ -495,6 +586,9 @@ class LLMEngine:
         t_wait = time.perf_counter()
         tokens = np.asarray(result.tokens)  # the one blocking wait per step
         logits = None if result.logits is None else np.asarray(result.logits)
+        logprobs = None if result.logprobs is None else {k: np.asarray(v) for k, v in result.logprobs.items()}
+        if result.prompt_logprobs is not None:
+            self._record_prompt_logprobs(sched, {k: np.asarray(v) for k, v in result.prompt_logprobs.items()})
         t_back = time.perf_counter()
         self._busy_until = t_back  # the device was busy until this result came back
         if self.offloader is not None:
@@ -510,6 +604,10 @@ class LLMEngine:
             generated += got
             if logits is not None and got:
                 req.logits.extend(logits[:got, r] if loop else logits[r:r + 1])
+            if logprobs is not None and got and req.logprobs is not None:
+                self._record_logprobs(req, logprobs, r, got, loop)
+        if self._held:
+            self._release_held()
         c["steps"] += 1
         c["model_steps"] += max(1, loop)
         c["num_generated_tokens"] += generated
@@ -532,6 +630,32 @@ class LLMEngine:
             c["decode_steps"] += loop
             c["decode_tokens"] += generated
         return aborted, touched
+
+    @staticmethod
+    def _record_logprobs(req: Request, lp: dict, row: int, got: int, loop: int) -> None:
+        """Row ``row``'s first ``got`` sampled tokens' logprobs (top ``logprobs`` of the step's width)."""
+        k = req.sampling_params.logprobs
+        sel = (slice(0, got), row) if loop else (slice(row, row + 1),)
+        chosen, rank = lp["logprob"][sel].tolist(), lp["rank"][sel].tolist()
+        ids = lp["top_ids"][sel][:, :k].tolist() if k else [[] for _ in chosen]
+        lps = lp["top_logprobs"][sel][:, :k].tolist() if k else [[] for _ in chosen]
+        tokens = req.output_token_ids[len(req.output_token_ids) - got:]
+        req.logprobs.extend(([tok, *i], [c, *v], rk) for tok, i, v, c, rk in zip(tokens, ids, lps, chosen, rank))
+
+    @staticmethod
+    def _record_prompt_logprobs(sched, lp: dict) -> None:
+        """The prompt logprobs a mixed step computed, appended to each request in position order."""
+        at = 0
+        for req, first, count in getattr(sched, "plp_rows", ()):
+            if req.prompt_logprobs is not None and len(req.prompt_logprobs) == first:
+                k = req.sampling_params.prompt_logprobs
+                sel = slice(at, at + count)
+                targets = req.prompt_token_ids[first + 1:first + 1 + count]
+                ids = lp["top_ids"][sel, :k].tolist() if k else [[]] * count
+                lps = lp["top_logprobs"][sel, :k].tolist() if k else [[]] * count
+                req.prompt_logprobs.extend(([tok, *i], [c, *v], rk) for tok, i, v, c, rk in zip(
+                    targets, ids, lps, lp["logprob"][sel].tolist(), lp["rank"][sel].tolist()))
+            at += count
 
     def _copy_blocks(self, sched) -> None:
         """The host tier's copies a schedule asked for, before its step (and after every step dispatched
@@ -583,14 +707,26 @@ class LLMEngine:
             return self.runner.execute_decode(sched, src_rows, prev_tokens)
         return self.runner.execute_mixed(sched, src_rows, prev_tokens)
 
-    def _output(self, req: Request) -> RequestOutput:
-        finished = req.is_finished
-        completion = CompletionOutput(
-            index=0, token_ids=list(req.output_token_ids), new_token_ids=list(req.new_token_ids),
-            finish_reason=RequestStatus.get_finished_reason(req.status), stop_reason=req.stop_reason,
-            logits=np.stack(req.logits) if finished and req.logits else None)
-        return RequestOutput(request_id=req.request_id, prompt_token_ids=req.prompt_token_ids,
-                             outputs=[completion], finished=finished,
+    def _output(self, reqs: list[Request]) -> RequestOutput:
+        """The :class:`RequestOutput` of one request's completions ``reqs`` (one, or all ``n`` once finished)."""
+        completions = []
+        for req in reqs:
+            finished = req.is_finished
+            lp = None if req.logprobs is None else _dicts(req.logprobs)
+            completions.append(CompletionOutput(
+                index=req.index, token_ids=list(req.output_token_ids), new_token_ids=list(req.new_token_ids),
+                finish_reason=RequestStatus.get_finished_reason(req.status), stop_reason=req.stop_reason,
+                logprobs=lp, cumulative_logprob=None if lp is None else float(sum(e[1][0] for e in req.logprobs)),
+                logits=np.stack(req.logits) if finished and req.logits else None))
+        first = next((r for r in reqs if r.prompt_logprobs is not None), None)
+        if first is None and reqs[0].parent_id in self._children:
+            first = self._children[reqs[0].parent_id][0]
+        prompt_lp = None
+        if first is not None and first.prompt_logprobs is not None:
+            prompt_lp = [None, *_dicts(first.prompt_logprobs)]
+        req = reqs[0]
+        return RequestOutput(request_id=req.parent_id, prompt_token_ids=req.prompt_token_ids, outputs=completions,
+                             finished=all(r.is_finished for r in reqs), prompt_logprobs=prompt_lp,
                              num_cached_tokens=req.num_cached_prompt_tokens or 0)
 
     # -- convenience -----------------------------------------------------------------------------------

@@ -46,7 +46,8 @@ from jaxkv.checks import checked, checks_are_enabled, raise_if_error
 from jaxkv.core.request import Request
 from jaxkv.kv_cache.slot_mapping import slot_mapping_from_positions
 from jaxkv.worker.executable_cache import program_devices
-from jaxkv.worker.sampler import SamplingArrays, needs_top_k_top_p, sample_tokens_per_row
+from jaxkv.worker.sampler import (SamplerFeatures, SamplingArrays, needs_top_k_top_p, raw_logprobs,
+                                  sample_with_features, token_counts)
 
 ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
 
@@ -131,18 +132,26 @@ def _unpack(ints: jax.Array, floats: jax.Array, layout: tuple) -> dict[str, jax.
     return out
 
 
-def _sampling_dict(sampling: SamplingArrays) -> dict[str, np.ndarray]:
-    return {f"sampling.{name}": getattr(sampling, name) for name in _SAMPLING_FIELDS}
+def _sampling_dict(sampling: SamplingArrays, extras: dict | None = None) -> dict[str, np.ndarray]:
+    out = {f"sampling.{name}": getattr(sampling, name) for name in _SAMPLING_FIELDS}
+    out.update({f"extra.{name}": a for name, a in (extras or {}).items()})
+    return out
 
 
-def _filters(sampling: SamplingArrays) -> bool:
-    """The static top-k/top-p flag of a step, from its host (NumPy) sampling arrays."""
-    return needs_top_k_top_p(sampling.temperature, sampling.top_p, sampling.top_k)
-
-
-def _split_sampling(arrays: dict) -> tuple[dict, SamplingArrays]:
+def _split_sampling(arrays: dict) -> tuple[dict, SamplingArrays, dict]:
     sampling = SamplingArrays(**{name: arrays.pop(f"sampling.{name}") for name in _SAMPLING_FIELDS})
-    return arrays, sampling
+    extras = {k[len("extra."):]: arrays.pop(k) for k in [k for k in arrays if k.startswith("extra.")]}
+    return arrays, sampling, extras
+
+
+def _pow2_at_least(n: int, low: int = 16) -> int:
+    return max(low, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _logprobs_width(k: int, max_logprobs: int) -> int:
+    """The static top-k width of a step whose rows ask for at most ``k`` (0: the sampled token only):
+    a power of two capped at ``max_logprobs``, so few widths compile."""
+    return 0 if k <= 0 else min(max_logprobs, _pow2_at_least(k, 1))
 
 
 def _check_fed_tokens(input_ids, positions) -> None:
@@ -220,12 +229,16 @@ class _LowerOnly:
 @dataclasses.dataclass
 class StepResult:
     """Device results of one call (not yet fetched): ``tokens`` ``int32[R]`` (mixed) or
-    ``int32[max_steps, R]`` (decode loop), optional logits of the same leading shape, and ``last``
-    ``int32[largest request bucket]``: each row's last sampled token (what the next step may read)."""
+    ``int32[max_steps, R]`` (decode loop), optional logits of the same leading shape, ``last``
+    ``int32[largest request bucket]``: each row's last sampled token (what the next step may read); with
+    logprobs, :func:`jaxkv.worker.sampler.raw_logprobs`' dict of the sampled tokens (same leading shape as
+    ``tokens``); with prompt logprobs, the same dict over the step's ``plp_indices``."""
 
     tokens: jax.Array
     logits: jax.Array | None
     last: jax.Array
+    logprobs: dict | None = None
+    prompt_logprobs: dict | None = None
 
 
 class ModelRunner:
@@ -241,6 +254,8 @@ class ModelRunner:
             engine's limits.
         max_num_stop_token_ids: width of the per-row stop-id table used to mask stop tokens before
             ``min_tokens``.
+        max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
+            ``max_logprobs``).
         return_logits: also return the logits of every sampled token (tests, accuracy scripts).
         num_kv_cache_groups: KV-cache groups of the model; with more than one, block tables are
             ``int32[num_kv_cache_groups, R, max_num_blocks_per_seq]`` (from ``Request.group_block_ids``) and
@@ -257,7 +272,7 @@ class ModelRunner:
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
-                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1):
+                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1, max_logprobs: int = 20):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -277,6 +292,7 @@ class ModelRunner:
         self.num_kv_cache_groups = num_kv_cache_groups
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_stop_token_ids = max_num_stop_token_ids
+        self.max_logprobs = max_logprobs
         self.return_logits = return_logits
         # decode loops run at least 2 rows: with one row XLA:GPU rewrites the small projections (an 8B's k and v:
         # 1 x 4096 x 1024) as a multiply that writes the whole weight-sized product and a column reduction; a
@@ -294,9 +310,9 @@ class ModelRunner:
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         wrap = checked if check_kernel_inputs else (lambda fn: fn)
         self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1,),
-                              static_argnames=("layout", "max_query_len", "top_k_top_p"))
+                              static_argnames=("layout", "max_query_len", "features", "prompt_logprobs"))
         self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1,),
-                               static_argnames=("layout", "top_k_top_p"))
+                               static_argnames=("layout", "features"))
         if check_kernel_inputs:
             self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
         self._checked = check_kernel_inputs
@@ -315,27 +331,55 @@ class ModelRunner:
     def _slot_mapping(self, block_tables, seq_ids, positions):
         return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
 
-    def _sample(self, logits, sampling: SamplingArrays, top_k_top_p: bool):
-        return sample_tokens_per_row(logits, sampling, top_k_top_p=top_k_top_p)
-
     def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, *, layout, max_query_len,
-                           top_k_top_p):
-        inputs, sampling = _split_sampling(_unpack(ints, floats, layout))
-        return self._mixed_step(params, kv_caches, inputs, sampling, prev_tokens, max_query_len=max_query_len,
-                                top_k_top_p=top_k_top_p)
+                           features, prompt_logprobs):
+        inputs, sampling, extras = _split_sampling(_unpack(ints, floats, layout))
+        return self._mixed_step(params, kv_caches, inputs, sampling, extras, prev_tokens,
+                                max_query_len=max_query_len, features=features, prompt_logprobs=prompt_logprobs)
 
-    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, *, layout, top_k_top_p):
-        a, sampling = _split_sampling(_unpack(ints, floats, layout))
+    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, *, layout, features):
+        a, sampling, extras = _split_sampling(_unpack(ints, floats, layout))
         return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
-                                 a["steps"], a["block_tables"], sampling, top_k_top_p=top_k_top_p)
+                                 a["steps"], a["block_tables"], sampling, extras, features=features)
 
-    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, prev_tokens, *,
-                    max_query_len, top_k_top_p):
+    @staticmethod
+    def _bad_tokens(extras: dict, tail: jax.Array) -> jax.Array:
+        """``int32[R, NB]``: each bad word's last token where the row's last tokens (``tail``
+        ``int32[R, M - 1]``, right-aligned, ``-1`` unknown) end with the word's other tokens, else ``-1``.
+        ``extras["bad_seqs"]``: ``int32[R, NB, M]`` words left-padded with ``-1`` (a one-token word always
+        matches)."""
+        seqs = extras["bad_seqs"]
+        prefix = seqs[:, :, :-1]
+        match = jnp.all((prefix < 0) | (prefix == tail[:, None, :]), axis=-1) & (seqs[:, :, -1] >= 0)
+        return jnp.where(match, seqs[:, :, -1], -1)
+
+    def _sample(self, logits, sampling: SamplingArrays, extras: dict, features: SamplerFeatures, *,
+                counts=None, prompt_mask=None, tail=None):
+        if features.bad_words:
+            extras = dict(extras, bad_ids=self._bad_tokens(extras, tail))
+        return sample_with_features(logits, sampling, extras, features, output_counts=counts,
+                                    prompt_mask=prompt_mask)
+
+    @staticmethod
+    def _history(extras: dict, vocab: int):
+        """Penalties' counts of each row's generated tokens and mask of its prompt's, from ``extras``'
+        ``history`` ``int32[R, H]`` (all its known tokens, ``-1`` padded) and ``prompt_lens`` ``int32[R]``."""
+        hist, plen = extras["history"], extras["prompt_lens"]
+        col = jnp.arange(hist.shape[1])[None, :]
+        counts = token_counts(jnp.where(col >= plen[:, None], hist, -1), vocab)
+        prompt_mask = token_counts(jnp.where(col < plen[:, None], hist, -1), vocab) > 0
+        return counts, prompt_mask
+
+    def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, extras: dict, prev_tokens,
+                    *, max_query_len, features: SamplerFeatures, prompt_logprobs: int):
         """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
         padding token; ``src_rows >= 0``: the id is ``prev_tokens[src_rows]``, a token the previous step
         sampled), ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
-        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``; ``prev_tokens``
-        ``int32[R]``. Returns the sampled ``int32[R]`` (also the next step's ``prev_tokens``)."""
+        ``int32[R, max_num_blocks_per_seq]``, ``logits_indices`` ``int32[R]``; with ``prompt_logprobs >= 0``
+        also ``plp_indices`` / ``plp_targets`` ``int32[Q]``: token slots whose next prompt token's logprob
+        is wanted (``-1`` padding) and that token; ``prev_tokens`` ``int32[R]``. Returns the sampled
+        ``int32[R]`` (also the next step's ``prev_tokens``), the sampled tokens' logprobs, the prompt
+        logprobs, the logits (``return_logits``) and the caches."""
         self.num_compiles += 1
         src = inputs["src_rows"]
         input_ids = jnp.where(src >= 0, prev_tokens[jnp.maximum(src, 0)], inputs["input_ids"])
@@ -346,17 +390,32 @@ class ModelRunner:
             seq_lens=inputs["seq_lens"], block_tables=block_tables,
             query_start_loc=inputs["query_start_loc"], max_query_len=max_query_len,
             max_seq_len=block_tables.shape[1] * self.block_size))
-        logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches,
-                                          metadata, inputs["logits_indices"])
-        tokens = self._sample(logits, sampling, top_k_top_p)
-        return tokens, (logits if self.return_logits else None), kv_caches
+        indices = inputs["logits_indices"]
+        num_rows = indices.shape[0]
+        if prompt_logprobs >= 0:
+            indices = jnp.concatenate([indices, jnp.maximum(inputs["plp_indices"], 0)])
+        logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches, metadata, indices)
+        plp = None
+        if prompt_logprobs >= 0:
+            logits, plp_logits = logits[:num_rows], logits[num_rows:]
+            plp = raw_logprobs(plp_logits, inputs["plp_targets"], prompt_logprobs)
+        counts = prompt_mask = tail = None
+        if features.penalties:
+            counts, prompt_mask = self._history(extras, logits.shape[-1])
+        if features.bad_words:
+            tail = extras["bad_tail"]
+        tokens, logprobs = self._sample(logits, sampling, extras, features, counts=counts, prompt_mask=prompt_mask,
+                                        tail=tail)
+        return tokens, logprobs, plp, (logits if self.return_logits else None), kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, *, top_k_top_p):
+                     sampling: SamplingArrays, extras: dict, *, features: SamplerFeatures):
         """Runs ``num_scheduler_steps`` steps; row ``r`` decodes in the first ``steps[r]`` and writes
         nothing after them (every iteration computes: no ``lax.cond``, see the module docstring).
         Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
-        token padded to ``prev_len`` (the next step's ``prev_tokens``), the caches."""
+        token padded to ``prev_len`` (the next step's ``prev_tokens``), the sampled tokens' logprobs
+        (stacked by step), the logits (``return_logits``), the caches. Penalty counts and bad-word tails
+        follow the tokens sampled inside the loop."""
         self.num_compiles += 1
         tokens = jnp.where(src_rows >= 0, prev_tokens[jnp.maximum(src_rows, 0)], tokens)
         num_reqs = tokens.shape[0]
@@ -369,25 +428,38 @@ class ModelRunner:
                 query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
                 max_seq_len=table.shape[1] * self.block_size))
 
+        counts = prompt_mask = tail = jnp.zeros((), jnp.int32)  # placeholders in the carry when unused
+        if features.penalties:
+            vocab = jax.eval_shape(self.model_fn, params, tokens, positions, kv_caches, metadata_for(positions),
+                                   rows)[0].shape[-1]
+            counts, prompt_mask = self._history(extras, vocab)
+        if features.bad_words:
+            tail = extras["bad_tail"]
+
         def run(i, carry):
-            toks, pos, gen, caches = carry
+            toks, pos, gen, counts, tail, caches = carry
             active = i < steps
             fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
             _check_fed_tokens(toks, fed)
-            logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed),
-                                           rows)
-            new = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), top_k_top_p)
+            logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed), rows)
+            new, logprobs = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), extras, features,
+                                         counts=counts if features.penalties else None,
+                                         prompt_mask=prompt_mask if features.penalties else None, tail=tail)
             new = jnp.where(active, new, -1)
             step = active.astype(jnp.int32)
-            return ((jnp.where(active, new, toks), pos + step, gen + step, caches),
-                    (new, logits if self.return_logits else None))
+            if features.penalties:
+                counts = counts.at[rows, jnp.where(active, new, counts.shape[-1])].add(1, mode="drop")
+            if features.bad_words:
+                tail = jnp.where(active[:, None], jnp.concatenate([tail[:, 1:], new[:, None]], axis=1), tail)
+            return ((jnp.where(active, new, toks), pos + step, gen + step, counts, tail, caches),
+                    (new, logprobs, logits if self.return_logits else None))
 
-        carry0 = (tokens, positions, sampling.gen_idx, kv_caches)
-        (_, _, _, kv_caches), (out_tokens, out_logits) = lax.scan(
+        carry0 = (tokens, positions, sampling.gen_idx, counts, tail, kv_caches)
+        (_, _, _, _, _, kv_caches), (out_tokens, out_logprobs, out_logits) = lax.scan(
             lambda carry, i: run(i, carry), carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
         last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
-        return out_tokens, last, out_logits, kv_caches
+        return out_tokens, last, out_logprobs, out_logits, kv_caches
 
     # -- host side ------------------------------------------------------------------------------------
     def _block_table(self, reqs: list[Request], num_rows: int) -> np.ndarray:
@@ -409,9 +481,10 @@ class ModelRunner:
         return np.zeros((*lead, num_rows, self.max_num_blocks_per_seq), np.int32)
 
     def _sampling_arrays(self, reqs: list[Request], num_rows: int, gen_idx_rows=(), *,
-                         top_k_top_p: bool = False) -> SamplingArrays:
-        """Host (NumPy) per-row sampling parameters; sent with the step's other inputs in one transfer.
-        ``top_k_top_p`` (warm-up): padding rows that select the filtering program."""
+                         top_k_top_p: bool = False) -> tuple[SamplingArrays, dict, SamplerFeatures]:
+        """Host (NumPy) per-row sampling parameters, the extras the rows' options need and the step's static
+        :class:`SamplerFeatures`; sent with the step's other inputs in one transfer. ``top_k_top_p``
+        (warm-up): padding rows that select the filtering program."""
         temperature = np.zeros(num_rows, np.float32)
         top_p = np.ones(num_rows, np.float32)
         if top_k_top_p:
@@ -423,8 +496,8 @@ class ModelRunner:
         min_tokens = np.zeros(num_rows, np.int32)
         stop_ids = np.full((num_rows, self.max_num_stop_token_ids), -1, np.int32)
         n = len(reqs)
+        sps = [r.sampling_params for r in reqs]
         if n:
-            sps = [r.sampling_params for r in reqs]
             temperature[:n] = [sp.temperature for sp in sps]
             top_p[:n] = [sp.top_p for sp in sps]
             top_k[:n] = [sp.top_k for sp in sps]
@@ -435,7 +508,66 @@ class ModelRunner:
                     min_tokens[r] = req.sampling_params.min_tokens
                     ids = sorted(req.stop_ids_for_min_tokens)
                     stop_ids[r, :len(ids)] = ids
-        return SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
+        sampling = SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
+        extras: dict[str, np.ndarray] = {}
+        widths = [sp.logprobs for sp in sps if sp.logprobs is not None]
+        features = SamplerFeatures(
+            top_k_top_p=needs_top_k_top_p(temperature, top_p, top_k),
+            min_p=any(sp.min_p > 0 for sp in sps),
+            penalties=any(sp.has_penalties for sp in sps),
+            logit_bias=any(sp.logit_bias for sp in sps),
+            allowed=any(sp.allowed_token_ids for sp in sps),
+            bad_words=any(sp.bad_words_token_ids for sp in sps),
+            num_logprobs=_logprobs_width(max(widths), self.max_logprobs) if widths else -1)
+        if features.min_p:
+            extras["min_p"] = np.zeros(num_rows, np.float32)
+            extras["min_p"][:n] = [sp.min_p for sp in sps]
+        if features.penalties:
+            rows = [r for r, sp in enumerate(sps) if sp.has_penalties]
+            width = _pow2_at_least(max(reqs[r].num_tokens for r in rows), 64)
+            hist = np.full((num_rows, width), -1, np.int32)
+            plen = np.zeros(num_rows, np.int32)
+            presence = np.zeros(num_rows, np.float32)
+            frequency = np.zeros(num_rows, np.float32)
+            repetition = np.ones(num_rows, np.float32)
+            for r in rows:
+                req, sp = reqs[r], sps[r]
+                hist[r, :req.num_tokens] = req.token_array()
+                plen[r] = req.num_prompt_tokens
+                presence[r], frequency[r], repetition[r] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+            extras.update(history=hist, prompt_lens=plen, presence=presence, frequency=frequency, repetition=repetition)
+        if features.logit_bias:
+            width = _pow2_at_least(max(len(sp.logit_bias or ()) for sp in sps), 8)
+            ids = np.full((num_rows, width), -1, np.int32)
+            values = np.zeros((num_rows, width), np.float32)
+            for r, sp in enumerate(sps):
+                if sp.logit_bias:
+                    ids[r, :len(sp.logit_bias)] = list(sp.logit_bias)
+                    values[r, :len(sp.logit_bias)] = list(sp.logit_bias.values())
+            extras.update(bias_ids=ids, bias_values=values)
+        if features.allowed:
+            width = _pow2_at_least(max(len(sp.allowed_token_ids or ()) for sp in sps), 8)
+            ids = np.full((num_rows, width), -1, np.int32)
+            has = np.zeros(num_rows, np.int32)
+            for r, sp in enumerate(sps):
+                if sp.allowed_token_ids:
+                    ids[r, :len(sp.allowed_token_ids)] = sp.allowed_token_ids
+                    has[r] = 1
+            extras.update(allowed_ids=ids, has_allowed=has)
+        if features.bad_words:
+            words = [sp.bad_words_token_ids or () for sp in sps]
+            num = _pow2_at_least(max(len(w) for w in words), 4)
+            length = max(2, max(len(s) for w in words for s in w))
+            seqs = np.full((num_rows, num, length), -1, np.int32)
+            tail = np.full((num_rows, length - 1), -1, np.int32)
+            for r, w in enumerate(words):
+                for j, s in enumerate(w):
+                    seqs[r, j, length - len(s):] = s
+                if w:
+                    known = reqs[r].all_token_ids[-(length - 1):]
+                    tail[r, length - 1 - len(known):] = known
+            extras.update(bad_seqs=seqs, bad_tail=tail)
+        return sampling, extras, features
 
     def _prev(self, prev_tokens):
         """The previous step's last tokens (``int32[prev_len]``; all -1 when there is none). On a mesh
@@ -456,12 +588,17 @@ class ModelRunner:
         where ``sched.samples[r]``). ``src_rows[r] >= 0``: request ``r``'s input token is
         ``prev_tokens[src_rows[r]]`` (sampled by the previous, still running step)."""
         t = _bucket(sched.total_num_scheduled_tokens, self.token_buckets)
-        inputs, sampling = self.prepare_mixed(sched, src_rows, self.request_buckets[-1], t)
-        tokens, logits = self._run_mixed(inputs, sampling, prev_tokens, max_query_len=t)
-        return StepResult(tokens, logits, tokens)
+        inputs, sampling, extras, features, plp_k = self.prepare_mixed(sched, src_rows, self.request_buckets[-1], t)
+        tokens, logprobs, plp, logits = self._run_mixed(inputs, sampling, extras, features, prev_tokens,
+                                                         max_query_len=t, prompt_logprobs=plp_k)
+        return StepResult(tokens, logits, tokens, logprobs, plp)
 
-    def prepare_mixed(self, sched, src_rows, num_rows: int, t: int) -> tuple[dict, SamplingArrays]:
-        """Host (NumPy) inputs of a mixed step: ``num_rows`` rows, ``t`` token slots."""
+    def prepare_mixed(self, sched, src_rows, num_rows: int, t: int):
+        """Host (NumPy) inputs of a mixed step: ``num_rows`` rows, ``t`` token slots; returns ``(inputs,
+        sampling arrays, extras, features, prompt-logprobs width)`` (width ``-1``: no row wants prompt
+        logprobs). A row with ``prompt_logprobs`` gets, for every prompt position of its chunk whose next
+        token is a prompt token, that token's logprob (``plp_indices`` / ``plp_targets``), recorded in
+        ``sched``'s ``plp_rows`` as ``(request, first position, count)``."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         n = len(reqs)
@@ -490,18 +627,45 @@ class ModelRunner:
         last[:n] = qsl[1:n + 1] - 1
         inputs = dict(input_ids=ids, positions=pos, seq_ids=seq_ids, src_rows=src, seq_lens=seq_lens,
                       query_start_loc=qsl, block_tables=self._block_table(reqs, num_rows), logits_indices=last)
-        return inputs, self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+        plp_k = -1
+        sched.plp_rows = []
+        slots, targets = [], []
+        starts = qsl[:n] if n else []
+        for r, req in enumerate(reqs):
+            if req.prompt_logprobs is None:
+                continue
+            first = max(context[r], len(req.prompt_logprobs))  # positions already recorded are skipped
+            end = min(context[r] + q_lens[r], req.num_prompt_tokens - 1)  # position p predicts prompt token p+1
+            if end <= first:
+                continue
+            base = starts[r] - context[r]
+            slots.extend(range(base + first, base + end))
+            targets.extend(req.prompt_token_ids[first + 1:end + 1])
+            sched.plp_rows.append((req, first, end - first))
+            plp_k = max(plp_k, req.sampling_params.prompt_logprobs)
+        if plp_k >= 0:
+            q = _pow2_at_least(len(slots), 16)
+            inputs["plp_indices"] = np.full(q, -1, np.int32)
+            inputs["plp_indices"][:len(slots)] = slots
+            inputs["plp_targets"] = np.zeros(q, np.int32)
+            inputs["plp_targets"][:len(targets)] = targets
+            plp_k = _logprobs_width(plp_k, self.max_logprobs)
+        sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+        return inputs, sampling, extras, features, plp_k
 
-    def _run_mixed(self, inputs: dict, sampling: SamplingArrays, prev_tokens, *, max_query_len: int):
-        ints, floats, layout = _pack(inputs | _sampling_dict(sampling))
-        tokens, logits = self._dispatch("mixed", self._mixed, ints, floats, self._prev(prev_tokens), layout=layout,
-                                        max_query_len=max_query_len, top_k_top_p=_filters(sampling))
-        return tokens, logits
+    def _run_mixed(self, inputs: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
+                   prev_tokens, *, max_query_len: int, prompt_logprobs: int = -1):
+        ints, floats, layout = _pack(inputs | _sampling_dict(sampling, extras))
+        tokens, logprobs, plp, logits = self._dispatch(
+            "mixed", self._mixed, ints, floats, self._prev(prev_tokens), layout=layout, max_query_len=max_query_len,
+            features=features, prompt_logprobs=prompt_logprobs)
+        return tokens, logprobs, plp, logits
 
-    def _run_decode(self, arrays: dict, sampling: SamplingArrays, prev_tokens):
-        ints, floats, layout = _pack(arrays | _sampling_dict(sampling))
+    def _run_decode(self, arrays: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
+                    prev_tokens):
+        ints, floats, layout = _pack(arrays | _sampling_dict(sampling, extras))
         return self._dispatch("decode", self._decode, ints, floats, self._prev(prev_tokens), layout=layout,
-                              top_k_top_p=_filters(sampling))
+                              features=features)
 
     def _put_packed(self, ints: np.ndarray, floats: np.ndarray):
         """The packed host buffers on the device (one batched transfer)."""
@@ -592,14 +756,14 @@ class ModelRunner:
                           seq_lens=seq_lens, query_start_loc=qsl,
                           block_tables=self._empty_tables(num_rows),
                           logits_indices=np.zeros(num_rows, np.int32))
-            tokens, _ = self._run_mixed(inputs, self._sampling_arrays([], num_rows, top_k_top_p=top_k_top_p),
-                                        None, max_query_len=t)
+            tokens, *_ = self._run_mixed(inputs, *self._sampling_arrays([], num_rows, top_k_top_p=top_k_top_p),
+                                         None, max_query_len=t)
             jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             zeros = np.zeros(rows, np.int32)
             arrays = dict(tokens=zeros, src_rows=np.full(rows, -1, np.int32), positions=zeros, steps=zeros,
                           block_tables=self._empty_tables(rows))
-            out, _, _ = self._run_decode(arrays, self._sampling_arrays([], rows, top_k_top_p=top_k_top_p), None)
+            out, *_ = self._run_decode(arrays, *self._sampling_arrays([], rows, top_k_top_p=top_k_top_p), None)
             jax.block_until_ready(out)
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:
@@ -607,13 +771,13 @@ class ModelRunner:
         (its blocks for them allocated). ``tokens[i, r]`` is its token of step ``i`` (-1 once it stopped
         running). ``src_rows`` / ``prev_tokens``: as in :meth:`execute_mixed`."""
         num_rows = _bucket(len(sched.scheduled), self.request_buckets)
-        arrays, sampling = self.prepare_decode(sched, src_rows, num_rows)
-        out, last, logits = self._run_decode(arrays, sampling, prev_tokens)
-        return StepResult(out, logits, last)
+        arrays, sampling, extras, features = self.prepare_decode(sched, src_rows, num_rows)
+        out, last, logprobs, logits = self._run_decode(arrays, sampling, extras, features, prev_tokens)
+        return StepResult(out, logits, last, logprobs)
 
-    def prepare_decode(self, sched, src_rows, num_rows: int) -> tuple[dict, SamplingArrays]:
+    def prepare_decode(self, sched, src_rows, num_rows: int):
         """Host (NumPy) inputs of a decode loop over ``num_rows`` rows: ``tokens``, ``src_rows``,
-        ``positions``, ``steps``, ``block_tables``, and the sampling arrays."""
+        ``positions``, ``steps``, ``block_tables``; the sampling arrays, extras and features."""
         scheduled = sched.scheduled
         reqs = [r for r, _ in scheduled]
         tokens = np.zeros(num_rows, np.int32)
@@ -630,4 +794,4 @@ class ModelRunner:
         steps[:n] = [s for _, s in scheduled]
         arrays = dict(tokens=tokens, src_rows=src, positions=positions, steps=steps,
                       block_tables=self._block_table(reqs, num_rows))
-        return arrays, self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+        return (arrays, *self._sampling_arrays(reqs, num_rows, sched.gen_idx))

@@ -1,4 +1,14 @@
-"""Next-token sampling on device: greedy, temperature, top-k and nucleus (top-p); batch-wide or per row."""
+"""Next-token sampling on device, per row: vLLM V1's ``Sampler`` (``vllm/v1/sample/sampler.py``).
+
+Order, as vLLM's: the raw logprobs (``logprobs_mode="raw_logprobs"``: the model's own distribution) are taken
+first; then ``allowed_token_ids``, bad words, ``min_tokens`` (stop tokens masked) and ``logit_bias``; then the
+repetition, frequency and presence penalties; the greedy rows take the argmax of that; the others divide by
+their temperature, drop tokens under ``min_p`` times the most likely one's probability, apply top-k then top-p,
+and draw with their own key (``fold_in(key(seed), gen_idx)``: a request's tokens do not depend on its batch).
+
+Every extra (``min_p``, penalties, bias, allow list, bad words, logprobs) is a static :class:`SamplerFeatures`
+flag of the step: a batch without one compiles and runs none of its code.
+"""
 
 from __future__ import annotations
 
@@ -8,6 +18,7 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax import lax
 
 
 def sample_tokens(logits: jax.Array, key: jax.Array, *, temperature: float, top_p: float) -> jax.Array:
@@ -72,6 +83,78 @@ class SamplingArrays:
     stop_ids: jax.Array
 
 
+@dataclasses.dataclass(frozen=True)
+class SamplerFeatures:
+    """What one step's sampler does beyond temperature and the ``min_tokens`` mask (static: each combination
+    is its own program).
+
+    Attributes:
+        top_k_top_p: some row filters by top-k or top-p.
+        min_p: some row has ``min_p > 0``; ``extras["min_p"]`` ``f32[R]``.
+        penalties: some row has a penalty; ``extras``: ``presence``, ``frequency``, ``repetition`` ``f32[R]``,
+            ``output_ids`` ``int32[R, L]`` (the row's generated tokens so far, ``-1`` padded) and
+            ``prompt_ids`` ``int32[R, P]`` (its prompt, ``-1`` padded).
+        logit_bias: ``extras``: ``bias_ids`` ``int32[R, B]`` (``-1`` padded), ``bias_values`` ``f32[R, B]``.
+        allowed: ``extras``: ``allowed_ids`` ``int32[R, A]`` (``-1`` padded) and ``has_allowed`` ``int32[R]``
+            (1: only the row's ids may be sampled).
+        bad_words: ``extras["bad_ids"]`` ``int32[R, W]``: tokens the row may not sample now (``-1`` padded).
+        num_logprobs: ``-1``: no row wants logprobs; else the top this many are returned per row (with the
+            sampled token's logprob and rank).
+    """
+
+    top_k_top_p: bool = False
+    min_p: bool = False
+    penalties: bool = False
+    logit_bias: bool = False
+    allowed: bool = False
+    bad_words: bool = False
+    num_logprobs: int = -1
+
+
+def _set_at(logits: jax.Array, ids: jax.Array, value) -> jax.Array:
+    """``logits[r, ids[r, j]] = value`` for every ``ids >= 0``."""
+    rows = jnp.arange(logits.shape[0])[:, None]
+    return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[-1])].set(value, mode="drop")
+
+
+def token_counts(ids: jax.Array, vocab_size: int) -> jax.Array:
+    """``int32[R, vocab_size]``: how often each token occurs in each row of ``ids`` (``-1`` ignored).
+    vLLM ``get_token_bin_counts_and_mask``."""
+    rows = jnp.arange(ids.shape[0])[:, None]
+    counts = jnp.zeros((ids.shape[0], vocab_size), jnp.int32)
+    return counts.at[rows, jnp.where(ids >= 0, ids, vocab_size)].add(1, mode="drop")
+
+
+def apply_penalties(logits: jax.Array, output_counts: jax.Array, prompt_mask: jax.Array, presence: jax.Array,
+                    frequency: jax.Array, repetition: jax.Array) -> jax.Array:
+    """vLLM's ``apply_penalties``: a token seen in the prompt or the output has its logit divided by
+    ``repetition`` when positive and multiplied by it otherwise; then ``frequency * count`` and
+    ``presence * (count > 0)`` of the output are subtracted.
+
+    Args:
+        logits: ``f32[R, V]``. output_counts: ``int32[R, V]``. prompt_mask: ``bool[R, V]``.
+        presence, frequency, repetition: ``f32[R]``.
+    """
+    seen = output_counts > 0
+    rep = jnp.where(prompt_mask | seen, repetition[:, None], 1.0)
+    logits = jnp.where(logits > 0, logits / rep, logits * rep)
+    return logits - frequency[:, None] * output_counts - presence[:, None] * seen
+
+
+def raw_logprobs(logits: jax.Array, sampled: jax.Array, k: int) -> dict[str, jax.Array]:
+    """Log-probabilities of ``logits``' distribution: the ``sampled`` token's (``f32[R]``) and its rank
+    (``int32[R]``, 1 = most likely; ties share the better rank), and the ``k`` most likely tokens' ids and
+    logprobs (``int32[R, k]``, ``f32[R, k]``). vLLM ``Sampler.compute_logprobs`` / ``gather_logprobs``."""
+    lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    chosen = jnp.take_along_axis(lp, jnp.maximum(sampled, 0)[:, None], axis=-1)[:, 0]
+    rank = 1 + jnp.sum(lp > chosen[:, None], axis=-1).astype(jnp.int32)
+    out = dict(logprob=chosen, rank=rank)
+    if k > 0:
+        top_lps, top_ids = lax.top_k(lp, k)
+        out.update(top_ids=top_ids.astype(jnp.int32), top_logprobs=top_lps)
+    return out
+
+
 def _filter_top_k_top_p(logits: jax.Array, top_k: jax.Array, top_p: jax.Array) -> jax.Array:
     """Mask (to ``-inf``) what top-k then top-p (over the renormalised top-k) drop, per row."""
     vocab = logits.shape[-1]
@@ -98,10 +181,8 @@ def needs_top_k_top_p(temperature, top_p, top_k) -> bool:
 
 def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
                           top_k_top_p: bool | None = None) -> jax.Array:
-    """One token per row, each row with its own temperature, top-p, top-k and PRNG key.
-
-    vLLM: the V1 ``Sampler`` (min-tokens logits processor, top-k/top-p, greedy rows by argmax). A row's
-    key is ``fold_in(key(seed), gen_idx)``, so the same request samples the same tokens in any batch.
+    """One token per row, each row with its own temperature, top-p, top-k and PRNG key (no extras:
+    :func:`sample_with_features` with only ``top_k_top_p``).
 
     Args:
         logits: ``f32[R, vocab]``.
@@ -115,20 +196,64 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
     Returns:
         ``int32[R]``.
     """
-    logits = logits.astype(jnp.float32)
-    rows = jnp.arange(logits.shape[0])[:, None]
+    if top_k_top_p is None:
+        needs_filter = jnp.any(_rows_filter(params.temperature, params.top_p, params.top_k))
+        return lax.cond(needs_filter,
+                        lambda x: sample_with_features(x, params, {}, SamplerFeatures(top_k_top_p=True))[0],
+                        lambda x: sample_with_features(x, params, {}, SamplerFeatures())[0], logits)
+    return sample_with_features(logits, params, {}, SamplerFeatures(top_k_top_p=top_k_top_p))[0]
+
+
+def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict, features: SamplerFeatures, *,
+                         output_counts: jax.Array | None = None, prompt_mask: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict | None]:
+    """One token per row (vLLM V1 ``Sampler.forward``; the order is the module docstring's).
+
+    Args:
+        logits: ``f32[R, vocab]`` raw logits.
+        params: :class:`SamplingArrays` with ``R`` rows.
+        extras: the per-row arrays ``features`` names (:class:`SamplerFeatures`).
+        features: static.
+        output_counts, prompt_mask: with ``features.penalties``, ``int32[R, vocab]`` counts of each row's
+            generated tokens and ``bool[R, vocab]`` its prompt's tokens (a decode loop keeps the counts up
+            to date across its steps); ``None``: built from ``extras``.
+
+    Returns:
+        ``(tokens int32[R], logprobs)``: ``logprobs`` is :func:`raw_logprobs`' dict when
+        ``features.num_logprobs >= 0``, else ``None``.
+    """
+    raw = logits.astype(jnp.float32)
+    vocab = raw.shape[-1]
+    logits = raw
+    if features.allowed:
+        allowed = _set_at(jnp.zeros_like(logits, dtype=bool), extras["allowed_ids"], True)
+        logits = jnp.where((extras["has_allowed"][:, None] > 0) & ~allowed, -jnp.inf, logits)
+    if features.bad_words:
+        logits = _set_at(logits, extras["bad_ids"], -jnp.inf)
     masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
-    logits = logits.at[rows, jnp.where(masked, params.stop_ids, logits.shape[-1])].set(
-        -jnp.inf, mode="drop")
+    logits = _set_at(logits, jnp.where(masked, params.stop_ids, -1), -jnp.inf)
+    if features.logit_bias:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        ids = extras["bias_ids"]
+        logits = logits.at[rows, jnp.where(ids >= 0, ids, vocab)].add(extras["bias_values"], mode="drop")
+    if features.penalties:
+        if output_counts is None:
+            output_counts = token_counts(extras["output_ids"], vocab)
+        if prompt_mask is None:
+            prompt_mask = token_counts(extras["prompt_ids"], vocab) > 0
+        logits = apply_penalties(logits, output_counts, prompt_mask, extras["presence"], extras["frequency"],
+                                 extras["repetition"])
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
-    if top_k_top_p is None:
-        needs_filter = jnp.any(_rows_filter(params.temperature, params.top_p, params.top_k))
-        scaled = jax.lax.cond(needs_filter, _filter_top_k_top_p, lambda x, *_: x, scaled, params.top_k,
-                              params.top_p)
-    elif top_k_top_p:
+    if features.min_p:
+        probs = jax.nn.softmax(scaled, axis=-1)
+        floor = extras["min_p"][:, None] * jnp.max(probs, axis=-1, keepdims=True)
+        scaled = jnp.where(probs < floor, -jnp.inf, scaled)
+    if features.top_k_top_p:
         scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.gen_idx)
     sampled = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
-    return jnp.where(params.temperature > 0, sampled, greedy)
+    tokens = jnp.where(params.temperature > 0, sampled, greedy)
+    logprobs = raw_logprobs(raw, tokens, features.num_logprobs) if features.num_logprobs >= 0 else None
+    return tokens, logprobs

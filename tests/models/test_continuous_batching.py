@@ -149,14 +149,14 @@ def test_stop_tokens_eos_min_tokens_ignore_eos(async_scheduling):
     free = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0].token_ids
     stop = free[4]
     first = free.index(stop)
-    # stop_token_ids: ends there, the stop token is not in token_ids, it is the stop_reason
+    # stop_token_ids: ends there; the stop token is the last of token_ids (vLLM: it counts) and the stop_reason
     out = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, stop_token_ids=[stop]))[0]
     c = out.outputs[0]
-    assert c.token_ids == free[:first] and c.finish_reason == "stop" and c.stop_reason == stop
+    assert c.token_ids == free[:first + 1] and c.finish_reason == "stop" and c.stop_reason == stop
     # EOS the same, stop_reason None; ignore_eos runs to the length cap
     eng.eos_token_ids = frozenset({stop})
     c = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0))[0].outputs[0]
-    assert c.token_ids == free[:first] and c.finish_reason == "stop" and c.stop_reason is None
+    assert c.token_ids == free[:first + 1] and c.finish_reason == "stop" and c.stop_reason is None
     c = eng.generate([prompt], SamplingParams(max_tokens=12, temperature=0, ignore_eos=True))[0].outputs[0]
     assert c.token_ids == free and c.finish_reason == "length"
     # min_tokens: the stop token cannot be sampled before min_tokens tokens (its logit is masked)

@@ -89,7 +89,7 @@ def test_stop_tokens_end_one_sequence_only():
         pytest.skip("stop token appears in both continuations for this seed")
     done = eng.generate(prompts, greedy(8, stop_token_ids=[stop]))
     first = free_run[0].index(stop)
-    assert done[0].outputs[0].token_ids == free_run[0][:first] and done[0].outputs[0].finish_reason == "stop"
+    assert done[0].outputs[0].token_ids == free_run[0][:first + 1] and done[0].outputs[0].finish_reason == "stop"
     assert done[1].outputs[0].token_ids == free_run[1] and done[1].outputs[0].finish_reason == "length"
 
 

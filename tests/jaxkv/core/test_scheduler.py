@@ -105,8 +105,8 @@ def test_stop_checks_eos_stop_tokens_min_tokens():
         s.add_request(r)
     out = s.schedule()
     s.update_from_output(out, [[7], [9], [7], [7]])
-    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [] and eos.stop_reason is None
-    assert stop.status == RequestStatus.FINISHED_STOPPED and stop.stop_reason == 9
+    assert eos.status == RequestStatus.FINISHED_STOPPED and eos.output_token_ids == [7] and eos.stop_reason is None
+    assert stop.status == RequestStatus.FINISHED_STOPPED and stop.stop_reason == 9 and stop.output_token_ids == [9]
     assert ign.status == RequestStatus.RUNNING and ign.output_token_ids == [7]
     assert mt.status == RequestStatus.RUNNING and mt.output_token_ids == [7]  # before min_tokens
     assert s.kv_cache_manager.num_free_blocks == 16 - 2  # finished requests freed their blocks
@@ -117,19 +117,21 @@ def test_a_rows_tokens_stop_as_a_per_token_check_would():
     ``min_tokens`` ends the request before the length cap, as vLLM's ``check_stop`` token by token."""
     import random
 
-    def per_token(req, tokens):  # the reference: vLLM's check_stop, one token at a time
+    def per_token(req, tokens):  # the reference: vLLM V1's check_stop after each appended token, in its order
         kept, status, reason = [], RequestStatus.RUNNING, None
         for t in tokens:
-            if len(req.output_token_ids) + len(kept) >= req.sampling_params.min_tokens:
-                if t in req.stop_token_ids:
-                    status, reason = RequestStatus.FINISHED_STOPPED, t
-                    break
-                if t in req.eos_token_ids:
-                    status = RequestStatus.FINISHED_STOPPED
-                    break
             kept.append(t)
-            if len(req.output_token_ids) + len(kept) >= req.max_tokens:
+            n = len(req.output_token_ids) + len(kept)
+            if n >= req.max_tokens:
                 status = RequestStatus.FINISHED_LENGTH_CAPPED
+                break
+            if n < req.sampling_params.min_tokens:  # vLLM: num_output_tokens (this token included) < min_tokens
+                continue
+            if t in req.eos_token_ids:
+                status = RequestStatus.FINISHED_STOPPED
+                break
+            if t in req.stop_token_ids:
+                status, reason = RequestStatus.FINISHED_STOPPED, t
                 break
         return kept, status, reason
 
