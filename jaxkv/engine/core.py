@@ -246,6 +246,15 @@ class EngineCoreProc:
         self.engine.warmup(top_k_top_p=top_k_top_p)
         return self.engine.num_compiles
 
+    def utility_sleep(self, level: int = 1) -> None:
+        self.engine.sleep(level)
+
+    def utility_wake_up(self) -> None:
+        self.engine.wake_up()
+
+    def utility_is_sleeping(self) -> bool:
+        return self.engine.is_sleeping
+
     def utility_pid(self) -> int:
         return os.getpid()
 

@@ -354,6 +354,55 @@ class LLMEngine:
         if self.offloader is not None:  # the host tier's copy programs, one per padded size
             self.runner.kv_caches = self.offloader.warmup(self.runner.kv_caches)
 
+    # -- RL: new weights between generations, the device's memory lent to a trainer ----------------------
+    def get_params(self):
+        """The model's parameters as ``model_fn`` takes them (the engine's own device arrays)."""
+        return self.runner.get_params()
+
+    def update_weights(self, params) -> None:
+        """Generate with ``params`` from now on (vLLM's weight-sync hook, ``load_weights``): a pytree of the
+        model's structure (:meth:`get_params`'), e.g. a JAX trainer's arrays; they stay on the device (moved
+        device to device only onto the engine's shardings) and no step is traced or compiled again. The
+        prefix cache is reset: cached blocks hold the old weights' K/V.
+
+        Raises:
+            ValueError: requests are unfinished, or the pytree's structure, shapes or dtypes differ.
+        """
+        self._require_idle("update_weights")
+        self.runner.set_params(params)
+        self.reset_prefix_cache()
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's device memory (and the weights': level 1 keeps a host copy, level 2 discards
+        them) for a trainer; the prefix cache is reset. vLLM ``LLM.sleep``.
+
+        Raises:
+            ValueError: requests are unfinished, already asleep, or a bad level.
+        """
+        self._require_idle("sleep")
+        if self.offloader is not None:
+            raise ValueError("sleep with a host KV tier (kv_offloading_size) is not supported")
+        self.reset_prefix_cache()
+        self.runner.sleep(level)
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep`: a zeroed KV cache and the weights back. vLLM ``LLM.wake_up``.
+
+        Raises:
+            ValueError: not asleep, or level 2 and no :meth:`update_weights` since.
+        """
+        self.runner.wake_up()
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self.runner.is_sleeping
+
+    def _require_idle(self, what: str) -> None:
+        while (self._inflight is not None or self._loads) and not self.scheduler.has_unfinished_requests():
+            self.step()
+        if self.has_unfinished_requests():
+            raise ValueError(f"{what}: {self.get_num_unfinished_requests()} requests are unfinished")
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block (vLLM ``LLM.reset_prefix_cache``).
 
@@ -394,6 +443,8 @@ class LLMEngine:
         """
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params={sampling_params!r} is not a SamplingParams")
+        if self.runner.is_sleeping:
+            raise ValueError(f"request_id={request_id!r}: the engine is asleep (wake_up first)")
         _check_params(request_id, sampling_params, vocab_size=self.vocab_size, max_logprobs=self.max_logprobs)
         if request_id in self._requests or request_id in self._children:
             raise ValueError(f"request_id={request_id!r} is already running or waiting")

@@ -46,8 +46,14 @@ from jaxkv.checks import checked, checks_are_enabled, raise_if_error
 from jaxkv.core.request import Request
 from jaxkv.kv_cache.slot_mapping import slot_mapping_from_positions
 from jaxkv.worker.executable_cache import program_devices
-from jaxkv.worker.sampler import (SamplerFeatures, SamplingArrays, needs_top_k_top_p, raw_logprobs,
-                                  sample_with_features, token_counts)
+from jaxkv.worker.sampler import (
+    SamplerFeatures,
+    SamplingArrays,
+    needs_top_k_top_p,
+    raw_logprobs,
+    sample_with_features,
+    token_counts,
+)
 
 ModelFn = Callable[..., tuple[jax.Array, list[jax.Array]]]
 
@@ -285,6 +291,8 @@ class ModelRunner:
         leaves, treedef = jax.tree.flatten(params)
         self.model_fn = lambda flat, *args, **kwargs: model_fn(jax.tree.unflatten(treedef, flat), *args, **kwargs)
         self.params = leaves
+        self._treedef = treedef
+        self._asleep = None  # sleep(): what wake_up() restores
         self.kv_caches = list(kv_caches)
         self.num_blocks = shape[1]
         self.block_size = block_size
@@ -318,6 +326,80 @@ class ModelRunner:
         self._checked = check_kernel_inputs
         # (kind, packed shapes, static arguments) -> the executable warmup() compiled or loaded for it
         self.executables: dict[tuple, jax.stages.Compiled] = {}
+
+    # -- weights and memory (RL: a trainer between generations) ----------------------------------------------
+    def get_params(self):
+        """The model's parameters, as the pytree ``model_fn`` takes (the engine's own arrays)."""
+        return jax.tree.unflatten(self._treedef, self.params)
+
+    def set_params(self, params) -> None:
+        """Use ``params`` from now on: a pytree of ``model_fn``'s structure whose arrays have the current
+        shapes and dtypes. Arrays on other devices or shardings are moved device to device onto the
+        current ones, so the compiled steps are reused (no trace, no compile).
+
+        Raises:
+            ValueError: another structure, shape or dtype (naming the first leaf that differs).
+        """
+        leaves, treedef = jax.tree.flatten(params)
+        if treedef != self._treedef:
+            raise ValueError(f"params have another structure than the model's: {treedef} != {self._treedef}")
+        current = self.params if self._asleep is None or self._asleep[1] is None else self._asleep[1]
+        new = []
+        for i, (a, b) in enumerate(zip(leaves, current)):
+            shape, dtype = tuple(getattr(a, "shape", ())), jnp.dtype(getattr(a, "dtype", type(a)))
+            if shape != tuple(b.shape) or dtype != jnp.dtype(b.dtype):
+                path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(self.get_params())[0][i][0]) \
+                    if self._asleep is None else f"leaf {i}"
+                raise ValueError(f"params{path}: shape={shape} dtype={dtype}, the model's is "
+                                 f"shape={tuple(b.shape)} dtype={b.dtype}")
+            sharding = getattr(b, "sharding", None)
+            if not isinstance(a, jax.Array) or (sharding is not None and a.sharding != sharding):
+                a = jax.device_put(a, sharding)
+            new.append(a)
+        if self._asleep is not None:
+            self._asleep = (self._asleep[0], None)  # the new weights replace the offloaded ones
+        self.params = new
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's device memory (level 1 and 2) and the weights' (level 1: copied to host
+        memory first; level 2: discarded, :meth:`set_params` must give new ones). vLLM ``LLM.sleep``.
+
+        Raises:
+            ValueError: ``level`` not 1 or 2, or already asleep.
+        """
+        if level not in (1, 2):
+            raise ValueError(f"level={level} must be 1 (weights offloaded) or 2 (weights discarded)")
+        if self._asleep is not None:
+            raise ValueError("the engine is already asleep")
+        specs = [(c.shape, c.dtype, c.sharding) for c in self.kv_caches]
+        host = [np.asarray(jax.device_get(a)) for a in self.params] if level == 1 else None
+        meta = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.params]
+        for a in [*self.kv_caches, *self.params]:
+            a.delete()
+        self.kv_caches = []
+        self.params = meta
+        self._asleep = (specs, host)
+
+    def wake_up(self) -> None:
+        """Allocate the KV cache again (zeros) and bring the weights back (from host memory after level 1,
+        or the ones :meth:`set_params` gave while asleep). vLLM ``LLM.wake_up``.
+
+        Raises:
+            ValueError: not asleep, or level 2 without new weights.
+        """
+        if self._asleep is None:
+            raise ValueError("the engine is not asleep")
+        specs, host = self._asleep
+        if host is not None:
+            self.params = [jax.device_put(h, m.sharding) for h, m in zip(host, self.params)]
+        elif any(isinstance(a, jax.ShapeDtypeStruct) for a in self.params):
+            raise ValueError("sleep(level=2) discarded the weights: give new ones with update_weights first")
+        self.kv_caches = [jnp.zeros(shape, dtype, device=sharding) for shape, dtype, sharding in specs]
+        self._asleep = None
+
+    @property
+    def is_sleeping(self) -> bool:
+        return self._asleep is not None
 
     @property
     def num_buckets(self) -> int:

@@ -204,6 +204,51 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
     return sample_with_features(logits, params, {}, SamplerFeatures(top_k_top_p=top_k_top_p))[0]
 
 
+def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, features: SamplerFeatures, *,
+                   output_counts: jax.Array | None = None, prompt_mask: jax.Array | None = None) -> jax.Array:
+    """The logits a row samples from before its temperature: ``allowed_token_ids``, bad words, the
+    ``min_tokens`` mask, ``logit_bias``, then the penalties (vLLM V1's order; masked tokens are ``-inf``).
+
+    Args:
+        logits: ``f32[R, vocab]`` raw logits.
+        params, extras, features: as :func:`sample_with_features`.
+        output_counts, prompt_mask: with ``features.penalties``: ``int32[R, vocab]`` / ``bool[R, vocab]``, or
+            ``None`` to build them from ``extras``.
+
+    Returns:
+        ``f32[R, vocab]``.
+    """
+    logits = logits.astype(jnp.float32)
+    vocab = logits.shape[-1]
+    if features.allowed:
+        allowed = _set_at(jnp.zeros_like(logits, dtype=bool), extras["allowed_ids"], True)
+        logits = jnp.where((extras["has_allowed"][:, None] > 0) & ~allowed, -jnp.inf, logits)
+    if features.bad_words:
+        logits = _set_at(logits, extras["bad_ids"], -jnp.inf)
+    masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
+    logits = _set_at(logits, jnp.where(masked, params.stop_ids, -1), -jnp.inf)
+    if features.logit_bias:
+        rows = jnp.arange(logits.shape[0])[:, None]
+        ids = extras["bias_ids"]
+        logits = logits.at[rows, jnp.where(ids >= 0, ids, vocab)].add(extras["bias_values"], mode="drop")
+    if features.penalties:
+        if output_counts is None:
+            output_counts = token_counts(extras["output_ids"], vocab)
+        if prompt_mask is None:
+            prompt_mask = token_counts(extras["prompt_ids"], vocab) > 0
+        logits = apply_penalties(logits, output_counts, prompt_mask, extras["presence"], extras["frequency"],
+                                 extras["repetition"])
+    return logits
+
+
+def apply_min_p(scaled: jax.Array, min_p: jax.Array) -> jax.Array:
+    """vLLM's min-p: tokens whose probability (of the temperature-scaled ``f32[R, vocab]`` logits) is below
+    ``min_p[r]`` (``f32[R]``) times the row's largest are set to ``-inf``."""
+    probs = jax.nn.softmax(scaled, axis=-1)
+    floor = min_p[:, None] * jnp.max(probs, axis=-1, keepdims=True)
+    return jnp.where(probs < floor, -jnp.inf, scaled)
+
+
 def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict, features: SamplerFeatures, *,
                          output_counts: jax.Array | None = None, prompt_mask: jax.Array | None = None
                          ) -> tuple[jax.Array, dict | None]:
@@ -223,33 +268,12 @@ def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict
         ``features.num_logprobs >= 0``, else ``None``.
     """
     raw = logits.astype(jnp.float32)
-    vocab = raw.shape[-1]
-    logits = raw
-    if features.allowed:
-        allowed = _set_at(jnp.zeros_like(logits, dtype=bool), extras["allowed_ids"], True)
-        logits = jnp.where((extras["has_allowed"][:, None] > 0) & ~allowed, -jnp.inf, logits)
-    if features.bad_words:
-        logits = _set_at(logits, extras["bad_ids"], -jnp.inf)
-    masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
-    logits = _set_at(logits, jnp.where(masked, params.stop_ids, -1), -jnp.inf)
-    if features.logit_bias:
-        rows = jnp.arange(logits.shape[0])[:, None]
-        ids = extras["bias_ids"]
-        logits = logits.at[rows, jnp.where(ids >= 0, ids, vocab)].add(extras["bias_values"], mode="drop")
-    if features.penalties:
-        if output_counts is None:
-            output_counts = token_counts(extras["output_ids"], vocab)
-        if prompt_mask is None:
-            prompt_mask = token_counts(extras["prompt_ids"], vocab) > 0
-        logits = apply_penalties(logits, output_counts, prompt_mask, extras["presence"], extras["frequency"],
-                                 extras["repetition"])
+    logits = process_logits(raw, params, extras, features, output_counts=output_counts, prompt_mask=prompt_mask)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
     if features.min_p:
-        probs = jax.nn.softmax(scaled, axis=-1)
-        floor = extras["min_p"][:, None] * jnp.max(probs, axis=-1, keepdims=True)
-        scaled = jnp.where(probs < floor, -jnp.inf, scaled)
+        scaled = apply_min_p(scaled, extras["min_p"])
     if features.top_k_top_p:
         scaled = _filter_top_k_top_p(scaled, params.top_k, params.top_p)
     keys = jax.vmap(lambda s, i: jax.random.fold_in(jax.random.key(s), i))(params.seeds, params.gen_idx)

@@ -46,21 +46,11 @@ from jaxkv.engine.protocol import (
 )
 from jaxkv.outputs import Logprob
 from jaxkv.sampling_params import SamplingParams
-from models.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
+from models.entrypoints.output_processor import CompletionState, logprob_dicts, truncate_prompt
 
 logger = logging.getLogger("jaxkv.serve")
 
 __all__ = ["AsyncLLM", "EngineDeadError", "EngineNotReadyError", "StreamOutput", "truncate_prompt"]
-
-
-def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
-                    max_model_len: int | None = None) -> list[int]:
-    """The last ``truncate_prompt_tokens`` prompt tokens (vLLM's left truncation; ``-1``: the last
-    ``max_model_len``); the prompt itself when ``None`` or when it is no longer."""
-    if truncate_prompt_tokens is None:
-        return prompt_token_ids
-    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
-    return prompt_token_ids if keep is None or len(prompt_token_ids) <= keep else prompt_token_ids[-keep:]
 
 
 @dataclasses.dataclass
@@ -105,70 +95,6 @@ class StreamOutput:
 _ABORTED = object()  # queue marker: AsyncLLM.abort was called for this request
 
 
-def logprob_dicts(lists: LogprobsLists, decode_token) -> list[dict[int, Logprob]]:
-    """:class:`LogprobsLists` as vLLM's ``{token_id: Logprob}`` per position, ``decoded_token`` from
-    ``decode_token(token_id)``; the chosen token first, then the top ones by rank."""
-    out = []
-    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-        d = {ids[0]: Logprob(lps[0], rank, decode_token(ids[0]))}
-        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            if tok not in d:
-                d[tok] = Logprob(lp, r, decode_token(tok))
-        out.append(d)
-    return out
-
-
-class _CompletionState:
-    """Detokenizer, stop strings and logprobs of one completion, run on the event loop."""
-
-    def __init__(self, index: int, tokenizer, params: SamplingParams):
-        self.index = index
-        self.tokenizer = tokenizer
-        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
-        self.stops = StopChecker(params.stop)
-        self.include_stop = params.include_stop_str_in_output
-        self.want_logprobs = params.logprobs is not None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
-        self.cumulative = 0.0 if self.want_logprobs else None
-        self.finished = False
-        self.stopped_by_string = False
-        self.result: tuple | None = None  # (text, finish_reason, stop_reason) once finished
-
-    def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
-
-    def add(self, out: EngineCoreOutput) -> tuple[str, bool, str | None, int | str | None]:
-        """Fold one step's tokens in; returns ``(text, finished, finish_reason, stop_reason)``."""
-        finished = out.finish_reason is not None
-        finish_reason, stop_reason = out.finish_reason, out.stop_reason
-        new = list(out.new_token_ids)
-        new_lp = (logprob_dicts(out.new_logprobs, self.decode_token)
-                  if self.want_logprobs and out.new_logprobs is not None else None)
-        hit = None
-        if self.stops.stop:  # a token at a time: the stop string's token is the completion's last
-            for k, token in enumerate(new):
-                self.detok.add_tokens([token], finished=finished and k == len(new) - 1)
-                hit = self.stops.check(self.detok.text)
-                if hit is not None:
-                    new, new_lp = new[:k + 1], None if new_lp is None else new_lp[:k + 1]
-                    break
-        else:
-            self.detok.add_tokens(new, finished=finished)
-        if new_lp is not None:
-            self.logprobs.extend(new_lp)
-            self.cumulative += sum(d[tok].logprob for d, tok in zip(new_lp, new))
-        text = self.detok.text
-        if hit is not None:
-            at, stop = hit
-            text = text[:at + len(stop)] if self.include_stop else text[:at]
-            finished, finish_reason, stop_reason = True, "stop", stop
-            self.stopped_by_string = True
-        text = text[:self.stops.safe_len(text, finished)]
-        self.finished = finished
-        return text, finished, finish_reason, stop_reason
-
-
-
 class _RequestState:
     """The front end's state of one request: its completions (``n``), prompt logprobs and output queue."""
 
@@ -176,7 +102,7 @@ class _RequestState:
         self.request_id = request_id
         self.prompt_token_ids = prompt_token_ids
         self.tokenizer = tokenizer
-        self.completions = [_CompletionState(i, tokenizer, params) for i in range(params.n)]
+        self.completions = [CompletionState(i, tokenizer, params) for i in range(params.n)]
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.num_cached_tokens = 0
         self.queue: asyncio.Queue = asyncio.Queue()
@@ -199,7 +125,7 @@ class _RequestState:
         text, finished, finish_reason, stop_reason = c.add(out)
         return self._output(c, text, finished, finish_reason, stop_reason)
 
-    def _output(self, c: _CompletionState, text: str, finished: bool, finish_reason, stop_reason) -> StreamOutput:
+    def _output(self, c: CompletionState, text: str, finished: bool, finish_reason, stop_reason) -> StreamOutput:
         return StreamOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
                             token_ids=list(c.detok.token_ids), text=text, finished=finished,
                             finish_reason=finish_reason if finished else None,

@@ -84,6 +84,7 @@ class EngineArgs:
             ``None``: none): a second-tier prefix cache and the room for swap preemption.
         preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``kv_offloading_size``); vLLM V0's names.
             See :class:`jaxkv.LLMEngine` for both.
+        max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
     """
 
     model: str = "smollm2-135m"
@@ -111,6 +112,7 @@ class EngineArgs:
     compilation_cache_dir: str | None = "auto"
     kv_offloading_size: float | None = None
     preemption_mode: str = "recompute"
+    max_logprobs: int = 20
 
     def __post_init__(self):
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("compile_ahead", COMPILE_AHEAD_MODES),
@@ -128,7 +130,7 @@ class EngineArgs:
             raise ValueError("preemption_mode='swap' needs a host tier: give kv_offloading_size (GiB)")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
-        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size"):
+        for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
 
@@ -203,6 +205,7 @@ class EngineArgs:
         add("--kv-offloading-size", type=float, metavar="GIB", help="GiB of host memory for the KV cache's host "
             "tier: blocks evicted from the device prefix cache are kept there, and swap preemption uses it "
             "(default: none)")
+        add("--max-logprobs", type=int, help="most logprobs / prompt_logprobs a request may ask for")
         add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
             "again; swap: its blocks go to the host tier and back (needs --kv-offloading-size)")
         unknown = set(defaults) - {a.dest for a in g._group_actions}
@@ -355,7 +358,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         eos_token_id=tokenizer.stop_token_ids, long_prefill_token_threshold=args.long_prefill_token_threshold,
         num_scheduler_steps=args.num_scheduler_steps, max_admission_delay_steps=args.max_admission_delay_steps,
         async_scheduling=args.async_scheduling, seed=args.seed, return_logits=args.return_logits, mesh=mesh,
-        kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode)
+        kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode,
+        vocab_size=config.vocab_size, max_logprobs=args.max_logprobs)
     t_built = time.perf_counter()
     warmup_s = 0.0
     executable_cache = None

@@ -8,6 +8,7 @@ only sees ``model_fn``, params and caches. vLLM: ``vllm/entrypoints/llm.py`` (``
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import time
@@ -15,16 +16,75 @@ import weakref
 from typing import Any, Mapping, Sequence
 
 from jaxkv.engine.core_client import DataParallelConfig, EngineDeadError, SyncMPClient
-from jaxkv.engine.protocol import EngineCoreRequest
-from jaxkv.outputs import CompletionOutput, RequestOutput
-from jaxkv.sampling_params import SamplingParams
+from jaxkv.engine.protocol import EngineCoreRequest, child_request_id
+from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxkv.sampling_params import BeamSearchParams, SamplingParams
 from models import registry
 from models.entrypoints.engine_args import EngineArgs, EngineCoreFactory, build_engine, multiprocessing_enabled
+from models.entrypoints.output_processor import CompletionState, logprob_dicts, truncate_prompt
 from models.registry import resolve_model
 
 log = logging.getLogger(__name__)
 
-__all__ = ["LLM", "resolve_model"]
+__all__ = ["LLM", "BeamSearchOutput", "BeamSearchSequence", "resolve_model"]
+
+
+@dataclasses.dataclass
+class BeamSearchSequence:
+    """One beam (vLLM ``BeamSearchSequence``): ``tokens`` (prompt + generated), per generated token its
+    ``{token_id: Logprob}``, the cumulative logprob, the generated text, why it ended."""
+
+    tokens: list[int]
+    logprobs: list[dict[int, Logprob]]
+    cum_logprob: float = 0.0
+    text: str | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+@dataclasses.dataclass
+class BeamSearchOutput:
+    """A prompt's beams, best first (vLLM ``BeamSearchOutput``)."""
+
+    sequences: list[BeamSearchSequence]
+
+
+class _Request:
+    """One offline request's completions in the front end (the shared output processor's states)."""
+
+    def __init__(self, prompt_token_ids: list[int], completions: list[CompletionState], params: SamplingParams):
+        self.prompt_token_ids = prompt_token_ids
+        self.completions = completions
+        self.texts = [""] * len(completions)
+        self.reasons: list[tuple] = [(None, None)] * len(completions)
+        self.prompt_logprobs = [None] if params.prompt_logprobs is not None else None
+        self.num_cached_tokens = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.completions)
+
+    def add(self, out) -> bool:
+        """Fold one core output in; True when a stop string just ended its completion."""
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+            self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].decode_token))
+        self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
+        c = self.completions[out.index]
+        if c.finished:
+            return False
+        text, finished, finish_reason, stop_reason = c.add(out)
+        self.texts[out.index] = text
+        self.reasons[out.index] = (finish_reason, stop_reason) if finished else (None, None)
+        return finished and out.finish_reason is None
+
+    def output(self, request_id: str) -> RequestOutput:
+        outs = [CompletionOutput(index=c.index, token_ids=list(c.detok.token_ids), text=self.texts[c.index],
+                                 finish_reason=self.reasons[c.index][0], stop_reason=self.reasons[c.index][1],
+                                 logprobs=c.logprobs, cumulative_logprob=c.cumulative)
+                for c in self.completions]
+        return RequestOutput(request_id=request_id, prompt_token_ids=self.prompt_token_ids, outputs=outs,
+                             finished=True, prompt_logprobs=self.prompt_logprobs,
+                             num_cached_tokens=self.num_cached_tokens)
 
 
 class LLM:
@@ -140,6 +200,120 @@ class LLM:
             return [engine_stats(self.engine)]
         return self._client.call_utility("stats")
 
+    # -- RL rollouts: new weights from a JAX trainer, the device lent to it between generations ----------
+    def get_params(self):
+        """The engine's model parameters (an ``nnx.State`` of the decoder; the engine's own device arrays):
+        the structure :meth:`update_weights` takes. In-process engine only.
+
+        Raises:
+            ValueError: with engine-core processes.
+        """
+        self._need_in_process("get_params")
+        return self.engine.get_params()
+
+    def update_weights(self, params) -> None:
+        """Generate with new weights (vLLM's weight-sync hook, in JAX form): ``params`` is a pytree of the
+        model's structure (:meth:`get_params`, or ``nnx.state(model)`` of a decoder of the same config), e.g. a
+        JAX trainer's arrays in this process; they are used where they are (moved device to device onto the
+        engine's shardings if needed), nothing is traced or compiled again, and the prefix cache is reset.
+        In-process engine only (``enable_multiprocessing=False``): arrays of this process cannot reach an
+        engine-core process without a trip through the host.
+
+        Raises:
+            ValueError: engine-core processes, requests still running, or another structure, shape or dtype.
+        """
+        self._need_in_process("update_weights")
+        from flax import nnx
+        if isinstance(params, nnx.Module):
+            params = nnx.state(params)
+        self.engine.update_weights(params)
+
+    def sleep(self, level: int = 1) -> None:
+        """Free the KV cache's device memory (level 1 also moves the weights to host memory; level 2 discards
+        them: give new ones with :meth:`update_weights` before :meth:`wake_up`), e.g. while a trainer runs. On
+        every rank with engine-core processes. vLLM ``LLM.sleep``.
+
+        Raises:
+            ValueError: requests are unfinished, already asleep, a bad level, or a host KV tier.
+        """
+        if self._client is None:
+            self.engine.sleep(level)
+        else:
+            self._client.call_utility("sleep", level)
+
+    def wake_up(self) -> None:
+        """Undo :meth:`sleep` (a zeroed KV cache; the weights back). vLLM ``LLM.wake_up``."""
+        if self._client is None:
+            self.engine.wake_up()
+        else:
+            self._client.call_utility("wake_up")
+
+    def _need_in_process(self, what: str) -> None:
+        if self._client is not None:
+            raise ValueError(f"{what} needs the in-process engine (LLM(..., enable_multiprocessing=False)): "
+                             "a JAX trainer's arrays cannot reach an engine-core process without the host")
+
+    # -- beam search --------------------------------------------------------------------------------------
+    def beam_search(self, prompts, params: BeamSearchParams, *, use_tqdm: bool = False) -> list[BeamSearchOutput]:
+        """Beam search (vLLM ``LLM.beam_search``): each step extends every live beam by one token with the
+        ``2 * beam_width`` most likely next tokens (their logprobs from the engine), keeps the ``beam_width``
+        best by cumulative logprob, and moves beams that end with EOS to the finished ones; at the end the
+        ``beam_width`` best finished or live beams by ``cumulative_logprob / len ** length_penalty``. Beams share
+        their common prefix's KV blocks through the prefix cache (each step computes only the new tokens of
+        each beam's last, partial block).
+
+        Args:
+            prompts: as :meth:`generate`'s (strings, token ids or ``{"prompt_token_ids"}`` dicts).
+            params: :class:`BeamSearchParams`.
+
+        Returns:
+            One :class:`BeamSearchOutput` per prompt, its ``sequences`` best first.
+
+        Raises:
+            ValueError: bad prompts, or ``2 * beam_width`` above the engine's ``max_logprobs``.
+        """
+        texts, token_ids = self._normalise(prompts)
+        width = params.beam_width
+        eos = set(getattr(self.tokenizer, "stop_token_ids", None) or ())
+        step_params = SamplingParams(max_tokens=1, temperature=params.temperature, logprobs=2 * width,
+                                     ignore_eos=True, detokenize=False)
+        live = [[BeamSearchSequence(tokens=list(p), logprobs=[], cum_logprob=0.0)] for p in token_ids]
+        done: list[list[BeamSearchSequence]] = [[] for _ in token_ids]
+        plen = [len(p) for p in token_ids]
+        for _ in range(params.max_tokens):
+            flat = [(i, b) for i, beams in enumerate(live) for b in beams
+                    if len(b.tokens) < self.max_model_len]
+            if not flat:
+                break
+            outs = self.generate([{"prompt_token_ids": b.tokens} for _, b in flat], step_params, use_tqdm=use_tqdm)
+            candidates: list[list[BeamSearchSequence]] = [[] for _ in token_ids]
+            for (i, beam), out in zip(flat, outs):
+                for token, lp in out.outputs[0].logprobs[0].items():
+                    seq = BeamSearchSequence(tokens=beam.tokens + [token], logprobs=beam.logprobs + [{token: lp}],
+                                             cum_logprob=beam.cum_logprob + lp.logprob)
+                    if token in eos and not params.ignore_eos:
+                        seq.finish_reason = "stop"
+                        done[i].append(seq)
+                    else:
+                        candidates[i].append(seq)
+            live = [sorted(c, key=lambda s: s.cum_logprob, reverse=True)[:width] for c in candidates]
+
+        def score(seq: BeamSearchSequence, i: int) -> float:
+            return seq.cum_logprob / max(1, len(seq.tokens) - plen[i]) ** params.length_penalty
+
+        results = []
+        for i in range(len(token_ids)):
+            for s in live[i]:
+                s.finish_reason = s.finish_reason or "length"
+            best = sorted(done[i] + live[i], key=lambda s: score(s, i), reverse=True)[:width]
+            for s in best:
+                out_ids = s.tokens[plen[i]:]
+                if s.finish_reason == "stop" and not params.include_stop_str_in_output:
+                    out_ids = out_ids[:-1]
+                s.text = self.tokenizer.decode(out_ids)
+            results.append(BeamSearchOutput(sequences=best))
+        return results
+
     def reset_prefix_cache(self) -> None:
         """Forget every cached block on every rank (vLLM ``LLM.reset_prefix_cache``)."""
         if self._client is None:
@@ -174,24 +348,38 @@ class LLM:
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, use_tqdm: bool = True, on_finished=None) -> list[RequestOutput]:
-        """Complete every prompt; outputs in input order, with ``text`` decoded.
+        """Complete every prompt; outputs in input order, with ``text`` decoded. vLLM: ``LLM.generate``.
 
         Args:
             prompts: a string, a list of token ids, a ``{"prompt_token_ids": [...]}`` dict, or a list of
                 these.
             sampling_params: one for every prompt or one per prompt (default
-                :meth:`get_default_sampling_params`).
+                :meth:`get_default_sampling_params`). ``n`` completions per prompt share its KV blocks;
+                stop strings, ``include_stop_str_in_output``, ``truncate_prompt_tokens``, ``bad_words`` and
+                the detokenization options are applied here (vLLM's front end), the rest in the engine.
             use_tqdm: show a progress bar with the running tokens/s.
             on_finished: optional ``(RequestOutput) -> None`` called as each request ends; benchmarks time
                 the run's phases with it.
 
         Raises:
-            ValueError: bad prompts (empty, too long for ``max_model_len`` or the cache) or a list of
-                sampling params of another length; nothing is left queued.
+            ValueError: bad prompts (empty, too long for ``max_model_len`` or the cache), bad sampling
+                parameters, or a list of sampling params of another length; nothing is left queued.
         """
         texts, token_ids = self._normalise(prompts)
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
+        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
+                  else [sampling_params] * len(token_ids))
+        if len(params) != len(token_ids):
+            raise ValueError(f"{len(params)} sampling_params for {len(token_ids)} prompts")
+        for i, (p, sp) in enumerate(zip(token_ids, params)):
+            if len(p) == 0:
+                raise ValueError(f"prompts[{i}] is empty")
+            if not sp.spaces_between_special_tokens:
+                raise ValueError("spaces_between_special_tokens=False is not supported")
+        params = [sp.with_bad_words_tokenized(self.tokenizer) for sp in params]
+        token_ids = [truncate_prompt(p, sp.truncate_prompt_tokens, self.max_model_len)
+                     for p, sp in zip(token_ids, params)]
         bar = None
         if use_tqdm:
             from tqdm.auto import tqdm
@@ -201,7 +389,7 @@ class LLM:
 
         def progress(out: RequestOutput):
             counts["in"] += len(out.prompt_token_ids)
-            counts["out"] += len(out.outputs[0].token_ids)
+            counts["out"] += sum(len(c.token_ids) for c in out.outputs)
             if bar is not None:
                 dt = time.perf_counter() - t0
                 bar.set_postfix_str(f"est. speed input: {counts['in'] / dt:.2f} toks/s, "
@@ -211,10 +399,13 @@ class LLM:
                 on_finished(out)
 
         try:
-            if self._client is None:
-                outputs = self.engine.generate(token_ids, sampling_params, progress=progress)
+            if self.engine is not None and self.engine_args.return_logits:
+                outputs = self.engine.generate(token_ids, params, progress=progress)  # logits: tests only
+                for out in outputs:
+                    for c in out.outputs:
+                        c.text = self.tokenizer.decode(c.token_ids)
             else:
-                outputs = self._generate_mp(token_ids, sampling_params, progress)
+                outputs = self._generate_core(token_ids, params, progress)
         finally:
             if bar is not None:
                 bar.close()
@@ -226,72 +417,78 @@ class LLM:
                  counts["in"] / wall, counts["out"] / wall)
         for text, out in zip(texts, outputs):
             out.prompt = text
-            if self._client is None:  # in-process engine (with engine-core processes: decoded as each finished)
-                for c in out.outputs:
-                    c.text = self.tokenizer.decode(c.token_ids)
         return outputs
 
     # requests a rank holds at once in LLM.generate, per max_num_seqs: the running batch and as many waiting
     # ($JAXKV_DISPATCH_WINDOW_PER_SEQ overrides it for A/B measurements; 0 sends every request at once)
     DISPATCH_WINDOW_PER_SEQ = 2
 
-    def _generate_mp(self, token_ids: list[list[int]], sampling_params, progress) -> list[RequestOutput]:
-        """``generate`` through the engine-core processes, with the requests dispatched as the cores take
-        them: at most :attr:`DISPATCH_WINDOW_PER_SEQ` x ``max_num_seqs`` outstanding per rank, the rest sent
-        as requests finish, each to the rank with about the fewest outstanding. A rank that steps faster so
-        takes more of the batch, and every core starts stepping after adding its first window instead of
-        the whole batch. (vLLM's offline data parallelism splits the prompts between ranks beforehand.)
+    def _generate_core(self, token_ids: list[list[int]], params: list[SamplingParams], progress) -> list[RequestOutput]:
+        """``generate`` over the engine's core outputs (:class:`EngineCoreOutput`, in process or from the
+        engine-core processes), each folded into its completion by the shared output processor.
 
-        The first window is all or none (a rejected request raises before anything runs); a request a core
-        rejects later aborts the others that are still running, then raises the same ``ValueError``.
+        A request without stop strings is reported once, when it finishes (vLLM ``FINAL_ONLY``); one with
+        stop strings every step, so it ends at the token that completes one. Through the engine-core
+        processes the requests are dispatched as the cores take them: at most
+        :attr:`DISPATCH_WINDOW_PER_SEQ` x ``max_num_seqs`` outstanding per rank, the rest sent as requests
+        finish, each to the rank with about the fewest outstanding (a rank that steps faster so takes more
+        of the batch, and every core starts stepping after its first window). The first window is all or
+        none (a rejected request raises before anything runs); a request a core rejects later aborts the
+        others that are still running, then raises the same ``ValueError``.
         """
-        params = (list(sampling_params) if isinstance(sampling_params, (list, tuple))
-                  else [sampling_params] * len(token_ids))
-        if len(params) != len(token_ids):
-            raise ValueError(f"{len(params)} sampling_params for {len(token_ids)} prompts")
-        for i, p in enumerate(token_ids):
-            if len(p) == 0:
-                raise ValueError(f"prompts[{i}] is empty")
         base = f"gen-{self._next_id}-"
         self._next_id += 1
         ids = [f"{base}{i}" for i in range(len(token_ids))]
-        requests = [EngineCoreRequest(rid, p, sp, final_only=True) for rid, p, sp in zip(ids, token_ids, params)]
-        per_seq = float(os.environ.get("JAXKV_DISPATCH_WINDOW_PER_SEQ", self.DISPATCH_WINDOW_PER_SEQ))
-        window = (len(requests) if per_seq <= 0
-                  else max(1, int(sum(per_seq * int(info["max_num_seqs"]) for info in self.engine_info))))
-        chunk = max(1, window // 16)  # top-ups go in batches: one message per rank, not one per request
-        self._client.add_requests(requests[:window])
-        sent = min(window, len(requests))
+        requests = [EngineCoreRequest(rid, p, sp, final_only=not sp.stop)
+                    for rid, p, sp in zip(ids, token_ids, params)]
+        states = {rid: _Request(p, [CompletionState(i, self.tokenizer, sp) for i in range(sp.n)], sp)
+                  for rid, p, sp in zip(ids, token_ids, params)}
         index = {rid: i for i, rid in enumerate(ids)}
         final: list[RequestOutput | None] = [None] * len(ids)
         left = len(ids)
+        if self._client is None:
+            window = chunk = len(requests)
+            self.engine.add_requests((r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only)
+                                     for r in requests)
+            next_outputs = self.engine.step_core_outputs
+            abort = self.engine.abort_request
+        else:
+            per_seq = float(os.environ.get("JAXKV_DISPATCH_WINDOW_PER_SEQ", self.DISPATCH_WINDOW_PER_SEQ))
+            window = (len(requests) if per_seq <= 0
+                      else max(1, int(sum(per_seq * int(info["max_num_seqs"]) for info in self.engine_info))))
+            chunk = max(1, window // 16)  # top-ups go in batches: one message per rank, not one per request
+            self._client.add_requests(requests[:window])
+            next_outputs = lambda: self._client.get_output().outputs  # noqa: E731
+            abort = self._client.abort
+        sent = min(window, len(requests))
         try:
             while left:
-                for o in self._client.get_output().outputs:
+                for o in next_outputs():
                     i = index.get(o.request_id)
-                    if i is None or not o.finished or final[i] is not None:
+                    if i is None or final[i] is not None:
                         continue
                     if o.error is not None:
                         raise ValueError(o.error)
-                    # decoded here, while the cores step on (session 18: decoding 4,256 ShareGPT outputs
-                    # after the last step took ~0.3 s of the run's wall time)
-                    completion = CompletionOutput(index=0, token_ids=list(o.new_token_ids),
-                                                  new_token_ids=list(o.new_token_ids),
-                                                  text=self.tokenizer.decode(o.new_token_ids),
-                                                  finish_reason=o.finish_reason, stop_reason=o.stop_reason)
-                    final[i] = RequestOutput(request_id=o.request_id, prompt_token_ids=token_ids[i],
-                                             outputs=[completion], finished=True,
-                                             num_cached_tokens=o.num_cached_tokens)
-                    left -= 1
-                    if progress is not None:
-                        progress(final[i])
-                room = window - sum(self._client.outstanding)
-                if sent < len(requests) and (room >= chunk or room >= len(requests) - sent):
-                    more = requests[sent:sent + room]
-                    self._client.add_requests(more, wait=False)
-                    sent += len(more)
+                    state = states[o.request_id]
+                    if state.add(o):  # a stop string: the engine runs on for this completion
+                        abort([o.request_id if len(state.completions) == 1
+                               else child_request_id(o.request_id, o.index)])
+                    if state.finished:
+                        final[i] = state.output(o.request_id)
+                        left -= 1
+                        if progress is not None:
+                            progress(final[i])
+                if self._client is not None:
+                    room = window - sum(self._client.outstanding)
+                    if sent < len(requests) and (room >= chunk or room >= len(requests) - sent):
+                        more = requests[sent:sent + room]
+                        self._client.add_requests(more, wait=False)
+                        sent += len(more)
         except BaseException:
-            self._client.abort([ids[i] for i in range(sent) if final[i] is None])
+            abort([ids[i] for i in range(sent) if final[i] is None])
+            if self._client is None:  # the aborted requests' final outputs come with the next step
+                while self.engine.has_unfinished_requests():
+                    self.engine.step_core_outputs()
             raise
         return final
 

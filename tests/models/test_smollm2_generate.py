@@ -34,8 +34,10 @@ def test_chat_ends_on_the_end_of_turn_token(llm):
     out = llm.chat([{"role": "user", "content": "What is the capital of France?"}],
                    SamplingParams(max_tokens=40, temperature=0), use_tqdm=False)[0].outputs[0]
     assert "Paris" in out.text
-    if out.finish_reason == "stop":  # the end-of-turn token is not part of the output
-        assert not set(out.token_ids) & llm.tokenizer.stop_token_ids
+    if out.finish_reason == "stop":  # the end-of-turn token ends token_ids (vLLM counts it), not the text
+        assert out.token_ids[-1] in llm.tokenizer.stop_token_ids
+        assert not set(out.token_ids[:-1]) & llm.tokenizer.stop_token_ids
+        assert out.text == llm.tokenizer.decode(out.token_ids[:-1])
 
 
 def test_resolve_model_errors():

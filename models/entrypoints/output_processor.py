@@ -1,0 +1,105 @@
+"""The front end's half of a request's outputs: detokenization, stop strings, logprobs with their tokens'
+text, ``n`` completions. vLLM: ``v1/engine/output_processor.py``.
+
+Shared by the server's :class:`models.entrypoints.async_llm.AsyncLLM` (per step, streamed) and the offline
+:class:`models.entrypoints.llm.LLM`, so both count tokens and cut text the same way: a stop token or EOS that
+ended a completion is its last token (its text is not in ``text``), a stop string ends it at the token that
+completed it (tokens the engine generated after that are not the completion's).
+"""
+
+from __future__ import annotations
+
+from jaxkv.engine.protocol import EngineCoreOutput, LogprobsLists
+from jaxkv.outputs import Logprob
+from jaxkv.sampling_params import SamplingParams
+from models.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
+
+
+def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | None,
+                    max_model_len: int | None = None) -> list[int]:
+    """The last ``truncate_prompt_tokens`` prompt tokens (vLLM's left truncation; ``-1``: the last
+    ``max_model_len``); the prompt itself when ``None`` or when it is no longer."""
+    if truncate_prompt_tokens is None:
+        return prompt_token_ids
+    keep = max_model_len if truncate_prompt_tokens == -1 else truncate_prompt_tokens
+    return prompt_token_ids if keep is None or len(prompt_token_ids) <= keep else prompt_token_ids[-keep:]
+
+
+def logprob_dicts(lists: LogprobsLists, decode_token) -> list[dict[int, Logprob]]:
+    """:class:`LogprobsLists` as vLLM's ``{token_id: Logprob}`` per position, ``decoded_token`` from
+    ``decode_token(token_id)``; the chosen token first, then the top ones by rank."""
+    out = []
+    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
+        d = {ids[0]: Logprob(lps[0], rank, decode_token(ids[0]))}
+        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            if tok not in d:
+                d[tok] = Logprob(lp, r, decode_token(tok))
+        out.append(d)
+    return out
+
+
+class CompletionState:
+    """Detokenizer, stop strings and logprobs of one completion (``index`` of the request's ``n``).
+
+    Attributes:
+        detok: its tokens (``detok.token_ids``: what ``usage`` counts) and text.
+        logprobs: with ``SamplingParams.logprobs``, one dict per token (``decoded_token`` filled).
+        cumulative: the sum of the sampled tokens' logprobs.
+        finished: it ended (engine, stop string or abort).
+    """
+
+    def __init__(self, index: int, tokenizer, params: SamplingParams):
+        self.index = index
+        self.tokenizer = tokenizer
+        self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
+        self.detokenize = params.detokenize
+        self.stops = StopChecker(params.stop)
+        self.include_stop = params.include_stop_str_in_output
+        self.want_logprobs = params.logprobs is not None
+        self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
+        self.cumulative = 0.0 if self.want_logprobs else None
+        self.finished = False
+        self.stopped_by_string = False
+        self.stop_token: int | None = None  # the engine's stop token / EOS: in token_ids, not in the text
+
+    def decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+
+    def add(self, out: EngineCoreOutput) -> tuple[str, bool, str | None, int | str | None]:
+        """Fold one step's tokens in; returns ``(text, finished, finish_reason, stop_reason)``.
+
+        A completion the engine ended on a stop token or EOS keeps the token in ``token_ids`` but not its text
+        (unless ``include_stop_str_in_output``), as vLLM's detokenizer does."""
+        finished = out.finish_reason is not None
+        finish_reason, stop_reason = out.finish_reason, out.stop_reason
+        new = list(out.new_token_ids)
+        if finish_reason == "stop" and new and not self.include_stop:  # ended by a stop token or EOS
+            self.stop_token = new[-1]
+        new_lp = (logprob_dicts(out.new_logprobs, self.decode_token)
+                  if self.want_logprobs and out.new_logprobs is not None else None)
+        hit = None
+        texted = new[:-1] if self.stop_token is not None else new  # tokens whose text the completion shows
+        if self.stops.stop:  # a token at a time: the stop string's token is the completion's last
+            for k, token in enumerate(texted):
+                self.detok.add_tokens([token], finished=finished and k == len(texted) - 1)
+                hit = self.stops.check(self.detok.text)
+                if hit is not None:
+                    new, new_lp = new[:k + 1], None if new_lp is None else new_lp[:k + 1]
+                    break
+        else:
+            self.detok.add_tokens(texted, finished=finished)
+        if self.stop_token is not None and hit is None:
+            self.detok.add_tokens([], finished=True)  # flush what a broken character held back
+            self.detok.token_ids.append(new[-1])
+        if new_lp is not None:
+            self.logprobs.extend(new_lp)
+            self.cumulative += sum(d[tok].logprob for d, tok in zip(new_lp, new))
+        text = self.detok.text if self.detokenize else ""
+        if hit is not None:
+            at, stop = hit
+            text = text[:at + len(stop)] if self.include_stop else text[:at]
+            finished, finish_reason, stop_reason = True, "stop", stop
+            self.stopped_by_string = True
+        text = text[:self.stops.safe_len(text, finished)]
+        self.finished = finished
+        return text, finished, finish_reason, stop_reason
