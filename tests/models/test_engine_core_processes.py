@@ -95,6 +95,17 @@ def test_one_core_process_equals_the_in_process_engine(tiny, reference):
         llm.generate(["abc", "word " * 200], SamplingParams(max_tokens=4), use_tqdm=False)
     assert llm.get_engine_stats()[0]["num_unfinished_requests"] == 0
     assert _tokens(llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)) == reference[:1]
+    # n, logprobs, prompt logprobs, stop strings and sleep cross the process boundary as they run in process
+    sp = SamplingParams(n=2, max_tokens=6, seed=5, logprobs=2, prompt_logprobs=1, stop=["e"], ignore_eos=True)
+    local = LLM(tiny, enable_multiprocessing=False, **ENGINE).generate(PROMPTS[:2], sp, use_tqdm=False)
+    remote = llm.generate(PROMPTS[:2], sp, use_tqdm=False)
+    for a, b in zip(local, remote):
+        assert [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in a.outputs] == \
+            [(c.token_ids, c.text, c.finish_reason, c.logprobs) for c in b.outputs]
+        assert a.prompt_logprobs == b.prompt_logprobs and len(b.prompt_logprobs) == len(b.prompt_token_ids)
+    llm.sleep()
+    llm.wake_up()
+    assert _tokens(llm.generate(PROMPTS[:1], PARAMS[:1], use_tqdm=False)) == reference[:1]
     del llm, outs  # out of scope: the core goes too
     gc.collect()
     assert _gone(pids)
