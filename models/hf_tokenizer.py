@@ -119,6 +119,10 @@ class HFTokenizer:
     def eos_token_id(self) -> int | None:
         return self._eos
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer as its ``tokenizer.json`` text (what grammar engines read)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Tokens of the vocabulary, added tokens included."""

@@ -266,6 +266,10 @@ class GGUFTokenizer:
         """End-of-sequence id, or ``None``."""
         return self._eos
 
+    def backend_json(self) -> str:
+        """The ``tokenizers`` tokenizer as its ``tokenizer.json`` text (what grammar engines read)."""
+        return self._tok.to_str()
+
     @property
     def vocab_size(self) -> int:
         """Number of tokens in the GGUF vocabulary."""

@@ -120,7 +120,13 @@ class Request:
         # its sampling reads its own tokens (penalties, bad words of several tokens): it is scheduled only
         # when all of them are known (never with an input token still being sampled)
         self.needs_known_history = sampling_params.has_penalties or any(
-            len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ()))
+            len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ())) or (
+            sampling_params.structured_outputs is not None)
+        # structured outputs: the request's matcher (jaxkv.core.structured_output.Grammar), its bitmask width;
+        # its rows run one step per pass (the mask of each token comes from the host)
+        self.grammar = None
+        self.grammar_words = 0
+        self.grammar_future = None  # its compiled grammar (concurrent.futures.Future), shared by its n completions
         self._token_buffer = None  # all_token_ids as int32, grown on demand (penalties' history)
 
     @property

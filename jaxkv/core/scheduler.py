@@ -320,6 +320,8 @@ class Scheduler:
             return None
         if any(r.needs_known_history and r.num_output_placeholders for r in live):
             return None  # such a request waits for its token: a mixed step runs the others
+        if any(r.grammar is not None for r in live):
+            return None  # a structured output's mask comes from the host each step
         remaining = [r.remaining_tokens for r in live]
         if not self.waiting and not self.loading:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0

@@ -18,7 +18,9 @@ a profiler or the driver's utilization counter does (``scripts/bench_throughput.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
+import logging
 import os
 import time
 from typing import Iterable
@@ -36,6 +38,8 @@ from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
 from jaxkv.worker.model_runner import ModelFn, ModelRunner
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,8 +147,6 @@ def _check_params(request_id: str, params: SamplingParams, *, vocab_size: int | 
     if params.bad_words and params.bad_words_token_ids is None:
         raise ValueError(f"request_id={request_id!r}: bad_words={params.bad_words!r} need their token ids "
                          "(SamplingParams.with_bad_words_tokenized: the engine has no tokenizer)")
-    if params.structured_outputs is not None:
-        raise ValueError(f"request_id={request_id!r}: structured_outputs is not supported by this engine yet")
     if vocab_size is None:
         return
     for name, ids in (("logit_bias", params.logit_bias or ()), ("allowed_token_ids", params.allowed_token_ids or ()),
@@ -219,6 +221,8 @@ class LLMEngine:
         vocab_size: the model's vocabulary: token ids of requests (``logit_bias``, ``allowed_token_ids``,
             stop tokens, bad words) are checked against it (``None``: not checked).
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` per token a request may ask for (vLLM's).
+        structured_outputs: a :class:`jaxkv.core.structured_output.StructuredOutputManager` for the model's
+            tokenizer (``None``: requests with ``structured_outputs`` are refused).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -234,7 +238,7 @@ class LLMEngine:
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
                  check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
                  kv_offloading_size: float | None = None, preemption_mode: str = "recompute",
-                 vocab_size: int | None = None, max_logprobs: int = 20):
+                 vocab_size: int | None = None, max_logprobs: int = 20, structured_outputs=None):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -259,6 +263,8 @@ class LLMEngine:
                                   num_kv_cache_groups=len(kv_cache_groups or ()) or 1, max_logprobs=max_logprobs)
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
+        self.structured_outputs = structured_outputs
+        self._fsm_waiting: list[Request] = []  # requests whose grammar is compiling (vLLM WAITING_FOR_FSM)
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.kv_cache_groups = tuple(kv_cache_groups or ())
@@ -454,6 +460,12 @@ class LLMEngine:
         if len(prompt) >= self.max_model_len:
             raise ValueError(f"request_id={request_id!r}: the prompt has {len(prompt)} tokens; "
                              f"max_model_len={self.max_model_len} leaves no room to generate")
+        grammar = None
+        if sampling_params.structured_outputs is not None:
+            if self.structured_outputs is None:
+                raise ValueError(f"request_id={request_id!r}: structured_outputs need the model's tokenizer; this "
+                                 "engine was built without one")
+            grammar = self.structured_outputs.compile(sampling_params.structured_outputs)  # raises if invalid
         n = sampling_params.n
         seed = sampling_params.seed
         if seed is None:
@@ -466,6 +478,7 @@ class LLMEngine:
             req = Request(rid, prompt, params, arrival_index=self._arrivals, seed=seed + i,
                           max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
             req.parent_id, req.index, req.final_only = request_id, i, final_only
+            req.grammar_future = grammar
             reqs.append(req)
         req = reqs[0]
         longest = req.num_prompt_tokens + req.max_tokens
@@ -480,10 +493,43 @@ class LLMEngine:
         self._arrivals += 1
         for r in reqs:
             self._requests[r.request_id] = r
-        self.scheduler.add_request(req)
+        if grammar is None:
+            self.scheduler.add_request(req)
+        else:
+            self._fsm_waiting.append(req)
+            self._admit_compiled()
         if n > 1:
             self._children[request_id] = reqs
             self._held[request_id] = reqs[1:]
+
+    def _attach_grammar(self, req: Request) -> bool:
+        """Give ``req`` its own matcher once its grammar compiled; False while it compiles. A grammar that
+        failed to compile ends the request (aborted; the error is logged)."""
+        future = req.grammar_future
+        if future is None or req.grammar is not None:
+            return True
+        if not future.done():
+            return False
+        try:
+            req.grammar = self.structured_outputs.grammar(future.result())
+            req.grammar_words = self.structured_outputs.bitmask_words
+        except Exception as e:  # noqa: BLE001 - validated at add_request: a library failure
+            log.error("request %s: its grammar did not compile: %s", req.request_id, e)
+            self.abort_request(req.request_id)
+        return True
+
+    def _admit_compiled(self) -> None:
+        """Requests whose grammar has compiled join the scheduler's queue (vLLM: out of WAITING_FOR_FSM)."""
+        waiting = []
+        for req in self._fsm_waiting:
+            if req.is_finished:
+                continue
+            if self._attach_grammar(req):
+                if not req.is_finished:
+                    self.scheduler.add_request(req)
+            else:
+                waiting.append(req)
+        self._fsm_waiting = waiting
 
     def _release_held(self) -> None:
         """Completions 1.. of an ``n > 1`` request join the queue once the first one's prompt is computed (its
@@ -493,6 +539,7 @@ class LLMEngine:
             if first.num_output_tokens or first.is_finished:
                 for req in held:
                     if not req.is_finished:
+                        self._attach_grammar(req)  # compiled already: the first completion ran
                         self.scheduler.add_request(req)
                 del self._held[parent]
 
@@ -530,10 +577,11 @@ class LLMEngine:
         """Requests waiting, loading or running, a dispatched step not fetched, or a cancelled load that has
         not read its host blocks yet (steps release them)."""
         return (self.scheduler.has_unfinished_requests() or self._inflight is not None or bool(self._loads)
-                or bool(self._held))
+                or bool(self._held) or bool(self._fsm_waiting))
 
     def get_num_unfinished_requests(self) -> int:
-        return self.scheduler.get_num_unfinished_requests() + sum(map(len, self._held.values()))
+        return (self.scheduler.get_num_unfinished_requests() + sum(map(len, self._held.values()))
+                + len(self._fsm_waiting))
 
     # -- the loop ---------------------------------------------------------------------------------------
     def step(self, *, final_only: bool = False) -> list[RequestOutput]:
@@ -607,6 +655,8 @@ class LLMEngine:
         compiles = self.num_compiles
         c = self._counters
         t_sched = t_exec = 0.0
+        if self._fsm_waiting:
+            self._admit_compiled()
         if self._inflight is None:
             self._land_loads()
             sched = self.scheduler.schedule()
@@ -616,6 +666,8 @@ class LLMEngine:
                 self._busy_until = None
                 if self._loads:  # only loads in flight: wait a little for one instead of spinning
                     self._loads[0][1].wait(0.005)
+                elif self._fsm_waiting:  # only grammars compiling: likewise
+                    concurrent.futures.wait([self._fsm_waiting[0].grammar_future], timeout=0.005)
                 return aborted, []
             t = time.perf_counter()
             self._inflight = (sched, self._execute(sched, None))
@@ -657,6 +709,10 @@ class LLMEngine:
                 req.logits.extend(logits[:got, r] if loop else logits[r:r + 1])
             if logprobs is not None and got and req.logprobs is not None:
                 self._record_logprobs(req, logprobs, r, got, loop)
+            if got and req.grammar is not None and not req.grammar.accept(req.new_token_ids):
+                log.error("request %s: token %s outside its grammar (%s): aborted", req.request_id,
+                          req.new_token_ids, req.grammar.error)
+                self.abort_request(req.request_id)
         if self._held:
             self._release_held()
         c["steps"] += 1

@@ -733,6 +733,13 @@ class ModelRunner:
             inputs["plp_targets"][:len(targets)] = targets
             plp_k = _logprobs_width(plp_k, self.max_logprobs)
         sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+        constrained = [r for r, req in enumerate(reqs) if req.grammar is not None and sched.samples[r]]
+        if constrained:
+            bitmask = np.full((num_rows, reqs[constrained[0]].grammar_words), -1, np.int32)
+            for r in constrained:
+                reqs[r].grammar.fill_bitmask(bitmask, r)
+            extras["bitmask"] = bitmask
+            features = dataclasses.replace(features, bitmask=True)
         return inputs, sampling, extras, features, plp_k
 
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,

@@ -98,6 +98,8 @@ class SamplerFeatures:
         allowed: ``extras``: ``allowed_ids`` ``int32[R, A]`` (``-1`` padded) and ``has_allowed`` ``int32[R]``
             (1: only the row's ids may be sampled).
         bad_words: ``extras["bad_ids"]`` ``int32[R, W]``: tokens the row may not sample now (``-1`` padded).
+        bitmask: structured outputs: ``extras["bitmask"]`` ``int32[R, ceil(vocab / 32)]``, bit ``t % 32`` of word
+            ``t // 32`` set where token ``t`` is allowed (all ones for an unconstrained row).
         num_logprobs: ``-1``: no row wants logprobs; else the top this many are returned per row (with the
             sampled token's logprob and rank).
     """
@@ -108,6 +110,7 @@ class SamplerFeatures:
     logit_bias: bool = False
     allowed: bool = False
     bad_words: bool = False
+    bitmask: bool = False
     num_logprobs: int = -1
 
 
@@ -206,8 +209,9 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
 
 def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, features: SamplerFeatures, *,
                    output_counts: jax.Array | None = None, prompt_mask: jax.Array | None = None) -> jax.Array:
-    """The logits a row samples from before its temperature: ``allowed_token_ids``, bad words, the
-    ``min_tokens`` mask, ``logit_bias``, then the penalties (vLLM V1's order; masked tokens are ``-inf``).
+    """The logits a row samples from before its temperature: the structured-output bitmask, ``allowed_token_ids``,
+    bad words, the ``min_tokens`` mask, ``logit_bias``, then the penalties (vLLM V1's order; masked tokens are
+    ``-inf``).
 
     Args:
         logits: ``f32[R, vocab]`` raw logits.
@@ -220,6 +224,11 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
     """
     logits = logits.astype(jnp.float32)
     vocab = logits.shape[-1]
+    if features.bitmask:
+        token = jnp.arange(vocab)
+        words = extras["bitmask"][:, token // 32]
+        allowed = (jnp.right_shift(words, (token % 32).astype(jnp.int32)[None, :]) & 1) != 0
+        logits = jnp.where(allowed, logits, -jnp.inf)
     if features.allowed:
         allowed = _set_at(jnp.zeros_like(logits, dtype=bool), extras["allowed_ids"], True)
         logits = jnp.where((extras["has_allowed"][:, None] > 0) & ~allowed, -jnp.inf, logits)

@@ -85,6 +85,8 @@ class EngineArgs:
         preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``kv_offloading_size``); vLLM V0's names.
             See :class:`jaxkv.LLMEngine` for both.
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
+        structured_outputs_disable_any_whitespace: JSON grammars allow no whitespace beyond the compact form
+            (vLLM ``--structured-outputs-config.disable_any_whitespace``).
     """
 
     model: str = "smollm2-135m"
@@ -113,6 +115,7 @@ class EngineArgs:
     kv_offloading_size: float | None = None
     preemption_mode: str = "recompute"
     max_logprobs: int = 20
+    structured_outputs_disable_any_whitespace: bool = False
 
     def __post_init__(self):
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("compile_ahead", COMPILE_AHEAD_MODES),
@@ -206,6 +209,8 @@ class EngineArgs:
             "tier: blocks evicted from the device prefix cache are kept there, and swap preemption uses it "
             "(default: none)")
         add("--max-logprobs", type=int, help="most logprobs / prompt_logprobs a request may ask for")
+        add("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
+            help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
         add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
             "again; swap: its blocks go to the host tier and back (needs --kv-offloading-size)")
         unknown = set(defaults) - {a.dest for a in g._group_actions}
@@ -359,7 +364,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         num_scheduler_steps=args.num_scheduler_steps, max_admission_delay_steps=args.max_admission_delay_steps,
         async_scheduling=args.async_scheduling, seed=args.seed, return_logits=args.return_logits, mesh=mesh,
         kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode,
-        vocab_size=config.vocab_size, max_logprobs=args.max_logprobs)
+        vocab_size=config.vocab_size, max_logprobs=args.max_logprobs,
+        structured_outputs=structured_output_manager(tokenizer, config.vocab_size,
+                                                     any_whitespace=not args.structured_outputs_disable_any_whitespace))
     t_built = time.perf_counter()
     warmup_s = 0.0
     executable_cache = None
@@ -387,6 +394,16 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 preemption_mode=args.preemption_mode)
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
+
+
+def structured_output_manager(tokenizer, vocab_size: int, *, any_whitespace: bool = True):
+    """The engine's grammar compiler for ``tokenizer`` (``None`` for a tokenizer without a ``tokenizer.json``,
+    e.g. dummy weights' byte-level placeholder: structured outputs are then refused)."""
+    backend_json = getattr(tokenizer, "backend_json", None)
+    if backend_json is None:
+        return None
+    from jaxkv.core.structured_output import StructuredOutputManager
+    return StructuredOutputManager(backend_json(), vocab_size, tokenizer.stop_token_ids, any_whitespace=any_whitespace)
 
 
 def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, cache_dtype, attention_impl):

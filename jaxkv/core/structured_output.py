@@ -1,0 +1,180 @@
+"""Structured outputs: a grammar per request, its allowed next tokens as a packed bitmask each step.
+
+vLLM: ``vllm/v1/structured_output/`` (``StructuredOutputManager``, the ``guidance`` backend). The grammar
+engine is llguidance (``llguidance``, the Rust library behind Guidance, a backend of vLLM's): no dependencies,
+so a CPU machine and CI install it in seconds (xgrammar requires torch, transformers and triton), and on
+SmolLM2's 49,152-token vocabulary a JSON-schema grammar compiled in ~5 ms and a mask took well under a
+millisecond per token (docs/perf-notes.md). Each :class:`StructuredOutputsParams` kind maps to one llguidance
+grammar: a JSON schema (``json``; ``json_object`` is ``{"type": "object"}``), a regular expression, a choice
+(an alternation of the literal strings), or a Lark / GBNF grammar.
+
+Grammars compile on a thread pool, off the engine loop, and are cached by their text; a request waits for
+its grammar outside the scheduler's queue (vLLM's ``WAITING_FOR_FSM``), so it holds no other request back.
+Each request gets its own matcher (a copy of the compiled one). Per step the host fills each constrained row
+of an ``int32[rows, ceil(vocab / 32)]`` bitmask (bit ``t % 32`` of word ``t // 32``: token ``t`` allowed) and
+the jitted step masks the logits with it; the sampled token then advances the request's matcher. Once the
+grammar is complete only EOS is allowed, so the request ends on its own.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import threading
+from typing import Any, Iterable
+
+import numpy as np
+
+from jaxkv.sampling_params import StructuredOutputsParams
+
+
+def _import_llguidance():
+    try:
+        import llguidance
+        import llguidance.numpy
+    except ImportError:  # pragma: no cover - a dependency of jaxkv
+        raise ValueError("structured outputs need the llguidance package (pip install llguidance)") from None
+    return llguidance
+
+
+def grammar_text(params: StructuredOutputsParams, *, any_whitespace: bool = True) -> str:
+    """The llguidance grammar (its JSON serialisation) of ``params``. ``any_whitespace``: JSON may have any
+    whitespace between its tokens (vLLM's default; off: llguidance's compact form, vLLM's
+    ``disable_any_whitespace``).
+
+    Raises:
+        ValueError: a JSON schema that is not JSON.
+    """
+    llg = _import_llguidance()
+    defaults = {"whitespace_flexible": bool(any_whitespace)}
+    if params.json_object:
+        return llg.LLMatcher.grammar_from_json_schema(json.dumps({"type": "object"}), defaults=defaults)
+    if params.json is not None:
+        spec = params.json if isinstance(params.json, str) else json.dumps(params.json)
+        try:
+            json.loads(spec)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"structured_outputs.json is not valid JSON: {e}") from None
+        return llg.LLMatcher.grammar_from_json_schema(spec, defaults=defaults)
+    if params.regex is not None:
+        return llg.grammar_from("regex", params.regex)
+    if params.choice is not None:
+        return llg.grammar_from("choice", json.dumps(list(params.choice)))
+    return llg.grammar_from("grammar", params.grammar)  # Lark or GBNF (llguidance tells them apart)
+
+
+class Grammar:
+    """One request's matcher: which tokens may come next, and the tokens that came."""
+
+    def __init__(self, matcher, vocab_size: int):
+        self.matcher = matcher
+        self.vocab_size = vocab_size
+
+    def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
+        """Row ``row`` of ``bitmask`` (``int32[rows, words]``) gets the allowed next tokens."""
+        import llguidance.numpy as lnp
+        lnp.fill_next_token_bitmask(self.matcher, bitmask, row)
+
+    def accept(self, tokens: Iterable[int]) -> bool:
+        """Advance over sampled ``tokens``; False when one was not allowed (the matcher's error says why)."""
+        for t in tokens:
+            if self.matcher.is_stopped():  # the grammar ended: its EOS is the request's last token
+                return True
+            if not self.matcher.consume_token(int(t)):
+                return False
+        return True
+
+    @property
+    def error(self) -> str | None:
+        return self.matcher.get_error() or None
+
+    @property
+    def is_terminated(self) -> bool:
+        return bool(self.matcher.is_stopped())
+
+
+class StructuredOutputManager:
+    """Compiles grammars for one tokenizer and hands each request its matcher (vLLM
+    ``StructuredOutputManager``).
+
+    Args:
+        tokenizer_json: the tokenizer's ``tokenizer.json`` text (``tokenizers.Tokenizer.to_str()``).
+        vocab_size: the model's vocabulary (the bitmask's width in bits; may exceed the tokenizer's).
+        eos_token_ids: the tokens that end a completion (allowed once a grammar is complete).
+        any_whitespace: JSON grammars allow any whitespace between tokens (vLLM's default); ``False``: the
+            compact form only (vLLM ``disable_any_whitespace``; a weak model cannot loop on whitespace).
+        max_workers: compile threads.
+    """
+
+    def __init__(self, tokenizer_json: str, vocab_size: int, eos_token_ids: Iterable[int], *,
+                 any_whitespace: bool = True, max_workers: int = 2):
+        self.any_whitespace = bool(any_whitespace)
+        self.vocab_size = int(vocab_size)
+        self.bitmask_words = -(-self.vocab_size // 32)
+        self._tokenizer_json = tokenizer_json
+        self._eos = sorted(int(t) for t in eos_token_ids)
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers, thread_name_prefix="jaxkv-grammar")
+        self._lock = threading.Lock()
+        self._ll_tokenizer = None
+        self._compiled: dict[str, concurrent.futures.Future] = {}
+        self.num_compiled = 0
+
+    def _tokenizer(self):
+        with self._lock:
+            if self._ll_tokenizer is None:
+                llg = _import_llguidance()
+                self._ll_tokenizer = llg.LLTokenizer(self._tokenizer_json, n_vocab=self.vocab_size,
+                                                     eos_token=self._eos or None)
+            return self._ll_tokenizer
+
+    def validate(self, params: StructuredOutputsParams) -> str:
+        """The grammar text of ``params``, checked without compiling it for the vocabulary.
+
+        Raises:
+            ValueError: naming what is wrong with the grammar.
+        """
+        text = grammar_text(params, any_whitespace=self.any_whitespace)
+        error = _import_llguidance().LLMatcher.validate_grammar(text)
+        if error:
+            raise ValueError(f"structured_outputs: {error.strip()}")
+        return text
+
+    def compile(self, params: StructuredOutputsParams) -> concurrent.futures.Future:
+        """A future of the compiled matcher of ``params`` (cached by grammar text; compiled on a thread).
+
+        Raises:
+            ValueError: the grammar is invalid (from :meth:`validate`).
+        """
+        text = self.validate(params)
+        with self._lock:
+            future = self._compiled.get(text)
+            if future is None:
+                future = self._compiled[text] = self._pool.submit(self._compile, text)
+        return future
+
+    def _compile(self, text: str):
+        llg = _import_llguidance()
+        matcher = llg.LLMatcher(self._tokenizer(), text)
+        error = matcher.get_error()
+        if error:
+            raise ValueError(f"structured_outputs: {error}")
+        self.num_compiled += 1
+        return matcher
+
+    def grammar(self, compiled) -> Grammar:
+        """A request's own matcher, copied from a compiled one."""
+        return Grammar(compiled.deep_copy(), self.vocab_size)
+
+    def new_bitmask(self, rows: int) -> np.ndarray:
+        """``int32[rows, words]`` with every token allowed."""
+        return np.full((rows, self.bitmask_words), -1, np.int32)
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def __reduce__(self) -> tuple[Any, ...]:  # rebuilt empty in another process
+        return (_rebuild, (self._tokenizer_json, self.vocab_size, self._eos, self.any_whitespace))
+
+
+def _rebuild(tokenizer_json: str, vocab_size: int, eos: list[int], any_whitespace: bool) -> StructuredOutputManager:
+    return StructuredOutputManager(tokenizer_json, vocab_size, eos, any_whitespace=any_whitespace)
