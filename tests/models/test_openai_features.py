@@ -38,7 +38,7 @@ from models.entrypoints.openai.api_server import build_app  # noqa: E402
 
 EOS = 0
 MODEL = "fake-model"
-MAX_MODEL_LEN = 256
+MAX_MODEL_LEN = 1024
 TEXT = b"The quick brown fox jumps over the lazy dog. "
 SCRIPTS: dict[str, bytes] = {}  # filled by test_openai_tool_calls.py (recorded model outputs)
 CHAT_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"

@@ -25,11 +25,22 @@ RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt"
 _compiled: dict[str, Any] = {}
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' ``tojson`` filter (keys in their order, non-ASCII kept, no HTML escaping); Jinja's own
+    sorts keys and escapes ``<>&'``, which changes how tool definitions read in the prompt."""
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def _template(source: str):
     t = _compiled.get(source)
     if t is None:
         from models.tokenizer import compile_chat_template
-        t = _compiled[source] = compile_chat_template(source)
+
+        # the tokenizer's environment (sandbox, trim/lstrip blocks, loopcontrols, raise_exception,
+        # strftime_now) with transformers' tojson
+        env = compile_chat_template("").environment.overlay()
+        env.filters = dict(env.filters, tojson=_tojson)
+        t = _compiled[source] = env.from_string(source)
     return t
 
 

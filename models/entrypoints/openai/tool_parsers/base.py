@@ -199,10 +199,15 @@ class ToolParser:
         """
         raise NotImplementedError
 
+    def content_before_calls(self, text: str) -> str | None:
+        """The content of a text whose tool calls are malformed (streaming keeps what came before them)."""
+        return None
+
     def make_id(self) -> str:
         return make_tool_call_id()
 
-    def adjust_skip_special_tokens(self, skip_special_tokens: bool) -> bool:
+    @classmethod
+    def adjust_skip_special_tokens(cls, skip_special_tokens: bool) -> bool:
         """The detokenization the format needs (Mistral's ``[TOOL_CALLS]`` is a special token)."""
         return skip_special_tokens
 
@@ -257,8 +262,8 @@ class ToolCallStreamer:
         try:
             content, calls = self.parser.scan(text, final)
         except NotJson:
-            self.broken = True  # what was sent stays; nothing more can be parsed
-            content, calls = None, []
+            self.broken = True  # what was sent stays; nothing after the malformed call is parsed
+            content, calls = self.parser.content_before_calls(text), []
         delta = None
         if content is not None and len(content) > self.content_sent:
             delta = content[self.content_sent:]

@@ -57,6 +57,9 @@ class HermesToolParser(ToolParser):
     name = "hermes"
     start, end = "<tool_call>", "</tool_call>"
 
+    def content_before_calls(self, text):
+        return text[:text.find(self.start)] if self.start in text else text
+
     def scan(self, text, final):
         k = text.find(self.start)
         if k < 0:
@@ -120,7 +123,11 @@ class MistralToolParser(ToolParser):
     def make_id(self) -> str:
         return mistral_tool_call_id()
 
-    def adjust_skip_special_tokens(self, skip_special_tokens: bool) -> bool:
+    def content_before_calls(self, text):
+        return text[:text.find(self.bot)] if self.bot in text else text
+
+    @classmethod
+    def adjust_skip_special_tokens(cls, skip_special_tokens: bool) -> bool:
         return False
 
     def scan(self, text, final):
