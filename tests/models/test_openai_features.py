@@ -112,6 +112,8 @@ class LogprobEngine:
         self.lock = threading.Lock()
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
+        if sampling_params.min_p == 0.75:  # what a real engine refuses (the request's field named first)
+            raise ValueError(f"min_p={sampling_params.min_p} is not supported by this engine yet")
         prompt = list(prompt_token_ids)
         text = bytes(prompt)
         script = next((s for name, s in SCRIPTS.items() if f"@{name}@".encode() in text), None)
@@ -391,6 +393,15 @@ def test_bad_sampling_fields_are_400_naming_the_field(server, extra, param):
     assert r.status_code == 400, r.text
     err = r.json()["error"]
     assert err["param"] == param and param.split(".")[-1] in err["message"], err
+
+
+def test_engine_refusals_are_400_naming_the_field(server):
+    body = {"model": MODEL, "prompt": "hi", "max_tokens": 2, "min_p": 0.75}
+    r = httpx.post(server[0] + "/v1/completions", json=body, timeout=10)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "min_p", r.text
+    assert r.json()["error"]["code"] == "unsupported_parameter" and "not supported" in r.json()["error"]["message"]
+    events = sse_events(server[0], "/v1/completions", dict(body, stream=True))  # the stream has started
+    assert events[-1]["error"]["param"] == "min_p"
 
 
 def test_no_op_values_of_unimplemented_fields_and_unknown_fields(server, caplog):

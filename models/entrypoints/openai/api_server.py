@@ -62,6 +62,7 @@ from models.entrypoints.openai.protocol import (
 )
 from models.entrypoints.openai.serving_chat import OpenAIServingChat
 from models.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from models.entrypoints.openai.serving_engine import engine_error
 from models.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxkv.serve")
@@ -228,7 +229,7 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return response
 
     async def _value_error(_: Request, e: ValueError):  # the engine rejected a request
-        return error_response(OpenAIError(f"Invalid request: {e}"))
+        return error_response(engine_error(e))
 
     async def _http_error(_: Request, e: HTTPException):  # no route (404), wrong method (405)
         code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)

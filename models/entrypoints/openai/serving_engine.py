@@ -366,12 +366,24 @@ class ChunkFormatter:
                 f'{json.dumps(finish_reason)},"stop_reason":{json.dumps(stop_reason)}}}]}}\n\n')
 
 
+def engine_error(e: ValueError) -> OpenAIError:
+    """The 400 for a request the engine refused (``ValueError("field=value ...")``), naming the field when the
+    message starts with one of the request's fields (``"n=3 is not supported by this engine yet"``)."""
+    from models.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest
+
+    m = _FIELD_IN_MESSAGE.match(str(e))
+    param = m.group(1) if m and (m.group(1) in CompletionRequest.model_fields
+                                 or m.group(1) in ChatCompletionRequest.model_fields) else None
+    code = "unsupported_parameter" if "not supported" in str(e) else "invalid_value"
+    return OpenAIError(f"Invalid request: {e}", param=param, code=code)
+
+
 def error_event(e: BaseException) -> str:
     """An error met after the stream started: OpenAI's error JSON as one event."""
     if isinstance(e, OpenAIError):
         return sse(e.to_dict())
     if isinstance(e, ValueError):
-        return sse(OpenAIError(str(e)).to_dict())
+        return sse(engine_error(e).to_dict())
     if isinstance(e, EngineDeadError):
         return sse(OpenAIError(str(e), status_code=503, code="engine_dead").to_dict())
     return sse(OpenAIError(f"internal error: {e!r}", status_code=500, code="internal_error").to_dict())
