@@ -317,3 +317,18 @@ def test_tool_messages_and_parallel_tool_calls(servers):
     # /tokenize renders tools the same way
     t = httpx.post(base + "/tokenize", json={"messages": messages, "tools": TOOLS}).json()
     assert bytes(t["tokens"]).decode() == prompt
+
+
+def test_tool_flags():
+    from models.entrypoints.openai.cli_args import checked_server_flags, make_arg_parser
+
+    p = make_arg_parser()
+    args = p.parse_args(["--model", "m", "--enable-auto-tool-choice", "--tool-call-parser", "llama3_json"])
+    assert (args.enable_auto_tool_choice, args.tool_call_parser) == (True, "llama3_json")
+    checked_server_flags(args)
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        checked_server_flags(p.parse_args(["--model", "m", "--enable-auto-tool-choice"]))
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "m", "--tool-call-parser", "nonsense"])
+    with pytest.raises(ValueError, match="--tool-call-parser"):
+        make_app(enable_auto_tool_choice=True)

@@ -180,10 +180,9 @@ class ServerMetrics:
                           labels + ["finished_reason"], **reg)
         self.success = {r: success.labels(model_name, r) for r in ("stop", "length", "abort")}
         self._success_family = success
-        self.process_counters = {k: Counter(PREFIX + k.removesuffix("_total"), h, labels, **reg).labels(model_name)
-                                 for k, h in PROCESS_COUNTERS.items()}
-        self.process_gauges = {k: Gauge(PREFIX + k, h, labels, multiprocess_mode="livesum", **reg).labels(model_name)
-                               for k, h in PROCESS_GAUGES.items()}
+        self._reg, self._labels = reg, labels
+        self.process_counters: dict[str, Any] = {}  # made when their /stats field first shows up
+        self.process_gauges: dict[str, Any] = {}
         self._published: dict[str, float] = {}
         self._last_stats: dict[str, Any] = {}
         self.collector = StatsCollector(self._shared_stats, model_name)
@@ -197,16 +196,24 @@ class ServerMetrics:
         """Move this process's counters and gauges of ``/stats`` into their metrics (a counter grows by
         what it grew since the last call)."""
         stats = self.stats() if stats is None else stats
-        for key, counter in self.process_counters.items():
+        for key, help_ in PROCESS_COUNTERS.items():
             value = stats.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
+                counter = self.process_counters.get(key)
+                if counter is None:
+                    counter = self.process_counters[key] = Counter(
+                        PREFIX + key.removesuffix("_total"), help_, self._labels, **self._reg).labels(self.model_name)
                 grown = value - self._published.get(key, 0)
                 if grown > 0:
                     counter.inc(grown)
                     self._published[key] = value
-        for key, gauge in self.process_gauges.items():
+        for key, help_ in PROCESS_GAUGES.items():
             value = stats.get(key)
             if isinstance(value, (int, float)) and not isinstance(value, bool):
+                gauge = self.process_gauges.get(key)
+                if gauge is None:
+                    gauge = self.process_gauges[key] = Gauge(PREFIX + key, help_, self._labels, multiprocess_mode="livesum",
+                                                             **self._reg).labels(self.model_name)
                 gauge.set(value)
 
     def render(self) -> bytes:
