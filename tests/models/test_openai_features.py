@@ -38,11 +38,12 @@ from models.entrypoints.openai.api_server import build_app  # noqa: E402
 
 EOS = 0
 MODEL = "fake-model"
-MAX_MODEL_LEN = 1024
+MAX_MODEL_LEN = 2048
 TEXT = b"The quick brown fox jumps over the lazy dog. "
 SCRIPTS: dict[str, bytes] = {}  # filled by test_openai_tool_calls.py (recorded model outputs)
 CHAT_TEMPLATE = ("{% if tools %}<tools>{{ tools | tojson }}</tools>{% endif %}"
-                 "{% for m in messages %}<{{ m.role }}>{{ m.content }}"
+                 "{% for m in messages %}<{{ m.role }}>{% if m.reasoning_content %}({{ m.reasoning_content }}){% endif %}"
+                 "{{ m.content }}"
                  "{% if m.tool_calls %}{% for c in m.tool_calls %}<call>{{ c.function.name }}"
                  "{{ c.function.arguments | tojson }}</call>{% endfor %}{% endif %}"
                  "{% if m.tool_call_id %}<id>{{ m.tool_call_id }}</id>{% endif %}</{{ m.role }}>{% endfor %}"

@@ -299,7 +299,7 @@ def test_bad_tool_requests_are_400(servers, body, param):
 def test_tool_messages_and_parallel_tool_calls(servers):
     base, engine = servers["hermes"]
     messages = [{"role": "user", "content": "weather?"},
-                {"role": "assistant", "content": None, "tool_calls": [
+                {"role": "assistant", "content": None, "reasoning_content": "think", "tool_calls": [
                     {"id": "call_1", "type": "function",
                      "function": {"name": "get_weather", "arguments": json.dumps({"city": "Paris"})}}]},
                 {"role": "tool", "tool_call_id": "call_1", "content": "18C"},
@@ -308,7 +308,8 @@ def test_tool_messages_and_parallel_tool_calls(servers):
                                               parallel_tool_calls=False)
     assert [c.function.name for c in r.choices[0].message.tool_calls] == ["get_weather"]
     prompt = bytes(engine.prompts[r.id]).decode()
-    assert '<assistant><call>get_weather{"city": "Paris"}</call></assistant><tool>18C<id>call_1</id></tool>' in prompt
+    assert '<assistant>(think)<call>get_weather{"city": "Paris"}</call></assistant><tool>18C<id>call_1</id></tool>' \
+        in prompt
     events = sse_events(base, "/v1/chat/completions", {
         "model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 400, "parallel_tool_calls": False,
         "stream": True})

@@ -46,13 +46,16 @@ def _template(source: str):
 
 def conversation(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, Any]], bool]:
     """The messages as template dicts, and whether any needs more than ``role`` and ``content`` (tool calls,
-    a tool call id, a name). Tool-call arguments given as JSON text become objects, as vLLM passes them
+    a tool call id, a name, ``reasoning_content``). Tool-call arguments given as JSON text become objects, as vLLM passes them
     (templates write them with ``tojson``)."""
     out, rich = [], False
     for m in messages:
         d: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             d["name"] = m.name
+            rich = True
+        if m.reasoning_content is not None:  # an assistant turn's reasoning (Qwen 3's template reads it)
+            d["reasoning_content"] = m.reasoning_content
             rich = True
         if m.tool_call_id is not None:
             d["tool_call_id"] = m.tool_call_id

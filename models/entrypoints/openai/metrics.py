@@ -253,6 +253,8 @@ class RequestTracker:
         self.done = False
 
     def on_output(self, out) -> None:
+        """Note one :class:`~models.entrypoints.async_llm.StreamOutput` (TTFT at the first tokens, then the
+        inter-token latency of its completion)."""
         i = out.index
         count = len(out.token_ids)
         new = count - self.ntok[i]

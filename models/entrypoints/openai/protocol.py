@@ -368,6 +368,8 @@ class CompletionRequest(_SamplingFields):
         return 16 if v is None else v  # vLLM: a null max_tokens is the default 16
 
     def check_supported(self) -> None:
+        """400 for ``suffix``, ``best_of`` other than ``n``, ``max_tokens: 0`` without ``echo`` (and the shared
+        checks)."""
         super().check_supported()
         if self.suffix is not None:
             raise unsupported("suffix", self.suffix, " (no fill-in-the-middle)")
@@ -408,6 +410,8 @@ class ToolCallIn(OpenAIBaseModel):
 
 
 class ChatMessage(OpenAIBaseModel):
+    """One message of ``messages`` (``tool_calls`` of an assistant turn, ``tool_call_id`` of a tool result)."""
+
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
     name: str | None = None
@@ -432,6 +436,8 @@ class FunctionDefinition(OpenAIBaseModel):
 
 
 class ChatCompletionToolParam(OpenAIBaseModel):
+    """One of ``tools``: ``{"type": "function", "function": {"name", "description", "parameters"}}``."""
+
     type: Literal["function"] = "function"
     function: FunctionDefinition
 
@@ -441,6 +447,8 @@ class NamedFunction(OpenAIBaseModel):
 
 
 class ChatCompletionNamedToolChoiceParam(OpenAIBaseModel):
+    """``tool_choice: {"type": "function", "function": {"name": ...}}``."""
+
     type: Literal["function"] = "function"
     function: NamedFunction
 
@@ -462,6 +470,9 @@ class ChatCompletionRequest(_SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None  # vLLM extension
 
     def check_supported(self) -> None:
+        """400 for ``top_logprobs`` without ``logprobs``, ``continue_final_message`` with
+        ``add_generation_prompt``, a ``tool_choice`` without ``tools`` or naming a tool not in them (and the
+        shared checks). vLLM: ``check_logprobs``, ``check_generation_prompt``, ``check_tool_usage``."""
         super().check_supported()
         if self.top_logprobs is not None and self.top_logprobs != 0 and not self.logprobs:
             raise OpenAIError("Invalid value for 'top_logprobs': it needs 'logprobs' set to true",
