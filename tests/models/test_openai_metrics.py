@@ -9,6 +9,11 @@
 
 from __future__ import annotations
 
+import os
+import pathlib
+import signal
+import subprocess
+
 import httpx
 import pytest
 
@@ -113,7 +118,7 @@ def test_two_api_server_processes_report_one_total(tmp_path):
     """Both API-server processes of ``--api-server-count 2`` answer the same totals, whichever served the
     requests (requests and scrapes go over fresh connections, which the kernel hands to either process)."""
     pytest.importorskip("uvicorn")
-    from test_serve_faults import Server
+    from test_serve_faults import Server, _children
     from tests.tiny_gguf import write_tiny_llama_gguf
 
     model = str(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
@@ -137,5 +142,29 @@ def test_two_api_server_processes_report_one_total(tmp_path):
                 break
         assert sorted(answers) == [0, 1], answers
         assert answers[0] == answers[1] == (requests * max_tokens, requests, requests, requests), answers
+        # the supervisor made the metrics directory and removes it when it stops
+        environ = [e for pid in _children(server.proc.pid)  # the API servers' (the engine core has none)
+                   for e in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]
+        dirs = {e.split(b"=", 1)[1].decode() for e in environ if e.startswith(b"PROMETHEUS_MULTIPROC_DIR=")}
+        assert len(dirs) == 1, dirs
+        metrics_dir = dirs.pop()
+        assert os.path.isdir(metrics_dir) and os.listdir(metrics_dir)
+        server.proc.send_signal(signal.SIGTERM)
+        assert server.proc.wait(30) == 0 and not os.path.exists(metrics_dir)
     finally:
         server.stop()
+
+
+def test_stale_metrics_dirs_of_dead_supervisors_are_removed(tmp_path):
+    from models.entrypoints.openai.server import PROMETHEUS_DIR_PREFIX, remove_stale_metrics_dirs
+
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    stale = tmp_path / f"{PROMETHEUS_DIR_PREFIX}{dead.pid}-abc"
+    live = tmp_path / f"{PROMETHEUS_DIR_PREFIX}{os.getpid()}-abc"
+    other = tmp_path / "jaxkv-prometheus-notapid"
+    for d in (stale, live, other):
+        d.mkdir()
+        (d / "counter_1.db").write_bytes(b"x")
+    assert remove_stale_metrics_dirs(str(tmp_path)) == [str(stale)]
+    assert not stale.exists() and live.exists() and other.exists()

@@ -203,6 +203,33 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
 
 ATTACH_ENV = "JAXKV_API_SERVER_ATTACH"  # JSON for an API-server process: client_index, endpoints, core pids, fd
 PROMETHEUS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode (several API servers)
+PROMETHEUS_DIR_PREFIX = "jaxkv-prometheus-"  # + the supervisor's pid + "-": its metrics directory
+
+
+def remove_stale_metrics_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the metrics directories of supervisors that are gone without cleaning up (killed with SIGKILL);
+    returns their paths. A directory is stale when the pid in its name is not a live process."""
+    import shutil
+    import tempfile
+
+    removed = []
+    root = tmp or tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(PROMETHEUS_DIR_PREFIX):
+            continue
+        pid = name[len(PROMETHEUS_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal: leave it)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(os.path.join(root, name))
+    return removed
 
 
 def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
@@ -244,7 +271,8 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
         log.warning("%s=%s is set: the API servers' metrics go there (it is not emptied or removed)",
                     PROMETHEUS_ENV, os.environ[PROMETHEUS_ENV])
     else:
-        prom_dir = tempfile.mkdtemp(prefix="jaxkv-prometheus-")
+        remove_stale_metrics_dirs()
+        prom_dir = tempfile.mkdtemp(prefix=f"{PROMETHEUS_DIR_PREFIX}{os.getpid()}-")
     child_env = dict(os.environ, **({PROMETHEUS_ENV: prom_dir} if prom_dir else {}))
     servers = []
     for i in range(n):
