@@ -522,7 +522,7 @@ def test_chat_echo_continue_final_message_and_template_kwargs(server, client):
     r = client.chat.completions.create(model=MODEL, messages=msgs[:1], max_tokens=2,
                                        extra_body={"chat_template_kwargs": {"enable_thinking": True}})
     assert server[1].prompts[r.id] == list(b"<user>hi</user><think><assistant>")
-    for extra, param in (({"continue_final_message": True}, "continue_final_message"),
+    for extra, param in (({"continue_final_message": True}, "continue_final_message"), ({"n": 257}, "n"),
                          ({"chat_template_kwargs": {"messages": []}}, "chat_template_kwargs"),
                          ({"chat_template": "{{ 1 }}"}, "chat_template")):
         with pytest.raises(openai.BadRequestError) as e:

@@ -95,6 +95,10 @@ class OpenAIServingChat(OpenAIServing):
         """
         self.check_model(request.model)
         request.check_supported()
+        if request.n > self.limits.max_prompts_per_request:
+            raise OpenAIError(f"Invalid value for 'n': {request.n} completions; this server accepts at most "
+                              f"{self.limits.max_prompts_per_request} per request (--max-prompts-per-request)",
+                              param="n")
         choice = request.effective_tool_choice
         tool_mode, parser, function_name = None, None, None
         if choice == "auto":
