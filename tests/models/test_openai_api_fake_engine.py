@@ -231,7 +231,7 @@ def test_chat_plain_and_streamed(client):
 
 @pytest.mark.parametrize("body,status,param", [
     ({"model": "nope", "prompt": "hi"}, 404, "model"),
-    ({"prompt": "hi", "n": 2}, 400, "n"),
+    ({"prompt": "hi", "n": 0}, 400, "n"),
     ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
     ({"prompt": "hi", "top_p": 0}, 400, "top_p"),
     ({"prompt": "hi", "top_k": -3}, 400, "top_k"),
@@ -243,8 +243,9 @@ def test_chat_plain_and_streamed(client):
     ({"prompt": 5}, 400, "prompt"),
     ({}, 400, "prompt"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop"),
-    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
-    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "logprobs": -2}, 400, "logprobs"),
+    ({"prompt": "hi", "presence_penalty": 2.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "suffix": "x"}, 400, "suffix"),
     ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options"),
     ({"prompt": "hi", "stream": True, "max_tokens": "many"}, 400, "max_tokens"),
 ])
@@ -260,7 +261,7 @@ def test_bad_completion_requests_get_openai_errors(server, client, body, status,
     ({"messages": []}, "messages"),
     ({"messages": [{"role": "wizard", "content": "hi"}]}, "messages.0.role"),
     ({"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": -1}, "max_completion_tokens"),
-    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools"),
+    ({"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}, "tools.0.function"),
 ])
 def test_bad_chat_requests_get_400(server, body, param):
     r = httpx.post(server[0] + "/v1/chat/completions", json=body, timeout=10)
@@ -304,7 +305,7 @@ def test_health_models_stats_metrics(server):
     assert [m["id"] for m in models["data"]] == [MODEL, "alias"] and models["data"][0]["max_model_len"] == 64
     s = stats(base)
     assert s["engine_alive"] and s["max_model_len"] == MAX_MODEL_LEN and s["num_generation_tokens_total"] > 0
-    assert "jaxkv:num_running 0" in httpx.get(base + "/metrics").text
+    assert 'jaxkv:num_running{model_name="fake-model"} 0.0' in httpx.get(base + "/metrics").text
 
 
 def test_sampling_params_contract():

@@ -172,7 +172,8 @@ def test_disconnect_mid_stream_frees_every_block(served):
 def test_bad_requests_get_status_codes_and_the_server_keeps_serving(served):
     base, reference, log_path, _ = served
     cases = [({"model": "gpt-4", "prompt": "hi"}, 404, "model"),
-             ({"model": MODEL, "prompt": "hi", "n": 3}, 400, "n"),
+             ({"model": MODEL, "prompt": "hi", "n": 0}, 400, "n"),
+             ({"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, 400, "logit_bias"),
              ({"model": MODEL, "prompt": "hi", "temperature": -0.5}, 400, "temperature"),
              ({"model": MODEL, "prompt": "word " * 200}, 400, "prompt"),
              ({"model": MODEL, "prompt": "hi", "max_tokens": 1000}, 400, "max_tokens")]

@@ -3,10 +3,12 @@
 vLLM: ``entrypoints/openai/api_server.py``.
 
 Routes: ``POST /v1/completions``, ``POST /v1/chat/completions`` (``stream`` true → server-sent events ending
-in ``data: [DONE]``), ``GET /v1/models``, ``GET /health`` (200 once the engine is loaded and compiled and while it runs, else 503),
+in ``data: [DONE]``), ``GET /v1/models``, ``POST /tokenize``, ``POST /detokenize``, ``GET /version``,
+``GET /health`` and ``GET|POST /ping`` (200 once the engine is loaded and compiled and while it runs, else 503),
 ``GET /stats`` (JSON: running / waiting requests, KV-cache usage, token counters, the server's limits and
-pending requests, its memory — what the tests, the benchmark and the soak test read), ``GET /metrics`` (the
-same as Prometheus gauges).
+pending requests, its memory — what the tests, the benchmark and the soak test read), ``GET /metrics``
+(Prometheus: :mod:`models.entrypoints.openai.metrics`). An unknown route is a 404 and a known route with
+another method a 405, both with OpenAI's error JSON.
 
 In front of the routes, outermost first: :class:`~models.entrypoints.openai.auth.ApiKeyMiddleware` (401 on
 ``/v1/*`` without a key, when keys are set) and
@@ -35,26 +37,33 @@ from typing import Any, Awaitable, Sequence
 
 from pydantic import ValidationError
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
 from starlette.middleware import Middleware
 from starlette.requests import Request
-from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, EngineNotReadyError
 from models.entrypoints.openai.auth import ApiKeyMiddleware
 from models.entrypoints.openai.drain import AbortingEngine
 from models.entrypoints.openai.limits import Admission, RequestLimitsMiddleware, ServerLimits, parse_json_object
+from models.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from models.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    DetokenizeRequest,
     ModelCard,
     ModelList,
     OpenAIError,
+    TokenizeChatRequest,
+    TokenizeCompletionRequest,
     error_from_validation,
     random_id,
 )
 from models.entrypoints.openai.serving_chat import OpenAIServingChat
 from models.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from models.entrypoints.openai.serving_engine import engine_error
+from models.entrypoints.openai.serving_tokenization import OpenAIServingTokenization
 
 logger = logging.getLogger("jaxkv.serve")
 
@@ -134,18 +143,25 @@ def process_stats() -> dict[str, Any]:
     return stats
 
 
-def _prometheus(stats: dict[str, Any]) -> str:
-    lines = []
-    for key, value in sorted(stats.items()):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            continue
-        lines += [f"# TYPE jaxkv:{key} gauge", f"jaxkv:{key} {value}"]
-    return "\n".join(lines) + "\n"
+def server_version() -> str:
+    """The installed jaxkv version (``GET /version``)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version("jaxkv")
+    except metadata.PackageNotFoundError:  # a source tree without the package installed
+        return "unknown"
+
+
+def _request_id(prefix: str, body) -> str:
+    """``<prefix>-<the request's request_id>`` (vLLM's extension field), else a random one."""
+    return f"{prefix}-{body.request_id}" if body.request_id else random_id(prefix)
 
 
 def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], max_model_len: int,
               default_stop_token_ids=(), extra_stats=None, limits: ServerLimits | None = None,
-              api_keys: Sequence[str] = ()) -> Starlette:
+              api_keys: Sequence[str] = (), enable_auto_tool_choice: bool = False,
+              tool_call_parser: str | None = None) -> Starlette:
     """The ASGI app serving ``async_llm``; the engine thread starts with the app and stops with it.
 
     Args:
@@ -157,10 +173,22 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         extra_stats: constant facts merged into ``/stats`` (cache blocks, device, ...).
         limits: the input limits (default :class:`ServerLimits`' defaults).
         api_keys: keys a ``/v1`` request must present as ``Authorization: Bearer <key>``; empty: no auth.
+        enable_auto_tool_choice: serve ``tool_choice: "auto"`` (vLLM ``--enable-auto-tool-choice``; needs
+            ``tool_call_parser``).
+        tool_call_parser: the tool-call format of the model's output (``hermes``, ``llama3_json``,
+            ``mistral``; vLLM ``--tool-call-parser``).
+
+    Raises:
+        ValueError: ``enable_auto_tool_choice`` without ``tool_call_parser``, or an unknown parser.
 
     ``app.state`` holds ``async_llm``, ``admission`` (:class:`Admission`) and ``aborting_engine``
     (:class:`AbortingEngine`), which :class:`~models.entrypoints.openai.drain.GracefulServer` drains.
     """
+    from models.entrypoints.openai.tool_parsers import get_tool_parser
+
+    if enable_auto_tool_choice and not tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
+    parser = None if tool_call_parser is None else get_tool_parser(tool_call_parser)
     limits = limits or ServerLimits()
     admission = Admission(limits.max_pending_requests)
     engine = AbortingEngine(async_llm)
@@ -171,10 +199,6 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         yield
         async_llm.shutdown()
 
-    options = dict(served_model_names=served_model_names, max_model_len=max_model_len,
-                   default_stop_token_ids=default_stop_token_ids, limits=limits)
-    completion = OpenAIServingCompletion(engine, tokenizer, **options)
-    chat = OpenAIServingChat(engine, tokenizer, **options)
     constant_stats = dict(extra_stats or {}, max_model_len=max_model_len, **limits.as_stats(),
                           api_key_required=bool(api_keys))
 
@@ -183,6 +207,14 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         for part in (process_stats(), admission.stats(), async_llm.stats()):  # the engine's own keys win
             out.update(part)
         return out
+
+    server_metrics = ServerMetrics(served_model_names[0], max_model_len, all_stats)
+    options = dict(served_model_names=served_model_names, max_model_len=max_model_len,
+                   default_stop_token_ids=default_stop_token_ids, limits=limits, metrics=server_metrics)
+    completion = OpenAIServingCompletion(engine, tokenizer, **options)
+    chat = OpenAIServingChat(engine, tokenizer, enable_auto_tools=enable_auto_tool_choice, tool_parser=parser,
+                             **options)
+    tokenization = OpenAIServingTokenization(engine, tokenizer, **options)
 
     async def _openai_error(_: Request, e: OpenAIError):
         return error_response(e)
@@ -197,7 +229,14 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return response
 
     async def _value_error(_: Request, e: ValueError):  # the engine rejected a request
-        return error_response(OpenAIError(f"Invalid request: {e}"))
+        return error_response(engine_error(e))
+
+    async def _http_error(_: Request, e: HTTPException):  # no route (404), wrong method (405)
+        code = {404: "not_found", 405: "method_not_allowed"}.get(e.status_code)
+        response = error_response(OpenAIError(str(e.detail), status_code=e.status_code, code=code))
+        for k, v in (e.headers or {}).items():
+            response.headers[k] = v
+        return response
 
     async def _internal(_: Request, e: Exception):
         logger.exception("internal error while serving a request")
@@ -220,8 +259,24 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
         return JSONResponse({k: None if isinstance(v, float) and not math.isfinite(v) else v
                              for k, v in all_stats().items()})
 
-    async def metrics(_: Request) -> PlainTextResponse:
-        return PlainTextResponse(_prometheus(all_stats()))
+    async def metrics(_: Request) -> Response:
+        return Response(server_metrics.render(), media_type=CONTENT_TYPE)
+
+    async def version(_: Request) -> JSONResponse:
+        return JSONResponse({"version": server_version()})
+
+    async def tokenize(request: Request) -> JSONResponse:
+        data = parse_json_object(await request.body(), limits)
+        model_cls = TokenizeChatRequest if "messages" in data else TokenizeCompletionRequest
+        try:
+            body = model_cls.model_validate(data)
+        except ValidationError as e:
+            raise error_from_validation(e) from None
+        return JSONResponse(tokenization.tokenize(body))
+
+    async def detokenize(request: Request) -> JSONResponse:
+        body = await _parse(request, DetokenizeRequest, limits)
+        return JSONResponse(tokenization.detokenize(body))
 
     async def models(_: Request) -> JSONResponse:
         root = served_model_names[0]
@@ -230,7 +285,7 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
 
     async def create_completion(request: Request):
         body = await _parse(request, CompletionRequest, limits)
-        request_id = random_id("cmpl")
+        request_id = _request_id("cmpl", body)
         if body.stream:
             prepared = completion.prepare(body)  # errors before the stream starts are plain 4xx
             return StreamingResponse(completion.completion_stream(body, request_id, prepared),
@@ -242,7 +297,7 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
 
     async def create_chat_completion(request: Request):
         body = await _parse(request, ChatCompletionRequest, limits)
-        request_id = random_id("chatcmpl")
+        request_id = _request_id("chatcmpl", body)
         if body.stream:
             prepared = chat.prepare(body)
             return StreamingResponse(chat.chat_completion_stream(body, request_id, prepared),
@@ -256,15 +311,18 @@ def build_app(async_llm: AsyncLLM, tokenizer, *, served_model_names: list[str], 
     middleware.append(Middleware(RequestLimitsMiddleware, limits=limits, admission=admission))
     app = Starlette(
         middleware=middleware,
-        routes=[Route("/health", health, methods=["GET"]), Route("/stats", stats, methods=["GET"]),
-                Route("/metrics", metrics, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+        routes=[Route("/health", health, methods=["GET"]), Route("/ping", health, methods=["GET", "POST"]),
+                Route("/stats", stats, methods=["GET"]), Route("/metrics", metrics, methods=["GET"]),
+                Route("/version", version, methods=["GET"]), Route("/v1/models", models, methods=["GET"]),
+                Route("/tokenize", tokenize, methods=["POST"]), Route("/detokenize", detokenize, methods=["POST"]),
                 Route("/v1/completions", create_completion, methods=["POST"]),
                 Route("/v1/chat/completions", create_chat_completion, methods=["POST"])],
-        exception_handlers={OpenAIError: _openai_error, EngineDeadError: _engine_dead,
+        exception_handlers={OpenAIError: _openai_error, HTTPException: _http_error, EngineDeadError: _engine_dead,
                             EngineNotReadyError: _not_ready, ValueError: _value_error,
                             Exception: _internal},
         lifespan=lifespan)
     app.state.async_llm = async_llm
     app.state.admission = admission
     app.state.aborting_engine = engine
+    app.state.metrics = server_metrics
     return app

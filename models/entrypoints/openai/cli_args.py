@@ -41,8 +41,22 @@ def make_arg_parser(prog: str = "jaxkv serve", description: str | None = None) -
                    help="start only this host's engine cores, which connect to --data-parallel-address")
     p.add_argument("--log-stats-interval", type=float, default=10.0, help="seconds between stats lines")
     p.add_argument("--access-log", action="store_true", help="log every HTTP request (uvicorn)")
+    add_tool_args(p)
     add_exposure_args(p)
     return p
+
+
+def add_tool_args(p: argparse.ArgumentParser) -> None:
+    """``--enable-auto-tool-choice`` and ``--tool-call-parser`` (vLLM's flags)."""
+    from models.entrypoints.openai.tool_parsers import TOOL_PARSERS
+
+    g = p.add_argument_group("tool calling")
+    g.add_argument("--enable-auto-tool-choice", action="store_true",
+                   help='serve tool_choice "auto" (the default when a request has tools): the model decides, '
+                        "and its output is parsed for tool calls with --tool-call-parser")
+    g.add_argument("--tool-call-parser", choices=sorted(TOOL_PARSERS), default=None,
+                   help="the tool-call format of the model's output: hermes (Hermes, Qwen 2.5 / 3), "
+                        "llama3_json (Llama 3.1+), mistral")
 
 
 # flag -> help of each ServerLimits field (the defaults come from ServerLimits itself)
@@ -108,9 +122,12 @@ def checked_server_flags(args: argparse.Namespace):
     """``(limits, api keys)`` of the command line.
 
     Raises:
-        ValueError: a limit, an API key or ``--shutdown-timeout`` out of range (names the flag).
+        ValueError: a limit, an API key or ``--shutdown-timeout`` out of range, or ``--enable-auto-tool-choice``
+            without ``--tool-call-parser`` (names the flag).
     """
     limits, keys = server_limits(args), api_keys(args)
     if not args.shutdown_timeout >= 0:
         raise ValueError(f"--shutdown-timeout={args.shutdown_timeout} must be >= 0")
+    if getattr(args, "enable_auto_tool_choice", False) and not getattr(args, "tool_call_parser", None):
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser")
     return limits, keys

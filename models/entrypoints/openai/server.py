@@ -179,7 +179,8 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
         log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     app = build_app(async_llm, tokenizer, served_model_names=names, max_model_len=max_model_len,
                     extra_stats={k: v for k, v in info.items() if isinstance(v, (int, float, str))},
-                    limits=limits, api_keys=keys)
+                    limits=limits, api_keys=keys, enable_auto_tool_choice=args.enable_auto_tool_choice,
+                    tool_call_parser=args.tool_call_parser)
     # timeout_graceful_shutdown: uvicorn's own wait for connections after the drain (a slow client's)
     config = uvicorn.Config(app, host=args.host, port=args.port, access_log=args.access_log,
                             log_level="info", timeout_keep_alive=30, timeout_graceful_shutdown=5)
@@ -201,6 +202,34 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
 
 
 ATTACH_ENV = "JAXKV_API_SERVER_ATTACH"  # JSON for an API-server process: client_index, endpoints, core pids, fd
+PROMETHEUS_ENV = "PROMETHEUS_MULTIPROC_DIR"  # prometheus_client's multiprocess mode (several API servers)
+PROMETHEUS_DIR_PREFIX = "jaxkv-prometheus-"  # + the supervisor's pid + "-": its metrics directory
+
+
+def remove_stale_metrics_dirs(tmp: str | None = None) -> list[str]:
+    """Remove the metrics directories of supervisors that are gone without cleaning up (killed with SIGKILL);
+    returns their paths. A directory is stale when the pid in its name is not a live process."""
+    import shutil
+    import tempfile
+
+    removed = []
+    root = tmp or tempfile.gettempdir()
+    for name in os.listdir(root):
+        if not name.startswith(PROMETHEUS_DIR_PREFIX):
+            continue
+        pid = name[len(PROMETHEUS_DIR_PREFIX):].split("-", 1)[0]
+        if not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+            continue  # alive (or not ours to signal: leave it)
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+        removed.append(os.path.join(root, name))
+    return removed
 
 
 def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
@@ -213,6 +242,7 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
     killed by a signal). vLLM: ``--api-server-count``."""
     import shutil
     import subprocess
+    import tempfile
     import time
 
     from jaxkv.engine.core_client import launch_engine_cores, stop_processes
@@ -234,12 +264,22 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
     core_pids = {rank: p.pid for rank, p in cores.items()}
     log.info("engine cores %s (pids %s); starting %d API-server processes on %s:%d", list(cores),
              list(core_pids.values()), n, args.host, args.port)
+    # /metrics: the API servers keep their metrics in one directory and each scrape sums them (prometheus_client's
+    # multiprocess mode, as vLLM sets it up); a directory given by the user is used as it is and left in place
+    prom_dir = None
+    if os.environ.get(PROMETHEUS_ENV):
+        log.warning("%s=%s is set: the API servers' metrics go there (it is not emptied or removed)",
+                    PROMETHEUS_ENV, os.environ[PROMETHEUS_ENV])
+    else:
+        remove_stale_metrics_dirs()
+        prom_dir = tempfile.mkdtemp(prefix=f"{PROMETHEUS_DIR_PREFIX}{os.getpid()}-")
+    child_env = dict(os.environ, **({PROMETHEUS_ENV: prom_dir} if prom_dir else {}))
     servers = []
     for i in range(n):
         attach = dict(client_index=i, input_address=inputs[i], output_address=outputs[i], core_pids=core_pids,
                       fd=listener.fileno())
         servers.append(subprocess.Popen([sys.executable, "-m", __spec__.name, *argv],
-                                        env=dict(os.environ, **{ATTACH_ENV: json.dumps(attach)}),
+                                        env=dict(child_env, **{ATTACH_ENV: json.dumps(attach)}),
                                         pass_fds=(listener.fileno(),),
                                         start_new_session=True))  # a terminal's Ctrl-C reaches them once, from here
     listener.close()
@@ -271,6 +311,8 @@ def run_api_servers(args: argparse.Namespace, argv: list[str]) -> int:
         stop_processes(list(cores.values()), wait_first=False)
         if tmpdir is not None:
             shutil.rmtree(tmpdir, ignore_errors=True)
+        if prom_dir is not None:
+            shutil.rmtree(prom_dir, ignore_errors=True)
     codes = [p.returncode for p in servers]
     return 0 if all(c == 0 for c in codes) else max([c for c in codes if c and c > 0] or [1])
 
