@@ -22,7 +22,7 @@ from typing import Any, Iterable, Mapping, Sequence
 import tokenizers
 
 from models.hf_config import read_json
-from models.tokenizer import CHATML_TEMPLATE, check_messages, compile_chat_template, token_stream
+from models.tokenizer import CHATML_TEMPLATE, check_messages, check_template_kwargs, compile_chat_template, token_stream
 
 GENERATION_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
 
@@ -170,18 +170,21 @@ class HFTokenizer:
         :meth:`decode`."""
         return token_stream(self._tok, self._in_vocab, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True) -> str:
-        """Render a conversation with the checkpoint's chat template (``bos_token`` / ``eos_token`` given to
-        it as ``transformers`` does).
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs) -> str:
+        """Render a conversation with the checkpoint's chat template (``bos_token`` / ``eos_token``, ``tools`` and
+        extra variables given to it as ``transformers`` does).
 
         Raises:
-            ValueError: a message that is not a mapping with string ``role`` and ``content``.
+            ValueError: a message that is not a mapping with a string ``role`` and ``content``, or a reserved
+                template variable.
         """
         check_messages(messages)
+        check_template_kwargs(template_kwargs)
         return self._template.render(messages=[dict(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt,
-                                     bos_token=self._bos_token or "", eos_token=self._eos_token or "")
+                                     add_generation_prompt=add_generation_prompt, tools=tools,
+                                     bos_token=self._bos_token or "", eos_token=self._eos_token or "",
+                                     **template_kwargs)
 
 
 class PlaceholderTokenizer:
@@ -247,8 +250,9 @@ class PlaceholderTokenizer:
         data = bytes(i - self._offset for i in (int(t) for t in ids) if 0 <= i - self._offset < 256)
         return data.decode("utf-8", errors="replace")
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs) -> str:
         check_messages(messages)
-        return self._template.render(messages=[dict(m) for m in messages],
-                                     add_generation_prompt=add_generation_prompt, bos_token="", eos_token="")
+        check_template_kwargs(template_kwargs)
+        return self._template.render(messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                                     tools=tools, bos_token="", eos_token="", **template_kwargs)

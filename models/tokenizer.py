@@ -113,10 +113,17 @@ def _strftime_now(fmt: str) -> str:
     return datetime.datetime.now().strftime(fmt)
 
 
+def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+    """transformers' ``tojson`` filter: keys in their order, non-ASCII kept, no HTML escaping (Jinja's own sorts
+    keys and escapes ``<>&'``, which changes how tool definitions read in a prompt)."""
+    import json
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
 def compile_chat_template(source: str) -> jinja2.Template:
     """A chat template compiled as ``transformers`` compiles it: a sandboxed Jinja environment with
-    ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension and the ``raise_exception`` /
-    ``strftime_now`` globals (Llama 3's template asks for the date).
+    ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension, the ``raise_exception`` /
+    ``strftime_now`` globals (Llama 3's template asks for the date) and transformers' ``tojson`` filter.
 
     Raises:
         jinja2.TemplateSyntaxError: the template does not parse.
@@ -125,14 +132,30 @@ def compile_chat_template(source: str) -> jinja2.Template:
         trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = _strftime_now
+    env.filters["tojson"] = _tojson
     return env.from_string(source)
 
 
 def check_messages(messages) -> None:
-    """Raise ``ValueError`` unless every message is a mapping with string ``role`` and ``content``."""
+    """Raise ``ValueError`` unless every message is a mapping with a string ``role`` and a string (or, for an
+    assistant turn with tool calls, ``None``) ``content``; other keys (``tool_calls``, ``tool_call_id``,
+    ``name``, ...) go to the template as they are."""
     for i, message in enumerate(messages):
-        if not isinstance(message, Mapping) or not all(isinstance(message.get(k), str) for k in ("role", "content")):
-            raise ValueError(f"messages[{i}]={message!r} must be a dict with str 'role' and 'content'")
+        ok = isinstance(message, Mapping) and isinstance(message.get("role"), str) and (
+            isinstance(message.get("content"), str) or (message.get("content") is None and "content" in message))
+        if not ok:
+            raise ValueError(f"messages[{i}]={message!r} must be a dict with a str 'role' and a str (or null) "
+                             "'content'")
+
+
+RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "bos_token", "eos_token"})
+
+
+def check_template_kwargs(template_kwargs: Mapping[str, Any]) -> None:
+    """Raise ``ValueError`` for a template variable the tokenizer sets itself."""
+    bad = sorted(RESERVED_TEMPLATE_VARS & template_kwargs.keys())
+    if bad:
+        raise ValueError(f"template variables {bad} are set by apply_chat_template itself")
 
 
 class TokenStream:
@@ -349,23 +372,27 @@ class GGUFTokenizer:
         :meth:`decode`."""
         return token_stream(self._tok, self._checked, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *,
-                            add_generation_prompt: bool = True) -> str:
-        """Renders a conversation with the GGUF's chat template.
+    def apply_chat_template(self, messages: Sequence[Mapping[str, Any]], *, add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None, **template_kwargs) -> str:
+        """Renders a conversation with the GGUF's chat template (transformers' ``apply_chat_template``).
 
         Args:
-            messages: ``[{"role": "system" | "user" | "assistant", "content": str}, ...]``.
+            messages: ``[{"role": "system" | "user" | "assistant" | "tool", "content": str, ...}, ...]``.
             add_generation_prompt: end with the assistant turn header.
+            tools: tool definitions (``{"type": "function", "function": {...}}``), the template's ``tools``.
+            **template_kwargs: more template variables (``enable_thinking``, ...).
 
         Returns:
             The prompt text (encode it with :meth:`encode`).
 
         Raises:
-            ValueError: a message is not a mapping with string ``role`` and ``content``.
+            ValueError: a message is not a mapping with a string ``role`` and ``content``, or a reserved
+                template variable.
         """
         check_messages(messages)
+        check_template_kwargs(template_kwargs)
         special = lambda i: None if i is None else self._tokens[i]  # noqa: E731
         return self._template.render(
             messages=[dict(m) for m in messages],
-            add_generation_prompt=add_generation_prompt,
+            add_generation_prompt=add_generation_prompt, tools=tools, **template_kwargs,
             bos_token=special(self._bos) or "", eos_token=special(self._eos) or "")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import time
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -126,6 +127,9 @@ class Request:
         # its rows run one step per pass (the mask of each token comes from the host)
         self.grammar = None
         self.grammar_words = 0
+        self.arrival_time = time.monotonic()
+        self.first_scheduled_time: float | None = None  # set by the scheduler (queue time)
+        self.queue_time_sent = False
         self.grammar_future = None  # its compiled grammar (concurrent.futures.Future), shared by its n completions
         self._token_buffer = None  # all_token_ids as int32, grown on demand (penalties' history)
 

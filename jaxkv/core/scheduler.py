@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import time
 
 from jaxkv.core.host_kv_pool import has_host_blocks
 from jaxkv.core.kv_cache_manager import KVCacheManager
@@ -197,7 +198,10 @@ class Scheduler:
     def _commit(self, out: SchedulerOutput) -> SchedulerOutput:
         """Advance every scheduled request as if its step already ran (vLLM V1 advances
         ``num_computed_tokens`` at scheduling); the tokens it will sample become placeholders."""
+        now = None
         for req, n in out.scheduled:
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now = now or time.monotonic()
             out.context_lens.append(req.num_computed_tokens)
             out.gen_idx.append(req.num_output_tokens + req.num_output_placeholders)
             out.pending_input.append(req.num_output_placeholders > 0)

@@ -639,9 +639,13 @@ class LLMEngine:
             if req.prompt_logprobs is not None and req.num_prompt_logprobs_sent < len(req.prompt_logprobs):
                 new_plp = _lists(req.prompt_logprobs[req.num_prompt_logprobs_sent:])
                 req.num_prompt_logprobs_sent = len(req.prompt_logprobs)
+            queue_time = None
+            if not req.queue_time_sent and req.first_scheduled_time is not None:
+                queue_time = req.first_scheduled_time - req.arrival_time
+                req.queue_time_sent = True
             outs.append(EngineCoreOutput(
                 req.parent_id, new, RequestStatus.get_finished_reason(req.status) if finished else None,
-                req.stop_reason, req.num_cached_prompt_tokens or 0, None, req.index, new_lp, new_plp))
+                req.stop_reason, req.num_cached_prompt_tokens or 0, None, req.index, new_lp, new_plp, queue_time))
             if finished and req.parent_id in self._children and all(c.is_finished for c in self._children[req.parent_id]):
                 del self._children[req.parent_id]
         return outs

@@ -114,6 +114,8 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
         new_logprobs: with ``logprobs``: one position per token of ``new_token_ids``.
         new_prompt_logprobs: with ``prompt_logprobs``: positions ``1..`` of the prompt computed in this
             step (none for position 0); all of them arrive before the first generated token.
+        queue_time_s: with the completion's first output: seconds from its arrival in the engine to its
+            first step (vLLM's ``request_queue_time_seconds``).
     """
 
     request_id: str
@@ -125,6 +127,7 @@ class EngineCoreOutput(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
     index: int = 0
     new_logprobs: LogprobsLists | None = None
     new_prompt_logprobs: LogprobsLists | None = None
+    queue_time_s: float | None = None
 
     @property
     def finished(self) -> bool:

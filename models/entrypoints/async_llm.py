@@ -60,7 +60,8 @@ class StreamOutput:
     Attributes:
         request_id: the id given to :meth:`AsyncLLM.generate`.
         prompt_token_ids: ``[num_prompt_tokens]`` (after ``truncate_prompt_tokens``).
-        token_ids: every token of this completion so far, ``[num_generated_tokens]``: a stop token or EOS
+        token_ids: every token of this completion so far, ``[num_generated_tokens]`` (a live view: it grows with
+            the completion's later outputs; copy it to keep a snapshot): a stop token or EOS
             that ended it is the last one; with a stop string, the token that completed it is the last
             (tokens the engine generated after it are dropped). ``usage.completion_tokens`` is their count.
         text: detokenized text that may be sent to the client so far (cut before a stop string, or after it
@@ -76,6 +77,7 @@ class StreamOutput:
             after the first; complete in every output that carries generated tokens.
         cumulative_logprob: the sum of the sampled tokens' logprobs (with ``logprobs``).
         num_cached_tokens: prompt tokens served from the prefix cache.
+        queue_time_s: seconds the request waited in the engine before its first step (``None`` until known).
     """
 
     request_id: str
@@ -90,6 +92,7 @@ class StreamOutput:
     prompt_logprobs: list[dict[int, Logprob] | None] | None = None
     cumulative_logprob: float | None = None
     num_cached_tokens: int = 0
+    queue_time_s: float | None = None
 
 
 _ABORTED = object()  # queue marker: AsyncLLM.abort was called for this request
@@ -105,6 +108,7 @@ class _RequestState:
         self.completions = [CompletionState(i, tokenizer, params) for i in range(params.n)]
         self.prompt_logprobs: list | None = [None] if params.prompt_logprobs is not None else None
         self.num_cached_tokens = 0
+        self.queue_time_s: float | None = None
         self.queue: asyncio.Queue = asyncio.Queue()
 
     @property
@@ -118,21 +122,23 @@ class _RequestState:
 
     def process(self, out: EngineCoreOutput) -> StreamOutput:
         """Fold one step's :class:`EngineCoreOutput` into its completion; applies stop strings."""
-        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None:
+        if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None and out.index == 0:
             self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].decode_token))
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         c = self.completions[out.index]
         text, finished, finish_reason, stop_reason = c.add(out)
+        if out.queue_time_s is not None and self.queue_time_s is None:
+            self.queue_time_s = out.queue_time_s
         return self._output(c, text, finished, finish_reason, stop_reason)
 
     def _output(self, c: CompletionState, text: str, finished: bool, finish_reason, stop_reason) -> StreamOutput:
         return StreamOutput(request_id=self.request_id, prompt_token_ids=self.prompt_token_ids,
-                            token_ids=list(c.detok.token_ids), text=text, finished=finished,
+                            token_ids=c.detok.token_ids, text=text, finished=finished,
                             finish_reason=finish_reason if finished else None,
                             stop_reason=stop_reason if finished else None, index=c.index,
-                            logprobs=None if c.logprobs is None else list(c.logprobs),
+                            logprobs=c.logprobs,
                             prompt_logprobs=self.prompt_logprobs, cumulative_logprob=c.cumulative,
-                            num_cached_tokens=self.num_cached_tokens)
+                            num_cached_tokens=self.num_cached_tokens, queue_time_s=self.queue_time_s)
 
     def aborted(self) -> list[StreamOutput]:
         """An ``"abort"`` output for every completion still running."""
@@ -577,7 +583,7 @@ def core_output_of(out, completion) -> EngineCoreOutput:
         new_logprobs = lists_of(completion.logprobs[len(completion.logprobs) - len(new):], new)
     prompt_lp = getattr(out, "prompt_logprobs", None)
     new_prompt = None
-    if prompt_lp and new and len(completion.token_ids) == len(new):  # with the first tokens
+    if prompt_lp and new and len(completion.token_ids) == len(new) and completion.index == 0:  # with the first tokens
         new_prompt = lists_of(prompt_lp[1:], out.prompt_token_ids[1:])
     return EngineCoreOutput(out.request_id, new, completion.finish_reason if completion.finish_reason else None,
                             completion.stop_reason, getattr(out, "num_cached_tokens", 0), None,

@@ -72,8 +72,9 @@ class ByteTokenizer:
     def id_to_token(self, token_id: int) -> str:
         return f"<0x{token_id:02X}>"
 
-    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True) -> str:
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt)
+    def apply_chat_template(self, messages, *, add_generation_prompt: bool = True, tools=None, **kwargs) -> str:
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+                                     **kwargs)
 
 
 def sample_logprob(j: int, c: int) -> float:

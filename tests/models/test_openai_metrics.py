@@ -119,6 +119,7 @@ def test_two_api_server_processes_report_one_total(tmp_path):
     requests (requests and scrapes go over fresh connections, which the kernel hands to either process)."""
     pytest.importorskip("uvicorn")
     from test_serve_faults import Server, _children
+
     from tests.tiny_gguf import write_tiny_llama_gguf
 
     model = str(write_tiny_llama_gguf(tmp_path / "tiny.gguf"))
@@ -137,11 +138,12 @@ def test_two_api_server_processes_report_one_total(tmp_path):
             answers[index] = (value(f, "jaxkv:generation_tokens", "jaxkv:generation_tokens_total"),
                               value(f, "jaxkv:request_success", "jaxkv:request_success_total", finished_reason="length"),
                               check_histogram(f, "jaxkv:e2e_request_latency_seconds")[0],
+                              check_histogram(f, "jaxkv:request_queue_time_seconds")[0],  # the engine's, per request
                               value(f, "jaxkv:num_requests_finished", "jaxkv:num_requests_finished_total"))
             if len(answers) == 2:
                 break
         assert sorted(answers) == [0, 1], answers
-        assert answers[0] == answers[1] == (requests * max_tokens, requests, requests, requests), answers
+        assert answers[0] == answers[1] == (requests * max_tokens, requests, requests, requests, requests), answers
         # the supervisor made the metrics directory and removes it when it stops
         environ = [e for pid in _children(server.proc.pid)  # the API servers' (the engine core has none)
                    for e in pathlib.Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")]

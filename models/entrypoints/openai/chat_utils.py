@@ -2,11 +2,9 @@
 (``apply_hf_chat_template``, ``_postprocess_messages``) and transformers' ``apply_chat_template``
 (``tools``, ``continue_final_message``, extra template variables).
 
-A plain conversation goes through the tokenizer's own ``apply_chat_template(messages,
-add_generation_prompt=...)``. A request with ``tools``, ``chat_template_kwargs``, tool calls or tool results
-in its messages needs template variables that method does not take, so the template source
-(``tokenizer.chat_template``) is compiled here the same way (:func:`models.tokenizer.compile_chat_template`,
-cached) and rendered with them.
+Every conversation goes through the tokenizer's own ``apply_chat_template(messages, add_generation_prompt=...,
+tools=..., **chat_template_kwargs)`` (transformers' signature; the template compiled as transformers compiles it,
+:func:`models.tokenizer.compile_chat_template`, with its ``tojson``).
 """
 
 from __future__ import annotations
@@ -21,28 +19,6 @@ from models.entrypoints.openai.protocol import ChatMessage, OpenAIError
 # template variables a request may not set through chat_template_kwargs
 RESERVED_TEMPLATE_VARS = frozenset({"messages", "tools", "add_generation_prompt", "continue_final_message",
                                     "bos_token", "eos_token", "documents"})
-
-_compiled: dict[str, Any] = {}
-
-
-def _tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-    """transformers' ``tojson`` filter (keys in their order, non-ASCII kept, no HTML escaping); Jinja's own
-    sorts keys and escapes ``<>&'``, which changes how tool definitions read in the prompt."""
-    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
-
-
-def _template(source: str):
-    t = _compiled.get(source)
-    if t is None:
-        from models.tokenizer import compile_chat_template
-
-        # the tokenizer's environment (sandbox, trim/lstrip blocks, loopcontrols, raise_exception,
-        # strftime_now) with transformers' tojson
-        env = compile_chat_template("").environment.overlay()
-        env.filters = dict(env.filters, tojson=_tojson)
-        t = _compiled[source] = env.from_string(source)
-    return t
-
 
 def conversation(messages: Sequence[ChatMessage]) -> tuple[list[dict[str, Any]], bool]:
     """The messages as template dicts, and whether any needs more than ``role`` and ``content`` (tool calls,
@@ -110,31 +86,14 @@ def render_chat(tokenizer, messages: Sequence[ChatMessage], *, add_generation_pr
         raise OpenAIError(f"Invalid value for 'chat_template_kwargs': {bad} are set by the server, not by "
                           f"chat_template_kwargs", param="chat_template_kwargs")
     try:
-        if not (rich or kwargs or tools is not None):
-            text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt)
-        else:
-            source = getattr(tokenizer, "chat_template", None)
-            if not isinstance(source, str):
-                raise OpenAIError("this model's tokenizer has no chat template source: tools, tool messages and "
-                                  "chat_template_kwargs cannot be rendered", param="tools" if tools else field)
-            text = _template(source).render(messages=msgs, tools=tools, add_generation_prompt=add_generation_prompt,
-                                            bos_token=_special_text(tokenizer, "bos_token_id"),
-                                            eos_token=_special_text(tokenizer, "eos_token_id"), **kwargs)
+        if tools is not None:
+            kwargs["tools"] = tools
+        text = tokenizer.apply_chat_template(msgs, add_generation_prompt=add_generation_prompt, **kwargs)
     except (ValueError, TypeError, jinja2.TemplateError) as e:  # raise_exception() on a role order, ...
         raise OpenAIError(f"Invalid value for '{field}': the chat template rejected them: {e}", param=field) from None
     if continue_final_message:
         text = _cut_after_final_message(text, msgs[-1]["content"], field)
     return text
-
-
-def _special_text(tokenizer, attr: str) -> str:
-    token_id = getattr(tokenizer, attr, None)
-    if token_id is None or getattr(tokenizer, "is_placeholder", False):
-        return ""
-    try:
-        return tokenizer.id_to_token(token_id)
-    except (ValueError, AttributeError):
-        return ""
 
 
 def _cut_after_final_message(text: str, final: str, field: str) -> str:

@@ -20,8 +20,8 @@ With several API-server processes (``--api-server-count``) each process answers 
 per-request metrics and the per-process counters of ``/stats`` (``num_requests_finished``, ...) are kept in
 files there and summed over the processes at every scrape, so any process reports the same totals; the
 engine's stats reach every API server from the engine cores, so they are the same in each.
-Queue time (vLLM's ``request_queue_time_seconds``) is not exported: the engine does not report when a
-request was scheduled.
+Queue time (vLLM's ``request_queue_time_seconds``) is the engine's: from a request's arrival in the engine to
+its first step, sent with its first output.
 """
 
 from __future__ import annotations
@@ -167,6 +167,8 @@ class ServerMetrics:
                         "output carrying k tokens counts its interval / k once)", ITL_BUCKETS)
         self.e2e = hist("e2e_request_latency_seconds", "Time from arrival to the last token of the request",
                         E2E_BUCKETS)
+        self.queue = hist("request_queue_time_seconds", "Time a request waited in the engine before its first "
+                          "step", E2E_BUCKETS)
         self.prompt_len = hist("request_prompt_tokens", "Prompt tokens per engine request", tokens)
         self.generation_len = hist("request_generation_tokens", "Generated tokens per engine request (all n "
                                    "completions)", tokens)
@@ -240,7 +242,7 @@ class RequestTracker:
     (:meth:`on_output`), then call :meth:`finish` once (also for an aborted or failed request).
     ``on_output`` costs a clock read and, when tokens arrived, one histogram observation."""
 
-    __slots__ = ("m", "t0", "first", "last", "ntok", "reasons", "prompt_tokens", "n", "max_tokens", "done")
+    __slots__ = ("m", "t0", "first", "last", "ntok", "reasons", "prompt_tokens", "n", "max_tokens", "done", "queued")
 
     def __init__(self, metrics: ServerMetrics, prompt_tokens: int, n: int, max_tokens: int | None):
         self.m = metrics
@@ -251,11 +253,15 @@ class RequestTracker:
         self.reasons: list[str | None] = [None] * n
         self.prompt_tokens, self.n, self.max_tokens = prompt_tokens, n, max_tokens
         self.done = False
+        self.queued = False
 
     def on_output(self, out) -> None:
         """Note one :class:`~models.entrypoints.async_llm.StreamOutput` (TTFT at the first tokens, then the
         inter-token latency of its completion)."""
         i = out.index
+        if not self.queued and getattr(out, "queue_time_s", None) is not None:
+            self.queued = True
+            self.m.queue.observe(out.queue_time_s)
         count = len(out.token_ids)
         new = count - self.ntok[i]
         if out.finished:
