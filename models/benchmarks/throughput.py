@@ -181,6 +181,7 @@ class Result:
     update_s: float | None = None       # jaxkv: of host_s, applying the sampled tokens
     transfer_s: float | None = None     # jaxkv: of execute_s, the input transfer (jax.device_put)
     call_s: float | None = None         # jaxkv: of execute_s, inside the jitted calls (their dispatch)
+    prompt_tokens_computed: int | None = None  # jaxkv: prompt tokens the engine computed (not from the cache)
 
     @property
     def requests_per_s(self) -> float:
@@ -200,8 +201,13 @@ class Result:
                                                total_tokens_per_s=self.total_tokens_per_s)
 
 
+# the sampling options of every request of a run (--n, --logprobs, the penalties); set by run()
+SAMPLING_OPTIONS: dict = {}
+
+
 def _params(output_len: int, seed: int) -> SamplingParams:
-    return SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True, seed=seed)
+    return SamplingParams(max_tokens=output_len, temperature=1.0, top_p=1.0, ignore_eos=True, seed=seed,
+                          **SAMPLING_OPTIONS)
 
 
 def _progress(total: int, desc: str, enabled: bool):
@@ -455,12 +461,13 @@ def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_s
     if bar is not None:
         bar.close()
     after = _engine_totals(llm)
-    generated = sum(len(o.outputs[0].token_ids) for o in outs)
+    n = SAMPLING_OPTIONS.get("n", 1)
+    generated = sum(len(c.token_ids) for o in outs for c in o.outputs)
     if not static:
-        assert generated == sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
+        assert generated == n * sum(r.output_len for r in requests), "ignore_eos requests end at max_tokens"
     d = {k: after[k] - before[k] for k in ("device_idle_s", "num_preemptions", "steps", "model_steps",
                                             "step_s", "device_wait_s", "schedule_s", "execute_s", "update_s",
-                                            "transfer_s", "call_s")}
+                                            "transfer_s", "call_s", "num_prompt_tokens_computed")}
     ranks = after["ranks"]
     if ranks > 1:  # how evenly the data-parallel ranks shared the work (the slowest one ends the run)
         pr = [{k: a.get(k, 0) - b.get(k, 0) for k in ("num_generated_tokens", "step_s")}
@@ -478,7 +485,8 @@ def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_s
               f"{t['kv_offload_bytes_to_host'] / 2**20:.1f} MiB to host / "
               f"{t['kv_offload_bytes_to_device'] / 2**20:.1f} MiB to device, {t['kv_offload_copy_s']:.2f} s host time issuing copies", flush=True)
     return Result(name, len(requests), elapsed, sum(len(r.prompt_token_ids) for r in requests),
-                  sum(r.output_len for r in requests), generated,
+                  n * sum(r.output_len for r in requests), generated,
+                  prompt_tokens_computed=d["num_prompt_tokens_computed"],
                   num_preemptions=d["num_preemptions"], prefix_cache_hit_rate=after["prefix_cache_hit_rate"],
                   num_compiles=after["num_compiles"], num_buckets=after["num_buckets"],
                   gpu_idle_share=(d["device_idle_s"] / ranks / elapsed) if elapsed > 0 else None,
@@ -551,6 +559,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--backend", action="append", choices=BACKENDS, default=None,
                    help="repeatable; default jaxkv")
     p.add_argument("--compare", action="store_true", help="run every backend (hf only where torch is)")
+    s = p.add_argument_group("sampling of every request (jaxkv backends; vLLM's bench throughput --n)")
+    s.add_argument("--n", type=int, default=1, help="completions per prompt (they share its KV blocks)")
+    s.add_argument("--logprobs", type=int, default=None, help="logprobs of every generated token (top-K)")
+    s.add_argument("--presence-penalty", type=float, default=0.0)
+    s.add_argument("--frequency-penalty", type=float, default=0.0)
+    s.add_argument("--repetition-penalty", type=float, default=1.0)
     EngineArgs.add_cli_args(p, seed=0, max_num_seqs=EngineArgs.max_num_seqs)  # the seed also samples the dataset
     p.add_argument("--static-batch-size", type=int, default=None,
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
@@ -613,6 +627,13 @@ def make_llm(args, gguf, *, multiprocessing: bool) -> LLM:
 def run(args) -> int:
     backends = list(BACKENDS) if args.compare else (args.backend or ["jaxkv"])
     engine = EngineArgs.from_cli_args(args)  # the flags' values with LLM's defaults filled in
+    SAMPLING_OPTIONS.clear()
+    SAMPLING_OPTIONS.update({k: v for k, v in dict(
+        n=args.n, logprobs=args.logprobs, presence_penalty=args.presence_penalty,
+        frequency_penalty=args.frequency_penalty, repetition_penalty=args.repetition_penalty).items()
+        if v != SamplingParams.__dataclass_fields__[k].default})
+    if SAMPLING_OPTIONS and any(b in backends for b in ("hf", "jaxkv-static")):
+        raise ValueError(f"{sorted(SAMPLING_OPTIONS)} are jaxkv-backend options; run --backend jaxkv alone")
     dp = args.data_parallel_size or 1
     gguf = resolve_model(engine.model)
     if args.tokenizer:  # vLLM's --tokenizer: sample (count) the prompts with another model's tokenizer
@@ -712,8 +733,11 @@ def run(args) -> int:
 
     print(f"\ndevice: {device}  jax {jax.__version__}  model {model_name(gguf)}  "
           f"{len(requests)} requests, max_num_seqs {engine.max_num_seqs}, static batch {batch_size}")
+    if SAMPLING_OPTIONS:
+        print(f"sampling options of every request: {SAMPLING_OPTIONS}")
     head = (f"{'backend':<13} {'req/s':>8} {'out tok/s':>10} {'total tok/s':>11} {'generated':>10} "
-            f"{'preempt':>7} {'prefix hit':>10} {'compiles':>9} {'idle':>6} {'busy':>6} {'nvml':>6} {'time s':>8}")
+            f"{'preempt':>7} {'prefix hit':>10} {'prompt comp':>11} {'compiles':>9} {'idle':>6} {'busy':>6} "
+            f"{'nvml':>6} {'time s':>8}")
     print(head)
     print("-" * len(head))
     fmt = lambda v, spec: "-" if v is None else format(v, spec)  # noqa: E731
@@ -721,7 +745,7 @@ def run(args) -> int:
         compiles = None if r.num_compiles is None else f"{r.num_compiles}/{r.num_buckets}"
         print(f"{r.backend:<13} {r.requests_per_s:>8.2f} {r.output_tokens_per_s:>10.1f} "
               f"{r.total_tokens_per_s:>11.1f} {r.generated_tokens:>10} {fmt(r.num_preemptions, 'd'):>7} "
-              f"{fmt(r.prefix_cache_hit_rate, '.1%'):>10} {compiles or '-':>9} "
+              f"{fmt(r.prefix_cache_hit_rate, '.1%'):>10} {fmt(r.prompt_tokens_computed, 'd'):>11} {compiles or '-':>9} "
               f"{fmt(r.gpu_idle_share, '.1%'):>6} {fmt(r.gpu_busy_share_trace, '.1%'):>6} "
               f"{fmt(r.gpu_busy_share_nvml, '.1%'):>6} {r.elapsed_s:>8.2f}")
     by = {r.backend: r for r in results}

@@ -224,8 +224,10 @@ def test_hybrid_gemma3_swaps_every_group_and_hits_the_host(bench):
 
 def test_stats_reach_the_front_ends(off_engine, caplog):
     """The tier's counters are in the engine-core stats dict (what /stats, /metrics and the log line read)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
     from models.entrypoints.async_llm import AsyncLLM
-    from models.entrypoints.openai.api_server import _prometheus
+    from models.entrypoints.openai.metrics import ServerMetrics
 
     engine = _make(preemption_mode="swap", kv_offloading_size=_gib(16, off_engine))
     stats = engine_stats(engine)
@@ -233,7 +235,11 @@ def test_stats_reach_the_front_ends(off_engine, caplog):
             "num_blocks_offloaded", "num_host_prefix_hit_tokens", "kv_offload_bytes_to_host",
             "kv_offload_bytes_to_device", "kv_offload_copy_s")
     assert all(k in stats for k in keys) and stats["num_host_blocks"] == 16
-    assert "jaxkv:num_swaps_out 0" in _prometheus(stats)
+    metrics = ServerMetrics("m", 64, lambda: stats)
+    metrics.publish_process_stats(stats)
+    families = {f.name: f for f in text_string_to_metric_families(metrics.render().decode())}
+    assert [s.value for s in families["jaxkv:num_swaps_out"].samples if s.name.endswith("_total")] == [0]
+    assert [s.value for s in families["jaxkv:num_host_blocks"].samples] == [16]
     front = AsyncLLM(engine, tokenizer=None)
     front._stats = dict(stats, num_running=1, num_swaps_out=3, num_swaps_in=2, kv_offload_bytes_to_host=3 * 2**20)
     with caplog.at_level(logging.INFO, logger="jaxkv.serve"):
