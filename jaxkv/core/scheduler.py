@@ -187,9 +187,15 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        out = self._try_schedule_decode_loop()
-        if out is None:
-            out = self._schedule_mixed()
+        if any(r.needs_known_history and r.num_output_placeholders for r in self.running):
+            # a request whose sampling reads its own tokens is in the step in flight: nothing is scheduled
+            # until its tokens are back, so every request runs together again (a device loop when all decode)
+            # instead of two halves alternating one step each
+            out = SchedulerOutput([], 0, [])
+        else:
+            out = self._try_schedule_decode_loop()
+            if out is None:
+                out = self._schedule_mixed()
         if self.host_pool is not None:
             out.blocks_to_swap_out, out.blocks_to_swap_in = self.host_pool.end_pass()
         out.loads, self._loads = self._loads, []

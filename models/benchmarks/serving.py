@@ -48,6 +48,31 @@ class SampleRequest:
     prompt: str | list[int]  # text, or token ids (sent as they are: what bench_throughput feeds LLM)
     prompt_len: int
     output_len: int
+    extra: dict | None = None  # more request fields (--json-schema-fraction: a response_format)
+
+
+# --json-schema-fraction's schema: nested, with enums, arrays and required fields
+BENCH_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string", "maxLength": 40},
+    "rating": {"type": "integer", "minimum": 0, "maximum": 10},
+    "genre": {"type": "string", "enum": ["drama", "comedy", "science", "history"]},
+    "tags": {"type": "array", "items": {"type": "string", "maxLength": 12}, "maxItems": 4},
+    "author": {"type": "object", "properties": {"name": {"type": "string", "maxLength": 24},
+                                                "born": {"type": "integer", "minimum": 1800, "maximum": 2025}},
+               "required": ["name"]}},
+    "required": ["title", "rating", "genre"]}
+
+
+def mark_structured(requests: list[SampleRequest], fraction: float) -> int:
+    """Give ``response_format`` (a json_schema of :data:`BENCH_SCHEMA`) to an evenly spread ``fraction`` of
+    ``requests`` (request ``i`` when ``floor((i + 1) * fraction) > floor(i * fraction)``); returns how many."""
+    marked = 0
+    for i, r in enumerate(requests):
+        if int((i + 1) * fraction) > int(i * fraction):
+            r.extra = {"response_format": {"type": "json_schema",
+                                           "json_schema": {"name": "review", "schema": BENCH_SCHEMA}}}
+            marked += 1
+    return marked
 
 
 def load_requests(args: argparse.Namespace, tokenizer, num: int) -> list[SampleRequest]:
@@ -106,7 +131,8 @@ async def send_request_openai(client, model: str, req: SampleRequest, *, ignore_
     try:
         stream = await client.completions.create(
             model=model, prompt=req.prompt, max_tokens=max_tokens or req.output_len, temperature=0.0,
-            stream=True, stream_options={"include_usage": True}, extra_body={"ignore_eos": ignore_eos})
+            stream=True, stream_options={"include_usage": True},
+            extra_body={"ignore_eos": ignore_eos, **(req.extra or {})})
         async for chunk in stream:
             if chunk.usage is not None:
                 result.output_len = chunk.usage.completion_tokens
@@ -135,7 +161,7 @@ async def send_request(session, url: str, model: str, req: SampleRequest, *, ign
     result = RequestResult(prompt_len=req.prompt_len, started_at=time.time())
     payload = {"model": model, "prompt": req.prompt, "max_tokens": max_tokens or req.output_len,
                "temperature": 0.0, "stream": True, "ignore_eos": ignore_eos,
-               "stream_options": {"include_usage": True}}
+               "stream_options": {"include_usage": True}, **(req.extra or {})}
     start = last = time.perf_counter()
     pieces = []
     try:
@@ -453,7 +479,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="openai client: processes sharing each run's requests (the client's parsing never "
                         "limits the server)")
     p.add_argument("--api-key", default=None, help="Bearer key for a server started with --api-key")
+    p.add_argument("--json-schema-fraction", type=float, default=0.0,
+                   help="share of each run's requests sent with response_format json_schema (a nested schema "
+                        "with enums, arrays and required fields), spread evenly")
     args = p.parse_args(argv)
+    if not 0 <= args.json_schema_fraction <= 1:
+        p.error(f"--json-schema-fraction={args.json_schema_fraction} must be in [0, 1]")
     try:
         args.rates = parse_rates(args.request_rate)
     except ValueError as e:
@@ -487,6 +518,9 @@ def main(argv=None) -> int:
         per_run = args.num_prompts
         runs = 1 if args.same_prompts else len(args.rates)
         pool = load_requests(args, tokenizer, per_run * runs + args.warmup_requests)
+        if args.json_schema_fraction:
+            print(f"{mark_structured(pool[args.warmup_requests:], args.json_schema_fraction)} requests with "
+                  "response_format json_schema")
         if args.sample_only:
             print(f"sampled {len(pool)} requests ({sum(r.prompt_len for r in pool)} prompt tokens, "
                   f"{sum(r.output_len for r in pool)} output tokens)"

@@ -1,7 +1,7 @@
 """Where a server run's CPU goes: the CPU seconds of every Python process on the machine during a command,
 grouped by role (API server, engine core, benchmark client), with the GPU's NVML busy share beside them.
 
-    python scripts/dev/proc_cpu.py [--gpu-index 1] [--py-spy DIR] -- python3 scripts/bench_serving.py ...
+    python scripts/dev/proc_cpu.py [--gpu-index 1] [--py-spy DIR] -- jaxkv bench serving ...
 
 Reads ``/proc/PID/stat`` (user + system time) of every process before and after the command; a process
 started during it counts from zero. A role near 100 % of the wall time (per process) is a limit at that
@@ -18,11 +18,11 @@ import pathlib
 import resource
 import signal
 import subprocess
-import sys
 import time
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
-ROLES = (("core_proc", "engine core"), ("serve.py", "API server"), ("bench_serving", "client"),
+ROLES = (("jaxkv.engine.core", "engine core"), ("serve.py", "API server"), ("jaxkv serve", "API server"),
+         ("models.entrypoints.openai.server", "API server"), ("bench_serving", "client"), ("bench serving", "client"),
          ("multiprocessing", "client"))
 
 
@@ -51,8 +51,7 @@ def main(argv=None) -> int:
     p.add_argument("command", nargs=argparse.REMAINDER)
     args = p.parse_args(argv)
     cmd = args.command[1:] if args.command[:1] == ["--"] else args.command
-    sys.path.insert(0, str(ROOT / "scripts"))
-    from bench_throughput import NvmlBusySampler
+    from models.benchmarks.throughput import NvmlBusySampler
 
     before = snapshot()
     spies = []

@@ -1,0 +1,97 @@
+#!/usr/bin/env bash
+# Issues 43 (item 5) and 44 (item 5) on one GPU: SmolLM2 shapes with random weights (.dummy/smollm2-header.gguf),
+# ShareGPT requests tokenized by SmolLM2 (.dummy/requests-3000.json, from `jaxkv bench throughput
+# --save-requests`), LLM and server defaults. Carry .whl .dummy (and .baseline for STAGE=sampling).
+#   STAGE=sampling: 3000 requests: the code before the sampling work (.baseline = `git archive 9d32cad`) and this
+#     tree, plain; this tree with logprobs=5, with penalties (presence 0.5, frequency 0.5, repetition 1.1) on every
+#     request, and n=8 over the first 375 prompts (3000 sequences); this tree plain again (the spread).
+#   STAGE=server: 1000 requests offline (LLM), then `jaxkv serve` (its defaults: two API-server processes on this
+#     16-CPU machine) through the openai client: rate inf with 8 client processes (CPU per process role by
+#     scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
+#     processes and response_format json_schema on half of the requests.
+# Usage (device tool, repository root): STAGE=sampling bash scripts/dev/gpu_sampling.sh
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
+OUT=${OUT:-/tmp/gpu_sampling}
+mkdir -p "$OUT"
+[ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initialize backend" -e "^INFO" \
+  -e "Processed prompts"; }
+S=$PWD/.dummy/smollm2-header.gguf
+R=$PWD/.dummy/requests-3000.json
+B="python3 scripts/bench_throughput.py --model $S --load-format dummy --requests $R --backend jaxkv --no-progress"
+
+if [ "${STAGE:-sampling}" = sampling ]; then
+  run() {  # $1: label, $2: timeout, rest: flags
+    local label=$1 limit=$2; shift 2
+    echo "=== $label: $*" | tee -a "$OUT/sampling.txt"
+    timeout "$limit" $B "$@" --output-json "$OUT/$label.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/sampling.txt"
+  }
+  echo "=== old (9d32cad): plain" | tee -a "$OUT/sampling.txt"
+  (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 scripts/bench_throughput.py --model $S \
+     --load-format dummy --requests $R --backend jaxkv --no-progress --num-prompts 3000 \
+     --output-json "$OUT/old-plain.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/sampling.txt")
+  run new-plain 200 --num-prompts 3000
+  run new-logprobs5 200 --num-prompts 3000 --logprobs 5
+  run new-penalties 200 --num-prompts 3000 --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1
+  run new-n8x375 200 --num-prompts 375 --n 8
+  run new-plain-again 200 --num-prompts 3000
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/sampling.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+tps = {}
+for f in sorted(out.glob("*.json")):
+    r = json.loads(f.read_text())["results"][0]
+    tps[f.stem] = r["output_tokens_per_s"]
+    print(f"{f.stem:18s} {r['output_tokens_per_s']:10.1f} out tok/s  {r['num_requests']:5d} requests  "
+          f"prompt tokens computed {r.get('prompt_tokens_computed')}  {r['elapsed_s']:.2f} s")
+plain = tps["new-plain"]
+for k in ("old-plain", "new-logprobs5", "new-penalties", "new-n8x375", "new-plain-again"):
+    if k in tps:
+        print(f"{k} / new-plain: {tps[k] / plain:.3f}")
+if "old-plain" in tps:
+    print(f"new-plain / old-plain: {plain / tps['old-plain']:.3f}")
+PY
+fi
+
+if [ "${STAGE:-}" = server ]; then
+  python3 - <<'PY'
+import json
+r = json.load(open(".dummy/requests-3000.json"))
+for name, part in (("a", r[:1000]), ("b", r[1000:2000]), ("c", r[2000:3000])):
+    json.dump(part, open(f"/tmp/req-{name}.json", "w"))
+PY
+  timeout 200 $B --requests /tmp/req-a.json --num-prompts 1000 --output-json "$OUT/offline.json" 2>&1 | quiet | tail -5 \
+    | tee "$OUT/server.txt"
+  RATE=$(python3 -c "import json; r = json.load(open('$OUT/offline.json'))['results'][0]; print(round(0.9 * r['requests_per_s'], 2))")
+  echo "0.9x offline request rate: $RATE req/s" | tee -a "$OUT/server.txt"
+  start() {  # a fresh server (an empty prefix cache): $1 = log name
+    python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 \
+      > "$OUT/server-$1.log" 2>&1 &
+    SERVER=$!
+    for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
+  }
+  stop() { kill -TERM $SERVER; wait $SERVER; }
+  C="python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000"
+  start 1
+  echo "=== the offline requests at rate inf, 8 client processes (CPU by role)" | tee -a "$OUT/server.txt"
+  timeout 150 python3 scripts/dev/proc_cpu.py -- $C --requests /tmp/req-a.json --request-rate inf \
+    --client-processes 8 --result-json "$OUT/serve-inf.json" 2>&1 | quiet | tail -22 | tee -a "$OUT/server.txt"
+  echo "=== other requests at $RATE req/s (0.9x offline), 4 client processes" | tee -a "$OUT/server.txt"
+  timeout 150 $C --requests /tmp/req-b.json --request-rate $RATE --client-processes 4 \
+    --result-json "$OUT/serve-09x.json" 2>&1 | quiet | tail -14 | tee -a "$OUT/server.txt"
+  stop
+  start 2
+  echo "=== a fresh server, rate inf, 8 client processes, json_schema on half" | tee -a "$OUT/server.txt"
+  timeout 150 $C --requests /tmp/req-c.json --request-rate inf --client-processes 8 --json-schema-fraction 0.5 \
+    --result-json "$OUT/serve-inf-json.json" 2>&1 | quiet | tail -14 | tee -a "$OUT/server.txt"
+  stop
+  start 3
+  echo "=== a fresh server, the same requests unconstrained" | tee -a "$OUT/server.txt"
+  timeout 150 $C --requests /tmp/req-c.json --request-rate inf --client-processes 8 \
+    --result-json "$OUT/serve-inf-c.json" 2>&1 | quiet | tail -14 | tee -a "$OUT/server.txt"
+  stop
+  tail -12 "$OUT/server-1.log" > "$OUT/server-log-tail.txt"
+fi
