@@ -127,6 +127,12 @@ class Request:
         # its rows run one step per pass (the mask of each token comes from the host)
         self.grammar = None
         self.grammar_words = 0
+        # any sampling option beyond temperature / top-k / top-p / min_tokens: the runner's fast path skips
+        # every per-feature check for a batch without one
+        sp = sampling_params
+        self.sampling_special = bool(sp.min_p > 0 or sp.has_penalties or sp.logit_bias or sp.allowed_token_ids
+                                     or sp.bad_words_token_ids or sp.logprobs is not None
+                                     or sp.prompt_logprobs is not None or sp.structured_outputs is not None)
         self.arrival_time = time.monotonic()
         self.first_scheduled_time: float | None = None  # set by the scheduler (queue time)
         self.queue_time_sent = False

@@ -187,10 +187,12 @@ class Scheduler:
 
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
-        if any(r.needs_known_history and r.num_output_placeholders for r in self.running):
-            # a request whose sampling reads its own tokens is in the step in flight: nothing is scheduled
-            # until its tokens are back, so every request runs together again (a device loop when all decode)
-            # instead of two halves alternating one step each
+        if any(r.needs_known_history and r.num_output_placeholders and r.grammar is None for r in self.running):
+            # a request whose sampling reads its own tokens (penalties, bad words) is in the step in flight:
+            # nothing is scheduled until its tokens are back, so every request runs together again (a device
+            # loop when all decode) instead of two halves alternating one step each. A structured output (one
+            # step per token anyway) only sits out the steps dispatched before its token is back; the others
+            # keep overlapping the host with the device
             out = SchedulerOutput([], 0, [])
         else:
             out = self._try_schedule_decode_loop()

@@ -592,6 +592,8 @@ class ModelRunner:
                     stop_ids[r, :len(ids)] = ids
         sampling = SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
         extras: dict[str, np.ndarray] = {}
+        if not any(r.sampling_special for r in reqs):  # the common batch: no per-feature pass
+            return sampling, extras, SamplerFeatures(top_k_top_p=needs_top_k_top_p(temperature, top_p, top_k))
         widths = [sp.logprobs for sp in sps if sp.logprobs is not None]
         features = SamplerFeatures(
             top_k_top_p=needs_top_k_top_p(temperature, top_p, top_k),
@@ -713,7 +715,9 @@ class ModelRunner:
         sched.plp_rows = []
         slots, targets = [], []
         starts = qsl[:n] if n else []
-        for r, req in enumerate(reqs):
+        special = [r for r, req in enumerate(reqs) if req.sampling_special]
+        for r in special:
+            req = reqs[r]
             if req.prompt_logprobs is None:
                 continue
             first = max(context[r], len(req.prompt_logprobs))  # positions already recorded are skipped
@@ -733,7 +737,7 @@ class ModelRunner:
             inputs["plp_targets"][:len(targets)] = targets
             plp_k = _logprobs_width(plp_k, self.max_logprobs)
         sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
-        constrained = [r for r, req in enumerate(reqs) if req.grammar is not None and sched.samples[r]]
+        constrained = [r for r in special if reqs[r].grammar is not None and sched.samples[r]]
         if constrained:
             bitmask = np.full((num_rows, reqs[constrained[0]].grammar_words), -1, np.int32)
             for r in constrained:

@@ -518,8 +518,8 @@ def main(argv=None) -> int:
         per_run = args.num_prompts
         runs = 1 if args.same_prompts else len(args.rates)
         pool = load_requests(args, tokenizer, per_run * runs + args.warmup_requests)
-        if args.json_schema_fraction:
-            print(f"{mark_structured(pool[args.warmup_requests:], args.json_schema_fraction)} requests with "
+        if args.json_schema_fraction:  # the warm-up requests too: their programs compile before timing
+            print(f"{mark_structured(pool, args.json_schema_fraction)} requests (warm-up included) with "
                   "response_format json_schema")
         if args.sample_only:
             print(f"sampled {len(pool)} requests ({sum(r.prompt_len for r in pool)} prompt tokens, "

@@ -565,6 +565,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     s.add_argument("--presence-penalty", type=float, default=0.0)
     s.add_argument("--frequency-penalty", type=float, default=0.0)
     s.add_argument("--repetition-penalty", type=float, default=1.0)
+    s.add_argument("--no-sampling-warmup", action="store_true",
+                   help="with sampling options, time the first pass (their programs compile during it) instead of "
+                        "a second one")
     EngineArgs.add_cli_args(p, seed=0, max_num_seqs=EngineArgs.max_num_seqs)  # the seed also samples the dataset
     p.add_argument("--static-batch-size", type=int, default=None,
                    help="batch size of jaxkv-static and hf (default: --max-num-seqs)")
@@ -723,6 +726,12 @@ def run(args) -> int:
             print(f"start-up: {time.perf_counter() - t0:.1f} s until ready (rank 0: load {info['load_s']} s "
                   f"[{parts}], compile ahead {info['warmup_s']} s, {info['num_compiles']} compiles; compilation "
                   f"cache {info['compilation_cache_dir']})", flush=True)
+        if SAMPLING_OPTIONS and not args.no_sampling_warmup:
+            # the sampling options' programs are other compiles than the compile-ahead's: a first pass of the
+            # same requests compiles them (reported as <backend>-1st); the timed pass is the second
+            results.append(run_jaxkv(llms[mp], requests, static=False, batch_size=batch_size, progress=False,
+                                     name=backend + "-1st"))
+            _print_partial(results[-1])
         results.append(run_jaxkv(llms[mp], requests, static=backend == "jaxkv-static", batch_size=batch_size,
                                  progress=not args.no_progress, profile_busy=args.profile_busy and not mp,
                                  nvml_busy=args.nvml_busy, cprofile=args.cprofile if not mp else None,
