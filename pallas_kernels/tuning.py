@@ -128,6 +128,16 @@ MGPU_DECODE_PRODUCER_CONVERTS = True
 # $JAXKV_MGPU_DECODE_BALANCE=0 deals them in batch order (for A/B runs).
 MGPU_DECODE_BALANCE = os.environ.get("JAXKV_MGPU_DECODE_BALANCE", "1") != "0"
 MGPU_DECODE_PRODUCER_STAGES = 2
+# fp8 decode route (paged_attention_mgpu's ``fp8_route``; issue 45): "convert" (the converter warpgroup turns K and V
+# into 16-bit rings, the route of sessions 13-14), "qk8" (the query quantized to e4m3 per row, q·kᵀ as an fp8 wgmma
+# straight from the fp8 K slots; only V converted), "qk8t" (as "qk8" with the keys as the wgmma rows, Kqᵀ, so the
+# softmax runs on block_kv x 8 logits instead of 64 x block_kv, and the query split into two e4m3 halves).
+# $JAXKV_MGPU_FP8_ROUTE overrides it (for A/B runs).
+MGPU_DECODE_FP8_ROUTE = os.environ.get("JAXKV_MGPU_FP8_ROUTE", "qk8t")
+# "qk8t": query heads per KV head it takes (the wgmma's N, padded to 8, and its registers grow with it); larger
+# groups run "qk8". Its max over the keys is a cross-warp reduction through this much shared memory.
+MGPU_DECODE_QK8T_MAX_GROUP = 16
+MGPU_DECODE_QK8T_SCRATCH_BYTES = 2048
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
 # (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed
@@ -198,7 +208,8 @@ def _smem_aligned(nbytes: int) -> int:
 
 
 def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool, q_tiles: int = 1,
-                           p_tile: bool = True, persistent: bool = True, num_stages16: int = 0) -> int:
+                           p_tile: bool = True, persistent: bool = True, num_stages16: int = 0,
+                           fp8_route: str = "convert", cols: int = 8) -> int:
     """Bytes of shared memory the Mosaic decode kernel allocates (each allocation aligned, as Mosaic counts):
 
     * ``q_tiles`` 64-row query/output staging tiles (1 without ``persistent``) and as many 64-row float32
@@ -211,18 +222,28 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
     * the barriers: per ring slot K and V "full" and "consumed", per staging tile its query's "loaded" and
       (persistent) its "free", four per 16-bit ring slot, and with those the two swizzled query tiles'
       "ready" and "free".
+
+    ``fp8_route`` "qk8" / "qk8t" (with the converter's ``num_stages16``): no 16-bit K ring; the two query tiles
+    are fp8 (e4m3), "qk8t" has two more (the low halves) and Mosaic's reduction scratch
+    (``MGPU_DECODE_QK8T_SCRATCH_BYTES``); both keep the query rows' scales (two ``f32[64]``); "qk8t"'s P tile is
+    ``cols x block_kv`` (the group's heads padded to 8) and always there (it is ``wgmma``'s B operand).
     """
     staged = head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE
     q_tiles = q_tiles if persistent else 1
     tile16 = block_kv * head_size * 2
+    qk8 = fp8 and fp8_route != "convert"
     tiles = [q_tiles * 64 * head_size * 2, q_tiles * 64 * 4]
     tiles += [num_stages * block_kv * head_size * (1 if fp8 else 2)] * 2
     if fp8:
-        tiles += [max(num_stages16, 1) * tile16] * 2
-    if p_tile:
+        tiles += [max(num_stages16, 1) * tile16] * (1 if qk8 else 2)
+    if qk8 and fp8_route == "qk8t":
+        tiles += [cols * block_kv * 2, 2 * 64 * head_size, 2 * 64 * 4, MGPU_DECODE_QK8T_SCRATCH_BYTES]
+    elif qk8:
+        tiles += [64 * block_kv * 2] * p_tile + [2 * 64 * 4]
+    elif p_tile:
         tiles.append(64 * block_kv * 2)
-    if staged:   # two with the converter warpgroup (it moves the next item's query into one)
-        tiles.append((2 if num_stages16 else 1) * 64 * head_size * 2)
+    if staged:   # two with the converter warpgroup (it moves the next item's query into one), fp8 with qk8
+        tiles.append((2 if num_stages16 else 1) * 64 * head_size * (1 if qk8 else 2))
     barriers = q_tiles * (2 if persistent else 1) + 4 * num_stages + 4 * num_stages16
     barriers += 4 if num_stages16 and staged else 0
     return sum(_smem_aligned(t) for t in tiles) + barriers * MGPU_BARRIER_BYTES
@@ -265,13 +286,15 @@ def mgpu_decode_ring(block_kv: int, head_size: int, *, fp8: bool, p_tile: bool =
 
 
 def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, num_stages: int | None = None,
-                                budget: int = MGPU_CTA_SMEM_BYTES) -> tuple[int, int, int]:
+                                budget: int = MGPU_CTA_SMEM_BYTES, fp8_route: str = "convert",
+                                cols: int = 8) -> tuple[int, int, int]:
     """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose converter warpgroup converts
     fp8 pages into 16-bit slots: ``num_stages`` fp8 stages (``None``: ``MGPU_DECODE_PRODUCER_STAGES``,
     fewer where they do not fit), then the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and
-    staging tiles that fits beside them in ``budget`` bytes. Head size 128, 128 keys, P in registers:
-    (2, 1, 2), 177 KiB."""
-    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=True, p_tile=p_tile)
+    staging tiles that fits beside them in ``budget`` bytes (``fp8_route``: :func:`mgpu_decode_smem_bytes`). Head
+    size 128, 128 keys, P in registers: (2, 1, 2), 193 KiB; "qk8t" (GQA <= 8): (2, 2, 2), 197 KiB."""
+    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=True, p_tile=p_tile,
+                             fp8_route=fp8_route, cols=cols)
     given = num_stages is not None
     num_stages = num_stages or MGPU_DECODE_PRODUCER_STAGES
     while not given and num_stages > 1 and size(num_stages, q_tiles=1, num_stages16=1) > budget:
