@@ -368,7 +368,7 @@ def _attend_keys(q_hi, q_lo, col_scale, ring: _Ring, pt_smem, *, n, origin, firs
             p = jnp.exp2(logits - cols_of(m_safe, logits.shape))
             l = l * cols_of(alpha, l.shape) + p
             acc = acc * cols_of(alpha, acc.shape)
-            pt_smem.T[...] = p.astype(pt_smem.dtype)
+            pt_smem.T[...] = plgpu.layout_cast(p.astype(pt_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
             plgpu.commit_smem()
         with jax.named_scope("wait_v"):
             plgpu.barrier_wait(v_bars.at[vslot])
@@ -407,7 +407,8 @@ def _store_output_keys(acc_t, m, l, v_scale, io_tile, lse_tile, o_dst, lse_dst) 
     rows, cols = o_dst.shape[0], acc_t.shape[1]
     l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
     acc_t = acc_t * lax.broadcast_in_dim(v_scale / l_safe, acc_t.shape, [1])
-    io_tile.at[pl.ds(0, cols)].T[...] = acc_t.astype(io_tile.dtype)
+    # (WGMMA_TRANSPOSED: the layout Mosaic stores into a transposed view; layout inference does not find it alone)
+    io_tile.at[pl.ds(0, cols)].T[...] = plgpu.layout_cast(acc_t.astype(io_tile.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
     lse_tile.at[pl.ds(0, cols)][...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(io_tile.at[pl.ds(0, rows)], o_dst)
