@@ -77,7 +77,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
-from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring
+from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring, step_pages
 from pallas_kernels._online_softmax import accumulate_pv, softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
@@ -530,7 +530,8 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
                               num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float,
                               producer_converts: bool, num_stages16: int, convert_ahead: bool,
-                              fp8_route: str = "convert", pv_from_smem: bool = False):
+                              fp8_route: str = "convert", pv_from_smem: bool = False,
+                              page_ids_first: bool = False):
     """The persistent kernel: program ``c`` runs its ``k``-th work item from round ``k`` of ``G = num_programs``
     items, dealt in a snake (item ``k * G + c`` in even rounds, ``k * G + G - 1 - c`` in odd ones); item ``i``
     is (sequence ``order_ref[i // (num_kv_heads * num_splits)]``, KV head, partition). ``order_ref`` lists the
@@ -675,13 +676,14 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
             if not producer_converts:
                 pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
                 copy_q(k)
-            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
-                                      block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+            paging = dict(num_pages=num_pages, block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, **paging)
+            pages = functools.partial(step_pages, kv_ref, tables_ref, s, **paging) if page_ids_first else None
 
             def one_step(i, g):
                 return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
                                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
-                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
+                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed, pages=pages)
             return lax.fori_loop(0, n, one_step, g)
 
         lax.fori_loop(0, my_items, run_item, jnp.int32(0))
@@ -735,7 +737,7 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
                           persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0,
-                          convert_ahead=False, balance=False, fp8_route="convert"):
+                          convert_ahead=False, balance=False, fp8_route="convert", page_ids_first=False):
     """``num_stages16`` > 0 (persistent, fp8 cache): a converter warpgroup turns the fp8 ring into a ring
     of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`); with ``fp8_route``
     "qk8" / "qk8t" only V's slots, and it quantizes each item's query to fp8."""
@@ -822,7 +824,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         kernel = functools.partial(kernel, num_programs=num_programs, num_kv_heads=num_kv_heads,
                                    num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,
                                    num_q_buffers=num_q_buffers, producer_converts=producer_converts,
-                                   num_stages16=num_stages16, fp8_route=fp8_route, pv_from_smem=pv_from_smem)
+                                   num_stages16=num_stages16, fp8_route=fp8_route, pv_from_smem=pv_from_smem,
+                                   page_ids_first=page_ids_first)
         grid, grid_names = (num_programs,), ("c",)
     else:
         grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
@@ -929,7 +932,7 @@ def _fp8_route(fp8_route: str | None, *, fp8: bool, persistent: bool, producer_c
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
            "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts",
-           "convert_ahead", "num_q_buffers", "balance", "fp8_route")
+           "convert_ahead", "num_q_buffers", "balance", "fp8_route", "page_ids_first")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -964,6 +967,7 @@ def paged_attention_mgpu(
     num_q_buffers: int | None = None,
     balance: bool | None = None,
     fp8_route: str | None = None,
+    page_ids_first: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -1025,6 +1029,10 @@ def paged_attention_mgpu(
             :data:`pallas_kernels.tuning.MGPU_DECODE_FP8_ROUTE` where it applies, else "convert" (or "qk8").
             Ignored for a 16-bit cache. Accuracy: "convert" and "qk8t" keep the query's bf16 precision; "qk8"
             rounds it to e4m3 (3 mantissa bits, FlashAttention-3's fp8 q·kᵀ), ~2**-4 relative per element.
+        page_ids_first: the persistent kernel's memory warpgroup loads a step's page ids from the block table
+            once, for K and V, before its slot waits (static; :func:`pallas_kernels._mgpu_paging.step_pages`),
+            instead of each just before its TMA copy, for K and again for V. Same result. ``None``:
+            :data:`pallas_kernels.tuning.MGPU_DECODE_PAGE_IDS_FIRST`.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -1098,5 +1106,6 @@ def paged_attention_mgpu(
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
         num_programs=num_programs, num_stages16=num_stages16, fp8_route=route,
+        page_ids_first=tuning.MGPU_DECODE_PAGE_IDS_FIRST if page_ids_first is None else bool(page_ids_first),
         num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers,
         balance=tuning.MGPU_DECODE_BALANCE if balance is None else bool(balance))

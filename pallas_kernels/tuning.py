@@ -138,6 +138,10 @@ MGPU_DECODE_FP8_ROUTE = os.environ.get("JAXKV_MGPU_FP8_ROUTE", "qk8t")
 # groups run "qk8". Its max over the keys is a cross-warp reduction through this much shared memory.
 MGPU_DECODE_QK8T_MAX_GROUP = 16
 MGPU_DECODE_QK8T_SCRATCH_BYTES = 2048
+# Persistent decode: the memory warpgroup loads a step's page ids once, for K and V, before its slot waits
+# (paged_attention_mgpu's ``page_ids_first``), instead of one just before each TMA copy, for K and again for V.
+# $JAXKV_MGPU_DECODE_PAGE_IDS_FIRST=1/0 overrides it (for A/B runs).
+MGPU_DECODE_PAGE_IDS_FIRST = os.environ.get("JAXKV_MGPU_DECODE_PAGE_IDS_FIRST", "0") == "1"
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
 # (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed

@@ -103,6 +103,26 @@ def _make_inputs(rng, batch, ctx, num_sets):
     return sets
 
 
+def _variant_kwargs(name: str, named: dict | None = None) -> dict:
+    """Kernel kwargs of a variant named by tokens joined with '+': a name of ``named`` (the fp8 variants), ids
+    (``page_ids_first``), nobal (``balance=False``), bkv64 (``block_kv=64``), stN (``num_stages=N``)."""
+    kw = {}
+    for tok in name.split("+"):
+        if named and tok in named:
+            kw.update(named[tok])
+        elif tok == "ids":
+            kw["page_ids_first"] = True
+        elif tok == "nobal":
+            kw["balance"] = False
+        elif tok == "bkv64":
+            kw["block_kv"] = 64
+        elif tok.startswith("st") and tok[2:].isdigit():
+            kw["num_stages"] = int(tok[2:])
+        else:
+            raise SystemExit(f"unknown variant token {tok!r} in {name!r}")
+    return kw
+
+
 def _to_jax_layout(q, kv, tables, lens):
     # jax.experimental.pallas.ops.gpu.paged_attention: k/v [num_kv_heads, total_pages, page_size, D]
     return q, kv[0].transpose(1, 0, 2, 3), kv[1].transpose(1, 0, 2, 3), tables, lens
@@ -126,6 +146,10 @@ def main(argv=None) -> int:
                         "steps; st4: a 4-stage ring; conv/prod: the compute/a converter warpgroup converts fp8 to 16 "
                         "bits, K and V (auto: the tuned default, tuning.MGPU_DECODE_FP8_ROUTE); ahead/inorder: the "
                         "compute warpgroup converts each tile beside the other wgmma / in step order)")
+    p.add_argument("--bf16-variants", default="",
+                   help="decode: extra Mosaic bf16 variants, comma-separated, each tokens joined by '+' (ids: page ids "
+                        "loaded first, nobal: no longest-first deal, bkv64: 64-key steps, stN: N ring stages); the "
+                        "fp8 variants take the same tokens beside their names (e.g. qk8t+ids+bkv64+st6)")
     p.add_argument("--mosaic-only", action="store_true",
                    help="decode: only the Mosaic kernels (no Triton or JAX peers, no Triton fp8)")
     p.add_argument("--balance-ab", action="store_true",
@@ -173,6 +197,8 @@ def main(argv=None) -> int:
         mosaic.pop("mosaic bkv64")
     if mosaic and args.balance_ab:
         mosaic["mosaic nobal"] = dict(balance=False)
+    if mosaic:
+        mosaic.update({f"mosaic {v}": _variant_kwargs(v) for v in args.bf16_variants.split(",") if v})
     if mosaic and not args.quick:
         mosaic.update({"mosaic p-smem": dict(pv_from_smem=True), "mosaic 2/SM": dict(block_kv=64, num_programs=2 * sms),
                        "mosaic s=1": dict(num_splits=1), "mosaic per-item": dict(persistent=False),
@@ -186,7 +212,7 @@ def main(argv=None) -> int:
                "inorder": dict(producer_converts=False, convert_ahead=False),
                "convert": dict(fp8_route="convert"), "qk8": dict(fp8_route="qk8"), "qk8t": dict(fp8_route="qk8t"),
                "nobal": dict(balance=False)}
-    mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all[k]
+    mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all.get(k) or _variant_kwargs(k, fp8_all)
                                             for k in args.fp8_variants.split(",") if k}
     peers = {} if args.mosaic_only else {"jax default": dict()}
     if not args.quick and not args.mosaic_only:

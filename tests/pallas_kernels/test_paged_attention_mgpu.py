@@ -74,6 +74,8 @@ def _resolved(cls, num_splits, **kw) -> tuple:
     kw["producer_converts"] = bool(tuning.MGPU_DECODE_PRODUCER_CONVERTS and persistent if pc is None else pc) and cls.fp8
     if kw.get("convert_ahead") is None:
         kw["convert_ahead"] = tuning.MGPU_DECODE_CONVERT_AHEAD
+    if kw.get("page_ids_first") is None:
+        kw["page_ids_first"] = tuning.MGPU_DECODE_PAGE_IDS_FIRST
     kw["fp8_route"] = mgpu_mod._fp8_route(kw.get("fp8_route"), fp8=cls.fp8, persistent=persistent,
                                           producer_converts=kw["producer_converts"], head_size=cls.head_size,
                                           group=cls.group)
@@ -165,6 +167,16 @@ PERSISTENT_CASES += [
                  dict(num_stages=1, **QK8T), marks=_COMPILED),
     pytest.param(_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
                       window=50), [130, 0, 300], 2, 3, dict(num_stages=1, **QK8), marks=_COMPILED),
+]
+# The memory warpgroup loading each step's page ids first (page_ids_first): a 1-stage ring over several items
+# (bf16), and the fp8 default route over windows and a page sliced over steps (compiled).
+PERSISTENT_CASES += [
+    (_cls(head=64, block=16, kv_heads=2, group=3, num_seqs=5, width=12), [150, 0, 190, 1, 64], 2, 2,
+     dict(num_stages=1, page_ids_first=True)),
+    pytest.param(_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0),
+                 [300, 0, 17, 250], 3, 2, dict(page_ids_first=True), marks=_COMPILED),
+    pytest.param(_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], 1, 2,
+                 dict(num_stages=1, block_kv=64, page_ids_first=True), marks=_COMPILED),
 ]
 AHEAD = dict(convert_ahead=True, producer_converts=False)
 PERSISTENT_CASES += [
