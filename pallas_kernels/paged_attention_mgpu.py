@@ -531,7 +531,7 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
                               num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float,
                               producer_converts: bool, num_stages16: int, convert_ahead: bool,
                               fp8_route: str = "convert", pv_from_smem: bool = False,
-                              page_ids_first: bool = False):
+                              page_ids_first: bool = False, prefetch_item: bool = False):
     """The persistent kernel: program ``c`` runs its ``k``-th work item from round ``k`` of ``G = num_programs``
     items, dealt in a snake (item ``k * G + c`` in even rounds, ``k * G + G - 1 - c`` in odd ones); item ``i``
     is (sequence ``order_ref[i // (num_kv_heads * num_splits)]``, KV head, partition). ``order_ref`` lists the
@@ -607,6 +607,11 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
         r = lax.rem(i, num_kv_heads * num_splits)
         return s, lax.div(r, num_splits), lax.rem(r, num_splits), lax.rem(k, num_q_buffers)
 
+    def seq_of(k):   # item k's sequence, k clamped to the program's items (a prefetch past the last is unused)
+        k = jnp.minimum(k, jnp.maximum(my_items - 1, 0))
+        return order_ref[jnp.minimum(lax.div(k * num_programs + dealt(k), num_kv_heads * num_splits),
+                                     order_ref.shape[0] - 1)]
+
     def copy_q(k):
         s, h, _, b = item(k)
         _copy_q(q_ref, io_smem.at[b], q_bars.at[b], s, h, num_kv_heads=num_kv_heads, rows=rows)
@@ -670,9 +675,18 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
         if producer_converts:
             plgpu.set_max_registers(MGPU_MEMORY_REGISTERS, action="decrease")
 
-        def run_item(k, g):
-            s, h, part, b = item(k)
-            num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
+        def run_item(k, carry):
+            # prefetch_item: item k's sequence and length came in the carry, loaded during item k - 1 (and its
+            # sequence during item k - 2), so no global load sits between two items' copies
+            g, s, s_next, seq_len = carry if prefetch_item else (carry, None, None, None)
+            if prefetch_item:
+                _, h, part, b = item(k)   # (its order load unused: dead code)
+                s_next2 = seq_of(k + 2)
+                seq_next = seq_lens_ref[s_next]
+            else:
+                s, h, part, b = item(k)
+                seq_len = seq_lens_ref[s]
+            num_pages, origin, _, first_step, n = partition(seq_len, part)
             if not producer_converts:
                 pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
                 copy_q(k)
@@ -684,9 +698,14 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
                 return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
                                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
                                        v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed, pages=pages)
-            return lax.fori_loop(0, n, one_step, g)
+            g = lax.fori_loop(0, n, one_step, g)
+            return (g, s_next, s_next2, seq_next) if prefetch_item else g
 
-        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+        if prefetch_item:
+            s0 = seq_of(0)
+            lax.fori_loop(0, my_items, run_item, (jnp.int32(0), s0, seq_of(1), seq_lens_ref[s0]))
+        else:
+            lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
     if not producer_converts:
         return
@@ -737,7 +756,8 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
                           persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0,
-                          convert_ahead=False, balance=False, fp8_route="convert", page_ids_first=False):
+                          convert_ahead=False, balance=False, fp8_route="convert", page_ids_first=False,
+                          prefetch_item=False):
     """``num_stages16`` > 0 (persistent, fp8 cache): a converter warpgroup turns the fp8 ring into a ring
     of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`); with ``fp8_route``
     "qk8" / "qk8t" only V's slots, and it quantizes each item's query to fp8."""
@@ -825,7 +845,7 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
                                    num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,
                                    num_q_buffers=num_q_buffers, producer_converts=producer_converts,
                                    num_stages16=num_stages16, fp8_route=fp8_route, pv_from_smem=pv_from_smem,
-                                   page_ids_first=page_ids_first)
+                                   page_ids_first=page_ids_first, prefetch_item=prefetch_item)
         grid, grid_names = (num_programs,), ("c",)
     else:
         grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
@@ -932,7 +952,7 @@ def _fp8_route(fp8_route: str | None, *, fp8: bool, persistent: bool, producer_c
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
            "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts",
-           "convert_ahead", "num_q_buffers", "balance", "fp8_route", "page_ids_first")
+           "convert_ahead", "num_q_buffers", "balance", "fp8_route", "page_ids_first", "prefetch_item")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -968,6 +988,7 @@ def paged_attention_mgpu(
     balance: bool | None = None,
     fp8_route: str | None = None,
     page_ids_first: bool | None = None,
+    prefetch_item: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -1032,7 +1053,10 @@ def paged_attention_mgpu(
         page_ids_first: the persistent kernel's memory warpgroup loads a step's page ids from the block table
             once, for K and V, before its slot waits (static; :func:`pallas_kernels._mgpu_paging.step_pages`),
             instead of each just before its TMA copy, for K and again for V. Same result. ``None``:
-            :data:`pallas_kernels.tuning.MGPU_DECODE_PAGE_IDS_FIRST`.
+            :data:`pallas_kernels.tuning.MGPU_DECODE_PAGE_IDS_FIRST` (on for an fp8 cache, off for 16 bits).
+        prefetch_item: the persistent kernel's memory warpgroup loads the next item's sequence length (and the one
+            after's sequence id) during the current item (static), so no dependent global loads sit between two
+            items' copies. Same result. ``None``: :data:`pallas_kernels.tuning.MGPU_DECODE_PREFETCH_ITEM`.
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -1106,6 +1130,7 @@ def paged_attention_mgpu(
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
         num_programs=num_programs, num_stages16=num_stages16, fp8_route=route,
-        page_ids_first=tuning.MGPU_DECODE_PAGE_IDS_FIRST if page_ids_first is None else bool(page_ids_first),
+        page_ids_first=(tuning.mgpu_decode_page_ids_first(fp8) if page_ids_first is None else bool(page_ids_first)),
+        prefetch_item=tuning.MGPU_DECODE_PREFETCH_ITEM if prefetch_item is None else bool(prefetch_item),
         num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers,
         balance=tuning.MGPU_DECODE_BALANCE if balance is None else bool(balance))

@@ -140,8 +140,23 @@ MGPU_DECODE_QK8T_MAX_GROUP = 16
 MGPU_DECODE_QK8T_SCRATCH_BYTES = 2048
 # Persistent decode: the memory warpgroup loads a step's page ids once, for K and V, before its slot waits
 # (paged_attention_mgpu's ``page_ids_first``), instead of one just before each TMA copy, for K and again for V.
-# $JAXKV_MGPU_DECODE_PAGE_IDS_FIRST=1/0 overrides it (for A/B runs).
-MGPU_DECODE_PAGE_IDS_FIRST = os.environ.get("JAXKV_MGPU_DECODE_PAGE_IDS_FIRST", "0") == "1"
+# H100 (issue 45, docs/logs/fp8-decode/run2): fp8 "qk8t" 1.02-1.08x faster at the six batch >= 8 shapes (its
+# steps are half bf16's bytes, so the issue loop's dependent block-table loads set the pace); bf16 0.98-1.00x.
+# So on for an fp8 cache only. $JAXKV_MGPU_DECODE_PAGE_IDS_FIRST=1/0 sets it for both (A/B runs).
+MGPU_DECODE_PAGE_IDS_FIRST = os.environ.get("JAXKV_MGPU_DECODE_PAGE_IDS_FIRST")
+
+
+def mgpu_decode_page_ids_first(fp8: bool) -> bool:
+    """``page_ids_first`` of the persistent Mosaic decode kernel: ``MGPU_DECODE_PAGE_IDS_FIRST`` when set ("1"/"0"),
+    else on for an fp8 cache only."""
+    if MGPU_DECODE_PAGE_IDS_FIRST is not None:
+        return MGPU_DECODE_PAGE_IDS_FIRST == "1"
+    return fp8
+
+
+# Persistent decode: the memory warpgroup loads the next item's sequence length during the current item
+# (paged_attention_mgpu's ``prefetch_item``). $JAXKV_MGPU_DECODE_PREFETCH_ITEM=1/0 overrides it.
+MGPU_DECODE_PREFETCH_ITEM = os.environ.get("JAXKV_MGPU_DECODE_PREFETCH_ITEM", "0") == "1"
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
 # (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed

@@ -75,7 +75,9 @@ def _resolved(cls, num_splits, **kw) -> tuple:
     if kw.get("convert_ahead") is None:
         kw["convert_ahead"] = tuning.MGPU_DECODE_CONVERT_AHEAD
     if kw.get("page_ids_first") is None:
-        kw["page_ids_first"] = tuning.MGPU_DECODE_PAGE_IDS_FIRST
+        kw["page_ids_first"] = tuning.mgpu_decode_page_ids_first(cls.fp8)
+    if kw.get("prefetch_item") is None:
+        kw["prefetch_item"] = tuning.MGPU_DECODE_PREFETCH_ITEM
     kw["fp8_route"] = mgpu_mod._fp8_route(kw.get("fp8_route"), fp8=cls.fp8, persistent=persistent,
                                           producer_converts=kw["producer_converts"], head_size=cls.head_size,
                                           group=cls.group)
@@ -168,15 +170,26 @@ PERSISTENT_CASES += [
     pytest.param(_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
                       window=50), [130, 0, 300], 2, 3, dict(num_stages=1, **QK8), marks=_COMPILED),
 ]
-# The memory warpgroup loading each step's page ids first (page_ids_first): a 1-stage ring over several items
-# (bf16), and the fp8 default route over windows and a page sliced over steps (compiled).
+# The memory warpgroup loading each step's page ids first (page_ids_first; with the next item's length loaded
+# during the current one, prefetch_item, in the first): a 1-stage ring over several items (bf16), and the fp8
+# default route over windows and a page sliced over steps (compiled).
 PERSISTENT_CASES += [
     (_cls(head=64, block=16, kv_heads=2, group=3, num_seqs=5, width=12), [150, 0, 190, 1, 64], 2, 2,
-     dict(num_stages=1, page_ids_first=True)),
+     dict(num_stages=1, page_ids_first=True, prefetch_item=True)),
     pytest.param(_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0),
                  [300, 0, 17, 250], 3, 2, dict(page_ids_first=True), marks=_COMPILED),
     pytest.param(_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], 1, 2,
                  dict(num_stages=1, block_kv=64, page_ids_first=True), marks=_COMPILED),
+]
+# The memory warpgroup loading the next item's sequence length during the current one (prefetch_item): empty items,
+# several per program, 2 and 3 programs (the prefetch past a program's last item is clamped and unused).
+PERSISTENT_CASES += [
+    pytest.param(_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+                      window=50), [130, 0, 300], 2, 3, dict(prefetch_item=True), marks=_COMPILED),
+    pytest.param(_cls(head=64, block=16, kv_heads=2, group=3, num_seqs=5, width=12), [150, 0, 190, 1, 64], 2, 2,
+                 dict(num_stages=1, prefetch_item=True), marks=_COMPILED),
+    pytest.param(_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0),
+                 [300, 0, 17, 250], 3, 2, dict(prefetch_item=True, balance=False), marks=_COMPILED),
 ]
 AHEAD = dict(convert_ahead=True, producer_converts=False)
 PERSISTENT_CASES += [
@@ -352,8 +365,8 @@ def test_lowers_for_sm90(fp8, persistent):
         if persistent and fp8:      # the converter warpgroup: 128- and 64-key steps
             variants += [dict(persistent=True, **PRODUCER), dict(persistent=True, block_kv=64, **PRODUCER),
                          dict(persistent=True, **AHEAD)]
-            if k in (0, 2):         # the fp8 q·kᵀ routes (head sizes 128 and 64)
-                variants += [dict(persistent=True, **QK8), dict(persistent=True, **QK8T)]
+            if k in (0, 2):         # the fp8 q·kᵀ routes (head sizes 128 and 64; "qk8" at 128)
+                variants += [dict(persistent=True, **QK8T)] + [dict(persistent=True, **QK8)] * (k == 0)
         if fp8 and not persistent:
             variants += [dict(persistent=False, **AHEAD)]
         seen = set()
