@@ -104,14 +104,17 @@ def _make_inputs(rng, batch, ctx, num_sets):
 
 
 def _variant_kwargs(name: str, named: dict | None = None) -> dict:
-    """Kernel kwargs of a variant named by tokens joined with '+': a name of ``named`` (the fp8 variants), ids
-    (``page_ids_first``), nobal (``balance=False``), bkv64 (``block_kv=64``), stN (``num_stages=N``)."""
+    """Kernel kwargs of a variant named by tokens joined with '+': a name of ``named`` (the fp8 variants), ids /
+    noids (``page_ids_first`` on / off), pf (``prefetch_item``), nobal (``balance=False``), bkv64 (``block_kv=64``),
+    stN (``num_stages=N``)."""
     kw = {}
     for tok in name.split("+"):
         if named and tok in named:
             kw.update(named[tok])
-        elif tok == "ids":
-            kw["page_ids_first"] = True
+        elif tok in ("ids", "noids"):
+            kw["page_ids_first"] = tok == "ids"
+        elif tok == "pf":
+            kw["prefetch_item"] = True
         elif tok == "nobal":
             kw["balance"] = False
         elif tok == "bkv64":
@@ -147,8 +150,9 @@ def main(argv=None) -> int:
                         "bits, K and V (auto: the tuned default, tuning.MGPU_DECODE_FP8_ROUTE); ahead/inorder: the "
                         "compute warpgroup converts each tile beside the other wgmma / in step order)")
     p.add_argument("--bf16-variants", default="",
-                   help="decode: extra Mosaic bf16 variants, comma-separated, each tokens joined by '+' (ids: page ids "
-                        "loaded first, nobal: no longest-first deal, bkv64: 64-key steps, stN: N ring stages); the "
+                   help="decode: extra Mosaic bf16 variants, comma-separated, each tokens joined by '+' (ids/noids: "
+                        "page ids loaded first or not, pf: the next item prefetched, nobal: no longest-first deal, "
+                        "bkv64: 64-key steps, stN: N ring stages); the "
                         "fp8 variants take the same tokens beside their names (e.g. qk8t+ids+bkv64+st6)")
     p.add_argument("--mosaic-only", action="store_true",
                    help="decode: only the Mosaic kernels (no Triton or JAX peers, no Triton fp8)")
