@@ -37,6 +37,20 @@ warpgroup into a ring of 16-bit slots (``producer_converts``; it also moves each
 swizzled tile), else by the compute warpgroup beside the other operand's ``wgmma`` (``convert_ahead``);
 ``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
 
+fp8 without converting K (``fp8_route``, issue 45; the default "qk8t" on the persistent kernel with the converter
+warpgroup, head sizes up to 128 and at most 16 query heads per KV head, else "qk8" or "convert"): the converter
+warpgroup quantizes each item's query rows to e4m3 with a scale per row (``s = absmax / 448``; "qk8t" also keeps
+the rounding error as a second e4m3 half, ``q / s = hi + lo / 16``, ~8 significant bits, so the result is the
+converter route's within the bf16/f16 tolerances) and converts only V. q·kᵀ is an fp8 ``wgmma`` (f32 accumulate)
+straight from the fp8 K slot: "qk8" on the 64-row query tile (one e4m3 half: FlashAttention-3's accuracy), "qk8t"
+with the keys as the ``wgmma`` rows (``Sᵀ = K qᵀ``, N = the group padded to 8), so the softmax runs on
+``block_kv x 8`` logits, not ``64 x block_kv`` (the max over keys a cross-warp reduction), ``Pᵀ`` goes through a
+small shared tile and ``Oᵀ += Vᵀ Pᵀ`` is an f16 ``wgmma`` with the converted V read transposed. The query scales
+fold into the logit scale; softmax and output stay float32 across steps. An fp8 P·V (FlashAttention-3's V
+transposed in shared memory) is not built: sm_90 fp8 ``wgmma`` takes only K-major operands ("Only f16 WGMMA
+supports transposes" for V as stored) and Mosaic GPU's transposed 8-bit shared-memory copies are Blackwell-only
+("Transposed 8-bit loads and stores are not supported on pre-Blackwell architectures").
+
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
 
@@ -1053,10 +1067,11 @@ def paged_attention_mgpu(
         page_ids_first: the persistent kernel's memory warpgroup loads a step's page ids from the block table
             once, for K and V, before its slot waits (static; :func:`pallas_kernels._mgpu_paging.step_pages`),
             instead of each just before its TMA copy, for K and again for V. Same result. ``None``:
-            :data:`pallas_kernels.tuning.MGPU_DECODE_PAGE_IDS_FIRST` (on for an fp8 cache, off for 16 bits).
+            :func:`pallas_kernels.tuning.mgpu_decode_page_ids_first` (on for an fp8 cache, off for 16 bits).
         prefetch_item: the persistent kernel's memory warpgroup loads the next item's sequence length (and the one
             after's sequence id) during the current item (static), so no dependent global loads sit between two
-            items' copies. Same result. ``None``: :data:`pallas_kernels.tuning.MGPU_DECODE_PREFETCH_ITEM`.
+            items' copies. Same result. ``None``: :func:`pallas_kernels.tuning.mgpu_decode_prefetch_item` (on for
+            an fp8 cache, off for 16 bits).
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -1131,6 +1146,6 @@ def paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
         num_programs=num_programs, num_stages16=num_stages16, fp8_route=route,
         page_ids_first=(tuning.mgpu_decode_page_ids_first(fp8) if page_ids_first is None else bool(page_ids_first)),
-        prefetch_item=tuning.MGPU_DECODE_PREFETCH_ITEM if prefetch_item is None else bool(prefetch_item),
+        prefetch_item=tuning.mgpu_decode_prefetch_item(fp8) if prefetch_item is None else bool(prefetch_item),
         num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers,
         balance=tuning.MGPU_DECODE_BALANCE if balance is None else bool(balance))

@@ -131,8 +131,13 @@ MGPU_DECODE_PRODUCER_STAGES = 2
 # fp8 decode route (paged_attention_mgpu's ``fp8_route``; issue 45): "convert" (the converter warpgroup turns K and V
 # into 16-bit rings, the route of sessions 13-14), "qk8" (the query quantized to e4m3 per row, q·kᵀ as an fp8 wgmma
 # straight from the fp8 K slots; only V converted), "qk8t" (as "qk8" with the keys as the wgmma rows, Kqᵀ, so the
-# softmax runs on block_kv x 8 logits instead of 64 x block_kv, and the query split into two e4m3 halves).
-# $JAXKV_MGPU_FP8_ROUTE overrides it (for A/B runs).
+# softmax runs on block_kv x 8 logits instead of 64 x block_kv, and the query split into two e4m3 halves: the
+# converter route's accuracy). fp8/bf16 time at 8x4k, 8x32k, 64x1k, 64x4k, 256x1k, 256x4k (32q/8kv heads of 128,
+# block 16), one process each: H100 run 1 (docs/logs/fp8-decode/run1) convert 1.49/1.68/1.55/1.64/1.61/1.66x, qk8
+# 1.57/1.80/1.64/1.75/1.72/1.79x, qk8t 1.61/1.82/1.66/1.76/1.73/1.79x; with page ids first (run 2) qk8t
+# 1.68/1.85/1.76/1.89/1.84/1.90x. H200 (run3-h200), page ids first: qk8t 1.42/1.55/1.39/1.46/1.46/1.50x (1.42/1.55/
+# 1.43/1.51/1.50/1.56x with prefetch_item), qk8 1.23/1.31/1.15/1.18/1.18/1.23x, the old converter (ids off)
+# 1.10/1.15/1.09/1.10/1.11/1.13x. $JAXKV_MGPU_FP8_ROUTE overrides it (for A/B runs).
 MGPU_DECODE_FP8_ROUTE = os.environ.get("JAXKV_MGPU_FP8_ROUTE", "qk8t")
 # "qk8t": query heads per KV head it takes (the wgmma's N, padded to 8, and its registers grow with it); larger
 # groups run "qk8". Its max over the keys is a cross-warp reduction through this much shared memory.
@@ -154,9 +159,20 @@ def mgpu_decode_page_ids_first(fp8: bool) -> bool:
     return fp8
 
 
-# Persistent decode: the memory warpgroup loads the next item's sequence length during the current item
-# (paged_attention_mgpu's ``prefetch_item``). $JAXKV_MGPU_DECODE_PREFETCH_ITEM=1/0 overrides it.
-MGPU_DECODE_PREFETCH_ITEM = os.environ.get("JAXKV_MGPU_DECODE_PREFETCH_ITEM", "0") == "1"
+# Persistent decode: the memory warpgroup loads the next item's sequence length (and the one after's sequence id)
+# during the current item (paged_attention_mgpu's ``prefetch_item``). H200 (docs/logs/fp8-decode/run3-h200), fp8
+# "qk8t" with page ids first: 1.00/1.00/1.03/1.03/1.03/1.04x at 8x4k, 8x32k, 64x1k, 64x4k, 256x1k, 256x4k (items of
+# 8-32 steps: the dependent order/length loads sat between two items' copies). Not measured on the H100 (the same
+# sm_90 binary) nor for bf16: on for an fp8 cache only. $JAXKV_MGPU_DECODE_PREFETCH_ITEM=1/0 sets it for both.
+MGPU_DECODE_PREFETCH_ITEM = os.environ.get("JAXKV_MGPU_DECODE_PREFETCH_ITEM")
+
+
+def mgpu_decode_prefetch_item(fp8: bool) -> bool:
+    """``prefetch_item`` of the persistent Mosaic decode kernel: ``MGPU_DECODE_PREFETCH_ITEM`` when set ("1"/"0"),
+    else on for an fp8 cache only."""
+    if MGPU_DECODE_PREFETCH_ITEM is not None:
+        return MGPU_DECODE_PREFETCH_ITEM == "1"
+    return fp8
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
 # (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed

@@ -77,7 +77,7 @@ def _resolved(cls, num_splits, **kw) -> tuple:
     if kw.get("page_ids_first") is None:
         kw["page_ids_first"] = tuning.mgpu_decode_page_ids_first(cls.fp8)
     if kw.get("prefetch_item") is None:
-        kw["prefetch_item"] = tuning.MGPU_DECODE_PREFETCH_ITEM
+        kw["prefetch_item"] = tuning.mgpu_decode_prefetch_item(cls.fp8)
     kw["fp8_route"] = mgpu_mod._fp8_route(kw.get("fp8_route"), fp8=cls.fp8, persistent=persistent,
                                           producer_converts=kw["producer_converts"], head_size=cls.head_size,
                                           group=cls.group)
