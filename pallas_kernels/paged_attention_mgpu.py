@@ -37,6 +37,20 @@ warpgroup into a ring of 16-bit slots (``producer_converts``; it also moves each
 swizzled tile), else by the compute warpgroup beside the other operand's ``wgmma`` (``convert_ahead``);
 ``k_scale`` is folded into the logit scale, ``v_scale`` into the output.
 
+fp8 without converting K (``fp8_route``, issue 45; the default "qk8t" on the persistent kernel with the converter
+warpgroup, head sizes up to 128 and at most 16 query heads per KV head, else "qk8" or "convert"): the converter
+warpgroup quantizes each item's query rows to e4m3 with a scale per row (``s = absmax / 448``; "qk8t" also keeps
+the rounding error as a second e4m3 half, ``q / s = hi + lo / 16``, ~8 significant bits, so the result is the
+converter route's within the bf16/f16 tolerances) and converts only V. q·kᵀ is an fp8 ``wgmma`` (f32 accumulate)
+straight from the fp8 K slot: "qk8" on the 64-row query tile (one e4m3 half: FlashAttention-3's accuracy), "qk8t"
+with the keys as the ``wgmma`` rows (``Sᵀ = K qᵀ``, N = the group padded to 8), so the softmax runs on
+``block_kv x 8`` logits, not ``64 x block_kv`` (the max over keys a cross-warp reduction), ``Pᵀ`` goes through a
+small shared tile and ``Oᵀ += Vᵀ Pᵀ`` is an f16 ``wgmma`` with the converted V read transposed. The query scales
+fold into the logit scale; softmax and output stay float32 across steps. An fp8 P·V (FlashAttention-3's V
+transposed in shared memory) is not built: sm_90 fp8 ``wgmma`` takes only K-major operands ("Only f16 WGMMA
+supports transposes" for V as stored) and Mosaic GPU's transposed 8-bit shared-memory copies are Blackwell-only
+("Transposed 8-bit loads and stores are not supported on pre-Blackwell architectures").
+
 With ``num_splits > 1`` each partition writes its normalised output (compute dtype) and its base-2
 log-sum-exp (float32); one small XLA pass merges them.
 
@@ -77,7 +91,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from pallas_kernels import _checks, tuning
-from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring
+from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step, produce_kv_ring, step_pages
 from pallas_kernels._online_softmax import accumulate_pv, softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES, _check_head_size, _validate
@@ -92,6 +106,16 @@ MIN_BLOCK_SIZE = 8             # a TMA box of one page: rows a multiple of the 8
 # overflows f16 only past 1.6e7; P in [0, 1] and fp8 V are exact or finer in f16 than in bf16.
 F16_Q_SCALE = 2.0 ** -8
 LOG2E = math.log2(math.e)
+# fp8 query (``fp8_route`` "qk8" / "qk8t"): each query row scaled by 448 / its absmax into e4m3 (E4M3_MAX),
+# "qk8t" also keeps the rounding error as a second e4m3 half scaled by QK8_LO_SCALE; rows whose absmax is
+# below QK8_MIN_ABSMAX (all zero) quantize to 0 without dividing by 0.
+E4M3_MAX = 448.0
+QK8_LO_SCALE = 16.0
+QK8_MIN_ABSMAX = 2.0 ** -100
+# fp8 cache routes (``paged_attention_mgpu(fp8_route=...)``; docs in the module docstring): "convert" (the
+# converter warpgroup turns K and V into 16-bit rings), "qk8" (fp8 q·kᵀ from the fp8 K slots, 64 query rows;
+# V converted), "qk8t" (fp8 Kqᵀ with the keys as the wgmma rows, V converted).
+FP8_ROUTES = ("convert", "qk8", "qk8t")
 
 
 # Registers per thread with a third (converter) warpgroup: the compute warpgroup's accumulator, logits and
@@ -166,11 +190,12 @@ def _partition(seq_len, part, *, block_size: int, block_kv: int, steps_per_parti
 
 
 class _Ring(NamedTuple):
-    """Where the compute warpgroup reads step ``g``'s K and V: slot ``g % num_stages`` of ``k``/``v``
-    (``[num_stages, block_kv, head_size]``), filled when ``k_bars``/``v_bars`` complete that slot's phase,
-    released by arriving on ``k_consumed``/``v_consumed``. ``k16``/``v16``: 16-bit tiles the compute
-    warpgroup converts an fp8 slot into before ``wgmma`` (``None``: the slots are ``wgmma``-ready, a 16-bit
-    cache or fp8 converted by the memory warpgroup)."""
+    """Where the compute warpgroup reads step ``g``'s K and V: slot ``g % num_stages`` of ``k`` and slot
+    ``g % v_stages`` of ``v`` (``[stages, block_kv, head_size]``; ``v_stages`` ``None``: ``num_stages``), filled
+    when ``k_bars``/``v_bars`` complete that slot's phase, released by arriving on ``k_consumed``/``v_consumed``.
+    ``k16``/``v16``: 16-bit tiles the compute warpgroup converts an fp8 slot into before ``wgmma`` (``None``:
+    the slots are ``wgmma``-ready: a 16-bit cache, fp8 converted by another warpgroup, or fp8 K read by an
+    fp8 ``wgmma``)."""
     k: object
     v: object
     k16: object
@@ -180,6 +205,7 @@ class _Ring(NamedTuple):
     k_consumed: object
     v_consumed: object
     num_stages: int
+    v_stages: int | None = None
 
 
 def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, window_start, k_factor,
@@ -187,23 +213,26 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
     """The compute warpgroup's ``n`` steps of one partition: ``(acc, m, l)`` (unnormalised output, running
     max and sum, base 2). Step ``i`` reads ring slot ``(step_base + i) % num_stages`` (``step_base``
     ``None``: 0, the non-persistent kernel's step count); ``p_smem``: P's tile (``None``: P from registers).
+    ``k_factor``: the logit scale, a scalar, or ``f32[ROWS]`` (WGMMA row layout) per query row (an fp8
+    query with its row scales folded in, ``fp8_route="qk8"``: ``q_tile`` and the K slots fp8).
 
     fp8 slots (``ring.k16`` set) are converted to 16 bits before their ``wgmma``: in step order (K, then
     QK, softmax, V, then PV: each conversion waits for the previous ``wgmma``), or with ``convert_ahead``
     each beside the other operand's ``wgmma``: V of step ``i`` while step ``i``'s QK runs, K of step
     ``i + 1`` while step ``i``'s PV runs (step 0's K before the loop). Neither ``wgmma`` reads the tile
     being written (QK reads ``k16``, PV ``v16``), and each is waited before its tile is written again."""
-    k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages = ring
+    k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages, v_stages = ring
+    v_stages = v_stages or num_stages
     head_size = k_smem.shape[-1]
-    dtype = q_tile.dtype
+    dtype = (v16_smem if v16_smem is not None else v_smem).dtype    # P's dtype: V's in the PV wgmma
     fp8 = k16_smem is not None
     convert_ahead = convert_ahead and fp8
     m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     l = plgpu.layout_cast(jnp.full((ROWS,), 0.0, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
     acc = plgpu.layout_cast(jnp.zeros((ROWS, head_size), jnp.float32), plgpu.Layout.WGMMA)
 
-    def slot_of(i):
-        return lax.rem(i if step_base is None else step_base + i, num_stages)
+    def slot_of(i, stages=num_stages):
+        return lax.rem(i if step_base is None else step_base + i, stages)
 
     def convert(slot, src, dst, bars, consumed):
         """Wait for fp8 slot ``slot`` of ``src``, convert it into ``dst`` and release the slot."""
@@ -222,6 +251,7 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
     def body(i, carry):
         acc, m, l = carry
         slot = slot_of(i)
+        vslot = slot_of(i, v_stages)
         first_token = origin + (first_step + i) * block_kv
         if convert_ahead:
             k_tile = k16_smem                                  # converted during the previous step
@@ -247,7 +277,8 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
         # 6-7 % less fp8 kernel time at batch >= 64 on the H100; docs/perf-notes.md, session 14).
         edge = (first_token + block_kv > seq_len) | (first_token < window_start)
         with jax.named_scope("softmax"):
-            logits = logits * k_factor
+            logits = logits * (k_factor if not getattr(k_factor, "shape", ()) else
+                               lax.broadcast_in_dim(k_factor, logits.shape, [0]))
             if logits_soft_cap is not None:
                 logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
 
@@ -264,8 +295,8 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
             v_tile = v16_smem
         else:
             with jax.named_scope("wait_v"):
-                plgpu.barrier_wait(v_bars.at[slot])
-            v_tile = v_smem.at[slot]
+                plgpu.barrier_wait(v_bars.at[vslot])
+            v_tile = v_smem.at[vslot]
 
         # Zero the V rows of invisible slots (they may hold NaN, and 0 * NaN is NaN).
         @pl.when(edge)
@@ -282,10 +313,138 @@ def _attend(q_tile, ring: _Ring, p_smem, *, n, origin, first_step, seq_len, wind
         with jax.named_scope("pv"):
             acc = accumulate_pv(acc, p.astype(dtype), v_tile, p_smem, during)   # P from registers unless p_smem
         if not fp8:
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            plgpu.barrier_arrive(v_consumed.at[vslot])
         return acc, m_next, l
 
     return lax.fori_loop(0, n, body, (acc, m, l))
+
+
+def _attend_keys(q_hi, q_lo, col_scale, ring: _Ring, pt_smem, *, n, origin, first_step, seq_len, window_start,
+                 k_factor, step_base, block_kv: int, logits_soft_cap: float | None, pv_from_smem: bool):
+    """``fp8_route="qk8t"``: the compute warpgroup's ``n`` steps of one partition with the keys as the
+    ``wgmma`` rows: ``(accᵀ, m, l)``, ``accᵀ`` ``f32[head_size, cols]`` (WGMMA layout) the unnormalised output
+    transposed, ``m``/``l`` ``f32[cols]`` (WGMMA column layout) the running max and sum, base 2.
+
+    ``Sᵀ = K qᵀ`` is one fp8 ``wgmma`` per query half (M = the step's ``block_kv`` keys straight from the fp8
+    ring slot, N = ``cols``, the group's query heads padded to whole 8-row tiles, K = head size; fp8 operands
+    must both be K-major on sm_90, which K's rows and q's rows are): ``q_hi``/``q_lo`` ``[cols, head_size]``
+    e4m3 tiles with ``q / s = hi + lo / QK8_LO_SCALE`` (``s = col_scale``, the row's absmax / 448), so the
+    query keeps ~8 significant bits, a bf16 query's precision. The softmax then runs on ``block_kv x cols``
+    logits (``4 x 128 / 128`` per thread at GQA 4, where the 64-row tile of :func:`_attend` holds 64):
+    the max over the keys is a cross-warp reduction (Mosaic's, through its reduction scratch), the sum stays
+    per thread (``l`` is summed once, at the end). ``Pᵀ`` goes to ``pt_smem`` (``[cols, block_kv]`` f16,
+    stored transposed) and ``accᵀ += Vᵀ Pᵀ`` is one f16 ``wgmma`` (M = head size, A = the 16-bit V slot
+    read transposed, B = ``Pᵀ``). V comes converted to f16 by the converter warpgroup (``ring.v``, f16).
+    Invisible slots are masked and their V rows zeroed at edge steps, as in :func:`_attend`."""
+    k_smem, v_smem, _, _, k_bars, v_bars, k_consumed, v_consumed, num_stages, v_stages = ring
+    head_size = k_smem.shape[-1]
+    cols = q_hi.shape[0]
+    col = plgpu.Layout.WGMMA.reduce(0)
+    f_hi = col_scale * k_factor
+    f_lo = f_hi * (1.0 / QK8_LO_SCALE)
+    m = plgpu.layout_cast(jnp.full((cols,), -jnp.inf, jnp.float32), col)
+    l = plgpu.layout_cast(jnp.zeros((block_kv, cols), jnp.float32), plgpu.Layout.WGMMA)
+    acc = plgpu.layout_cast(jnp.zeros((head_size, cols), jnp.float32), plgpu.Layout.WGMMA)
+
+    def cols_of(x, shape):
+        return lax.broadcast_in_dim(x, shape, [1])
+
+    def body(i, carry):
+        acc, m, l = carry
+        g = step_base + i
+        slot, vslot = lax.rem(g, num_stages), lax.rem(g, v_stages)
+        first_token = origin + (first_step + i) * block_kv
+        with jax.named_scope("wait_k"):
+            plgpu.barrier_wait(k_bars.at[slot])
+
+        def qk(acc_hi, acc_lo):
+            plgpu.wgmma(acc_hi, k_smem.at[slot], q_hi.T)
+            plgpu.wgmma(acc_lo, k_smem.at[slot], q_lo.T)
+            return acc_hi[...], acc_lo[...]
+        with jax.named_scope("qk"):
+            s_hi, s_lo = pl.run_scoped(qk, plgpu.ACC((block_kv, cols), jnp.float32),
+                                       plgpu.ACC((block_kv, cols), jnp.float32))
+        plgpu.barrier_arrive(k_consumed.at[slot])
+        edge = (first_token + block_kv > seq_len) | (first_token < window_start)
+        with jax.named_scope("softmax"):
+            logits = s_hi * cols_of(f_hi, s_hi.shape) + s_lo * cols_of(f_lo, s_lo.shape)
+            if logits_soft_cap is not None:
+                logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
+
+            def mask(logits):
+                token = first_token + plgpu.broadcasted_iota(jnp.int32, (block_kv, cols), 0,
+                                                             layout=plgpu.Layout.WGMMA)
+                return jnp.where((token < seq_len) & (token >= window_start), logits, -jnp.inf)
+            logits = lax.cond(edge, mask, lambda logits: logits, logits)
+            m_next = jnp.maximum(m, plgpu.layout_cast(logits.max(axis=0), col))
+            m_safe = jnp.where(m_next == -jnp.inf, 0.0, m_next)   # a column with no visible key stays 0
+            alpha = jnp.exp2(m - m_safe)
+            p = jnp.exp2(logits - cols_of(m_safe, logits.shape))
+            l = l * cols_of(alpha, l.shape) + p
+            acc = acc * cols_of(alpha, acc.shape)
+            pt_smem.T[...] = plgpu.layout_cast(p.astype(pt_smem.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+            plgpu.commit_smem()
+        with jax.named_scope("wait_v"):
+            plgpu.barrier_wait(v_bars.at[vslot])
+        v_tile = v_smem.at[vslot]
+
+        @pl.when(edge)
+        def _zero_invisible_rows():
+            row = first_token + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
+                                                       layout=plgpu.Layout.WGMMA)
+            v = plgpu.load(v_tile, layout=plgpu.Layout.WGMMA)
+            v_tile[...] = jnp.where((row < seq_len) & (row >= window_start), v, jnp.zeros_like(v))
+            plgpu.commit_smem()
+
+        with jax.named_scope("pv"):
+            if pv_from_smem:     # the interpreter: no accumulator initialised from registers
+                def pv(acc_ref):
+                    plgpu.wgmma(acc_ref, v_tile.T, pt_smem.T)
+                    return acc_ref[...]
+                acc = acc + pl.run_scoped(pv, plgpu.ACC(acc.shape, jnp.float32))
+            else:
+                def pv_in_place(acc_ref):
+                    plgpu.wgmma(acc_ref, v_tile.T, pt_smem.T)
+                acc = pl.run_state(pv_in_place)(plgpu.ACC.init(acc))
+        plgpu.barrier_arrive(v_consumed.at[vslot])
+        return acc, m_next, l
+
+    acc, m, l = lax.fori_loop(0, n, body, (acc, m, l))
+    return acc, m, plgpu.layout_cast(l.sum(axis=0), col)
+
+
+def _store_output_keys(acc_t, m, l, v_scale, io_tile, lse_tile, o_dst, lse_dst) -> None:
+    """:func:`_store_output` for :func:`_attend_keys`' transposed output ``accᵀ`` (``[head_size, cols]``) and
+    column vectors: normalised, written transposed into the first ``cols`` rows of the plain staging tile,
+    the log-sum-exp into the first ``cols`` entries of ``lse_tile`` (the others stay stale and are dropped
+    with the padded rows), then the same TMA stores."""
+    rows, cols = o_dst.shape[0], acc_t.shape[1]
+    l_safe = jnp.where(l == 0.0, 1.0, l)                     # an empty partition gives 0, not NaN
+    acc_t = acc_t * lax.broadcast_in_dim(v_scale / l_safe, acc_t.shape, [1])
+    # (WGMMA_TRANSPOSED: the layout Mosaic stores into a transposed view; layout inference does not find it alone)
+    io_tile.at[pl.ds(0, cols)].T[...] = plgpu.layout_cast(acc_t.astype(io_tile.dtype), plgpu.Layout.WGMMA_TRANSPOSED)
+    lse_tile.at[pl.ds(0, cols)][...] = jnp.where(l == 0.0, -jnp.inf, m + jnp.log2(l_safe))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(io_tile.at[pl.ds(0, rows)], o_dst)
+    plgpu.copy_smem_to_gmem(lse_tile, lse_dst)
+
+
+def _quantize_q(io_tile, q_hi, q_lo, q_scale) -> None:
+    """The query rows of the plain staging tile ``io_tile`` (``[ROWS, head_size]``, q's dtype) to e4m3 with a
+    scale per row: ``s = absmax / 448`` into ``q_scale`` (``f32[ROWS]``), ``hi = e4m3(q / s)`` into the
+    swizzled fp8 tile ``q_hi``, and with ``q_lo`` the rounding error ``lo = e4m3((q / s - hi) *
+    QK8_LO_SCALE)`` (``q / s = hi + lo / QK8_LO_SCALE`` to ~2**-8 of the row's absmax; ``hi`` alone: 2**-4).
+    Rows past the group are stale and quantized as garbage (their logits are dropped); an all-zero row gets
+    a tiny scale and quantizes to 0."""
+    q = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(q), axis=1), QK8_MIN_ABSMAX)
+    qs = q * lax.broadcast_in_dim(E4M3_MAX / amax, q.shape, [0])
+    hi = qs.astype(q_hi.dtype)
+    q_hi[...] = hi
+    if q_lo is not None:
+        q_lo[...] = ((qs - hi.astype(jnp.float32)) * QK8_LO_SCALE).astype(q_lo.dtype)
+    q_scale[...] = amax * (1.0 / E4M3_MAX)
+    plgpu.commit_smem()
 
 
 def _store_output(acc, m, l, v_scale, io_tile, lse_tile, o_dst, lse_dst) -> None:
@@ -339,7 +498,7 @@ def _decode_kernel(seq_lens_ref, tables_ref, q_ref, kv_ref, k_scale_ref, v_scale
                    scale: float, block_kv: int, tokens_per_copy: int, num_stages: int,
                    steps_per_partition: int, sliding_window: int | None, logits_soft_cap: float | None,
                    rows: int, q_unscale: float, convert_ahead: bool):
-    (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bar, k_bars, v_bars), consumed = scratch
+    (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile, *_), (q_bar, k_bars, v_bars), consumed = scratch
     k_consumed, v_consumed = consumed
     ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
     block_size = kv_ref.shape[3]
@@ -384,7 +543,9 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
                               steps_per_partition: int, sliding_window: int | None,
                               logits_soft_cap: float | None, num_programs: int, num_kv_heads: int,
                               num_splits: int, num_items: int, num_q_buffers: int, rows: int, q_unscale: float,
-                              producer_converts: bool, num_stages16: int, convert_ahead: bool):
+                              producer_converts: bool, num_stages16: int, convert_ahead: bool,
+                              fp8_route: str = "convert", pv_from_smem: bool = False,
+                              page_ids_first: bool = False, prefetch_item: bool = False):
     """The persistent kernel: program ``c`` runs its ``k``-th work item from round ``k`` of ``G = num_programs``
     items, dealt in a snake (item ``k * G + c`` in even rounds, ``k * G + G - 1 - c`` in odd ones); item ``i``
     is (sequence ``order_ref[i // (num_kv_heads * num_splits)]``, KV head, partition). ``order_ref`` lists the
@@ -418,13 +579,27 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
     item ``k``'s first step (it waits ``q_bars``, and ``q16_free[k % 2]`` for ``k >= 2``, then arrives
     on ``q16_ready[k % 2]``); the compute warpgroup waits ``q16_ready`` instead of ``q_bars`` and arrives
     on ``q16_free`` after the item's last ``wgmma``, so an item starts at its first ``wgmma``.
+
+    ``fp8_route`` "qk8" / "qk8t" (with ``producer_converts``): the converter warpgroup converts only V, and
+    instead of moving item ``k``'s query it quantizes it (:func:`_quantize_q`) into fp8 tile ``k % 2`` (with
+    "qk8t" also the low half) and its row scales into ``q_scale[k % 2]``, with the same barriers; the compute
+    warpgroup reads K from the fp8 ring itself (waits ``k_bars``, releases ``k_consumed`` after its QK
+    ``wgmma``) and V from the 16-bit ring: :func:`_attend` with the row scales ("qk8"), or
+    :func:`_attend_keys` and :func:`_store_output_keys` ("qk8t").
     """
-    (io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile), (q_bars, k_bars, v_bars), consumed, q_free = scratch[:4]
+    ((io_smem, k_smem, v_smem, k16_smem, v16_smem, p_smem, lse_smem, q_tile, q_lo, q_scale, pt_smem),
+     (q_bars, k_bars, v_bars), consumed, q_free) = scratch[:4]
     k_consumed, v_consumed = consumed
     moves_q = producer_converts and q_tile is not None
+    qk8 = fp8_route != "convert"
+    if qk8 and not producer_converts:
+        raise ValueError(f"fp8_route={fp8_route!r} needs the converter warpgroup (producer_converts)")
     if producer_converts:
         k16_ready, v16_ready, k16_consumed, v16_consumed = scratch[4]
         ring = _Ring(k16_smem, v16_smem, None, None, k16_ready, v16_ready, k16_consumed, v16_consumed, num_stages16)
+        if qk8:    # K from the fp8 ring (as the memory warpgroup fills it), V from the 16-bit ring
+            ring = _Ring(k_smem, v16_smem, None, None, k_bars, v16_ready, k_consumed, v16_consumed, num_stages,
+                         num_stages16)
     else:
         ring = _Ring(k_smem, v_smem, k16_smem, v16_smem, k_bars, v_bars, k_consumed, v_consumed, num_stages)
     if moves_q:
@@ -445,6 +620,11 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
         s = order_ref[lax.div(i, num_kv_heads * num_splits)]
         r = lax.rem(i, num_kv_heads * num_splits)
         return s, lax.div(r, num_splits), lax.rem(r, num_splits), lax.rem(k, num_q_buffers)
+
+    def seq_of(k):   # item k's sequence, k clamped to the program's items (a prefetch past the last is unused)
+        k = jnp.minimum(k, jnp.maximum(my_items - 1, 0))
+        return order_ref[jnp.minimum(lax.div(k * num_programs + dealt(k), num_kv_heads * num_splits),
+                                     order_ref.shape[0] - 1)]
 
     def copy_q(k):
         s, h, _, b = item(k)
@@ -475,15 +655,24 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
                 pl.when(k + 1 < my_items)(lambda: copy_q(k + 1))
             if not moves_q:
                 q_wgmma = _tile_q(io_tile, q_tile)
-            acc, m, l = _attend(q_wgmma, ring, p_smem, n=n, origin=origin, first_step=first_step,
-                                seq_len=seq_len, window_start=window_start, k_factor=k_factor, step_base=g,
-                                block_kv=block_kv, logits_soft_cap=logits_soft_cap, convert_ahead=convert_ahead)
+            attend = dict(n=n, origin=origin, first_step=first_step, seq_len=seq_len, window_start=window_start,
+                          step_base=g, block_kv=block_kv, logits_soft_cap=logits_soft_cap)
+            if fp8_route == "qk8t":
+                cols = pt_smem.shape[0]
+                col_scale = plgpu.load(q_scale.at[q2, pl.ds(0, cols)], layout=plgpu.Layout.WGMMA.reduce(0))
+                acc, m, l = _attend_keys(q_wgmma.at[pl.ds(0, cols)], q_lo.at[q2, pl.ds(0, cols)], col_scale, ring,
+                                         pt_smem, k_factor=k_factor, pv_from_smem=pv_from_smem, **attend)
+            else:
+                factor = k_factor
+                if fp8_route == "qk8":                      # the query rows' scales folded into the logit scale
+                    factor = plgpu.load(q_scale.at[q2], layout=plgpu.Layout.WGMMA.reduce(1)) * k_factor
+                acc, m, l = _attend(q_wgmma, ring, p_smem, k_factor=factor, convert_ahead=convert_ahead, **attend)
             if moves_q:                                     # its wgmmas were waited: tile k % 2 is free
                 plgpu.barrier_arrive(q16_free.at[q2])
             with jax.named_scope("store"):
-                _store_output(acc, m, l, v_scale, io_tile, lse_tile,
-                              o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)],
-                              lse_ref.at[part, s, h])
+                (_store_output_keys if fp8_route == "qk8t" else _store_output)(
+                    acc, m, l, v_scale, io_tile, lse_tile,
+                    o_ref.at[part, _item_rows(s, h, num_kv_heads=num_kv_heads, rows=rows)], lse_ref.at[part, s, h])
             with jax.named_scope("store_wait"):
                 plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # tiles b may take item k + num_q_buffers
             if not producer_converts:
@@ -500,22 +689,37 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
         if producer_converts:
             plgpu.set_max_registers(MGPU_MEMORY_REGISTERS, action="decrease")
 
-        def run_item(k, g):
-            s, h, part, b = item(k)
-            num_pages, origin, _, first_step, n = partition(seq_lens_ref[s], part)
+        def run_item(k, carry):
+            # prefetch_item: item k's sequence and length came in the carry, loaded during item k - 1 (and its
+            # sequence during item k - 2), so no global load sits between two items' copies
+            g, s, s_next, seq_len = carry if prefetch_item else (carry, None, None, None)
+            if prefetch_item:
+                _, h, part, b = item(k)   # (its order load unused: dead code)
+                s_next2 = seq_of(k + 2)
+                seq_next = seq_lens_ref[s_next]
+            else:
+                s, h, part, b = item(k)
+                seq_len = seq_lens_ref[s]
+            num_pages, origin, _, first_step, n = partition(seq_len, part)
             if not producer_converts:
                 pl.when(k >= num_q_buffers)(lambda: plgpu.barrier_wait(q_free.at[b]))
                 copy_q(k)
-            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
-                                      block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+            paging = dict(num_pages=num_pages, block_kv=block_kv, tokens_per_copy=tokens_per_copy)
+            issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, **paging)
+            pages = functools.partial(step_pages, kv_ref, tables_ref, s, **paging) if page_ids_first else None
 
             def one_step(i, g):
                 return issue_ring_step(g, lambda: origin + (first_step + i) * block_kv, issue,
                                        num_stages=num_stages, k_smem=k_smem, v_smem=v_smem, k_bars=k_bars,
-                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed)
-            return lax.fori_loop(0, n, one_step, g)
+                                       v_bars=v_bars, k_consumed=k_consumed, v_consumed=v_consumed, pages=pages)
+            g = lax.fori_loop(0, n, one_step, g)
+            return (g, s_next, s_next2, seq_next) if prefetch_item else g
 
-        lax.fori_loop(0, my_items, run_item, jnp.int32(0))
+        if prefetch_item:
+            s0 = seq_of(0)
+            lax.fori_loop(0, my_items, run_item, (jnp.int32(0), s0, seq_of(1), seq_lens_ref[s0]))
+        else:
+            lax.fori_loop(0, my_items, run_item, jnp.int32(0))
 
     if not producer_converts:
         return
@@ -523,11 +727,12 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
     @pl.when(wg == 2)
     def _converter():
         def convert(j):
-            """Step ``j``'s fp8 K and V slots into its 16-bit slots; the fp8 slots are then released."""
+            """Step ``j``'s fp8 K (not with an fp8 q·kᵀ) and V slots into its 16-bit slots; the fp8 slots are
+            then released."""
             slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
             for src, dst, bars, consumed, ready, released in (
                     (k_smem, k16_smem, k_bars, k_consumed, k16_ready, k16_consumed),
-                    (v_smem, v16_smem, v_bars, v_consumed, v16_ready, v16_consumed)):
+                    (v_smem, v16_smem, v_bars, v_consumed, v16_ready, v16_consumed))[1 if qk8 else 0:]:
                 with jax.named_scope("wait_fp8"):
                     plgpu.barrier_wait(bars.at[slot])
                 with jax.named_scope("wait_free"):
@@ -547,7 +752,11 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
                     plgpu.barrier_wait(q_bars.at[b])
                     pl.when(k >= 2)(functools.partial(plgpu.barrier_wait, q16_free.at[q2]))
                 with jax.named_scope("move_q"):
-                    _tile_q(io_smem.at[b], q_tile.at[q2])
+                    if qk8:
+                        _quantize_q(io_smem.at[b], q_tile.at[q2], None if q_lo is None else q_lo.at[q2],
+                                    q_scale.at[q2])
+                    else:
+                        _tile_q(io_smem.at[b], q_tile.at[q2])
                 plgpu.barrier_arrive(q16_ready.at[q2])
 
             def one_step(i, g):
@@ -561,9 +770,11 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
 def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale, sliding_window,
                           logits_soft_cap, block_kv, num_stages, num_splits, interpret, pv_from_smem,
                           persistent=False, num_programs=None, num_q_buffers=1, num_stages16=0,
-                          convert_ahead=False, balance=False):
+                          convert_ahead=False, balance=False, fp8_route="convert", page_ids_first=False,
+                          prefetch_item=False):
     """``num_stages16`` > 0 (persistent, fp8 cache): a converter warpgroup turns the fp8 ring into a ring
-    of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`)."""
+    of that many 16-bit slots (``producer_converts`` in :func:`_decode_kernel_persistent`); with ``fp8_route``
+    "qk8" / "qk8t" only V's slots, and it quantizes each item's query to fp8."""
     num_seqs, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     group = num_heads // num_kv_heads
@@ -589,7 +800,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
 
     # The dtype wgmma computes in: f16 for an fp8 cache under a bf16 query (see F16_Q_SCALE), else q's.
     cdtype = jnp.dtype(jnp.float16) if fp8 and staged else dtype
-    q_unscale = 1.0 / F16_Q_SCALE if cdtype != dtype else 1.0
+    # (the fp8 routes quantize q from its own dtype: no F16_Q_SCALE there)
+    q_unscale = 1.0 / F16_Q_SCALE if cdtype != dtype and fp8_route == "convert" else 1.0
     tile = _tile_transforms(head_size, cdtype)
     cache_tile = _tile_transforms(head_size, kv_cache.dtype)
     stage_shape = (num_stages, block_kv, head_size)
@@ -598,19 +810,32 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
     if producer_converts and not (persistent and fp8):
         raise ValueError(f"num_stages16={num_stages16}: a converter warpgroup converts only fp8, persistent")
     converted_shape = (num_stages16, block_kv, head_size) if producer_converts else (block_kv, head_size)
+    qk8 = fp8_route != "convert"
+    if qk8 and not (producer_converts and staged):
+        raise ValueError(f"fp8_route={fp8_route!r}: needs the converter warpgroup and head size <= "
+                         f"{tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE}")
+    cols = -(-group // 8) * 8     # "qk8t": the query heads as wgmma columns, whole 8-row tiles
+    q8_tile = _tile_transforms(head_size, jnp.float8_e4m3fn)
     smem = (
         plgpu.SMEM((*q_tiles, ROWS, head_size), dtype,                           # q, then the output
                    **({} if staged else dict(transforms=tile))),               # (cdtype == dtype there)
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # K ring
         plgpu.SMEM(stage_shape, kv_cache.dtype, transforms=cache_tile),          # V ring
-        plgpu.SMEM(converted_shape, cdtype, transforms=tile) if fp8 else None,   # K converted (tile or ring)
-        plgpu.SMEM(converted_shape, cdtype, transforms=tile) if fp8 else None,   # V converted
+        plgpu.SMEM(converted_shape, cdtype, transforms=tile) if fp8 and not qk8 else None,   # K converted
+        plgpu.SMEM(converted_shape, cdtype, transforms=tile) if fp8 else None,   # V converted (tile or ring)
         (plgpu.SMEM((ROWS, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype))   # P
-         if pv_from_smem else None),
+         if pv_from_smem and fp8_route != "qk8t" else None),
         plgpu.SMEM((*q_tiles, ROWS), jnp.float32),                               # log-sum-exp
-        # q for wgmma (two with the converter warpgroup, which moves the next item's query into one)
-        plgpu.SMEM((2, ROWS, head_size) if producer_converts else (ROWS, head_size), cdtype, transforms=tile)
+        # q for wgmma (two with the converter warpgroup, which moves the next item's query into one; fp8, the
+        # high half, with an fp8 q·kᵀ)
+        plgpu.SMEM((2, ROWS, head_size) if producer_converts else (ROWS, head_size),
+                   jnp.float8_e4m3fn if qk8 else cdtype, transforms=q8_tile if qk8 else tile)
         if staged else None,
+        # "qk8t": the query's low fp8 half; "qk8"/"qk8t": the query rows' scales; "qk8t": Pᵀ
+        plgpu.SMEM((2, ROWS, head_size), jnp.float8_e4m3fn, transforms=q8_tile) if fp8_route == "qk8t" else None,
+        plgpu.SMEM((2, ROWS), jnp.float32) if qk8 else None,
+        (plgpu.SMEM((cols, block_kv), cdtype, transforms=_tile_transforms(block_kv, cdtype))
+         if fp8_route == "qk8t" else None),
     )
     copies = block_kv // tokens_per_copy
     barriers = (plgpu.Barrier(num_barriers=num_q_buffers if persistent else 1),
@@ -633,7 +858,8 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         kernel = functools.partial(kernel, num_programs=num_programs, num_kv_heads=num_kv_heads,
                                    num_splits=num_splits, num_items=num_seqs * num_kv_heads * num_splits,
                                    num_q_buffers=num_q_buffers, producer_converts=producer_converts,
-                                   num_stages16=num_stages16)
+                                   num_stages16=num_stages16, fp8_route=fp8_route, pv_from_smem=pv_from_smem,
+                                   page_ids_first=page_ids_first, prefetch_item=prefetch_item)
         grid, grid_names = (num_programs,), ("c",)
     else:
         grid, grid_names = (num_kv_heads, num_splits, num_seqs), ("h", "p", "s")
@@ -654,8 +880,11 @@ def _paged_attention_mgpu(q, kv_cache, block_tables, seq_lens, scales, *, scale,
         grid_names=grid_names,
         num_threads=3 if producer_converts else 2,
         thread_name="wg",
-        # No reduction scratch: the row max and sum stay within a warp (tuning.mgpu_decode_smem_bytes).
-        compiler_params=plgpu.CompilerParams(approx_math=True, reduction_scratch_bytes=0, **PROFILE),
+        # No reduction scratch: the row max and sum stay within a warp (tuning.mgpu_decode_smem_bytes), except
+        # "qk8t"'s max over the keys, which are the rows (a cross-warp reduction).
+        compiler_params=plgpu.CompilerParams(
+            approx_math=True, reduction_scratch_bytes=tuning.MGPU_DECODE_QK8T_SCRATCH_BYTES if fp8_route == "qk8t"
+            else 0, **PROFILE),
         interpret=plgpu.InterpretGPUParams() if interpret else None,
     )(*metadata, q, kv_cache, *scales)
 
@@ -709,9 +938,35 @@ def merge_partitions(o: jax.Array, lse: jax.Array) -> jax.Array:
     return (out / jnp.where(total == 0.0, 1.0, total)).astype(o.dtype)
 
 
+def _fp8_route(fp8_route: str | None, *, fp8: bool, persistent: bool, producer_converts: bool, head_size: int,
+               group: int) -> str:
+    """The fp8 route a call runs: ``fp8_route`` (raises ``ValueError`` where it cannot run), or the default
+    :data:`pallas_kernels.tuning.MGPU_DECODE_FP8_ROUTE` where it can ("qk8t" past its group limit: "qk8"),
+    else "convert". A 16-bit cache: "convert" (nothing to convert)."""
+    if fp8_route is not None and fp8_route not in FP8_ROUTES:
+        raise ValueError(f"fp8_route={fp8_route!r} must be one of {FP8_ROUTES}")
+    if not fp8:
+        return "convert"
+    route = fp8_route or tuning.MGPU_DECODE_FP8_ROUTE
+    if route == "convert":
+        return route
+    why = None
+    if not (persistent and producer_converts):
+        why = "needs persistent=True and the converter warpgroup (producer_converts)"
+    elif head_size > tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE:
+        why = f"head_size={head_size} > {tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE}"
+    elif route == "qk8t" and group > tuning.MGPU_DECODE_QK8T_MAX_GROUP:
+        if fp8_route is None:
+            return "qk8"
+        why = f"{group} query heads per KV head > {tuning.MGPU_DECODE_QK8T_MAX_GROUP}"
+    if why and fp8_route is not None:
+        raise ValueError(f"fp8_route={fp8_route!r}: {why}")
+    return "convert" if why else route
+
+
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_splits",
            "interpret", "persistent", "num_programs", "pv_from_smem", "producer_converts",
-           "convert_ahead", "num_q_buffers", "balance")
+           "convert_ahead", "num_q_buffers", "balance", "fp8_route", "page_ids_first", "prefetch_item")
 INTERPRET_MAX_PROGRAMS = 4     # the persistent grid in the interpreter (it runs programs one by one)
 
 
@@ -745,6 +1000,9 @@ def paged_attention_mgpu(
     convert_ahead: bool | None = None,
     num_q_buffers: int | None = None,
     balance: bool | None = None,
+    fp8_route: str | None = None,
+    page_ids_first: bool | None = None,
+    prefetch_item: bool | None = None,
 ) -> jax.Array:
     """Paged decode attention on Pallas Mosaic GPU (Hopper), one new query token per sequence.
 
@@ -797,6 +1055,23 @@ def paged_attention_mgpu(
         balance: the persistent kernel deals its items longest sequence first, in a snake over the programs
             (static; an ``argsort`` of ``seq_lens`` per call); ``False``: in batch order. Same result. ``None``:
             :data:`pallas_kernels.tuning.MGPU_DECODE_BALANCE`.
+        fp8_route: how an fp8 cache is computed (static; :data:`FP8_ROUTES`, module docstring): "convert" (K and
+            V converted to f16 by the converter warpgroup), "qk8" (the query quantized to e4m3 with a scale per
+            row and q·kᵀ an fp8 ``wgmma`` on the fp8 K slots, V converted), "qk8t" (the same product with the
+            keys as the ``wgmma`` rows, the query as two e4m3 halves). The fp8 routes need ``persistent``, the
+            converter warpgroup and head size <= ``tuning.MGPU_DECODE_STAGED_MAX_HEAD_SIZE``; "qk8t" at most
+            ``tuning.MGPU_DECODE_QK8T_MAX_GROUP`` query heads per KV head (more: "qk8"). ``None``:
+            :data:`pallas_kernels.tuning.MGPU_DECODE_FP8_ROUTE` where it applies, else "convert" (or "qk8").
+            Ignored for a 16-bit cache. Accuracy: "convert" and "qk8t" keep the query's bf16 precision; "qk8"
+            rounds it to e4m3 (3 mantissa bits, FlashAttention-3's fp8 q·kᵀ), ~2**-4 relative per element.
+        page_ids_first: the persistent kernel's memory warpgroup loads a step's page ids from the block table
+            once, for K and V, before its slot waits (static; :func:`pallas_kernels._mgpu_paging.step_pages`),
+            instead of each just before its TMA copy, for K and again for V. Same result. ``None``:
+            :func:`pallas_kernels.tuning.mgpu_decode_page_ids_first` (on for an fp8 cache, off for 16 bits).
+        prefetch_item: the persistent kernel's memory warpgroup loads the next item's sequence length (and the one
+            after's sequence id) during the current item (static), so no dependent global loads sit between two
+            items' copies. Same result. ``None``: :func:`pallas_kernels.tuning.mgpu_decode_prefetch_item` (on for
+            an fp8 cache, off for 16 bits).
 
     Returns:
         ``[num_seqs, num_heads, head_size]`` in ``q.dtype``.
@@ -805,7 +1080,7 @@ def paged_attention_mgpu(
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
             that is not a positive multiple of 64, ``num_stages`` or ``num_splits`` < 1, ``num_programs``
             < 1 or given without ``persistent``, ``num_q_buffers`` not 1 or 2 or given without
-            ``persistent``.
+            ``persistent``, an ``fp8_route`` not in :data:`FP8_ROUTES` or given for a call it cannot run.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     _validate(q, kv_cache, block_tables, seq_lens, k_scale, v_scale, alibi_slopes, sliding_window,
@@ -838,10 +1113,14 @@ def paged_attention_mgpu(
     producer_converts = bool(producer_converts) and fp8
     if producer_converts and not persistent:
         raise ValueError("producer_converts=True needs persistent=True")
+    group = num_heads // num_kv_heads
+    route = _fp8_route(fp8_route, fp8=fp8, persistent=persistent, producer_converts=producer_converts,
+                       head_size=head_size, group=group)
     num_stages16 = 0
     if producer_converts:
         num_stages, num_stages16, producer_q_tiles = tuning.mgpu_decode_producer_stages(
-            block_kv, head_size, p_tile=pv_from_smem, num_stages=num_stages, budget=budget)
+            block_kv, head_size, p_tile=pv_from_smem, num_stages=num_stages, budget=budget, fp8_route=route,
+            cols=-(-group // 8) * 8)
     else:
         num_stages, num_q_buffers = tuning.mgpu_decode_ring(
             block_kv, head_size, fp8=fp8, p_tile=pv_from_smem, budget=budget, persistent=persistent,
@@ -865,6 +1144,8 @@ def paged_attention_mgpu(
     num_programs = min(num_programs, q.shape[0] * num_kv_heads * num_splits)   # no idle programs
     return _paged_attention_mgpu(
         q, kv_cache, block_tables, seq_lens, kv_scales(k_scale, v_scale), **common, persistent=True,
-        num_programs=num_programs, num_stages16=num_stages16,
+        num_programs=num_programs, num_stages16=num_stages16, fp8_route=route,
+        page_ids_first=(tuning.mgpu_decode_page_ids_first(fp8) if page_ids_first is None else bool(page_ids_first)),
+        prefetch_item=tuning.mgpu_decode_prefetch_item(fp8) if prefetch_item is None else bool(prefetch_item),
         num_q_buffers=producer_q_tiles if producer_converts else num_q_buffers,
         balance=tuning.MGPU_DECODE_BALANCE if balance is None else bool(balance))

@@ -128,6 +128,51 @@ MGPU_DECODE_PRODUCER_CONVERTS = True
 # $JAXKV_MGPU_DECODE_BALANCE=0 deals them in batch order (for A/B runs).
 MGPU_DECODE_BALANCE = os.environ.get("JAXKV_MGPU_DECODE_BALANCE", "1") != "0"
 MGPU_DECODE_PRODUCER_STAGES = 2
+# fp8 decode route (paged_attention_mgpu's ``fp8_route``; issue 45): "convert" (the converter warpgroup turns K and V
+# into 16-bit rings, the route of sessions 13-14), "qk8" (the query quantized to e4m3 per row, q·kᵀ as an fp8 wgmma
+# straight from the fp8 K slots; only V converted), "qk8t" (as "qk8" with the keys as the wgmma rows, Kqᵀ, so the
+# softmax runs on block_kv x 8 logits instead of 64 x block_kv, and the query split into two e4m3 halves: the
+# converter route's accuracy). fp8/bf16 time at 8x4k, 8x32k, 64x1k, 64x4k, 256x1k, 256x4k (32q/8kv heads of 128,
+# block 16), one process each: H100 run 1 (docs/logs/fp8-decode/run1) convert 1.49/1.68/1.55/1.64/1.61/1.66x, qk8
+# 1.57/1.80/1.64/1.75/1.72/1.79x, qk8t 1.61/1.82/1.66/1.76/1.73/1.79x; with page ids first (run 2) qk8t
+# 1.68/1.85/1.76/1.89/1.84/1.90x. H200 (run3-h200), page ids first: qk8t 1.42/1.55/1.39/1.46/1.46/1.50x (1.42/1.55/
+# 1.43/1.51/1.50/1.56x with prefetch_item), qk8 1.23/1.31/1.15/1.18/1.18/1.23x, the old converter (ids off)
+# 1.10/1.15/1.09/1.10/1.11/1.13x. $JAXKV_MGPU_FP8_ROUTE overrides it (for A/B runs).
+MGPU_DECODE_FP8_ROUTE = os.environ.get("JAXKV_MGPU_FP8_ROUTE", "qk8t")
+# "qk8t": query heads per KV head it takes (the wgmma's N, padded to 8, and its registers grow with it); larger
+# groups run "qk8". Its max over the keys is a cross-warp reduction through this much shared memory.
+MGPU_DECODE_QK8T_MAX_GROUP = 16
+MGPU_DECODE_QK8T_SCRATCH_BYTES = 2048
+# Persistent decode: the memory warpgroup loads a step's page ids once, for K and V, before its slot waits
+# (paged_attention_mgpu's ``page_ids_first``), instead of one just before each TMA copy, for K and again for V.
+# H100 (issue 45, docs/logs/fp8-decode/run2): fp8 "qk8t" 1.02-1.08x faster at the six batch >= 8 shapes (its
+# steps are half bf16's bytes, so the issue loop's dependent block-table loads set the pace); bf16 0.98-1.00x.
+# So on for an fp8 cache only. $JAXKV_MGPU_DECODE_PAGE_IDS_FIRST=1/0 sets it for both (A/B runs).
+MGPU_DECODE_PAGE_IDS_FIRST = os.environ.get("JAXKV_MGPU_DECODE_PAGE_IDS_FIRST")
+
+
+def mgpu_decode_page_ids_first(fp8: bool) -> bool:
+    """``page_ids_first`` of the persistent Mosaic decode kernel: ``MGPU_DECODE_PAGE_IDS_FIRST`` when set ("1"/"0"),
+    else on for an fp8 cache only."""
+    if MGPU_DECODE_PAGE_IDS_FIRST is not None:
+        return MGPU_DECODE_PAGE_IDS_FIRST == "1"
+    return fp8
+
+
+# Persistent decode: the memory warpgroup loads the next item's sequence length (and the one after's sequence id)
+# during the current item (paged_attention_mgpu's ``prefetch_item``). H200 (docs/logs/fp8-decode/run3-h200), fp8
+# "qk8t" with page ids first: 1.00/1.00/1.03/1.03/1.03/1.04x at 8x4k, 8x32k, 64x1k, 64x4k, 256x1k, 256x4k (items of
+# 8-32 steps: the dependent order/length loads sat between two items' copies). Not measured on the H100 (the same
+# sm_90 binary) nor for bf16: on for an fp8 cache only. $JAXKV_MGPU_DECODE_PREFETCH_ITEM=1/0 sets it for both.
+MGPU_DECODE_PREFETCH_ITEM = os.environ.get("JAXKV_MGPU_DECODE_PREFETCH_ITEM")
+
+
+def mgpu_decode_prefetch_item(fp8: bool) -> bool:
+    """``prefetch_item`` of the persistent Mosaic decode kernel: ``MGPU_DECODE_PREFETCH_ITEM`` when set ("1"/"0"),
+    else on for an fp8 cache only."""
+    if MGPU_DECODE_PREFETCH_ITEM is not None:
+        return MGPU_DECODE_PREFETCH_ITEM == "1"
+    return fp8
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
 # (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention.dispatch._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed
@@ -198,7 +243,8 @@ def _smem_aligned(nbytes: int) -> int:
 
 
 def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp8: bool, q_tiles: int = 1,
-                           p_tile: bool = True, persistent: bool = True, num_stages16: int = 0) -> int:
+                           p_tile: bool = True, persistent: bool = True, num_stages16: int = 0,
+                           fp8_route: str = "convert", cols: int = 8) -> int:
     """Bytes of shared memory the Mosaic decode kernel allocates (each allocation aligned, as Mosaic counts):
 
     * ``q_tiles`` 64-row query/output staging tiles (1 without ``persistent``) and as many 64-row float32
@@ -211,18 +257,28 @@ def mgpu_decode_smem_bytes(block_kv: int, head_size: int, num_stages: int, *, fp
     * the barriers: per ring slot K and V "full" and "consumed", per staging tile its query's "loaded" and
       (persistent) its "free", four per 16-bit ring slot, and with those the two swizzled query tiles'
       "ready" and "free".
+
+    ``fp8_route`` "qk8" / "qk8t" (with the converter's ``num_stages16``): no 16-bit K ring; the two query tiles
+    are fp8 (e4m3), "qk8t" has two more (the low halves) and Mosaic's reduction scratch
+    (``MGPU_DECODE_QK8T_SCRATCH_BYTES``); both keep the query rows' scales (two ``f32[64]``); "qk8t"'s P tile is
+    ``cols x block_kv`` (the group's heads padded to 8) and always there (it is ``wgmma``'s B operand).
     """
     staged = head_size <= MGPU_DECODE_STAGED_MAX_HEAD_SIZE
     q_tiles = q_tiles if persistent else 1
     tile16 = block_kv * head_size * 2
+    qk8 = fp8 and fp8_route != "convert"
     tiles = [q_tiles * 64 * head_size * 2, q_tiles * 64 * 4]
     tiles += [num_stages * block_kv * head_size * (1 if fp8 else 2)] * 2
     if fp8:
-        tiles += [max(num_stages16, 1) * tile16] * 2
-    if p_tile:
+        tiles += [max(num_stages16, 1) * tile16] * (1 if qk8 else 2)
+    if qk8 and fp8_route == "qk8t":
+        tiles += [cols * block_kv * 2, 2 * 64 * head_size, 2 * 64 * 4, MGPU_DECODE_QK8T_SCRATCH_BYTES]
+    elif qk8:
+        tiles += [64 * block_kv * 2] * p_tile + [2 * 64 * 4]
+    elif p_tile:
         tiles.append(64 * block_kv * 2)
-    if staged:   # two with the converter warpgroup (it moves the next item's query into one)
-        tiles.append((2 if num_stages16 else 1) * 64 * head_size * 2)
+    if staged:   # two with the converter warpgroup (it moves the next item's query into one), fp8 with qk8
+        tiles.append((2 if num_stages16 else 1) * 64 * head_size * (1 if qk8 else 2))
     barriers = q_tiles * (2 if persistent else 1) + 4 * num_stages + 4 * num_stages16
     barriers += 4 if num_stages16 and staged else 0
     return sum(_smem_aligned(t) for t in tiles) + barriers * MGPU_BARRIER_BYTES
@@ -265,13 +321,15 @@ def mgpu_decode_ring(block_kv: int, head_size: int, *, fp8: bool, p_tile: bool =
 
 
 def mgpu_decode_producer_stages(block_kv: int, head_size: int, *, p_tile: bool, num_stages: int | None = None,
-                                budget: int = MGPU_CTA_SMEM_BYTES) -> tuple[int, int, int]:
+                                budget: int = MGPU_CTA_SMEM_BYTES, fp8_route: str = "convert",
+                                cols: int = 8) -> tuple[int, int, int]:
     """``(num_stages, num_stages16, q_tiles)`` of the Mosaic decode kernel whose converter warpgroup converts
     fp8 pages into 16-bit slots: ``num_stages`` fp8 stages (``None``: ``MGPU_DECODE_PRODUCER_STAGES``,
     fewer where they do not fit), then the first of (2, 2), (1, 2), (2, 1), (1, 1) 16-bit stages and
-    staging tiles that fits beside them in ``budget`` bytes. Head size 128, 128 keys, P in registers:
-    (2, 1, 2), 177 KiB."""
-    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=True, p_tile=p_tile)
+    staging tiles that fits beside them in ``budget`` bytes (``fp8_route``: :func:`mgpu_decode_smem_bytes`). Head
+    size 128, 128 keys, P in registers: (2, 1, 2), 193 KiB; "qk8t" (GQA <= 8): (2, 2, 2), 197 KiB."""
+    size = functools.partial(mgpu_decode_smem_bytes, block_kv, head_size, fp8=True, p_tile=p_tile,
+                             fp8_route=fp8_route, cols=cols)
     given = num_stages is not None
     num_stages = num_stages or MGPU_DECODE_PRODUCER_STAGES
     while not given and num_stages > 1 and size(num_stages, q_tiles=1, num_stages16=1) > budget:

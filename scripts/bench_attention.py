@@ -103,6 +103,29 @@ def _make_inputs(rng, batch, ctx, num_sets):
     return sets
 
 
+def _variant_kwargs(name: str, named: dict | None = None) -> dict:
+    """Kernel kwargs of a variant named by tokens joined with '+': a name of ``named`` (the fp8 variants), ids /
+    noids (``page_ids_first`` on / off), pf (``prefetch_item``), nobal (``balance=False``), bkv64 (``block_kv=64``),
+    stN (``num_stages=N``)."""
+    kw = {}
+    for tok in name.split("+"):
+        if named and tok in named:
+            kw.update(named[tok])
+        elif tok in ("ids", "noids"):
+            kw["page_ids_first"] = tok == "ids"
+        elif tok == "pf":
+            kw["prefetch_item"] = True
+        elif tok == "nobal":
+            kw["balance"] = False
+        elif tok == "bkv64":
+            kw["block_kv"] = 64
+        elif tok.startswith("st") and tok[2:].isdigit():
+            kw["num_stages"] = int(tok[2:])
+        else:
+            raise SystemExit(f"unknown variant token {tok!r} in {name!r}")
+    return kw
+
+
 def _to_jax_layout(q, kv, tables, lens):
     # jax.experimental.pallas.ops.gpu.paged_attention: k/v [num_kv_heads, total_pages, page_size, D]
     return q, kv[0].transpose(1, 0, 2, 3), kv[1].transpose(1, 0, 2, 3), tables, lens
@@ -118,11 +141,23 @@ def main(argv=None) -> int:
                    help="also print each kernel's device time per call (the kernel vs the XLA ops around "
                         "it): prefill for cuDNN, Triton and the Mosaic variants; decode for ours, Mosaic "
                         "(bf16, fp8) and JAX's kernel")
-    p.add_argument("--fp8-variants", default="auto,conv,inorder",
-                   help="decode: comma-separated Mosaic fp8 variants (auto, conv, prod, prod64, conv64, st4, ahead, "
-                        "inorder; 64: 64-key steps; st4: a 4-stage ring; conv/prod: the compute/a converter warpgroup "
-                        "converts fp8 to 16 bits (auto: prod on the persistent kernel); ahead/inorder: the compute "
-                        "warpgroup converts each tile beside the other wgmma / in step order)")
+    p.add_argument("--fp8-variants", default="auto,convert,qk8,conv",
+                   help="decode: comma-separated Mosaic fp8 variants (auto, convert, qk8, qk8t, nobal, conv, prod, "
+                        "prod64, conv64, st4, ahead, inorder; convert/qk8/qk8t: fp8_route (the converter warpgroup "
+                        "converts K and V / q·kᵀ in fp8 on 64 query rows, V converted / Kqᵀ in fp8 with the keys as "
+                        "the wgmma rows, V converted); nobal: the default without the longest-first deal; 64: 64-key "
+                        "steps; st4: a 4-stage ring; conv/prod: the compute/a converter warpgroup converts fp8 to 16 "
+                        "bits, K and V (auto: the tuned default, tuning.MGPU_DECODE_FP8_ROUTE); ahead/inorder: the "
+                        "compute warpgroup converts each tile beside the other wgmma / in step order)")
+    p.add_argument("--bf16-variants", default="",
+                   help="decode: extra Mosaic bf16 variants, comma-separated, each tokens joined by '+' (ids/noids: "
+                        "page ids loaded first or not, pf: the next item prefetched, nobal: no longest-first deal, "
+                        "bkv64: 64-key steps, stN: N ring stages); the "
+                        "fp8 variants take the same tokens beside their names (e.g. qk8t+ids+bkv64+st6)")
+    p.add_argument("--mosaic-only", action="store_true",
+                   help="decode: only the Mosaic kernels (no Triton or JAX peers, no Triton fp8)")
+    p.add_argument("--balance-ab", action="store_true",
+                   help="decode: also the Mosaic bf16 kernel without the longest-first deal (balance=False)")
     p.add_argument("--shapes", default=None,
                    help="decode: comma-separated BATCHxCTX shapes instead of the grid (e.g. 64x1024,256x4096)")
     p.add_argument("--no-mosaic", action="store_true",
@@ -152,8 +187,8 @@ def main(argv=None) -> int:
         return bench_prefill(time_calls, args.iters, sweep=not args.quick, mosaic=not args.no_mosaic,
                              breakdown=args.breakdown)
 
-    ours = {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
-    if not args.quick:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
+    ours = {} if args.mosaic_only else {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
+    if not args.quick and not args.mosaic_only:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
         ours.update({"ours s/2": dict(splits_factor=0.5), "ours s*2": dict(splits_factor=2),
                      "ours p8": dict(pages_per_compute_block=8), "ours st3": dict(num_stages=3)})
     # "mosaic 2/SM": 64-key steps and twice as many persistent CTAs as SMs (two share an SM, each with
@@ -162,6 +197,12 @@ def main(argv=None) -> int:
     # session 12); "mosaic per-item": one CTA per (sequence, KV head, split) item, not persistent
     sms = getattr(jax.devices()[0], "core_count", None) or 132
     mosaic = {} if args.no_mosaic else {"mosaic auto": dict(), "mosaic bkv64": dict(block_kv=64)}
+    if mosaic and args.mosaic_only:
+        mosaic.pop("mosaic bkv64")
+    if mosaic and args.balance_ab:
+        mosaic["mosaic nobal"] = dict(balance=False)
+    if mosaic:
+        mosaic.update({f"mosaic {v}": _variant_kwargs(v) for v in args.bf16_variants.split(",") if v})
     if mosaic and not args.quick:
         mosaic.update({"mosaic p-smem": dict(pv_from_smem=True), "mosaic 2/SM": dict(block_kv=64, num_programs=2 * sms),
                        "mosaic s=1": dict(num_splits=1), "mosaic per-item": dict(persistent=False),
@@ -172,11 +213,13 @@ def main(argv=None) -> int:
                "prod64": dict(producer_converts=True, block_kv=64),
                "conv64": dict(producer_converts=False, block_kv=64),
                "st4": dict(num_stages=4), "ahead": dict(producer_converts=False, convert_ahead=True),
-               "inorder": dict(producer_converts=False, convert_ahead=False)}
-    mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all[k]
+               "inorder": dict(producer_converts=False, convert_ahead=False),
+               "convert": dict(fp8_route="convert"), "qk8": dict(fp8_route="qk8"), "qk8t": dict(fp8_route="qk8t"),
+               "nobal": dict(balance=False)}
+    mosaic_fp8 = {} if args.no_mosaic else {f"mosaic {k} fp8 (fp8 bytes)": fp8_all.get(k) or _variant_kwargs(k, fp8_all)
                                             for k in args.fp8_variants.split(",") if k}
-    peers = {"jax default": dict()}
-    if not args.quick:
+    peers = {} if args.mosaic_only else {"jax default": dict()}
+    if not args.quick and not args.mosaic_only:
         peers.update({f"jax k={k} p={pp}": dict(k_splits=k, pages_per_compute_block=pp)
                       for k in (1, 4, 16) for pp in (4, 16)})
 
@@ -231,11 +274,13 @@ def main(argv=None) -> int:
         if ref is not None:
             q, kv8, t, l = fp8_inputs[0]
             ref8 = paged_attention_reference(q.astype(jnp.float32), kv8.astype(jnp.float32), t, l, scale=scale)
-            err = float(jnp.abs(fp8_fn(*fp8_inputs[0]).astype(jnp.float32) - ref8).max() / jnp.abs(ref8).max())
-            if not err < 2e-2:
-                raise SystemExit(f"ours fp8 {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
-        t8 = statistics.median(time_calls(fp8_fn, fp8_inputs, args.iters))
-        results["ours fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
+            if not args.mosaic_only:
+                err = float(jnp.abs(fp8_fn(*fp8_inputs[0]).astype(jnp.float32) - ref8).max() / jnp.abs(ref8).max())
+                if not err < 2e-2:
+                    raise SystemExit(f"ours fp8 {batch=} {ctx=}: rel err {err:.2e} > 2e-2")
+        if not args.mosaic_only:
+            t8 = statistics.median(time_calls(fp8_fn, fp8_inputs, args.iters))
+            results["ours fp8 (fp8 bytes)"] = kv_bytes / 2 / t8 / 1e9
         m8_fns = {}
         for name, kw in mosaic_fp8.items():
             results[name] = None
@@ -244,7 +289,8 @@ def main(argv=None) -> int:
             try:
                 out8 = fn8(*fp8_inputs[0]).astype(jnp.float32)
                 err = 0.0 if ref is None else float(jnp.abs(out8 - ref8).max() / jnp.abs(ref8).max())
-                if err < 2e-2:
+                # fp8_route="qk8" rounds the query to e4m3: tests/pallas_kernels/fuzz.py FP8_Q_TOLERANCE
+                if err < (1e-1 if kw.get("fp8_route") == "qk8" else 2e-2):
                     t8 = statistics.median(time_calls(fn8, fp8_inputs, args.iters))
                     results[name] = kv_bytes / 2 / t8 / 1e9
                 else:
@@ -262,9 +308,12 @@ def main(argv=None) -> int:
         best_ours = max((v for k, v in results.items() if k.startswith("ours") and "fp8" not in k and v),
                         default=0)
         best_jax = max((v for k, v in results.items() if k.startswith("jax") and v), default=0)
-        print(f"batch {batch:>3} ctx {ctx:>5}: fp8 {100 * results['ours fp8 (fp8 bytes)'] / copy_gbs:5.1f}% | ours auto {100 * results['ours auto'] / copy_gbs:5.1f}% "
-              f"best {100 * best_ours / copy_gbs:5.1f}% | jax default {100 * (results['jax default'] or 0) / copy_gbs:5.1f}% "
-              f"best {100 * best_jax / copy_gbs:5.1f}%  (% of copy bandwidth)", flush=True)
+        if args.mosaic_only:
+            print(f"batch {batch:>3} ctx {ctx:>5}: (% of copy bandwidth)", flush=True)
+        else:
+            print(f"batch {batch:>3} ctx {ctx:>5}: fp8 {100 * results['ours fp8 (fp8 bytes)'] / copy_gbs:5.1f}% | ours auto {100 * results['ours auto'] / copy_gbs:5.1f}% "
+                  f"best {100 * best_ours / copy_gbs:5.1f}% | jax default {100 * (results['jax default'] or 0) / copy_gbs:5.1f}% "
+                  f"best {100 * best_jax / copy_gbs:5.1f}%  (% of copy bandwidth)", flush=True)
         if mosaic:
             pct = {k: f"{100 * v / copy_gbs:5.1f}%" if v else "  -  " for k, v in results.items()
                    if k.startswith("mosaic")}
@@ -275,13 +324,19 @@ def main(argv=None) -> int:
             if ups:
                 print("                    fp8 speed-up vs mosaic auto bf16 (bf16 time / fp8 time): "
                       + " | ".join(f"{k} {v:.2f}x" for k, v in ups.items()), flush=True)
+            if results.get("mosaic nobal"):   # the same against the bf16 kernel without the longest-first deal
+                ups = {k.removesuffix(" (fp8 bytes)"): 2 * results[k] / results["mosaic nobal"] for k in mosaic_fp8
+                       if results.get(k)}
+                print("                    fp8 speed-up vs mosaic nobal bf16: "
+                      + " | ".join(f"{k} {v:.2f}x" for k, v in ups.items()), flush=True)
 
         if args.json:  # after every shape: a run cut short still leaves its finished rows
             with open(args.json, "w") as f:
                 json.dump({"copy_gbs": copy_gbs, "device": jax.devices()[0].device_kind,
                            "rows": [{"batch": b, "ctx": c, "gbs": r} for b, c, r in rows]}, f, indent=1)
 
-    names = list(ours) + ["ours fp8 (fp8 bytes)"] + list(mosaic) + list(mosaic_fp8) + list(peers)
+    names = list(ours) + ([] if args.mosaic_only else ["ours fp8 (fp8 bytes)"]) + list(mosaic) + list(mosaic_fp8) \
+        + list(peers)
     print("\nGB/s per kernel variant (rows: batch, ctx)")
     for name in names:
         print(f"{name:>22} " + " ".join(f"{res[name]:>6.0f}" if res.get(name) else f"{'-':>6}"

@@ -23,6 +23,12 @@ GQA_RATIOS = (1, 3, 5, 7, 8)
 FP8 = "float8_e4m3fn"
 # |out - ref| / max|ref| allowed, by compute dtype (the reference sees the same rounded inputs)
 TOLERANCE = {"float32": 1e-4, "bfloat16": 2e-2, "float16": 4e-3}
+# The Mosaic decode kernel's fp8_route="qk8" rounds the query to e4m3 (a scale per query row; FlashAttention-3's
+# fp8 q·kᵀ): each query element is off by up to 2**-4 of itself (3 mantissa bits), so a logit of the fuzz's unit-
+# variance data is off by ~0.04 (std) and the output by ~2-4 % of max|ref| (the interpreter and the compiled
+# fuzz, docs/perf-notes.md, issue 45). The reference keeps the unquantized query: this is the error accepted for
+# that route, whatever q's dtype. ("qk8t" splits the query into two e4m3 halves, ~2**-8: TOLERANCE holds.)
+FP8_Q_TOLERANCE = 1e-1
 
 
 @dataclasses.dataclass(frozen=True)

@@ -29,10 +29,14 @@ from tests.pallas_kernels import fuzz
 ON_GPU = jax.default_backend() == "gpu"
 KERNELS = {"decode": paged_attention, "prefill": paged_prefill_attention,
            "decode_mgpu": paged_attention_mgpu,    # Mosaic GPU (Hopper only): -k decode_mgpu
-           # its fp8 path with a converter warpgroup (every class made fp8)
-           "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True),
+           # its fp8 path with a converter warpgroup converting K and V (every class made fp8)
+           "decode_mgpu_producer": functools.partial(paged_attention_mgpu, producer_converts=True, fp8_route="convert"),
            # its fp8 path with the compute warpgroup converting each tile beside the other operand's wgmma
-           "decode_mgpu_ahead": functools.partial(paged_attention_mgpu, convert_ahead=True, producer_converts=False)}
+           "decode_mgpu_ahead": functools.partial(paged_attention_mgpu, convert_ahead=True, producer_converts=False),
+           # its fp8 q·kᵀ routes (issue 45; every class made fp8, head size 256 made 128): keys as the wgmma rows and
+           # the query in two e4m3 halves, and the query in one e4m3 half on 64 rows (looser tolerance)
+           "decode_mgpu_qk8t": functools.partial(paged_attention_mgpu, fp8_route="qk8t"),
+           "decode_mgpu_qk8": functools.partial(paged_attention_mgpu, fp8_route="qk8")}
 GPU_CLASSES, GPU_CASES_PER_CLASS = 64, 8       # 512 cases per kernel, + the regression shapes
 GPU_CLASSES = int(os.environ.get("JAXKV_FUZZ_CLASSES", GPU_CLASSES))  # fewer for a short run
 CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
@@ -40,13 +44,18 @@ CPU_CLASSES, CPU_CASES_PER_CLASS = 5, 1
 
 def run_fuzz(kernel: str, *, num_classes: int, cases_per_class: int, interpret: bool, seed: int):
     rng = np.random.default_rng(seed)
-    base = kernel.removesuffix("_producer").removesuffix("_ahead").removesuffix("_mgpu")
+    base = kernel.removesuffix("_producer").removesuffix("_ahead").removesuffix("_qk8t").removesuffix("_qk8")
+    base = base.removesuffix("_mgpu")
     classes = [(c, None) for c in fuzz.shape_classes(rng, base, num_classes)]
     if kernel.startswith("decode_mgpu"):  # the nearest classes the Mosaic kernel supports
         from tests.pallas_kernels.test_paged_attention_mgpu import mosaic_class
         classes = [(mosaic_class(c, rng), None) for c, _ in classes]
     if kernel in ("decode_mgpu_producer", "decode_mgpu_ahead"):
         classes = [(dataclasses.replace(c, fp8=True), None) for c, _ in classes]
+    if kernel in ("decode_mgpu_qk8t", "decode_mgpu_qk8"):    # these routes take head sizes 64 and 128
+        classes = [(dataclasses.replace(c, fp8=True, head_size=min(c.head_size, 128)), None) for c, _ in classes]
+    tolerance = (lambda cls: fuzz.FP8_Q_TOLERANCE) if kernel == "decode_mgpu_qk8" else (
+        lambda cls: fuzz.TOLERANCE[cls.dtype])
     if kernel == "decode":
         classes = [(c, lens) for c, lens in fuzz.regression_classes()] + classes
     fn = KERNELS[kernel]
@@ -61,7 +70,7 @@ def run_fuzz(kernel: str, *, num_classes: int, cases_per_class: int, interpret: 
             err = fuzz.error(out, case)
             rows.append(dict(kernel=kernel, cls=ci, case=k, shape=cls.describe(),
                              lengths=[int(a + b) for a, b in lengths], err=err,
-                             tol=fuzz.TOLERANCE[cls.dtype], block_size=cls.block_size,
+                             tol=tolerance(cls), block_size=cls.block_size,
                              head_size=cls.head_size, regression=fixed_lens is not None))
     return rows
 
@@ -73,7 +82,7 @@ def _report(rows, kernel: str, seconds: float) -> list[dict]:
         n, worst = by_block.get(r["block_size"], (0, 0.0))
         by_block[r["block_size"]] = (n + 1, max(worst, r["err"] / r["tol"]))
     print(f"\n[fuzz] {kernel}: {len(rows)} cases, {len(failed)} failed, {seconds:.0f} s, device "
-          f"{jax.devices()[0].device_kind}")
+          f"{jax.devices()[0].device_kind}, worst err {max((r['err'] for r in rows), default=0.0):.3e}")
     for bs, (n, worst) in sorted(by_block.items()):
         print(f"[fuzz]   block {bs:3d}: {n:4d} cases, worst err/tol {worst:.3f}")
     for r in failed[:20]:
@@ -87,7 +96,8 @@ def _report(rows, kernel: str, seconds: float) -> list[dict]:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not ON_GPU, reason="compiled kernels need a GPU (pytest -m gpu on the GPU machine)")
-@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu", "decode_mgpu_producer", "decode_mgpu_ahead"])
+@pytest.mark.parametrize("kernel", ["decode", "prefill", "decode_mgpu", "decode_mgpu_producer", "decode_mgpu_ahead",
+                                    "decode_mgpu_qk8t", "decode_mgpu_qk8"])
 def test_fuzz_compiled(kernel):
     t0 = time.perf_counter()
     rows = run_fuzz(kernel, num_classes=GPU_CLASSES, cases_per_class=GPU_CASES_PER_CLASS,

@@ -74,7 +74,20 @@ def _resolved(cls, num_splits, **kw) -> tuple:
     kw["producer_converts"] = bool(tuning.MGPU_DECODE_PRODUCER_CONVERTS and persistent if pc is None else pc) and cls.fp8
     if kw.get("convert_ahead") is None:
         kw["convert_ahead"] = tuning.MGPU_DECODE_CONVERT_AHEAD
+    if kw.get("page_ids_first") is None:
+        kw["page_ids_first"] = tuning.mgpu_decode_page_ids_first(cls.fp8)
+    if kw.get("prefetch_item") is None:
+        kw["prefetch_item"] = tuning.mgpu_decode_prefetch_item(cls.fp8)
+    kw["fp8_route"] = mgpu_mod._fp8_route(kw.get("fp8_route"), fp8=cls.fp8, persistent=persistent,
+                                          producer_converts=kw["producer_converts"], head_size=cls.head_size,
+                                          group=cls.group)
     return (cls, *sorted(kw.items()))
+
+
+def _tolerance(cls, resolved) -> float:
+    """The class's tolerance, or :data:`fuzz.FP8_Q_TOLERANCE` for a call that runs ``fp8_route="qk8"``
+    (``resolved``: :func:`_resolved`'s key)."""
+    return fuzz.FP8_Q_TOLERANCE if ("fp8_route", "qk8") in resolved else fuzz.TOLERANCE[cls.dtype]
 
 
 def _skip_repeat(key, earlier: dict, what: str) -> None:
@@ -121,7 +134,7 @@ PERSISTENT_CASES = [
 # empty ones, windows (steps skipped, rows zeroed in the 16-bit slot), one fp8 stage (every copy waits for
 # the converter's release of the previous step), one query tile (the compute warpgroup copies the next
 # query after the store), a page sliced over steps.
-PRODUCER = dict(producer_converts=True)
+PRODUCER = dict(producer_converts=True, fp8_route="convert")
 PERSISTENT_CASES += [
     (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
           window=50), [130, 0, 300], 2, 3, PRODUCER),
@@ -135,6 +148,49 @@ PERSISTENT_CASES += [
 # persistent default is the converter warpgroup, producer_converts): step 0's K before each item's loop
 # (several items per program, empty ones, windows skipping steps), a 1-stage ring (the next K waits for
 # the slot this step's V released), head size 256 (bf16 compute, q padded to 8 rows).
+# The fp8 q·kᵀ routes (issue 45): the converter warpgroup quantizes each item's query into fp8 tile k % 2 and
+# converts only V; the compute warpgroup reads K from the fp8 ring. "qk8t" (keys as the wgmma rows): 3, 4 and
+# 12 heads per KV head (one and two 8-column tiles), 64-key steps (one 64-row group), a page sliced over steps
+# with a 1-stage ring, windows, soft caps, f16 and bf16 queries, empty items. "qk8" (the query in e4m3, 64 rows).
+# The interpreter runs the first of each route (the CPU suite's time), the GPU all of them.
+QK8T = dict(fp8_route="qk8t")
+QK8 = dict(fp8_route="qk8")
+_COMPILED = pytest.mark.skipif(INTERPRET and not os.environ.get("JAXKV_MGPU_FUZZ"),
+                               reason="compiled run (the GPU); interpreted with JAXKV_MGPU_FUZZ=N")
+PERSISTENT_CASES += [
+    (_cls(head=128, block=16, kv_heads=2, group=12, fp8=True, width=12, window=100), [150, 77], 2, 2, QK8T),
+    (_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0), [300, 0, 17, 250],
+     3, 2, QK8),
+    pytest.param(_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+                      window=50), [130, 0, 300], 2, 3, QK8T, marks=_COMPILED),
+    pytest.param(_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0),
+                 [300, 0, 17, 250], 3, 2, dict(block_kv=64, **QK8T), marks=_COMPILED),
+    pytest.param(_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], 1, 2,
+                 dict(num_stages=1, **QK8T), marks=_COMPILED),
+    pytest.param(_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+                      window=50), [130, 0, 300], 2, 3, dict(num_stages=1, **QK8), marks=_COMPILED),
+]
+# The memory warpgroup loading each step's page ids first (page_ids_first; with the next item's length loaded
+# during the current one, prefetch_item, in the first): a 1-stage ring over several items (bf16), and the fp8
+# default route over windows and a page sliced over steps (compiled).
+PERSISTENT_CASES += [
+    (_cls(head=64, block=16, kv_heads=2, group=3, num_seqs=5, width=12), [150, 0, 190, 1, 64], 2, 2,
+     dict(num_stages=1, page_ids_first=True, prefetch_item=True)),
+    pytest.param(_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0),
+                 [300, 0, 17, 250], 3, 2, dict(page_ids_first=True), marks=_COMPILED),
+    pytest.param(_cls(head=128, block=128, group=1, fp8=True, width=3, cap=30.0), [300, 129], 1, 2,
+                 dict(num_stages=1, block_kv=64, page_ids_first=True), marks=_COMPILED),
+]
+# The memory warpgroup loading the next item's sequence length during the current one (prefetch_item): empty items,
+# several per program, 2 and 3 programs (the prefetch past a program's last item is clamped and unused).
+PERSISTENT_CASES += [
+    pytest.param(_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
+                      window=50), [130, 0, 300], 2, 3, dict(prefetch_item=True), marks=_COMPILED),
+    pytest.param(_cls(head=64, block=16, kv_heads=2, group=3, num_seqs=5, width=12), [150, 0, 190, 1, 64], 2, 2,
+                 dict(num_stages=1, prefetch_item=True), marks=_COMPILED),
+    pytest.param(_cls(head=128, block=16, group=4, fp8=True, num_seqs=4, width=20, window=70, cap=5.0),
+                 [300, 0, 17, 250], 3, 2, dict(prefetch_item=True, balance=False), marks=_COMPILED),
+]
 AHEAD = dict(convert_ahead=True, producer_converts=False)
 PERSISTENT_CASES += [
     (_cls(head=64, block=8, kv_heads=2, group=3, dtype="float16", fp8=True, num_seqs=3, width=40,
@@ -163,10 +219,10 @@ def test_persistent_matches_float64_reference(cls, lens, num_splits, num_program
             break
         earlier.setdefault((_resolved(c[0], c[2], persistent=True, num_programs=c[3], **c[4]), tuple(c[1])),
                            f"test_persistent_matches_float64_reference[{_persistent_id(c)}]")
-    _skip_repeat((_resolved(cls, num_splits, persistent=True, num_programs=num_programs, **kw), tuple(lens)),
-                 earlier, "a repeat")
+    resolved = _resolved(cls, num_splits, persistent=True, num_programs=num_programs, **kw)
+    _skip_repeat((resolved, tuple(lens)), earlier, "a repeat")
     err = _run(cls, lens, num_splits, persistent=True, num_programs=num_programs, **kw)
-    assert err <= fuzz.TOLERANCE[cls.dtype]
+    assert err <= _tolerance(cls, resolved)
 
 
 @pytest.mark.parametrize("k,ahead", [(2, True), (5, True), (5, False)],
@@ -309,6 +365,8 @@ def test_lowers_for_sm90(fp8, persistent):
         if persistent and fp8:      # the converter warpgroup: 128- and 64-key steps
             variants += [dict(persistent=True, **PRODUCER), dict(persistent=True, block_kv=64, **PRODUCER),
                          dict(persistent=True, **AHEAD)]
+            if k in (0, 2):         # the fp8 q·kᵀ routes (head sizes 128 and 64; "qk8" at 128)
+                variants += [dict(persistent=True, **QK8T)] + [dict(persistent=True, **QK8)] * (k == 0)
         if fp8 and not persistent:
             variants += [dict(persistent=False, **AHEAD)]
         seen = set()
@@ -385,16 +443,43 @@ def test_merge_partitions_matches_float64():
     assert np.all(out[1, 2] == 0.0)
 
 
-def test_fp8_cache_with_a_query_past_float16_range():
-    """An fp8 cache under a bf16 query computes in f16 with the query scaled by ``F16_Q_SCALE``: query
-    values past f16's 65504 (here up to ~2**17) still give the float64 reference's result, not inf/NaN."""
+@pytest.mark.parametrize("route", ["convert", "qk8t"])
+def test_fp8_cache_with_a_query_past_float16_range(route):
+    """An fp8 cache under a bf16 query: "convert" computes in f16 with the query scaled by ``F16_Q_SCALE``, "qk8t"
+    quantizes each query row to e4m3 with its own scale. Query values past f16's 65504 (here up to ~2**17) in
+    one head, a head of zeros (the smallest scale, ``QK8_MIN_ABSMAX``) and one of tiny values (~2**-20) beside
+    them still give the float64 reference's result, not inf/NaN."""
     cls = _cls(head=128, block=16, group=4, fp8=True, width=12)
     case = fuzz.make_case(np.random.default_rng(8), cls, [(150, 1), (33, 1)])
-    case = dataclasses.replace(case, q=case.q * 2.0 ** 15)      # exact in bf16: a power of two
+    q = case.q.copy()
+    q[:, 0] *= 2.0 ** 15       # exact in bf16: a power of two
+    q[0, 1] = 0.0
+    q[1, 2] *= 2.0 ** -20
+    case = dataclasses.replace(case, q=q)
     assert np.abs(case.q).max() > 65504
     arrays, kwargs = case.kernel_args()
-    out = paged_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET)
+    out = paged_attention_mgpu(*arrays, **kwargs, interpret=INTERPRET, fp8_route=route)
     assert fuzz.error(out, case) <= fuzz.TOLERANCE[cls.dtype]
+
+
+@pytest.mark.parametrize("route", ["qk8t", "convert", "qk8"])
+def test_fp8_error_does_not_grow_with_context(route):
+    """One sequence of 32k tokens (2k in the interpreter, the default route only: ~3 s) against one of 1k (256),
+    f16 query, fp8 cache: the error against the float64 reference (dequantized cache, unquantized query) stays
+    within the tolerance and does not grow with the context: online softmax and the output accumulate in float32
+    across the 256 steps (a 16-bit accumulator would drift). Both lengths' errors are printed (-s)."""
+    if not ON_GPU and route != mgpu_mod._fp8_route(None, fp8=True, persistent=True, producer_converts=True,
+                                                   head_size=128, group=4):
+        pytest.skip("the interpreter runs the default route only (the GPU runs all three)")
+    lengths = (1024, 32768) if ON_GPU else (256, 2048)
+    errs = []
+    for n in lengths:
+        cls = _cls(head=128, block=16, group=4, num_seqs=1, fp8=True, dtype="float16", width=n // 16)
+        errs.append(_run(cls, [n], 1, seed=n, persistent=True, num_programs=1, fp8_route=route))
+    tol = fuzz.FP8_Q_TOLERANCE if route == "qk8" else fuzz.TOLERANCE["float16"]
+    print(f"\n{route}: error {errs[0]:.3e} at {lengths[0]} tokens, {errs[1]:.3e} at {lengths[1]}")
+    assert max(errs) <= tol
+    assert errs[1] <= max(2.0 * errs[0], tol / 8), errs
 
 
 def _mosaic_smem_bytes(fp8, head, block_kv, kw) -> int:
@@ -422,6 +507,8 @@ SMEM_CONFIGS = [
     (False, 256, 64, dict(persistent=True, num_stages=3, num_q_buffers=2, pv_from_smem=False)),
     (True, 64, 64, dict(persistent=True, num_stages=1, num_q_buffers=2, pv_from_smem=True, producer_converts=False)),
     (True, 128, 64, dict(persistent=True, num_stages=3, producer_converts=True, pv_from_smem=False)),
+    (True, 128, 128, dict(persistent=True, num_stages=2, producer_converts=True, pv_from_smem=False, fp8_route="qk8t")),
+    (True, 128, 128, dict(persistent=True, num_stages=3, producer_converts=True, pv_from_smem=False, fp8_route="qk8")),
 ]
 
 
@@ -433,13 +520,16 @@ def test_shared_memory_count_matches_mosaic(fp8, head, block_kv, kw):
     from pallas_kernels import tuning
     kw = dict(kw)
     persistent = kw["persistent"]
+    producer = kw.get("producer_converts", tuning.MGPU_DECODE_PRODUCER_CONVERTS and persistent)
+    route = mgpu_mod._fp8_route(kw.get("fp8_route"), fp8=fp8, persistent=persistent, producer_converts=bool(producer),
+                                head_size=head, group=4)       # _mosaic_smem_bytes' class: 4 heads per KV head
     if kw.get("producer_converts"):
         stages, stages16, q_tiles = tuning.mgpu_decode_producer_stages(block_kv, head, p_tile=kw["pv_from_smem"],
-                                                                       num_stages=kw["num_stages"])
+                                                                       num_stages=kw["num_stages"], fp8_route=route)
     else:
         stages, stages16, q_tiles = kw["num_stages"], 0, kw.get("num_q_buffers", 1)
     want = tuning.mgpu_decode_smem_bytes(block_kv, head, stages, fp8=fp8, q_tiles=q_tiles, p_tile=kw["pv_from_smem"],
-                                         persistent=persistent, num_stages16=stages16)
+                                         persistent=persistent, num_stages16=stages16, fp8_route=route)
     assert _mosaic_smem_bytes(fp8, head, block_kv, dict(kw, interpret=False)) == want
 
 
