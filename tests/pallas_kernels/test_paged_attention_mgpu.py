@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.attention import dispatch as attention_dispatch
 from pallas_kernels import paged_attention as triton_mod
 from pallas_kernels import paged_attention_mgpu as mgpu_mod
 from pallas_kernels.paged_attention_mgpu import paged_attention_mgpu, unsupported_reason
@@ -322,7 +323,7 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
         return wrapped
     monkeypatch.setattr(mgpu_mod, "paged_attention_mgpu", spy("mosaic", mgpu_mod.paged_attention_mgpu))
     monkeypatch.setattr(triton_mod, "paged_attention", spy("triton", triton_mod.paged_attention))
-    monkeypatch.setattr(jaxkv.attention.dispatch, "_warned_fallbacks", set())
+    monkeypatch.setattr(attention_dispatch, "_warned_fallbacks", set())
     cls = _cls(head=64, block=8, kv_heads=2, group=2, width=4)
     case = fuzz.make_case(np.random.default_rng(2), cls, [(20, 1), (8, 1)])
     (q, kv, tables, lens), kwargs = case.kernel_args()

@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 import jaxkv
+from jaxkv.attention import dispatch as attention_dispatch
 from pallas_kernels import paged_prefill_attention as triton_mod
 from pallas_kernels import paged_prefill_attention_mgpu as mgpu_mod
 from pallas_kernels import tuning
@@ -261,7 +262,7 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     monkeypatch.setattr(mgpu_mod, "paged_prefill_attention_mgpu",
                         spy("mosaic", mgpu_mod.paged_prefill_attention_mgpu))
     monkeypatch.setattr(triton_mod, "paged_prefill_attention", spy("triton", triton_mod.paged_prefill_attention))
-    monkeypatch.setattr(jaxkv.attention.dispatch, "_warned_fallbacks", set())
+    monkeypatch.setattr(attention_dispatch, "_warned_fallbacks", set())
     lengths = [(20, 9), (7, 1)]
     cls = _cls(lengths, kv_heads=2, group=2, head=64, block=8)
     case = fuzz.make_case(np.random.default_rng(2), cls, lengths)
