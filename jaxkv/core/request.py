@@ -37,6 +37,41 @@ _FINISH_REASONS = {int(RequestStatus.FINISHED_STOPPED): "stop", int(RequestStatu
                    int(RequestStatus.FINISHED_ABORTED): "abort"}
 
 
+class LogprobStore:
+    """A request's generated tokens' logprobs as slices of the steps' host arrays (no per-token Python objects
+    until an output needs them): chunks of ``ids`` ``int32[n, 1 + k]`` (the chosen token, then the top ``k``),
+    ``logprobs`` ``f32[n, 1 + k]`` and ``ranks`` ``int32[n]`` (the chosen token's)."""
+
+    __slots__ = ("chunks", "count")
+
+    def __init__(self):
+        self.chunks: list[tuple] = []
+        self.count = 0
+
+    def __len__(self) -> int:
+        return self.count
+
+    def add(self, ids, logprobs, ranks) -> None:
+        self.chunks.append((ids, logprobs, ranks))
+        self.count += len(ranks)
+
+    def arrays(self, start: int = 0):
+        """``(ids, logprobs, ranks)`` of positions ``start..``, concatenated (NumPy)."""
+        import numpy as np
+        if not self.chunks:
+            return np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32), np.zeros(0, np.int32)
+        ids, lps, ranks = (np.concatenate([c[i] for c in self.chunks]) for i in range(3))
+        return ids[start:], lps[start:], ranks[start:]
+
+    def entries(self, start: int = 0) -> list[tuple[list[int], list[float], int]]:
+        """Per position ``(ids, logprobs, rank)`` as Python lists."""
+        ids, lps, ranks = self.arrays(start)
+        return list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
+
+    def cumulative(self) -> float:
+        return float(sum(c[1][:, 0].astype("float64").sum() for c in self.chunks))
+
+
 class Request:
     """One generation request: its tokens, how many of them are in the cache, and its blocks.
 
@@ -107,9 +142,8 @@ class Request:
         self.num_output_placeholders = 0  # tokens sampled by dispatched steps, not yet back
         self.logits: list = []  # per generated token, only when the engine returns logits
         self.final_only = False  # an engine core sends its tokens once, at the end (vLLM FINAL_ONLY)
-        # logprobs: per generated token (sampled, top ids...), (its logprob, top logprobs...), rank
-        self.logprobs: list[tuple[list[int], list[float], int]] | None = (
-            [] if sampling_params.logprobs is not None else None)
+        # logprobs of its generated tokens, as the steps' arrays (LogprobStore; materialized for an output)
+        self.logprobs: LogprobStore | None = LogprobStore() if sampling_params.logprobs is not None else None
         # prompt logprobs of positions 1.. computed so far (the prompt is never taken from the prefix cache)
         self.prompt_logprobs: list[tuple[list[int], list[float], int]] | None = (
             [] if sampling_params.prompt_logprobs is not None else None)

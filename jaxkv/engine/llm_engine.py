@@ -633,7 +633,9 @@ class LLMEngine:
             new_lp = None
             if req.logprobs is not None:
                 start = 0 if req.final_only else req.num_logprobs_sent
-                new_lp = _lists(req.logprobs[start:])
+                if len(req.logprobs) > start:
+                    ids, lps, ranks = req.logprobs.arrays(start)
+                    new_lp = LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
                 req.num_logprobs_sent = len(req.logprobs)
             new_plp = None
             if req.prompt_logprobs is not None and req.num_prompt_logprobs_sent < len(req.prompt_logprobs):
@@ -693,7 +695,13 @@ class LLMEngine:
         t_wait = time.perf_counter()
         tokens = np.asarray(result.tokens)  # the one blocking wait per step
         logits = None if result.logits is None else np.asarray(result.logits)
-        logprobs = None if result.logprobs is None else {k: np.asarray(v) for k, v in result.logprobs.items()}
+        logprobs = None
+        if result.logprobs is not None:  # one [..., 1 + K] array of ids and one of logprobs for every row at once
+            lp = {k: np.asarray(v) for k, v in result.logprobs.items()}
+            top = "top_ids" in lp
+            logprobs = (np.concatenate([tokens[..., None], lp["top_ids"]], -1) if top else tokens[..., None],
+                        np.concatenate([lp["logprob"][..., None], lp["top_logprobs"]], -1) if top
+                        else lp["logprob"][..., None], lp["rank"])
         if result.prompt_logprobs is not None:
             self._record_prompt_logprobs(sched, {k: np.asarray(v) for k, v in result.prompt_logprobs.items()})
         t_back = time.perf_counter()
@@ -743,15 +751,15 @@ class LLMEngine:
         return aborted, touched
 
     @staticmethod
-    def _record_logprobs(req: Request, lp: dict, row: int, got: int, loop: int) -> None:
-        """Row ``row``'s first ``got`` sampled tokens' logprobs (top ``logprobs`` of the step's width)."""
-        k = req.sampling_params.logprobs
-        sel = (slice(0, got), row) if loop else (slice(row, row + 1),)
-        chosen, rank = lp["logprob"][sel].tolist(), lp["rank"][sel].tolist()
-        ids = lp["top_ids"][sel][:, :k].tolist() if k else [[] for _ in chosen]
-        lps = lp["top_logprobs"][sel][:, :k].tolist() if k else [[] for _ in chosen]
-        tokens = req.output_token_ids[len(req.output_token_ids) - got:]
-        req.logprobs.extend(([tok, *i], [c, *v], rk) for tok, i, v, c, rk in zip(tokens, ids, lps, chosen, rank))
+    def _record_logprobs(req: Request, lp: tuple, row: int, got: int, loop: int) -> None:
+        """Row ``row``'s first ``got`` sampled tokens' logprobs (its top ``logprobs`` of the step's width), kept
+        as views of the step's arrays."""
+        ids, lps, ranks = lp
+        k = 1 + req.sampling_params.logprobs
+        if loop:
+            req.logprobs.add(ids[:got, row, :k], lps[:got, row, :k], ranks[:got, row])
+        else:
+            req.logprobs.add(ids[row:row + 1, :k], lps[row:row + 1, :k], ranks[row:row + 1])
 
     @staticmethod
     def _record_prompt_logprobs(sched, lp: dict) -> None:
@@ -823,11 +831,11 @@ class LLMEngine:
         completions = []
         for req in reqs:
             finished = req.is_finished
-            lp = None if req.logprobs is None else _dicts(req.logprobs)
+            lp = None if req.logprobs is None else _dicts(req.logprobs.entries())
             completions.append(CompletionOutput(
                 index=req.index, token_ids=list(req.output_token_ids), new_token_ids=list(req.new_token_ids),
                 finish_reason=RequestStatus.get_finished_reason(req.status), stop_reason=req.stop_reason,
-                logprobs=lp, cumulative_logprob=None if lp is None else float(sum(e[1][0] for e in req.logprobs)),
+                logprobs=lp, cumulative_logprob=None if lp is None else req.logprobs.cumulative(),
                 logits=np.stack(req.logits) if finished and req.logits else None))
         first = next((r for r in reqs if r.prompt_logprobs is not None), None)
         if first is None and reqs[0].parent_id in self._children:

@@ -25,6 +25,22 @@ def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | N
     return prompt_token_ids if keep is None or len(prompt_token_ids) <= keep else prompt_token_ids[-keep:]
 
 
+_TOKEN_TEXTS: dict[int, tuple[object, dict[int, str]]] = {}  # id(tokenizer) -> (tokenizer, {token id: text})
+
+
+def token_text(tokenizer, token_id: int) -> str:
+    """One token's text (``Logprob.decoded_token``), cached per tokenizer: logprobs name ``1 + k`` tokens per
+    generated token, mostly the same few thousand."""
+    entry = _TOKEN_TEXTS.get(id(tokenizer))
+    if entry is None or entry[0] is not tokenizer:
+        entry = _TOKEN_TEXTS[id(tokenizer)] = (tokenizer, {})
+    texts = entry[1]
+    text = texts.get(token_id)
+    if text is None:
+        text = texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
+    return text
+
+
 def logprob_dicts(lists: LogprobsLists, decode_token) -> list[dict[int, Logprob]]:
     """:class:`LogprobsLists` as vLLM's ``{token_id: Logprob}`` per position, ``decoded_token`` from
     ``decode_token(token_id)``; the chosen token first, then the top ones by rank."""
@@ -63,7 +79,7 @@ class CompletionState:
         self.stop_token: int | None = None  # the engine's stop token / EOS: in token_ids, not in the text
 
     def decode_token(self, token_id: int) -> str:
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return token_text(self.tokenizer, token_id)
 
     def add(self, out: EngineCoreOutput) -> tuple[str, bool, str | None, int | str | None]:
         """Fold one step's tokens in; returns ``(text, finished, finish_reason, stop_reason)``.
