@@ -198,8 +198,9 @@ def make_engine(model: DecoderForCausalLM, *, attention_impl: str, block_size: i
                                        dtype=model.dtype if cache_dtype is None else cache_dtype, mesh=mesh,
                                        hybrid=hybrid and dp == 1)
     params, fn = make_model_fn(model, kv_config, attention_impl=attention_impl, mesh=mesh)
+    engine_options.setdefault("vocab_size", model.config.vocab_size)
     return LLMEngine(fn, params, caches, block_size=block_size, max_model_len=max_model_len,
-                           kv_cache_groups=kv_config.kv_cache_groups, mesh=mesh, **engine_options)
+                     kv_cache_groups=kv_config.kv_cache_groups, mesh=mesh, **engine_options)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 4))

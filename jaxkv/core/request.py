@@ -152,11 +152,12 @@ class Request:
         # n > 1: the parent's id and this completion's index (the engine's id is child_request_id's)
         self.parent_id: str = request_id
         self.index = 0
-        # its sampling reads its own tokens (penalties, bad words of several tokens): it is scheduled only
-        # when all of them are known (never with an input token still being sampled)
-        self.needs_known_history = sampling_params.has_penalties or any(
-            len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ())) or (
+        # its sampling reads its own last tokens on the host (bad words of several tokens, structured outputs):
+        # it is scheduled only when all of them are known (never with an input token still being sampled);
+        # penalties count tokens on the device and need no such wait
+        self.needs_known_history = any(len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ())) or (
             sampling_params.structured_outputs is not None)
+        self.penalty_slot: int | None = None  # penalties: its row of the runner's device counts while it runs
         # structured outputs: the request's matcher (jaxkv.core.structured_output.Grammar), its bitmask width;
         # its rows run one step per pass (the mask of each token comes from the host)
         self.grammar = None

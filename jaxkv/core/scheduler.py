@@ -188,7 +188,7 @@ class Scheduler:
     # -- one step -----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
         if any(r.needs_known_history and r.num_output_placeholders and r.grammar is None for r in self.running):
-            # a request whose sampling reads its own tokens (penalties, bad words) is in the step in flight:
+            # a request whose sampling reads its own last tokens (bad words of several tokens) is in the step in flight:
             # nothing is scheduled until its tokens are back, so every request runs together again (a device
             # loop when all decode) instead of two halves alternating one step each. A structured output (one
             # step per token anyway) only sits out the steps dispatched before its token is back; the others

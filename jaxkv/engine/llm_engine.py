@@ -144,6 +144,9 @@ def _check_params(request_id: str, params: SamplingParams, *, vocab_size: int | 
         k = getattr(params, name)
         if k is not None and not 0 <= k <= max_logprobs:
             raise ValueError(f"request_id={request_id!r}: {name}={k} must be in [0, max_logprobs={max_logprobs}]")
+    if params.has_penalties and vocab_size is None:
+        raise ValueError(f"request_id={request_id!r}: presence/frequency/repetition penalties need the engine's "
+                         "vocab_size (LLMEngine(vocab_size=...))")
     if params.bad_words and params.bad_words_token_ids is None:
         raise ValueError(f"request_id={request_id!r}: bad_words={params.bad_words!r} need their token ids "
                          "(SamplingParams.with_bad_words_tokenized: the engine has no tokenizer)")
@@ -260,7 +263,8 @@ class LLMEngine:
                                   num_scheduler_steps=num_scheduler_steps,
                                   max_num_stop_token_ids=max_num_stop_token_ids, return_logits=return_logits,
                                   check_kernel_inputs=check_kernel_inputs,
-                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1, max_logprobs=max_logprobs)
+                                  num_kv_cache_groups=len(kv_cache_groups or ()) or 1, max_logprobs=max_logprobs,
+                                  vocab_size=vocab_size)
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.structured_outputs = structured_outputs
@@ -570,6 +574,7 @@ class LLMEngine:
                 if req is None or self._requests.pop(req.request_id, None) is None:
                     continue
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
+                self.runner.release_slot(req)
                 req.new_token_ids = []
                 self._aborted.append(req)
 
@@ -736,6 +741,7 @@ class LLMEngine:
         for req in touched:
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
+                self.runner.release_slot(req)
         if not self.has_unfinished_requests():
             self._busy_until = None  # no work left: idle time until the next request is not the host's
         t1 = time.perf_counter()
@@ -777,9 +783,12 @@ class LLMEngine:
             at += count
 
     def _copy_blocks(self, sched) -> None:
-        """The host tier's copies a schedule asked for, before its step (and after every step dispatched
+        """A schedule's preempted requests give their penalty slots back (before its inputs are built: one
+        re-admitted later starts its row over); the host tier's copies a schedule asked for, before its step (and after every step dispatched
         before it): device to host first, then the loads it began (host to device beside the steps; see
         :mod:`jaxkv.core.host_kv_pool`)."""
+        for req in sched.preempted:
+            self.runner.release_slot(req)
         if sched.blocks_to_swap_out:
             self.offloader.swap_out(self.runner.kv_caches, sched.blocks_to_swap_out)
         if sched.blocks_to_swap_in:

@@ -262,6 +262,8 @@ class ModelRunner:
             ``min_tokens``.
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's
             ``max_logprobs``).
+        vocab_size: the logits' width (the penalties' per-slot counts; ``None``: requests with penalties are
+            refused by the engine).
         return_logits: also return the logits of every sampled token (tests, accuracy scripts).
         num_kv_cache_groups: KV-cache groups of the model; with more than one, block tables are
             ``int32[num_kv_cache_groups, R, max_num_blocks_per_seq]`` (from ``Request.group_block_ids``) and
@@ -278,7 +280,8 @@ class ModelRunner:
     def __init__(self, model_fn: ModelFn, params, kv_caches, *, block_size: int, max_model_len: int,
                  max_num_seqs: int, max_num_batched_tokens: int, num_scheduler_steps: int,
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
-                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1, max_logprobs: int = 20):
+                 check_kernel_inputs: bool = False, num_kv_cache_groups: int = 1, max_logprobs: int = 20,
+                 vocab_size: int | None = None):
         shapes = {c.shape for c in kv_caches}
         if len(shapes) != 1:
             raise ValueError(f"kv_caches have different shapes: {sorted(shapes)}")
@@ -301,6 +304,7 @@ class ModelRunner:
         self.num_scheduler_steps = num_scheduler_steps
         self.max_num_stop_token_ids = max_num_stop_token_ids
         self.max_logprobs = max_logprobs
+        self.vocab_size = vocab_size
         self.return_logits = return_logits
         # decode loops run at least 2 rows: with one row XLA:GPU rewrites the small projections (an 8B's k and v:
         # 1 x 4096 x 1024) as a multiply that writes the whole weight-sized product and a column reduction; a
@@ -317,10 +321,16 @@ class ModelRunner:
         mesh = getattr(self.kv_caches[0].sharding, "mesh", None)
         self._replicated = None if mesh is None else NamedSharding(mesh, P())
         wrap = checked if check_kernel_inputs else (lambda fn: fn)
-        self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1,),
+        self._mixed = jax.jit(wrap(self._packed_mixed_step), donate_argnums=(1, 5),
                               static_argnames=("layout", "max_query_len", "features", "prompt_logprobs"))
-        self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1,),
+        self._decode = jax.jit(wrap(self._packed_decode_loop), donate_argnums=(1, 5),
                                static_argnames=("layout", "features"))
+        # penalties' device state (allocated with the first request that has a penalty): per slot (a running
+        # request's, held from its first step to its end) the counts of its generated tokens and its prompt's
+        # tokens, updated by every step on the device, so a request with penalties needs no known history
+        self.aux: dict = {}
+        self._free_slots: list[int] = []
+        self._init_rows = jax.jit(self._packed_init_rows, donate_argnums=(0,))
         if check_kernel_inputs:
             self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
         self._checked = check_kernel_inputs
@@ -413,16 +423,44 @@ class ModelRunner:
     def _slot_mapping(self, block_tables, seq_ids, positions):
         return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
 
-    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, *, layout, max_query_len,
+    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, aux, *, layout, max_query_len,
                            features, prompt_logprobs):
         inputs, sampling, extras = _split_sampling(_unpack(ints, floats, layout))
-        return self._mixed_step(params, kv_caches, inputs, sampling, extras, prev_tokens,
+        return self._mixed_step(params, kv_caches, inputs, sampling, extras, prev_tokens, aux,
                                 max_query_len=max_query_len, features=features, prompt_logprobs=prompt_logprobs)
 
-    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, *, layout, features):
+    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, aux, *, layout, features):
         a, sampling, extras = _split_sampling(_unpack(ints, floats, layout))
         return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
-                                 a["steps"], a["block_tables"], sampling, extras, features=features)
+                                 a["steps"], a["block_tables"], sampling, extras, aux, features=features)
+
+    @staticmethod
+    def _packed_init_rows(aux, slots, history, prompt_lens):
+        """Slots ``slots`` (``int32[I]``, ``-1`` padding) start over from ``history`` (``int32[I, H]``: a
+        request's known tokens, ``-1`` padded) split at ``prompt_lens``: output-token counts and prompt mask."""
+        counts, mask = aux["counts"], aux["prompt_mask"]
+        vocab = counts.shape[1]
+        col = jnp.arange(history.shape[1])[None, :]
+        row_counts = token_counts(jnp.where(col >= prompt_lens[:, None], history, -1), vocab)
+        row_mask = token_counts(jnp.where(col < prompt_lens[:, None], history, -1), vocab) > 0
+        at = jnp.where(slots >= 0, slots, counts.shape[0])
+        return dict(counts=counts.at[at].set(row_counts, mode="drop"), prompt_mask=mask.at[at].set(row_mask, mode="drop"))
+
+    @staticmethod
+    def _slot_state(aux, extras):
+        """The rows' penalty counts and prompt masks gathered from their slots (zeros for rows without one)."""
+        slots = extras["slots"]
+        has = (slots >= 0)[:, None]
+        at = jnp.maximum(slots, 0)
+        return jnp.where(has, aux["counts"][at], 0), has & aux["prompt_mask"][at]
+
+    @staticmethod
+    def _count_sampled(aux, extras, tokens, counted):
+        """``counts[slot, token] += 1`` for the rows whose sampled ``tokens`` count (``bool[R]``)."""
+        slots = extras["slots"]
+        counts = aux["counts"]
+        at = jnp.where((slots >= 0) & counted & (tokens >= 0), slots, counts.shape[0])
+        return dict(aux, counts=counts.at[at, jnp.maximum(tokens, 0)].add(1, mode="drop"))
 
     @staticmethod
     def _bad_tokens(extras: dict, tail: jax.Array) -> jax.Array:
@@ -442,18 +480,8 @@ class ModelRunner:
         return sample_with_features(logits, sampling, extras, features, output_counts=counts,
                                     prompt_mask=prompt_mask)
 
-    @staticmethod
-    def _history(extras: dict, vocab: int):
-        """Penalties' counts of each row's generated tokens and mask of its prompt's, from ``extras``'
-        ``history`` ``int32[R, H]`` (all its known tokens, ``-1`` padded) and ``prompt_lens`` ``int32[R]``."""
-        hist, plen = extras["history"], extras["prompt_lens"]
-        col = jnp.arange(hist.shape[1])[None, :]
-        counts = token_counts(jnp.where(col >= plen[:, None], hist, -1), vocab)
-        prompt_mask = token_counts(jnp.where(col < plen[:, None], hist, -1), vocab) > 0
-        return counts, prompt_mask
-
     def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, extras: dict, prev_tokens,
-                    *, max_query_len, features: SamplerFeatures, prompt_logprobs: int):
+                    aux, *, max_query_len, features: SamplerFeatures, prompt_logprobs: int):
         """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
         padding token; ``src_rows >= 0``: the id is ``prev_tokens[src_rows]``, a token the previous step
         sampled), ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
@@ -483,15 +511,17 @@ class ModelRunner:
             plp = raw_logprobs(plp_logits, inputs["plp_targets"], prompt_logprobs)
         counts = prompt_mask = tail = None
         if features.penalties:
-            counts, prompt_mask = self._history(extras, logits.shape[-1])
+            counts, prompt_mask = self._slot_state(aux, extras)
         if features.bad_words:
             tail = extras["bad_tail"]
         tokens, logprobs = self._sample(logits, sampling, extras, features, counts=counts, prompt_mask=prompt_mask,
                                         tail=tail)
-        return tokens, logprobs, plp, (logits if self.return_logits else None), kv_caches
+        if features.penalties:
+            aux = self._count_sampled(aux, extras, tokens, extras["counted"] > 0)
+        return tokens, logprobs, plp, (logits if self.return_logits else None), aux, kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, extras: dict, *, features: SamplerFeatures):
+                     sampling: SamplingArrays, extras: dict, aux, *, features: SamplerFeatures):
         """Runs ``num_scheduler_steps`` steps; row ``r`` decodes in the first ``steps[r]`` and writes
         nothing after them (every iteration computes: no ``lax.cond``, see the module docstring).
         Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
@@ -512,9 +542,7 @@ class ModelRunner:
 
         counts = prompt_mask = tail = jnp.zeros((), jnp.int32)  # placeholders in the carry when unused
         if features.penalties:
-            vocab = jax.eval_shape(self.model_fn, params, tokens, positions, kv_caches, metadata_for(positions),
-                                   rows)[0].shape[-1]
-            counts, prompt_mask = self._history(extras, vocab)
+            counts, prompt_mask = self._slot_state(aux, extras)
         if features.bad_words:
             tail = extras["bad_tail"]
 
@@ -537,11 +565,15 @@ class ModelRunner:
                     (new, logprobs, logits if self.return_logits else None))
 
         carry0 = (tokens, positions, sampling.gen_idx, counts, tail, kv_caches)
-        (_, _, _, _, _, kv_caches), (out_tokens, out_logprobs, out_logits) = lax.scan(
+        (_, _, _, counts, _, kv_caches), (out_tokens, out_logprobs, out_logits) = lax.scan(
             lambda carry, i: run(i, carry), carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
+        if features.penalties:  # the rows' counts back into their slots
+            slots = extras["slots"]
+            at = jnp.where(slots >= 0, slots, aux["counts"].shape[0])
+            aux = dict(aux, counts=aux["counts"].at[at].set(counts, mode="drop"))
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
         last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
-        return out_tokens, last, out_logprobs, out_logits, kv_caches
+        return out_tokens, last, out_logprobs, out_logits, aux, kv_caches
 
     # -- host side ------------------------------------------------------------------------------------
     def _block_table(self, reqs: list[Request], num_rows: int) -> np.ndarray:
@@ -607,19 +639,7 @@ class ModelRunner:
             extras["min_p"] = np.zeros(num_rows, np.float32)
             extras["min_p"][:n] = [sp.min_p for sp in sps]
         if features.penalties:
-            rows = [r for r, sp in enumerate(sps) if sp.has_penalties]
-            width = _pow2_at_least(max(reqs[r].num_tokens for r in rows), 64)
-            hist = np.full((num_rows, width), -1, np.int32)
-            plen = np.zeros(num_rows, np.int32)
-            presence = np.zeros(num_rows, np.float32)
-            frequency = np.zeros(num_rows, np.float32)
-            repetition = np.ones(num_rows, np.float32)
-            for r in rows:
-                req, sp = reqs[r], sps[r]
-                hist[r, :req.num_tokens] = req.token_array()
-                plen[r] = req.num_prompt_tokens
-                presence[r], frequency[r], repetition[r] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
-            extras.update(history=hist, prompt_lens=plen, presence=presence, frequency=frequency, repetition=repetition)
+            extras.update(self._penalty_rows(reqs, sps, num_rows))
         if features.logit_bias:
             width = _pow2_at_least(max(len(sp.logit_bias or ()) for sp in sps), 8)
             ids = np.full((num_rows, width), -1, np.int32)
@@ -652,6 +672,53 @@ class ModelRunner:
                     tail[r, length - 1 - len(known):] = known
             extras.update(bad_seqs=seqs, bad_tail=tail)
         return sampling, extras, features
+
+    def _penalty_rows(self, reqs: list[Request], sps, num_rows: int) -> dict[str, np.ndarray]:
+        """Each penalty row's slot (a request's first step takes a free one and its counts start from its known
+        tokens: :meth:`_init_rows` runs before the step) and penalties."""
+        if not self.aux:
+            self._allocate_aux()
+        slots = np.full(num_rows, -1, np.int32)
+        presence = np.zeros(num_rows, np.float32)
+        frequency = np.zeros(num_rows, np.float32)
+        repetition = np.ones(num_rows, np.float32)
+        fresh = []
+        for r, (req, sp) in enumerate(zip(reqs, sps)):
+            if not sp.has_penalties:
+                continue
+            if req.penalty_slot is None:
+                req.penalty_slot = self._free_slots.pop()
+                fresh.append(req)
+            slots[r] = req.penalty_slot
+            presence[r], frequency[r], repetition[r] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+        if fresh:
+            width = _pow2_at_least(max(req.num_tokens for req in fresh), 64)
+            num = _pow2_at_least(len(fresh), 4)
+            hist = np.full((num, width), -1, np.int32)
+            plen = np.zeros(num, np.int32)
+            init = np.full(num, -1, np.int32)
+            for i, req in enumerate(fresh):  # its tokens are all known: placeholders wait (see Scheduler)
+                hist[i, :req.num_tokens] = req.token_array()
+                plen[i] = req.num_prompt_tokens
+                init[i] = req.penalty_slot
+            self.aux = self._init_rows(self.aux, jnp.asarray(init), jnp.asarray(hist), jnp.asarray(plen))
+        return dict(slots=slots, presence=presence, frequency=frequency, repetition=repetition)
+
+    def _allocate_aux(self) -> None:
+        vocab = self.vocab_size
+        slots = self.request_buckets[-1]
+        sharding = self._replicated
+        zeros = (lambda shape, dtype: jnp.zeros(shape, dtype) if sharding is None
+                 else jax.device_put(jnp.zeros(shape, dtype), sharding))
+        self.aux = dict(counts=zeros((slots, vocab), jnp.int32), prompt_mask=zeros((slots, vocab), jnp.bool_))
+        self._free_slots = list(range(slots - 1, -1, -1))
+
+    def release_slot(self, req: Request) -> None:
+        """A request that finished or was preempted gives its penalty slot back (a later step that takes it
+        starts the row over before using it; steps already dispatched run before that on the device)."""
+        if req.penalty_slot is not None:
+            self._free_slots.append(req.penalty_slot)
+            req.penalty_slot = None
 
     def _prev(self, prev_tokens):
         """The previous step's last tokens (``int32[prev_len]``; all -1 when there is none). On a mesh
@@ -737,6 +804,9 @@ class ModelRunner:
             inputs["plp_targets"][:len(targets)] = targets
             plp_k = _logprobs_width(plp_k, self.max_logprobs)
         sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+        if features.penalties:  # which rows' sampled tokens are real (a prompt chunk's is not)
+            extras["counted"] = np.zeros(num_rows, np.int32)
+            extras["counted"][:n] = sched.samples
         constrained = [r for r in special if reqs[r].grammar is not None and sched.samples[r]]
         if constrained:
             bitmask = np.full((num_rows, reqs[constrained[0]].grammar_words), -1, np.int32)
@@ -749,16 +819,22 @@ class ModelRunner:
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
                    prev_tokens, *, max_query_len: int, prompt_logprobs: int = -1):
         ints, floats, layout = _pack(inputs | _sampling_dict(sampling, extras))
-        tokens, logprobs, plp, logits = self._dispatch(
-            "mixed", self._mixed, ints, floats, self._prev(prev_tokens), layout=layout, max_query_len=max_query_len,
-            features=features, prompt_logprobs=prompt_logprobs)
+        tokens, logprobs, plp, logits, aux = self._dispatch(
+            "mixed", self._mixed, ints, floats, self._prev(prev_tokens), self.aux if features.penalties else {},
+            layout=layout, max_query_len=max_query_len, features=features, prompt_logprobs=prompt_logprobs)
+        if features.penalties:
+            self.aux = aux
         return tokens, logprobs, plp, logits
 
     def _run_decode(self, arrays: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
                     prev_tokens):
         ints, floats, layout = _pack(arrays | _sampling_dict(sampling, extras))
-        return self._dispatch("decode", self._decode, ints, floats, self._prev(prev_tokens), layout=layout,
-                              features=features)
+        out, last, logprobs, logits, aux = self._dispatch(
+            "decode", self._decode, ints, floats, self._prev(prev_tokens), self.aux if features.penalties else {},
+            layout=layout, features=features)
+        if features.penalties:
+            self.aux = aux
+        return out, last, logprobs, logits
 
     def _put_packed(self, ints: np.ndarray, floats: np.ndarray):
         """The packed host buffers on the device (one batched transfer)."""
