@@ -363,8 +363,8 @@ def _load_fp8_entry(f, path: pathlib.Path, entry: HFTensor, model, config: Decod
             value = np.broadcast_to(value, shape)  # per-tensor scale: every channel the same
         else:
             value = value.reshape(shape)
-        arr = (jax.device_put(np.ascontiguousarray(value)) if isinstance(sharding, SingleDeviceSharding)
-               else jax.device_put(np.ascontiguousarray(value), sharding))
+        value = np.array(value, np.float32)  # a contiguous copy (np.ascontiguousarray makes a scalar 1-D)
+        arr = jax.device_put(value) if isinstance(sharding, SingleDeviceSharding) else jax.device_put(value, sharding)
         param.set_value(arr)
         return
     if got != shape:

@@ -115,15 +115,20 @@ def kl_nats(ref_logits: np.ndarray, cand_logits: np.ndarray) -> np.ndarray:
 
 
 def measure(reference, candidate, prompts: list[list[int]], steps: int = 16, batch: int = 10,
-            check_generation: bool = False) -> dict:
-    """Greedy agreement, per-token agreement and KL of ``candidate`` against ``reference`` (see the module doc)."""
-    ref_tokens, match, kls, gen_match = [], [], [], []
+            check_generation: bool = False, paths: np.ndarray | None = None) -> dict:
+    """Greedy agreement, per-token agreement and KL of ``candidate`` against ``reference`` (see the module doc).
+
+    ``paths`` (``int[len(prompts), steps]``): the reference's greedy continuations when already known (the CI test
+    keeps them as text); ``reference_reproduces`` then says at how many steps the reference's argmax along them
+    is indeed their token (1.0: they are its greedy path on this machine)."""
+    ref_tokens, match, kls, gen_match, own = [], [], [], [], []
     for i in range(0, len(prompts), batch):
         chunk = prompts[i:i + batch]
-        toks = greedy(reference, chunk, steps)
+        toks = greedy(reference, chunk, steps) if paths is None else np.asarray(paths[i:i + batch])
         ref_logits = path_logits(reference, chunk, toks)
         cand_logits = path_logits(candidate, chunk, toks)
         ref_tokens.append(toks)
+        own.append(ref_logits.argmax(-1) == toks)
         match.append(cand_logits.argmax(-1) == toks)
         kls.append(kl_nats(ref_logits, cand_logits))
         if check_generation:
@@ -133,7 +138,8 @@ def measure(reference, candidate, prompts: list[list[int]], steps: int = 16, bat
     out = dict(num_prompts=len(prompts), steps=steps, greedy_agreement=float(match.all(-1).mean()),
                prefix_agreement=prefix,
                token_agreement=float(match.mean()), mean_kl=float(kls.mean()), max_kl=float(kls.max()),
-               first_divergence=[int(np.argmin(m)) if not m.all() else None for m in match])
+               first_divergence=[int(np.argmin(m)) if not m.all() else None for m in match],
+               reference_reproduces=float(np.concatenate(own).mean()))
     if check_generation:
         out["greedy_agreement_generated"] = float(np.concatenate(gen_match).mean())
     return out
