@@ -49,9 +49,6 @@ INDEX_FILE = "model.safetensors.index.json"
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
-FP8_KINDS = ("fp8", "weight_scale", "input_scale", "quantize")
-
-
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
     """Where one model parameter comes from: the checkpoint tensor ``name``, transposed (a Linear weight)
@@ -342,7 +339,8 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
 
 
 def _load_fp8_entry(f, path: pathlib.Path, entry: HFTensor, model, config: DecoderConfig, mesh) -> None:
-    """Place one fp8 projection's tensor (``entry.kind`` of :data:`FP8_KINDS`) into ``model``."""
+    """Place one fp8 projection's tensor (``entry.kind``: ``"fp8"``, ``"weight_scale"``, ``"input_scale"`` or
+    ``"quantize"``, see :class:`HFTensor`) into ``model``."""
     param = get_param(model, entry.path)
     shape = tuple(param.get_value().shape)
     sl = f.get_slice(entry.name)

@@ -26,6 +26,13 @@ the norms (vLLM's ``ignore: ["lm_head"]``). Two sources:
 * a compressed-tensors fp8 checkpoint (``*-FP8-Dynamic`` / ``*-FP8``): ``weight`` stored ``F8_E4M3`` with
   ``weight_scale`` (``[out, 1]`` per channel, or a scalar per tensor) and, for static activations,
   ``input_scale``; ``config.json``'s ``quantization_config`` says which (:func:`fp8_config_from_hf`).
+
+Where jaxkv differs from vLLM's kernels (same formula): the projections are not fused, so q/k/v (and gate/up)
+keep their own static ``input_scale`` (vLLM's fused ``QKVParallelLinear`` takes the largest of the three) and
+their own per-tensor weight scale (vLLM requantizes a fused layer's shards to one); XLA computes one per-token
+quantization of a shared input for all of them (CSE). On a tensor-parallel mesh the per-token scales of a
+row-parallel layer (o_proj, down_proj) cover the whole row (XLA all-reduces the ``[tokens]`` amax), where vLLM's
+``RowParallelLinear`` scales each rank's slice on its own.
 """
 
 from __future__ import annotations
@@ -47,7 +54,6 @@ FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
 
 WEIGHT_STRATEGIES = ("channel", "tensor")
 ACTIVATION_SCHEMES = ("dynamic", "static")
-LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
            "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
 
@@ -204,11 +210,10 @@ def fp8_linear_reference(x, weight, weight_scale, *, input_scale=None, bias=None
     """The same product computed the plain way (tests): activations quantized as :func:`fp8_linear` does, then
     both operands dequantized to f32 and multiplied at ``Precision.HIGHEST``."""
     if input_scale is None:
-        x_q, s_x = quantize_per_token(x)
-        x_deq = x_q.astype(jnp.float32) * s_x[..., None]
+        x_deq = dequantize(*quantize_per_token(x))
     else:
-        x_deq = quantize_static(x, input_scale).astype(jnp.float32) * input_scale.astype(jnp.float32)
-    w_deq = weight.astype(jnp.float32) * weight_scale.astype(jnp.float32)[:, None]
+        x_deq = dequantize(quantize_static(x, input_scale), input_scale)
+    w_deq = dequantize(weight, weight_scale)
     y = jnp.matmul(x_deq, w_deq.T, precision=jax.lax.Precision.HIGHEST)
     if bias is not None:
         y = y + bias.astype(jnp.float32)

@@ -243,13 +243,15 @@ def _reference_model(config, stored, cfg, quantization):
 
 
 @pytest.mark.parametrize("arch,strategy,input_scale", [("LlamaForCausalLM", "channel", None),
-                                                       ("Qwen2ForCausalLM", "tensor", 0.02)],
-                         ids=["llama-channel-dynamic", "qwen2-tensor-static"])
+                                                       ("Qwen2ForCausalLM", "tensor", 0.02),
+                                                       ("Gemma3ForCausalLM", "channel", None)],
+                         ids=["llama-channel-dynamic", "qwen2-tensor-static", "gemma3-channel-dynamic"])
 def test_fp8_checkpoint_loads_and_matches_the_reference(tmp_path, tokenizer, arch, strategy, input_scale):
     """A compressed-tensors checkpoint (F8_E4M3 + scales, written here): every fp8 parameter holds the stored bits
     (read through the header), the scales the stored values. Llama through ``LLM(model=DIR)``: prefill + 8 paged
     decode steps match the dense forward of a model built from the stored arrays by hand; Qwen 2 (q/k/v bias,
-    per-tensor weights, static input scales) loaded alone: its dense logits equal that reference's."""
+    per-tensor weights, static input scales) and Gemma 3 (sandwich norms, GeGLU) loaded alone: their dense logits
+    equal that reference's."""
     stored, cfg = hfc.write_fp8_checkpoint(tmp_path, arch, strategy=strategy, input_scale=input_scale,
                                            tokenizer=tokenizer, seed=3)
     name = "model.layers.1.self_attn.k_proj"
