@@ -17,7 +17,8 @@ GEMM, how accurate is it there, and what does a Llama-3.1-8B layer stack's GEMMs
 3. **Timing** (unless ``--skip-timing``): ``--layers`` layers of the 8B projections with their own weights
    (q/k/v/o, gate/up/down; ``x + o(q + k + v) + down(silu(gate) * up)`` so that XLA keeps every projection, as
    ``bench_fused_gemm.py`` does) at each row count, bf16 (``x @ W``, what ``nnx.Linear`` runs) against fp8 (the
-   model's ``fp8_linear``: per-token quantization of x + fp8 GEMM + scales): milliseconds per stack (best of 3 rounds
+   model's ``fp8_linear``: per-token quantization of x + fp8 GEMM + scales; ``fp8-bf16out``: the same with the GEMM
+   writing bf16 instead of f32, a candidate for the model): milliseconds per stack (best of 3 rounds
    of ``--repeats`` calls), weight-read bound, and for ``--kernel-rows`` the CUPTI kernel table through
    ``torch.profiler`` (skipped when torch is missing), which splits the fp8 GEMMs from the quantization kernels.
 """
@@ -135,16 +136,29 @@ def make_weights(variant: str, layers: int, shared: bool):
         ws = {}
         for i, (name, (o, n)) in enumerate(SHAPES.items()):
             w = jax.random.normal(jax.random.fold_in(k, i), (o, n), jnp.float32) / n ** 0.5
-            ws[name] = quantize_weight(w) if variant == "fp8" else w.T.astype(jnp.bfloat16)  # bf16: [in, out]
+            ws[name] = quantize_weight(w) if variant.startswith("fp8") else w.T.astype(jnp.bfloat16)  # bf16: [in, out]
         return ws
     for i in range(layers):
         out.append(out[0] if shared and i else one(jax.random.fold_in(key, i)))
     return out
 
 
+def fp8_linear_bf16_out(x, w, s):
+    """The fp8 Linear with the GEMM writing bf16 (scales applied after, in f32): half the output bytes of the f32
+    product, one more rounding."""
+    from models.quantization import quantize_per_token
+    xq, sx = quantize_per_token(x)
+    y = jax.lax.dot_general(xq, w, (((1,), (1,)), ((), ())), preferred_element_type=jnp.bfloat16)
+    return (y.astype(jnp.float32) * sx[:, None] * s).astype(x.dtype)
+
+
 def stack(weights, x, variant: str):
     def lin(x, w):
-        return fp8_linear(x, *w) if variant == "fp8" else x @ w
+        if variant == "fp8":
+            return fp8_linear(x, *w)
+        if variant == "fp8-bf16out":
+            return fp8_linear_bf16_out(x, *w)
+        return x @ w
     for lw in weights:
         q, k, v = lin(x, lw["q"]), lin(x, lw["k"]), lin(x, lw["v"])
         g, u = lin(x, lw["gate"]), lin(x, lw["up"])
@@ -181,7 +195,7 @@ def time_stacks(a) -> None:
     results = {}
     for variant in variants:
         weights = make_weights(variant, a.layers, a.shared_weights)
-        nbytes = a.layers * per_layer * (1 if variant == "fp8" else 2)
+        nbytes = a.layers * per_layer * (1 if variant.startswith("fp8") else 2)
         print(f"{variant}: {a.layers} layers, {nbytes / 1e9:.2f} GB of weights, read bound "
               f"{nbytes / a.bandwidth_tb_s / 1e9:.3f} ms at {a.bandwidth_tb_s} TB/s", flush=True)
         fn = jax.jit(lambda w, x: stack(w, x, variant))
@@ -203,11 +217,12 @@ def time_stacks(a) -> None:
                 print_kernels(lambda: outs.append(fn(weights, x)), lambda: jax.block_until_ready(outs), 5,
                               a.top_kernels, f"{variant}, {r} rows")
         del weights, fn
-    if "bf16" in variants and "fp8" in variants:
-        print(f"{'rows':>6} {'bf16 ms':>9} {'fp8 ms':>9} {'bf16/fp8':>9}")
+    if "bf16" in variants:
+        others = [v for v in variants if v != "bf16"]
+        print(f"{'rows':>6} {'bf16 ms':>9} " + " ".join(f"{v + ' ms':>15} {'speed-up':>8}" for v in others))
         for r in rows:
-            print(f"{r:>6} {results[('bf16', r)]:>9.3f} {results[('fp8', r)]:>9.3f} "
-                  f"{results[('bf16', r)] / results[('fp8', r)]:>9.2f}")
+            print(f"{r:>6} {results[('bf16', r)]:>9.3f} " + " ".join(
+                f"{results[(v, r)]:>15.3f} {results[('bf16', r)] / results[(v, r)]:>8.2f}" for v in others))
 
 
 def main() -> int:
@@ -218,7 +233,8 @@ def main() -> int:
     p.add_argument("--rows", default="1,16,64,256,1024,4096,8192")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--shared-weights", action="store_true", help="every layer uses layer 0's weights")
-    p.add_argument("--variants", default="bf16,fp8")
+    p.add_argument("--variants", default="bf16,fp8", help="comma list of bf16, fp8 (the model's fp8_linear: f32 "
+                   "GEMM output), fp8-bf16out (the GEMM writes bf16)")
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--bandwidth-tb-s", type=float, default=3.35)
     p.add_argument("--kernel-rows", default="16,1024", help="row counts whose kernels to list (CUPTI through torch)")

@@ -5,7 +5,8 @@
 #             f8 -> wide converts (an upcast instead); the same count over a 2-layer 8B-shaped fp8 model (14 expected);
 #             the fp8 Linear's error on the GPU against the dequantize-then-f32-matmul reference.
 #   (b) gemm: bf16 vs fp8 GEMM stacks at the 8B layer shapes (8 layers of q/k/v/o/gate/up/down with their own
-#             weights), M = 1..8192 rows, ms per stack, and the CUPTI kernel tables at 16 and 1024 rows
+#             weights), M = 1..8192 rows, bf16 / fp8 (f32 GEMM output, the model's) / fp8-bf16out (bf16 GEMM
+#             output), ms per stack, and the CUPTI kernel tables at 16 and 1024 rows
 #             (bench_fused_gemm.py's method, torch.profiler).
 #   (c) e2e : jaxkv bench throughput, Llama-3.1-8B shape with dummy weights, 1000 requests of
 #             .dummy/requests-llama3.json (session 23's vLLM-rule set), --quantization fp8 first, then bf16 (the
@@ -33,8 +34,8 @@ fi
 
 if [ $stage = all ] || [ $stage = gemm ]; then
   echo "== (b) bf16 vs fp8 GEMM stacks, 8B layer shapes ($(date +%T), ${SECONDS} s)" | tee $OUT/gemm.txt
-  timeout 200 python3 scripts/dev/bench_fp8_gemm.py --skip-hlo --rows 1,16,64,256,1024,4096,8192 --layers 8 \
-    --kernel-rows 16,1024 2>&1 | quiet | tee -a $OUT/gemm.txt
+  timeout 240 python3 scripts/dev/bench_fp8_gemm.py --skip-hlo --rows 1,16,64,256,1024,4096,8192 --layers 8 \
+    --variants bf16,fp8,fp8-bf16out --kernel-rows 16,1024 2>&1 | quiet | tee -a $OUT/gemm.txt
 fi
 
 if [ $stage = all ] || [ $stage = e2e ]; then
