@@ -168,7 +168,8 @@ def stack(weights, x, variant: str):
 
 
 def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
-    """CUPTI (``torch.profiler``) table of the ``top`` kernels of ``calls`` calls of ``run``: us and launches per call."""
+    """CUPTI (``torch.profiler``) table of the ``top`` kernels of ``calls`` calls of ``run``: us and launches per
+    call (GPU only)."""
     if jax.default_backend() != "gpu":
         return
     try:
@@ -184,8 +185,8 @@ def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
     total = sum(e.device_time_total for e in events) / calls
     print(f"   kernels, {label}: {total:9.1f} us of device time per stack")
     for e in events[:top]:
-        print(f"   {e.device_time_total / calls:9.1f} us {e.count / calls:5.1f} x {e.device_time_total / e.count:7.1f} us  "
-              f"{e.key[:90]}")
+        print(f"   {e.device_time_total / calls:9.1f} us {e.count / calls:5.1f} x "
+              f"{e.device_time_total / e.count:7.1f} us  {e.key[:90]}")
 
 
 def time_stacks(a) -> None:

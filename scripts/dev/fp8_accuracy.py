@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import json
 import pathlib
 import sys
 import tempfile
@@ -152,7 +153,6 @@ def write_fp8_checkpoint_from_gguf(gguf_path, out_dir: pathlib.Path) -> pathlib.
 
     from tests.conftest import load_script
     from tests.models import hf_checkpoints as hfc
-    import json
     base = load_script("gguf_to_hf").write_hf_checkpoint(gguf_path, out_dir / "bf16", dtype="bfloat16")
     dst = out_dir / "fp8"
     dst.mkdir(parents=True, exist_ok=True)

@@ -257,8 +257,8 @@ def test_fp8_checkpoint_loads_and_matches_the_reference(tmp_path, tokenizer, arc
     name = "model.layers.1.self_attn.k_proj"
     header = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
     try:  # the files read as fp8 by an independent reader too
-        from safetensors import safe_open
         import torch
+        from safetensors import safe_open
         with safe_open(str(tmp_path / header[name + ".weight"]), framework="pt") as f:
             t = f.get_tensor(name + ".weight")
         assert t.dtype == torch.float8_e4m3fn
