@@ -17,6 +17,10 @@ ATTENTION_IMPLS = ("pallas", "pallas_interpret", "pallas_mosaic", "pallas_mosaic
 """``attention_impl``: the Pallas kernels (Triton, and Mosaic GPU on Hopper where measured faster), Mosaic
 GPU only, either in its interpreter, or the XLA implementation (the CPU default)."""
 
+QUANTIZATIONS = (None, "fp8")
+"""``quantization`` (vLLM ``--quantization``): ``None`` runs the checkpoint's weights as they are (an fp8
+compressed-tensors checkpoint stays fp8); ``fp8`` quantizes a float checkpoint's Linears to e4m3 at load time."""
+
 LOAD_FORMATS = ("auto", "dummy")
 """``load_format`` (vLLM ``--load-format``): the checkpoint's weights, or random weights made on the device."""
 

@@ -32,6 +32,7 @@ from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.kv_cache.dtypes import FP8_DTYPES
 from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
 from models.decoder_config import DecoderConfig
+from models.quantization import Fp8Config, Fp8Linear, make_linear
 
 
 def rope_cos_sin_from_inv_freq(positions: Int[Array, "..."], inv_freq: np.ndarray
@@ -82,19 +83,29 @@ def _rms_norm(size: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
 
 class Attention(nnx.Module):
     """q/k/v projections (+ bias), optional per-head q/k RMSNorm, RoPE, paged write + paged attention
-    (sliding window on sliding layers), o projection."""
+    (sliding window on sliding layers), o projection. With ``quantization`` the projections are
+    :class:`models.quantization.Fp8Linear` s (fp8 weights, dynamic or static fp8 activations)."""
 
-    def __init__(self, config: DecoderConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, layer: int, *, dtype, rngs: nnx.Rngs,
+                 quantization: Fp8Config | None = None):
         c = config
-        linear = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
         self.config = c
         self.sliding_window = c.layer_sliding_window(layer)
         self.inv_freq = tuple(float(f) for f in c.rope_inv_freq(layer))  # static: part of the graphdef
         bias = c.arch.qkv_bias
-        self.q_proj = nnx.Linear(c.hidden_size, c.num_heads * c.head_size, use_bias=bias, **linear)
-        self.k_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_size, use_bias=bias, **linear)
-        self.v_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_size, use_bias=bias, **linear)
-        self.o_proj = nnx.Linear(c.num_heads * c.head_size, c.hidden_size, use_bias=False, **linear)
+        if quantization is None:
+            linear = dict(dtype=dtype, param_dtype=dtype, rngs=rngs)
+            self.q_proj = nnx.Linear(c.hidden_size, c.num_heads * c.head_size, use_bias=bias, **linear)
+            self.k_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_size, use_bias=bias, **linear)
+            self.v_proj = nnx.Linear(c.hidden_size, c.num_kv_heads * c.head_size, use_bias=bias, **linear)
+            self.o_proj = nnx.Linear(c.num_heads * c.head_size, c.hidden_size, use_bias=False, **linear)
+        else:
+            linear = dict(dtype=dtype, rngs=rngs, quantization=quantization, layer=layer)
+            q, kv = c.num_heads * c.head_size, c.num_kv_heads * c.head_size
+            self.q_proj = make_linear(c.hidden_size, q, use_bias=bias, name="q_proj", **linear)
+            self.k_proj = make_linear(c.hidden_size, kv, use_bias=bias, name="k_proj", **linear)
+            self.v_proj = make_linear(c.hidden_size, kv, use_bias=bias, name="v_proj", **linear)
+            self.o_proj = make_linear(q, c.hidden_size, use_bias=False, name="o_proj", **linear)
         if c.arch.qk_norm:
             self.q_norm = _rms_norm(c.head_size, c.rms_norm_eps, rngs)
             self.k_norm = _rms_norm(c.head_size, c.rms_norm_eps, rngs)
@@ -144,14 +155,23 @@ class Attention(nnx.Module):
 
 
 class MLP(nnx.Module):
-    """Gated feed-forward ``down(act(gate(x)) * up(x))``: SwiGLU (``silu``) or GeGLU (``gelu_pytorch_tanh``)."""
+    """Gated feed-forward ``down(act(gate(x)) * up(x))``: SwiGLU (``silu``) or GeGLU (``gelu_pytorch_tanh``);
+    fp8 projections with ``quantization``."""
 
-    def __init__(self, config: DecoderConfig, *, dtype, rngs: nnx.Rngs):
-        linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    def __init__(self, config: DecoderConfig, *, dtype, rngs: nnx.Rngs, quantization: Fp8Config | None = None,
+                 layer: int = 0):
         self.gelu = config.arch.hidden_act == "gelu_pytorch_tanh"
-        self.gate_proj = nnx.Linear(config.hidden_size, config.intermediate_size, **linear)
-        self.up_proj = nnx.Linear(config.hidden_size, config.intermediate_size, **linear)
-        self.down_proj = nnx.Linear(config.intermediate_size, config.hidden_size, **linear)
+        d, f = config.hidden_size, config.intermediate_size
+        if quantization is None:
+            linear = dict(use_bias=False, dtype=dtype, param_dtype=dtype, rngs=rngs)
+            self.gate_proj = nnx.Linear(d, f, **linear)
+            self.up_proj = nnx.Linear(d, f, **linear)
+            self.down_proj = nnx.Linear(f, d, **linear)
+        else:
+            linear = dict(use_bias=False, dtype=dtype, rngs=rngs, quantization=quantization, layer=layer)
+            self.gate_proj = make_linear(d, f, name="gate_proj", **linear)
+            self.up_proj = make_linear(d, f, name="up_proj", **linear)
+            self.down_proj = make_linear(f, d, name="down_proj", **linear)
 
     def __call__(self, x):
         g = self.gate_proj(x)
@@ -164,16 +184,18 @@ class DecoderLayer(nnx.Module):
     the attention and MLP outputs are normed too (``post_attention_layernorm``, ``post_feedforward_layernorm``)
     and the MLP's input norm is ``pre_feedforward_layernorm``."""
 
-    def __init__(self, config: DecoderConfig, layer: int, *, dtype, rngs: nnx.Rngs):
+    def __init__(self, config: DecoderConfig, layer: int, *, dtype, rngs: nnx.Rngs,
+                 quantization: Fp8Config | None = None):
         d, eps = config.hidden_size, config.rms_norm_eps
         self.sandwich = config.arch.sandwich_norm
         self.input_layernorm = _rms_norm(d, eps, rngs)
-        self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs)
+        quant = {} if quantization is None else dict(quantization=quantization)
+        self.self_attn = Attention(config, layer, dtype=dtype, rngs=rngs, **quant)
         self.post_attention_layernorm = _rms_norm(d, eps, rngs)
         if self.sandwich:
             self.pre_feedforward_layernorm = _rms_norm(d, eps, rngs)
             self.post_feedforward_layernorm = _rms_norm(d, eps, rngs)
-        self.mlp = MLP(config, dtype=dtype, rngs=rngs)
+        self.mlp = MLP(config, dtype=dtype, rngs=rngs, **quant, **({"layer": layer} if quant else {}))
 
     def _after_attention(self, x, h):
         if not self.sandwich:
@@ -208,14 +230,23 @@ def _layer_step(graphdef, state, x, positions, kv_cache, metadata, *, attention_
 class DecoderForCausalLM(nnx.Module):
     """Embedding (scaled by ``sqrt(hidden_size)`` for Gemma), ``num_layers`` decoder layers, final norm and
     LM head (tied to the embedding unless ``tie_word_embeddings`` is off). vLLM: ``LlamaForCausalLM``,
-    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``."""
+    ``Qwen2ForCausalLM``, ``Qwen3ForCausalLM``, ``MistralForCausalLM``, ``Gemma3ForCausalLM``.
 
-    def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs):
+    ``quantization``: a :class:`models.quantization.Fp8Config` makes the decoder layers' q/k/v/o and
+    gate/up/down projections fp8 (:class:`models.quantization.Fp8Linear`); the embedding, norms and LM head stay
+    in ``dtype``. ``None`` (the default) builds exactly the unquantized model."""
+
+    def __init__(self, config: DecoderConfig, *, dtype=jnp.float32, rngs: nnx.Rngs,
+                 quantization: Fp8Config | None = None):
         self.config = config
         self.dtype = jnp.dtype(dtype)
+        if quantization is not None:
+            self.quantization = quantization  # static (the graphdef); absent on unquantized models
+        quant = {} if quantization is None else dict(quantization=quantization)
         self.embed_tokens = nnx.Embed(config.vocab_size, config.hidden_size, dtype=dtype, param_dtype=dtype,
                                       rngs=rngs)
-        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs) for i in range(config.num_layers)])
+        self.layers = nnx.List([DecoderLayer(config, i, dtype=dtype, rngs=rngs, **quant)
+                                for i in range(config.num_layers)])
         self.norm = _rms_norm(config.hidden_size, config.rms_norm_eps, rngs)
         if not config.tie_word_embeddings:
             self.lm_head = nnx.Linear(config.hidden_size, config.vocab_size, use_bias=False, dtype=dtype,
@@ -335,19 +366,36 @@ def get_param(model: nnx.Module, path: tuple):
     return obj
 
 
-def from_weights(config: DecoderConfig, weights: dict, *, dtype=jnp.float32, cls=DecoderForCausalLM
-                 ) -> DecoderForCausalLM:
+def from_weights(config: DecoderConfig, weights: dict, *, dtype=jnp.float32, cls=DecoderForCausalLM,
+                 quantization: Fp8Config | None = None) -> DecoderForCausalLM:
     """Build the model (a ``cls``) from a flat weight dict (names of :func:`param_names`; ``x @ W``
-    orientation, final norm weights).
+    orientation, final norm weights). With ``quantization`` (an online
+    :class:`models.quantization.Fp8Config`) the projections' float weights are quantized to fp8 here
+    (per output channel, on the device).
 
     Raises:
         ValueError: a weight missing or with the wrong shape (names the weight and both shapes).
     """
-    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0)))
+    quant = {} if quantization is None else dict(quantization=quantization)
+    model = nnx.eval_shape(lambda: cls(config, dtype=dtype, rngs=nnx.Rngs(0), **quant))
     for name, path in param_names(config).items():
+        if path[-1] == "kernel" and isinstance(get_param(model, path[:-1]), Fp8Linear):
+            _set_fp8_weight(get_param(model, path[:-1]), weights, name, quantization)
+            continue
         cast = jnp.float32 if path[-1] == "scale" else dtype
         set_weight(get_param(model, path), weights, name, cast)
     return model
+
+
+def _set_fp8_weight(layer: Fp8Linear, weights: dict, name: str, quantization: Fp8Config) -> None:
+    """``layer`` gets ``weights[name]`` (float ``[in, out]``, the ``x @ W`` orientation) quantized to fp8."""
+    if name not in weights:
+        raise ValueError(f"weight {name!r} missing")
+    value = weights[name]
+    expected = (layer.in_features, layer.out_features)
+    if tuple(value.shape) != expected:
+        raise ValueError(f"weight {name!r} has shape {tuple(value.shape)}, expected {expected}")
+    layer.set_from_float(jnp.asarray(value).T, quantization.weight_strategy)
 
 
 def random_weights(config: DecoderConfig, *, seed: int = 0, dtype=jnp.float32, cls=DecoderForCausalLM

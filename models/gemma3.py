@@ -36,13 +36,14 @@ class Gemma3ForCausalLM(DecoderForCausalLM):
     """Scaled embedding, ``num_layers`` sandwich-norm decoder layers, final norm, tied LM head."""
 
 
-def from_weights(config: Gemma3Config, weights: dict, *, dtype=jnp.float32) -> DecoderForCausalLM:
+def from_weights(config: Gemma3Config, weights: dict, *, dtype=jnp.float32, quantization=None
+                 ) -> DecoderForCausalLM:
     """Build the model from a weight dict (names of :func:`models.gemma3_loader.load_gemma3_gguf`).
 
     Raises:
         ValueError: a weight missing or with the wrong shape (names the weight and both shapes).
     """
-    return _from_weights(config, weights, dtype=dtype, cls=Gemma3ForCausalLM)
+    return _from_weights(config, weights, dtype=dtype, cls=Gemma3ForCausalLM, quantization=quantization)
 
 
 def random_weights(config: Gemma3Config, *, seed: int = 0, dtype=jnp.float32) -> DecoderForCausalLM:

@@ -11,14 +11,24 @@ at most one shard of one tensor at a time. Linear weights are stored ``[out_feat
 tensor, out-sharded as the parameter). On a ``(dp, tp)`` mesh each parameter lands in the sharding of
 :func:`models.parallel.partition_spec`. vLLM: ``model_loader/default_loader.py`` +
 ``weight_utils.safetensors_weights_iterator`` + each model's ``load_weights``.
+
+fp8 (:mod:`models.quantization`): a compressed-tensors checkpoint's projections are ``weight`` ``F8_E4M3``
+``[out, in]`` (kept in that orientation: no transpose), ``weight_scale`` (``[out, 1]``, ``[out]`` or a scalar,
+read to ``f32[out]``) and, with static activations, ``input_scale`` (a scalar). ``safetensors``' NumPy reader
+has no float8 dtype, so F8_E4M3 tensors are read through the file's header (:func:`read_safetensors_header`:
+dtype string and byte offsets) as a memory map viewed as ``ml_dtypes.float8_e4m3fn``. With online
+quantization (``quantization="fp8"`` on a float checkpoint) each projection's float ``[out, in]`` weight is
+read as stored, one device's slice at a time, and quantized on its device(s) per output channel.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
 import pathlib
+import struct
 
 import jax
 import jax.numpy as jnp
@@ -32,6 +42,7 @@ from models.decoder import DecoderForCausalLM, get_param
 from models.decoder_config import DecoderConfig
 from models.hf_config import read_json
 from models.parallel import partition_spec
+from models.quantization import Fp8Config, quantize_weight_jit, quantize_weight_to
 
 INDEX_FILE = "model.safetensors.index.json"
 # names a checkpoint may carry that the model does not use
@@ -41,22 +52,39 @@ _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 @dataclasses.dataclass(frozen=True)
 class HFTensor:
     """Where one model parameter comes from: the checkpoint tensor ``name``, transposed (a Linear weight)
-    or not, plus 1 (a Gemma RMSNorm weight stored as ``w - 1``) or not."""
+    or not, plus 1 (a Gemma RMSNorm weight stored as ``w - 1``) or not.
+
+    ``kind`` (fp8 projections): ``"plain"`` (everything unquantized), ``"fp8"`` (an ``F8_E4M3`` weight
+    ``[out, in]``), ``"weight_scale"`` / ``"input_scale"`` (its scales), ``"quantize"`` (a float ``[out, in]``
+    weight quantized at load time into ``path`` (the ``weight``) and its sibling ``weight_scale``)."""
 
     name: str
     path: tuple
     transpose: bool
     unit_offset: bool = False
+    kind: str = "plain"
 
 
-def hf_tensor_plan(config: DecoderConfig) -> dict[str, HFTensor]:
+def hf_tensor_plan(config: DecoderConfig, quantization: Fp8Config | None = None) -> dict[str, HFTensor]:
     """Checkpoint tensor name -> :class:`HFTensor` for every parameter of ``config``'s model (HF names:
-    ``model.layers.{i}.self_attn.q_proj.weight``, ...)."""
+    ``model.layers.{i}.self_attn.q_proj.weight``, ...). With ``quantization`` the fp8 projections' entries:
+    ``weight`` (+ ``weight_scale``, + ``input_scale`` for static activations) of an fp8 checkpoint, or the
+    float ``weight`` to quantize (online)."""
     offset = config.arch.rms_norm_unit_offset
     plan = {}
 
     def add(name, path, transpose=False, norm=False):
         plan[name] = HFTensor(name, path, transpose, norm and offset)
+
+    def linear(i, stem, module_path, name):
+        if quantization is None or not quantization.quantizes(i, name):
+            add(stem + ".weight", module_path + ("kernel",), transpose=True)
+        elif not quantization.checkpoint_fp8:
+            plan[stem + ".weight"] = HFTensor(stem + ".weight", module_path + ("weight",), False, kind="quantize")
+        else:
+            for suffix, kind in (("weight", "fp8"), ("weight_scale", "weight_scale"), ("input_scale", "input_scale")):
+                if kind != "input_scale" or quantization.static_input_scale:
+                    plan[f"{stem}.{suffix}"] = HFTensor(f"{stem}.{suffix}", module_path + (suffix,), False, kind=kind)
 
     add("model.embed_tokens.weight", ("embed_tokens", "embedding"))
     add("model.norm.weight", ("norm", "scale"), norm=True)
@@ -73,13 +101,89 @@ def hf_tensor_plan(config: DecoderConfig) -> dict[str, HFTensor]:
             for n in ("q_norm", "k_norm"):
                 add(p + f"self_attn.{n}.weight", ("layers", i, "self_attn", n, "scale"), norm=True)
         for n in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            add(p + f"self_attn.{n}.weight", ("layers", i, "self_attn", n, "kernel"), transpose=True)
+            linear(i, p + f"self_attn.{n}", ("layers", i, "self_attn", n), n)
         if config.arch.qkv_bias:
             for n in ("q_proj", "k_proj", "v_proj"):
                 add(p + f"self_attn.{n}.bias", ("layers", i, "self_attn", n, "bias"))
         for n in ("gate_proj", "up_proj", "down_proj"):
-            add(p + f"mlp.{n}.weight", ("layers", i, "mlp", n, "kernel"), transpose=True)
+            linear(i, p + f"mlp.{n}", ("layers", i, "mlp", n), n)
     return plan
+
+
+# -- tensors safetensors' NumPy reader cannot type (F8_E4M3) ----------------------------------------------------
+RAW_DTYPES = {"F8_E4M3": "float8_e4m3fn"}
+"""safetensors dtype strings read through the header, and their ``ml_dtypes`` names."""
+
+
+def read_safetensors_header(path: str | os.PathLike) -> tuple[dict, int]:
+    """``(header, data_start)`` of a ``.safetensors`` file: the header's tensor entries (name -> ``{"dtype",
+    "shape", "data_offsets": [begin, end]}``, without ``__metadata__``) and the byte offset of the data section
+    (offsets are relative to it).
+
+    Raises:
+        ValueError: a file too short for its header, or a header that is not a JSON object (names the file).
+    """
+    p = pathlib.Path(path)
+    with open(p, "rb") as f:
+        raw = f.read(8)
+        if len(raw) != 8:
+            raise ValueError(f"{p} is not a safetensors file (shorter than its 8-byte header length)")
+        (n,) = struct.unpack("<Q", raw)
+        text = f.read(n)
+    try:
+        header = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"{p}: the safetensors header is not JSON ({e})") from None
+    if len(text) != n or not isinstance(header, dict):
+        raise ValueError(f"{p}: truncated or invalid safetensors header")
+    header.pop("__metadata__", None)
+    return header, 8 + n
+
+
+class RawSlice:
+    """One tensor of a safetensors file as a read-only memory map of its bytes viewed as its ``ml_dtypes``
+    dtype (F8_E4M3 -> ``float8_e4m3fn``): ``get_shape()``, ``get_dtype()`` and ``[index]`` like the
+    ``safetensors`` slice it stands in for.
+
+    Raises:
+        ValueError: an unknown dtype string, or data offsets that do not match the shape (names the tensor).
+    """
+
+    def __init__(self, path: str | os.PathLike, name: str, entry: dict, data_start: int):
+        import ml_dtypes
+        self.name, self.dtype_str = name, entry["dtype"]
+        if self.dtype_str not in RAW_DTYPES:
+            raise ValueError(f"tensor {name!r} in {pathlib.Path(path).name} has dtype {self.dtype_str}; read "
+                             f"through the header: {sorted(RAW_DTYPES)}")
+        self.shape = tuple(int(d) for d in entry["shape"])
+        begin, end = (int(o) for o in entry["data_offsets"])
+        dtype = np.dtype(getattr(ml_dtypes, RAW_DTYPES[self.dtype_str]))
+        if end - begin != int(np.prod(self.shape, dtype=np.int64)) * dtype.itemsize:
+            raise ValueError(f"tensor {name!r} in {pathlib.Path(path).name}: data_offsets {[begin, end]} do not "
+                             f"hold shape {list(self.shape)} of {self.dtype_str}")
+        self._path, self._offset, self._dtype = str(path), data_start + begin, dtype
+
+    def get_shape(self) -> list[int]:
+        return list(self.shape)
+
+    def get_dtype(self) -> str:
+        return self.dtype_str
+
+    def __getitem__(self, index) -> np.ndarray:
+        if not self.shape or 0 in self.shape:
+            return np.zeros(self.shape, self._dtype)[index]
+        mm = np.memmap(self._path, dtype=np.uint8, mode="r", offset=self._offset,
+                       shape=(int(np.prod(self.shape, dtype=np.int64)) * self._dtype.itemsize,))
+        # a copy of the slice: the mapping is closed when ``mm`` goes
+        return np.array(mm.view(self._dtype).reshape(self.shape)[index])
+
+
+def raw_slice(path: str | os.PathLike, name: str) -> RawSlice:
+    """:class:`RawSlice` of tensor ``name`` of the file at ``path``."""
+    header, start = read_safetensors_header(path)
+    if name not in header:
+        raise ValueError(f"tensor {name!r} is not in {pathlib.Path(path).name}")
+    return RawSlice(path, name, header[name], start)
 
 
 def safetensors_files(directory: str | os.PathLike) -> dict[str, pathlib.Path]:
@@ -160,7 +264,8 @@ def _place(sl, entry: HFTensor, shape: tuple, dtype, sharding) -> jax.Array:
 
 
 def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtype=jnp.bfloat16, mesh=None,
-                    cls=DecoderForCausalLM, progress: bool = False) -> DecoderForCausalLM:
+                    cls=DecoderForCausalLM, progress: bool = False, quantization: Fp8Config | None = None
+                    ) -> DecoderForCausalLM:
     """The model of ``config`` (a ``cls``) with the weights of the checkpoint in ``directory``, each parameter
     on its device (one device, or sharded over ``mesh`` as :func:`models.parallel.shard_params` would).
 
@@ -172,17 +277,21 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
         mesh: a ``(dp, tp)`` mesh or ``None``.
         cls: the model class.
         progress: a tqdm bar over tensors.
+        quantization: fp8 projections (:class:`models.quantization.Fp8Config`): read from an fp8 checkpoint
+            (``checkpoint_fp8``) or quantized from the float weights as they are loaded; ``None``: none.
 
     Raises:
         FileNotFoundError: no safetensors file, or a missing shard (names the file).
         ValueError: a tensor of the wrong shape (names the tensor, the expected and the found shape, and
-            its file), a tensor the model lacks or one it needs that no file holds (names them).
+            its file), a tensor the model lacks or one it needs that no file holds (names them); an fp8
+            projection whose weight is not ``F8_E4M3`` or whose scale's shape is neither ``[out, 1]``,
+            ``[out]`` nor a scalar (names the tensor).
     """
     if mesh is not None:
         from models.parallel import check_model_tensor_parallel
         check_model_tensor_parallel(config, mesh.shape.get("tp", 1))
     files = safetensors_files(directory)
-    plan = hf_tensor_plan(config)
+    plan = hf_tensor_plan(config, quantization)
     unexpected = sorted(n for n in files if n not in plan and not n.endswith(_IGNORED_SUFFIXES)
                         and not (n == "lm_head.weight" and config.tie_word_embeddings))
     if unexpected:
@@ -192,7 +301,8 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
     if missing:
         raise ValueError(f"{directory}: {len(missing)} tensors of the {config.architecture} model are in no "
                          f"safetensors file, e.g. {missing[:6]}")
-    model = nnx.eval_shape(lambda: cls(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0)))
+    quant = {} if quantization is None else dict(quantization=quantization)
+    model = nnx.eval_shape(lambda: cls(config, dtype=jnp.dtype(dtype), rngs=nnx.Rngs(0), **quant))
     by_file: dict[pathlib.Path, list[HFTensor]] = {}
     for name, entry in plan.items():
         by_file.setdefault(files[name], []).append(entry)
@@ -205,6 +315,11 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
             # one mapping per tensor: its pages leave the process's RSS when the file is closed (a shard of
             # several GB stays mapped otherwise, every page read counted, until the shard is done)
             with safe_open(str(path), framework="numpy") as f:
+                if entry.kind != "plain":
+                    _load_fp8_entry(f, path, entry, model, config, mesh)
+                    if bar is not None:
+                        bar.update(1)
+                    continue
                 param = get_param(model, entry.path)
                 shape, want = tuple(param.get_value().shape), param.get_value().dtype
                 sl = f.get_slice(entry.name)
@@ -221,3 +336,59 @@ def load_hf_weights(directory: str | os.PathLike, config: DecoderConfig, *, dtyp
     if bar is not None:
         bar.close()
     return model
+
+
+def _load_fp8_entry(f, path: pathlib.Path, entry: HFTensor, model, config: DecoderConfig, mesh) -> None:
+    """Place one fp8 projection's tensor (``entry.kind``: ``"fp8"``, ``"weight_scale"``, ``"input_scale"`` or
+    ``"quantize"``, see :class:`HFTensor`) into ``model``."""
+    param = get_param(model, entry.path)
+    shape = tuple(param.get_value().shape)
+    sl = f.get_slice(entry.name)
+    if sl.get_dtype() in RAW_DTYPES:
+        sl = raw_slice(path, entry.name)
+    got = tuple(sl.get_shape())
+    sharding = _sharding(entry.path, config, mesh)
+    if entry.kind in ("weight_scale", "input_scale"):
+        out = shape[0] if shape else 1
+        if got not in ((out, 1), (out,), (), (1,), (1, 1)):
+            want = "[out, 1], [out] or a scalar" if shape else "a scalar"
+            raise ValueError(f"tensor {entry.name!r} in {path.name} has shape {list(got)}, expected {want} "
+                             f"(out={out})")
+        value = np.asarray(f.get_tensor(entry.name), np.float32).reshape(-1)  # small; never F8
+        if not shape:
+            value = value.reshape(())
+        elif value.size == 1:
+            value = np.broadcast_to(value, shape)  # per-tensor scale: every channel the same
+        else:
+            value = value.reshape(shape)
+        value = np.array(value, np.float32)  # a contiguous copy (np.ascontiguousarray makes a scalar 1-D)
+        arr = jax.device_put(value) if isinstance(sharding, SingleDeviceSharding) else jax.device_put(value, sharding)
+        param.set_value(arr)
+        return
+    if got != shape:
+        raise ValueError(f"tensor {entry.name!r} in {path.name} has shape {list(got)}, expected {list(shape)} "
+                         f"for this config.json")
+    if entry.kind == "fp8":
+        if sl.get_dtype() != "F8_E4M3":
+            raise ValueError(f"tensor {entry.name!r} in {path.name} has dtype {sl.get_dtype()}, expected F8_E4M3 "
+                             "(config.json's quantization_config makes this projection fp8)")
+        value = _place(sl, entry, shape, param.get_value().dtype, sharding)
+        value.block_until_ready()
+        param.set_value(value)
+        return
+    # "quantize": the float weight as stored ([out, in]), one device's slice at a time, quantized on the device
+    scale_param = get_param(model, entry.path[:-1] + ("weight_scale",))
+    strategy = model.quantization.weight_strategy if hasattr(model, "quantization") else "channel"
+
+    def read(index):
+        return np.asarray(sl[index] if index else sl[:])
+
+    if isinstance(sharding, SingleDeviceSharding):
+        weight, scale = quantize_weight_jit(jax.device_put(read(())), strategy)
+    else:
+        scale_sharding = _sharding(entry.path[:-1] + ("weight_scale",), config, mesh)
+        src = jax.make_array_from_callback(shape, sharding, read)
+        weight, scale = quantize_weight_to(sharding, scale_sharding, strategy)(src)
+    weight.block_until_ready()
+    param.set_value(weight)
+    scale_param.set_value(scale)

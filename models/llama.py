@@ -31,10 +31,11 @@ class LlamaForCausalLM(DecoderForCausalLM):
     """Embedding, ``num_layers`` pre-norm decoder layers, final norm and LM head (tied by default)."""
 
 
-def from_weights(config: LlamaConfig, weights: dict, *, dtype=jnp.float32) -> DecoderForCausalLM:
+def from_weights(config: LlamaConfig, weights: dict, *, dtype=jnp.float32, quantization=None
+                 ) -> DecoderForCausalLM:
     """Build the model from a weight dict (names of :func:`models.gguf_loader.load_llama_gguf`).
 
     Raises:
         ValueError: a weight missing or with the wrong shape (names the weight and both shapes).
     """
-    return _from_weights(config, weights, dtype=dtype, cls=LlamaForCausalLM)
+    return _from_weights(config, weights, dtype=dtype, cls=LlamaForCausalLM, quantization=quantization)

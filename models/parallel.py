@@ -20,6 +20,14 @@ lm_head ``[hidden, vocab]``                 ``P()``                replicated
 norms                                       ``P()``                replicated
 ==========================================  =====================  ===========================
 
+fp8 projections (:class:`models.quantization.Fp8Linear`) hold ``weight`` ``f8e4m3[out, in]`` (PyTorch's
+orientation) and ``weight_scale`` ``f32[out]``: column-parallel ``weight`` ``P("tp", None)`` with its scales split
+alike ``P("tp")``; row-parallel (o_proj, down_proj) ``weight`` ``P(None, "tp")`` with the scales replicated
+``P()`` (every rank's partial sums have all output channels); a static ``input_scale`` ``f32[]`` is replicated.
+k/v replicated when ``num_kv_heads < tp``: weight and scales ``P()``. The per-token activation scales of a
+row-parallel layer are over the whole row (XLA all-reduces the ``[tokens]`` amax), so a ``tp`` mesh computes
+what one device does; vLLM's ``RowParallelLinear`` quantizes each rank's slice with its own scales.
+
 Every weight is replicated over ``dp``. The embedding and LM head are replicated, so every ``tp`` rank
 computes full-vocabulary logits and sampling needs no gather (a vocab-parallel head would save memory
 on large vocabularies; not done).
@@ -51,15 +59,15 @@ check_llama_tensor_parallel = check_model_tensor_parallel
 def partition_spec(path: tuple, config: DecoderConfig, tensor_parallel_size: int) -> P:
     """The :class:`PartitionSpec` of the parameter at pytree ``path`` (keys of ``nnx.split``'s state)."""
     names = [getattr(k, "key", getattr(k, "name", None)) for k in path]
-    leaf = next((n for n in ("kernel", "bias") if n in names), None)
+    leaf = next((n for n in ("kernel", "bias", "weight", "weight_scale") if n in names), None)
     if leaf is None:
         return P()
     layer = names[names.index(leaf) - 1]
     column = layer in _COLUMN or (layer in ("k_proj", "v_proj") and config.num_kv_heads >= tensor_parallel_size)
     if column:
-        return P(None, TP) if leaf == "kernel" else P(TP)
-    if layer in _ROW and leaf == "kernel":
-        return P(TP, None)
+        return {"kernel": P(None, TP), "weight": P(TP, None)}.get(leaf, P(TP))  # bias, weight_scale: P(TP)
+    if layer in _ROW and leaf in ("kernel", "weight"):
+        return P(TP, None) if leaf == "kernel" else P(None, TP)
     return P()
 
 

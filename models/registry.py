@@ -14,6 +14,11 @@ Two checkpoint formats, one set of model classes (:mod:`models.decoder`):
 ``load_format="dummy"`` (vLLM's ``--load-format dummy``) takes the config of either, of a bare ``config.json``,
 or of a built-in name (:data:`models.hf_config.BUILTIN_CONFIGS`: ``llama-3.1-8b``, ``qwen2.5-7b``,
 ``qwen3-8b``, ``mistral-7b``, ``gemma-3-4b``), and makes random weights on the device (:mod:`models.dummy`).
+
+fp8 weights (:mod:`models.quantization`): an HF directory whose ``config.json`` has an fp8
+``quantization_config`` (compressed-tensors) loads fp8 as it is; ``quantization="fp8"`` (vLLM ``--quantization
+fp8``) quantizes any other checkpoint's projections at load time (GGUF, HF, dummy):
+:func:`load_quantization` decides, :func:`build_model` builds.
 """
 
 from __future__ import annotations
@@ -40,6 +45,7 @@ from models.gguf_loader import find_smollm2_gguf, load_llama_gguf
 from models.hf_config import BUILTIN_CONFIGS, builtin_config, load_hf_config, read_json
 from models.llama import LlamaForCausalLM
 from models.llama import from_weights as llama_from_weights
+from models.quantization import Fp8Config, hf_quantization, resolve_quantization
 from models.tokenizer import GGUFTokenizer
 
 SMOLLM2_NAMES = frozenset({"smollm2-135m", "smollm2-135m-instruct", "huggingfacetb/smollm2-135m-instruct"})
@@ -236,6 +242,32 @@ def load_checkpoint(path, *, progress: bool = False, load_format: str = "auto",
     return config, HFCheckpoint(pathlib.Path(path)), tok
 
 
+def checkpoint_quantization(path) -> Fp8Config | None:
+    """The fp8 config of an HF checkpoint's (or bare ``config.json``'s) ``quantization_config``; ``None`` for a
+    GGUF, a built-in name or a config without one.
+
+    Raises:
+        ValueError: a ``quantization_config`` jaxkv does not run (naming the field and its value).
+    """
+    if model_format(path) != "hf":
+        return None
+    p = _hf_dir(path) / "config.json" if pathlib.Path(path).is_dir() else pathlib.Path(path)
+    return hf_quantization(read_json(p), source=str(p))
+
+
+def load_quantization(path, quantization=None) -> Fp8Config | None:
+    """What :func:`build_model` quantizes with: the checkpoint's fp8 config (:func:`checkpoint_quantization`),
+    else ``quantization="fp8"`` as online quantization, else ``None``
+    (:func:`models.quantization.resolve_quantization`).
+
+    Raises:
+        ValueError: ``quantization`` not one of :data:`jaxkv.config.QUANTIZATIONS`; an unsupported
+            ``quantization_config``.
+    """
+    resolve_quantization(quantization)  # the argument itself first (its ValueError names it)
+    return resolve_quantization(quantization, checkpoint_quantization(path))
+
+
 def load_config(path) -> DecoderConfig:
     """The model config alone (no weights): from the GGUF's metadata, ``config.json``, or the built-in table."""
     fmt = model_format(path)
@@ -260,20 +292,36 @@ def model_class(config: DecoderConfig):
     return Gemma3ForCausalLM if isinstance(config, Gemma3Config) else LlamaForCausalLM
 
 
-def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=None):
+def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=None, quantization=None):
     """The NNX model of ``config``'s family with ``weights``: a GGUF's dict (host arrays), an
     :class:`HFCheckpoint` (read onto the devices, sharded over ``mesh``), or ``None``: random weights from
-    ``seed`` made on the device(s) (:func:`models.dummy.dummy_model`)."""
+    ``seed`` made on the device(s) (:func:`models.dummy.dummy_model`).
+
+    ``quantization``: ``None``, ``"fp8"`` or a :class:`models.quantization.Fp8Config` (from
+    :func:`load_quantization`, which also reads an fp8 checkpoint's own): fp8 projections. An HF checkpoint's own
+    fp8 config is read here too, so ``None`` loads an fp8 checkpoint as fp8.
+
+    Raises:
+        ValueError: an unknown ``quantization``; what the loaders raise.
+    """
     cls = model_class(config)
+    if isinstance(weights, HFCheckpoint):
+        quantization = resolve_quantization(quantization, checkpoint_quantization(weights.directory))
+    else:
+        quantization = resolve_quantization(quantization)
+    quant = {} if quantization is None else dict(quantization=quantization)
     if weights is None:
         from models.dummy import dummy_model
-        return dummy_model(config, dtype=dtype, seed=seed, mesh=mesh, cls=cls)
+        return dummy_model(config, dtype=dtype, seed=seed, mesh=mesh, cls=cls, **quant)
     if isinstance(weights, HFCheckpoint):
         from models.hf_loader import load_hf_weights
-        return load_hf_weights(weights.directory, config, dtype=jnp.dtype(dtype), mesh=mesh, cls=cls)
+        return load_hf_weights(weights.directory, config, dtype=jnp.dtype(dtype), mesh=mesh, cls=cls, **quant)
+    if quantization is not None and quantization.checkpoint_fp8:
+        raise ValueError("quantization: an fp8 checkpoint's config needs its HF checkpoint directory (weights "
+                         "given as a dict of float arrays)")
     if isinstance(config, Gemma3Config):
-        return gemma3_from_weights(config, weights, dtype=dtype)
-    return llama_from_weights(config, weights, dtype=dtype)
+        return gemma3_from_weights(config, weights, dtype=dtype, **quant)
+    return llama_from_weights(config, weights, dtype=dtype, **quant)
 
 
 @dataclasses.dataclass(frozen=True)

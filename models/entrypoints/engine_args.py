@@ -26,6 +26,7 @@ from jaxkv.config import (
     LOAD_FORMATS,
     MODEL_DTYPES,
     PREEMPTION_MODES,
+    QUANTIZATIONS,
 )
 
 log = logging.getLogger(__name__)
@@ -61,6 +62,9 @@ class EngineArgs:
             tokenizer beside ``load_format="dummy"`` weights of a built-in name). At most ``vocab_size`` tokens.
         dtype: ``"auto"`` (bfloat16 on GPU, float32 elsewhere), ``"float32"``, ``"bfloat16"``, ``"float16"``.
         kv_cache_dtype: ``"auto"`` (= dtype), ``"fp8"``, ``"fp8_e4m3"``, ``"fp8_e5m2"``.
+        quantization: ``None`` (the checkpoint's weights as stored: an fp8 compressed-tensors checkpoint runs
+            fp8) or ``"fp8"`` (vLLM ``--quantization fp8``: the decoder layers' projections quantized to e4m3 at
+            load time, per output channel, with per-token activation scales; :mod:`models.quantization`).
         block_size: tokens per block.
         max_model_len: longest sequence (default: the model's ``max_position_embeddings``, at most 4096).
         max_num_seqs, max_num_batched_tokens: per-step limits of this engine (per data-parallel rank, as in
@@ -93,6 +97,7 @@ class EngineArgs:
     tokenizer: str | None = None
     dtype: str = "auto"
     kv_cache_dtype: str = "auto"
+    quantization: str | None = None
     block_size: int = 16
     max_model_len: int | None = None
     max_num_seqs: int = 256
@@ -123,6 +128,8 @@ class EngineArgs:
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {choices}")
+        if self.quantization not in QUANTIZATIONS:
+            raise ValueError(f"quantization={self.quantization!r} is not one of {QUANTIZATIONS}")
         if self.attention_impl is not None and self.attention_impl not in ATTENTION_IMPLS:
             raise ValueError(f"attention_impl={self.attention_impl!r} is not one of {ATTENTION_IMPLS}")
         if self.kv_offloading_size is not None and not (
@@ -169,6 +176,10 @@ class EngineArgs:
         add("--load-format", choices=LOAD_FORMATS, help="dummy: random weights made on the device (speed only)")
         add("--dtype", choices=MODEL_DTYPES, help="model dtype; auto: bfloat16 on GPU, float32 on CPU")
         add("--kv-cache-dtype", choices=KV_CACHE_DTYPES, help="auto: the model dtype")
+        add("--quantization", "-q", choices=[q for q in QUANTIZATIONS if q is not None],
+            help="fp8: the decoder layers' Linear weights quantized to e4m3 at load time (per-channel weight "
+            "scales, per-token activation scales); default: the checkpoint's (an fp8 compressed-tensors "
+            "checkpoint runs fp8)")
         add("--block-size", type=int, help="tokens per KV-cache block")
         add("--max-model-len", type=int, help="longest prompt + completion in tokens (default: the model's, at "
             "most 4096)")
@@ -342,7 +353,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     t_checkpoint = time.perf_counter()
     if mesh is not None:
         check_model_tensor_parallel(config, tp)
-    model = registry.build_model(config, weights, dtype=dtype, seed=args.seed, mesh=mesh)
+    quantization = registry.load_quantization(path, args.quantization)
+    model = registry.build_model(config, weights, dtype=dtype, seed=args.seed, mesh=mesh, quantization=quantization)
     del weights
     t_model = time.perf_counter()
     max_model_len = resolve_max_model_len(args, config)
@@ -377,6 +389,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     caches = list(engine.kv_caches)
     info = dict(model=registry.model_name(path), device=f"{jax.default_backend()}:{jax.devices()[0].device_kind}",
                 attention_impl=attention_impl, dtype=str(dtype), kv_cache_dtype=str(cache_dtype),
+                quantization=None if quantization is None else "fp8",
                 num_gpu_blocks=int(num_blocks), block_size=args.block_size,
                 kv_cache_tokens=int(num_blocks) * args.block_size,
                 kv_cache_mib=round(sum(int(c.size) * c.dtype.itemsize for c in caches) / 2**20, 1),

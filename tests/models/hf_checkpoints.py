@@ -7,12 +7,18 @@ Everything is written from this file's own tables (HF tensor names, ``[out, in]`
 ``w - 1`` norm weights), independently of the loader under test; :func:`reference_weights` turns the same
 arrays into the flat ``x @ W`` dict of :func:`models.decoder.from_weights` by hand, so a mapping, transpose or
 offset bug in :mod:`models.hf_loader` shows as a logits mismatch.
+
+:func:`write_fp8_checkpoint` writes the compressed-tensors fp8 form of such a checkpoint (what llm-compressor's
+``FP8_DYNAMIC`` / ``FP8`` schemes save): every decoder projection quantized here in NumPy float64 to
+``F8_E4M3`` with a ``weight_scale`` (``[out, 1]`` per channel or a scalar per tensor) and, for static
+activations, an ``input_scale``; written by :func:`write_safetensors` (``safetensors.numpy`` has no float8).
 """
 
 from __future__ import annotations
 
 import json
 import pathlib
+import struct
 
 import ml_dtypes
 import numpy as np
@@ -112,15 +118,85 @@ def random_hf_tensors(cfg: dict, seed: int) -> dict[str, np.ndarray]:
 
 
 def as_stored(tensors: dict[str, np.ndarray], dtype: str) -> dict[str, np.ndarray]:
-    """The tensors in the checkpoint's dtype (bfloat16 through ml_dtypes)."""
+    """The tensors in the checkpoint's dtype (bfloat16 through ml_dtypes); fp8 weights and their ``*_scale``
+    tensors stay as they are."""
     np_dtype = {"float32": np.float32, "float16": np.float16, "bfloat16": ml_dtypes.bfloat16}[dtype]
-    return {k: v.astype(np_dtype) for k, v in tensors.items()}
+    return {k: v if v.dtype == FP8 or k.endswith("_scale") else v.astype(np_dtype) for k, v in tensors.items()}
+
+
+FP8 = np.dtype(ml_dtypes.float8_e4m3fn)
+SAFETENSORS_DTYPES = {np.dtype(np.float32): "F32", np.dtype(np.float16): "F16",
+                      np.dtype(ml_dtypes.bfloat16): "BF16", FP8: "F8_E4M3"}
+PROJECTIONS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj",
+               "mlp.up_proj", "mlp.down_proj")
+
+
+def write_safetensors(path: pathlib.Path, tensors: dict[str, np.ndarray]) -> None:
+    """A ``.safetensors`` file written by hand (format: 8-byte little-endian header length, JSON header of
+    ``{name: {dtype, shape, data_offsets}}``, the raw little-endian bytes), so that F8_E4M3 tensors can be
+    written (``safetensors.numpy`` has no float8 dtype)."""
+    header, blobs, offset = {"__metadata__": {"format": "pt"}}, [], 0
+    for name in sorted(tensors):
+        a = np.ascontiguousarray(tensors[name])
+        raw = a.tobytes()
+        header[name] = {"dtype": SAFETENSORS_DTYPES[a.dtype], "shape": list(a.shape),
+                        "data_offsets": [offset, offset + len(raw)]}
+        blobs.append(raw)
+        offset += len(raw)
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)  # the data section starts 8-byte aligned, as safetensors writes it
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for raw in blobs:
+            f.write(raw)
+
+
+def quantize_fp8_numpy(w: np.ndarray, strategy: str) -> tuple[np.ndarray, np.ndarray]:
+    """``w`` (``[out, in]``) -> ``(F8_E4M3 [out, in], f32 scale)`` in float64 NumPy, as llm-compressor saves
+    them: ``scale = amax / 448`` per output row (``[out, 1]``, ``strategy="channel"``) or over the tensor
+    (``[]``, ``"tensor"``), ``q = e4m3(clip(w / scale, -448, 448))``."""
+    w64 = np.asarray(w, np.float64)
+    amax = np.abs(w64).max(axis=1, keepdims=True) if strategy == "channel" else np.abs(w64).max()
+    scale = np.maximum(amax / 448.0, 1.0 / (448.0 * 512.0))
+    return np.clip(w64 / scale, -448.0, 448.0).astype(FP8), np.asarray(scale, np.float32)
+
+
+def fp8_quantization_config(strategy: str = "channel", static: bool = False) -> dict:
+    """``config.json``'s ``quantization_config`` of a compressed-tensors fp8 checkpoint (the form
+    ``RedHatAI/*-FP8-dynamic`` ships: channel weights, dynamic per-token activations; or per-tensor weights
+    with static activation scales, llm-compressor's ``FP8``)."""
+    acts = (dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy="tensor", observer="minmax")
+            if static else dict(num_bits=8, type="float", symmetric=True, dynamic=True, strategy="token",
+                                observer=None))
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "global_compression_ratio": None, "kv_cache_scheme": None, "ignore": ["lm_head"],
+            "config_groups": {"group_0": {"targets": ["Linear"], "output_activations": None,
+                                          "weights": dict(num_bits=8, type="float", symmetric=True, dynamic=False,
+                                                          strategy=strategy, observer="minmax"),
+                                          "input_activations": acts}}}
+
+
+def fp8_tensors(tensors: dict[str, np.ndarray], strategy: str = "channel", input_scale: float | None = None
+                ) -> dict[str, np.ndarray]:
+    """The float checkpoint ``tensors`` with every decoder projection's ``weight`` replaced by its F8_E4M3
+    form plus ``weight_scale`` (and ``input_scale = input_scale`` when given: static activations)."""
+    out = {}
+    for name, value in tensors.items():
+        stem = name.removesuffix(".weight")
+        if name.endswith(".weight") and stem.endswith(PROJECTIONS):
+            out[name], out[stem + ".weight_scale"] = quantize_fp8_numpy(value, strategy)
+            if input_scale is not None:
+                out[stem + ".input_scale"] = np.asarray(input_scale, np.float32)
+        else:
+            out[name] = value
+    return out
 
 
 def write_checkpoint(directory: pathlib.Path, arch: str, *, seed: int = 0, num_shards: int = 3,
                      tensors: dict[str, np.ndarray] | None = None, cfg: dict | None = None,
                      tokenizer: tokenizers.Tokenizer | None = None) -> dict[str, np.ndarray]:
-    """Write a checkpoint directory of ``arch``; returns the stored tensors (in the checkpoint dtype)."""
+    """Write a checkpoint directory of ``arch``; returns the stored tensors (in the checkpoint dtype; fp8
+    tensors, if any, as given, the files then written by :func:`write_safetensors`)."""
     directory.mkdir(parents=True, exist_ok=True)
     tok = tokenizer or build_tokenizer()
     cfg = cfg or hf_config(arch, tok.get_vocab_size())
@@ -130,7 +206,10 @@ def write_checkpoint(directory: pathlib.Path, arch: str, *, seed: int = 0, num_s
     weight_map = {}
     for s, group in enumerate(shards):
         fname = f"model-{s + 1:05d}-of-{num_shards:05d}.safetensors"
-        save_file({n: stored[n] for n in group}, str(directory / fname), metadata={"format": "pt"})
+        if any(stored[n].dtype == FP8 for n in group):
+            write_safetensors(directory / fname, {n: stored[n] for n in group})
+        else:
+            save_file({n: stored[n] for n in group}, str(directory / fname), metadata={"format": "pt"})
         weight_map.update({n: fname for n in group})
     total = sum(a.nbytes for a in stored.values())
     (directory / "model.safetensors.index.json").write_text(json.dumps(
@@ -143,6 +222,20 @@ def write_checkpoint(directory: pathlib.Path, arch: str, *, seed: int = 0, num_s
     (directory / "generation_config.json").write_text(json.dumps(dict(
         bos_token_id=0, eos_token_id=[1, 2], temperature=0.6, top_p=0.9, do_sample=True)))
     return stored
+
+
+def write_fp8_checkpoint(directory: pathlib.Path, arch: str, *, strategy: str = "channel",
+                         input_scale: float | None = None, seed: int = 0, num_shards: int = 2,
+                         tokenizer: tokenizers.Tokenizer | None = None) -> tuple[dict[str, np.ndarray], dict]:
+    """A compressed-tensors fp8 checkpoint of ``arch``'s tiny random model (projections quantized by
+    :func:`fp8_tensors`, ``quantization_config`` of :func:`fp8_quantization_config`; static activations when
+    ``input_scale`` is given). Returns ``(stored tensors, config.json object)``."""
+    tok = tokenizer or build_tokenizer()
+    cfg = hf_config(arch, tok.get_vocab_size())
+    cfg["quantization_config"] = fp8_quantization_config(strategy, static=input_scale is not None)
+    tensors = fp8_tensors(as_stored(random_hf_tensors(cfg, seed), cfg["torch_dtype"]), strategy, input_scale)
+    stored = write_checkpoint(directory, arch, num_shards=num_shards, tensors=tensors, cfg=cfg, tokenizer=tok)
+    return stored, cfg
 
 
 def reference_weights(stored: dict[str, np.ndarray], cfg: dict) -> dict[str, np.ndarray]:

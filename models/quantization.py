@@ -1,0 +1,383 @@
+"""fp8 weights (W8A8, e4m3): the quantizers, the scaled fp8 GEMM, the :class:`Fp8Linear` module and the
+checkpoint's quantization config.
+
+What runs is vLLM's FP8-Dynamic scheme (compressed-tensors ``CompressedTensorsW8A8Fp8`` with a ``channel``
+weight strategy and dynamic ``token`` activations):
+
+* weights ``f8e4m3[out, in]`` (PyTorch's orientation, the contraction dimension minor: the layout cuBLASLt's
+  fp8 GEMM wants for its B operand, so XLA inserts no transpose) with a static per-output-channel scale
+  ``s_w = amax(|w|, axis=in) / 448`` (``f32[out]``);
+* activations quantized per token when the layer runs: ``s_x = amax(|x|, axis=-1) / 448``,
+  ``x_q = e4m3(clip(x / s_x, -448, 448))``; or, for a checkpoint with a static ``input_scale``, one calibrated
+  per-tensor scale;
+* ``y = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :]``: an fp8 ``dot_general`` with an f32 result
+  (``preferred_element_type``; on Hopper XLA lowers it to cuBLASLt's ``__cublas$lt$matmul$f8``, on CPU it
+  upcasts), the scales applied to the f32 product, then the bias, then the activation dtype.
+
+Scales are floored at ``1 / (448 * 512)`` (vLLM's ``min_scaling_factor`` of its per-token quant kernel), so an
+all-zero row or channel quantizes to zeros instead of dividing by zero.
+
+Which Linears: the decoder layers' q/k/v/o and gate/up/down projections; never the embedding, the LM head or
+the norms (vLLM's ``ignore: ["lm_head"]``). Two sources:
+
+* online (``quantization="fp8"``, vLLM ``--quantization fp8``): a bf16/f32 checkpoint (GGUF, HF, dummy)
+  quantized at load time. vLLM's online fp8 uses one scale per weight tensor and per-token activation scales;
+  jaxkv quantizes per output channel, the FP8-Dynamic checkpoints' scheme (never coarser than per tensor).
+* a compressed-tensors fp8 checkpoint (``*-FP8-Dynamic`` / ``*-FP8``): ``weight`` stored ``F8_E4M3`` with
+  ``weight_scale`` (``[out, 1]`` per channel, or a scalar per tensor) and, for static activations,
+  ``input_scale``; ``config.json``'s ``quantization_config`` says which (:func:`fp8_config_from_hf`).
+
+Where jaxkv differs from vLLM's kernels (same formula): the projections are not fused, so q/k/v (and gate/up)
+keep their own static ``input_scale`` (vLLM's fused ``QKVParallelLinear`` takes the largest of the three) and
+their own per-tensor weight scale (vLLM requantizes a fused layer's shards to one); XLA computes one per-token
+quantization of a shared input for all of them (CSE). On a tensor-parallel mesh the per-token scales of a
+row-parallel layer (o_proj, down_proj) cover the whole row (XLA all-reduces the ``[tokens]`` amax), where vLLM's
+``RowParallelLinear`` scales each rank's slice on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+from jaxtyping import Array, Float
+
+FP8_DTYPE = jnp.float8_e4m3fn
+FP8_MAX = 448.0
+"""Largest finite ``float8_e4m3fn`` magnitude."""
+FP8_MIN_SCALE = 1.0 / (FP8_MAX * 512.0)
+"""Smallest scale (vLLM's ``min_scaling_factor``): an all-zero row or channel gets it, and quantizes to zeros."""
+
+WEIGHT_STRATEGIES = ("channel", "tensor")
+ACTIVATION_SCHEMES = ("dynamic", "static")
+_PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
+           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Fp8Config:
+    """How a model's Linears are quantized to fp8 (hashable: part of the model's static structure).
+
+    Attributes:
+        weight_strategy: ``"channel"`` (one scale per output channel) or ``"tensor"`` (one per weight; held
+            broadcast to ``f32[out]``, the same product).
+        activation_scheme: ``"dynamic"`` (per-token scales computed when the layer runs) or ``"static"`` (the
+            checkpoint's per-tensor ``input_scale``).
+        checkpoint_fp8: the checkpoint stores the fp8 weights and their scales (compressed-tensors); otherwise
+            float weights are quantized at load time (online).
+        ignore: module names left unquantized besides the embedding, norms and LM head (compressed-tensors'
+            ``ignore``: exact names such as ``"model.layers.0.mlp.down_proj"`` or ``"re:<regex>"``).
+
+    Raises:
+        ValueError: an unknown strategy or scheme, or a static scheme without a checkpoint (names the field).
+
+    vLLM: ``Fp8Config`` (online) and ``CompressedTensorsConfig`` with ``CompressedTensorsW8A8Fp8``.
+    """
+
+    weight_strategy: str = "channel"
+    activation_scheme: str = "dynamic"
+    checkpoint_fp8: bool = False
+    ignore: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        object.__setattr__(self, "ignore", tuple(self.ignore))
+        if self.weight_strategy not in WEIGHT_STRATEGIES:
+            raise ValueError(f"weight_strategy={self.weight_strategy!r} is not one of {WEIGHT_STRATEGIES}")
+        if self.activation_scheme not in ACTIVATION_SCHEMES:
+            raise ValueError(f"activation_scheme={self.activation_scheme!r} is not one of {ACTIVATION_SCHEMES}")
+        if self.activation_scheme == "static" and not self.checkpoint_fp8:
+            raise ValueError("activation_scheme='static' needs calibrated input scales from an fp8 checkpoint "
+                             "(checkpoint_fp8=True)")
+
+    @property
+    def static_input_scale(self) -> bool:
+        return self.activation_scheme == "static"
+
+    def quantizes(self, layer: int, name: str) -> bool:
+        """Whether Linear ``name`` (``"q_proj"``, ...) of decoder layer ``layer`` is fp8 (not in :attr:`ignore`)."""
+        full = f"model.layers.{layer}.{_PARENT[name]}.{name}"
+        for pattern in self.ignore:
+            if pattern.startswith("re:"):
+                if re.match(pattern[3:], full):
+                    return False
+            elif pattern == full:
+                return False
+        return True
+
+
+ONLINE_FP8 = Fp8Config()
+"""``quantization="fp8"`` on a float checkpoint: per-channel weights, per-token activations."""
+
+
+# -- quantizers ---------------------------------------------------------------------------------------------
+def _scale(amax: jax.Array) -> jax.Array:
+    return jnp.maximum(amax / FP8_MAX, FP8_MIN_SCALE)
+
+
+def _to_fp8(x32: jax.Array, scale: jax.Array) -> jax.Array:
+    # clip before the cast: XLA's convert to e4m3fn makes NaN of anything past 448 (the type has no inf)
+    return jnp.clip(x32 / scale, -FP8_MAX, FP8_MAX).astype(FP8_DTYPE)
+
+
+def quantize_weight(w: Float[Array, "out in"], strategy: str = "channel"
+                    ) -> tuple[jax.Array, Float[Array, "out"]]:
+    """``w`` (any float dtype, ``[out, in]``) -> ``(f8e4m3[out, in], f32[out])``: per output channel
+    (``strategy="channel"``) ``s = max(amax(|w|, axis=1) / 448, 1/(448*512))`` and ``w_q = e4m3(clip(w / s,
+    ±448))`` (round to nearest even); ``strategy="tensor"``: one amax over the whole weight, repeated per channel.
+
+    Raises:
+        ValueError: ``w`` not 2-D, or an unknown ``strategy``.
+
+    vLLM: ``ops.scaled_fp8_quant(weight)`` (per tensor) / llm-compressor's channel-wise observer.
+    """
+    if w.ndim != 2:
+        raise ValueError(f"weight must be [out, in], got shape {tuple(w.shape)}")
+    if strategy not in WEIGHT_STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {WEIGHT_STRATEGIES}")
+    w32 = w.astype(jnp.float32)
+    amax = jnp.max(jnp.abs(w32), axis=1)
+    if strategy == "tensor":
+        amax = jnp.broadcast_to(jnp.max(amax), amax.shape)
+    scale = _scale(amax)
+    return _to_fp8(w32, scale[:, None]), scale
+
+
+def quantize_per_token(x: Float[Array, "... k"]) -> tuple[jax.Array, Float[Array, "..."]]:
+    """Dynamic per-token activation quantization: ``x`` (any float dtype) -> ``(f8e4m3[..., k], f32[...])`` with
+    ``s = max(amax(|x|, axis=-1) / 448, 1/(448*512))`` per row (a zero row gets the floor and zeros) and
+    ``x_q = e4m3(clip(x / s, ±448))``. vLLM: ``scaled_fp8_quant(x, use_per_token_if_dynamic=True)``."""
+    x32 = x.astype(jnp.float32)
+    scale = _scale(jnp.max(jnp.abs(x32), axis=-1))
+    return _to_fp8(x32, scale[..., None]), scale
+
+
+def quantize_static(x: Float[Array, "... k"], input_scale: Float[Array, ""]) -> jax.Array:
+    """Static per-tensor activation quantization: ``f8e4m3[..., k] = e4m3(clip(x / input_scale, ±448))``
+    (``input_scale``: the checkpoint's calibrated ``f32[]``). vLLM: ``scaled_fp8_quant(x, input_scale)``."""
+    return _to_fp8(x.astype(jnp.float32), input_scale.astype(jnp.float32))
+
+
+def dequantize(q: jax.Array, scale: jax.Array) -> Float[Array, "..."]:
+    """``f32`` values of ``q`` (``f8e4m3``) times their scales: a weight's ``f32[out]`` over ``[out, in]``, a
+    per-token ``f32[...]`` over ``[..., k]`` (a scale per leading index), or a scalar."""
+    s = jnp.asarray(scale, jnp.float32)
+    return q.astype(jnp.float32) * (s[..., None] if s.ndim else s)
+
+
+# -- the scaled fp8 GEMM ------------------------------------------------------------------------------------
+def fp8_matmul(x_q: jax.Array, w_q: jax.Array) -> Float[Array, "... out"]:
+    """``f32[..., out] = x_q @ w_q^T`` for ``x_q: f8e4m3[..., in]`` and ``w_q: f8e4m3[out, in]``: one fp8
+    ``dot_general`` contracting both operands' minor dimension with an f32 result (cuBLASLt's fp8 GEMM on
+    Hopper: ``__cublas$lt$matmul$f8``; an upcast f32 GEMM on CPU)."""
+    return jax.lax.dot_general(x_q, w_q, (((x_q.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float[Array, "out"], *,
+               input_scale: jax.Array | None = None, bias: jax.Array | None = None, out_dtype=None
+               ) -> Float[Array, "... out"]:
+    """vLLM's W8A8 fp8 Linear: ``y = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :] + bias``.
+
+    Args:
+        x: activations, ``[..., in]`` (bf16/f16/f32).
+        weight: ``f8e4m3[out, in]``.
+        weight_scale: ``f32[out]`` per output channel.
+        input_scale: ``f32[]`` static per-tensor activation scale, or ``None``: dynamic per-token scales
+            (:func:`quantize_per_token`).
+        bias: ``[out]`` or ``None`` (added in f32 after the scales).
+        out_dtype: result dtype (default ``x.dtype``).
+
+    Returns:
+        ``[..., out]`` in ``out_dtype``.
+
+    vLLM: ``Fp8LinearOp.apply`` (``cutlass_scaled_mm`` / ``torch._scaled_mm`` with row-wise scales).
+    """
+    if input_scale is None:
+        x_q, s_x = quantize_per_token(x)
+        s_x = s_x[..., None]
+    else:
+        x_q, s_x = quantize_static(x, input_scale), input_scale.astype(jnp.float32)
+    y = fp8_matmul(x_q, weight) * s_x * weight_scale.astype(jnp.float32)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype or x.dtype)
+
+
+def fp8_linear_reference(x, weight, weight_scale, *, input_scale=None, bias=None, out_dtype=None):
+    """The same product computed the plain way (tests): activations quantized as :func:`fp8_linear` does, then
+    both operands dequantized to f32 and multiplied at ``Precision.HIGHEST``."""
+    if input_scale is None:
+        x_deq = dequantize(*quantize_per_token(x))
+    else:
+        x_deq = dequantize(quantize_static(x, input_scale), input_scale)
+    w_deq = dequantize(weight, weight_scale)
+    y = jnp.matmul(x_deq, w_deq.T, precision=jax.lax.Precision.HIGHEST)
+    if bias is not None:
+        y = y + bias.astype(jnp.float32)
+    return y.astype(out_dtype or x.dtype)
+
+
+class Fp8Linear(nnx.Module):
+    """A Linear with fp8 weights (vLLM: a ``LinearBase`` whose ``quant_method`` is ``Fp8LinearMethod`` /
+    ``CompressedTensorsLinearMethod``).
+
+    Parameters: ``weight`` ``f8e4m3[out, in]``, ``weight_scale`` ``f32[out]``, ``input_scale`` ``f32[]`` (static
+    activation scheme only), ``bias`` ``[out]`` in the model dtype (``use_bias``). Called on ``[..., in]``
+    activations it returns ``[..., out]`` in their dtype (:func:`fp8_linear`).
+    """
+
+    def __init__(self, in_features: int, out_features: int, *, use_bias: bool = False, dtype=jnp.float32,
+                 static_input_scale: bool = False, rngs: nnx.Rngs | None = None):
+        del rngs  # the values come from a checkpoint, a quantizer or models.dummy
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nnx.Param(jnp.zeros((out_features, in_features), FP8_DTYPE))
+        self.weight_scale = nnx.Param(jnp.ones((out_features,), jnp.float32))
+        self.input_scale = nnx.Param(jnp.ones((), jnp.float32)) if static_input_scale else None
+        self.bias = nnx.Param(jnp.zeros((out_features,), dtype)) if use_bias else None
+
+    def __call__(self, x: Float[Array, "... in"]) -> Float[Array, "... out"]:
+        return fp8_linear(x, self.weight[...], self.weight_scale[...],
+                          input_scale=None if self.input_scale is None else self.input_scale[...],
+                          bias=None if self.bias is None else self.bias[...])
+
+    def set_from_float(self, w: Float[Array, "out in"], strategy: str = "channel") -> None:
+        """Quantize float weights ``w`` (``[out, in]``) into this layer (:func:`quantize_weight`)."""
+        q, s = quantize_weight_jit(jnp.asarray(w), strategy)
+        self.weight.set_value(q)
+        self.weight_scale.set_value(s)
+
+
+quantize_weight_jit = jax.jit(quantize_weight, static_argnums=1)
+
+
+@functools.lru_cache(maxsize=64)
+def quantize_weight_to(weight_sharding, scale_sharding, strategy: str = "channel"):
+    """:func:`quantize_weight` jitted with its outputs placed in ``(weight_sharding, scale_sharding)``."""
+    return jax.jit(functools.partial(quantize_weight, strategy=strategy),
+                   out_shardings=(weight_sharding, scale_sharding))
+
+
+def make_linear(in_features: int, out_features: int, *, use_bias: bool, dtype, rngs: nnx.Rngs,
+                quantization: Fp8Config | None, layer: int, name: str) -> nnx.Module:
+    """``nnx.Linear`` (``quantization=None`` or a Linear the config ignores) or :class:`Fp8Linear`."""
+    if quantization is None or not quantization.quantizes(layer, name):
+        return nnx.Linear(in_features, out_features, use_bias=use_bias, dtype=dtype, param_dtype=dtype, rngs=rngs)
+    return Fp8Linear(in_features, out_features, use_bias=use_bias, dtype=dtype,
+                     static_input_scale=quantization.static_input_scale)
+
+
+# -- what a checkpoint or the command line asks for -----------------------------------------------------------
+def resolve_quantization(quantization, checkpoint: Fp8Config | None = None) -> Fp8Config | None:
+    """The :class:`Fp8Config` a model is built with, from ``quantization`` (``None``, ``"fp8"`` or an
+    :class:`Fp8Config`; vLLM's ``quantization`` argument) and the checkpoint's own (``config.json``'s
+    ``quantization_config``, :func:`fp8_config_from_hf`): the checkpoint's wins when it has one (``None`` and
+    ``"fp8"`` both take it, as vLLM detects the method from the checkpoint), else ``"fp8"`` is
+    :data:`ONLINE_FP8`.
+
+    Raises:
+        ValueError: ``quantization`` not one of ``(None, "fp8")`` nor an :class:`Fp8Config`.
+    """
+    from jaxkv.config import QUANTIZATIONS
+    if isinstance(quantization, Fp8Config):
+        return checkpoint or quantization
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization={quantization!r} is not one of {QUANTIZATIONS}")
+    if checkpoint is not None:
+        return checkpoint
+    return ONLINE_FP8 if quantization == "fp8" else None
+
+
+def _need(obj: dict, key: str, where: str):
+    if not isinstance(obj, dict) or key not in obj:
+        raise ValueError(f"{where}.{key} is missing")
+    return obj[key]
+
+
+def _check(value, allowed, field: str):
+    if value not in allowed:
+        raise ValueError(f"{field}={value!r} is not supported (supported: {list(allowed)})")
+
+
+def fp8_config_from_hf(qc: dict, *, source: str = "config.json") -> Fp8Config:
+    """The :class:`Fp8Config` of an HF ``config.json``'s ``quantization_config`` object.
+
+    Accepted: ``quant_method: "compressed-tensors"`` with one config group targeting ``Linear``, its
+    ``weights`` ``{type: float, num_bits: 8, strategy: channel|tensor, symmetric: true, dynamic: false}`` and
+    ``input_activations`` ``{type: float, num_bits: 8}`` either ``dynamic: true`` (strategy ``token``) or
+    static (``dynamic: false``, strategy ``tensor``); ``ignore`` (``["lm_head"]``); no ``kv_cache_scheme``.
+    Also ``quant_method: "fp8"`` (AutoFP8 / vLLM's serialized ``Fp8Config``: per-tensor weights,
+    ``activation_scheme`` dynamic or static, no ``weight_block_size``).
+
+    Raises:
+        ValueError: anything else, naming ``source``, the field (``quantization_config.config_groups.group_0.
+            weights.strategy``, ...) and its value.
+    """
+    where = "quantization_config"
+    try:
+        method = _need(qc, "quant_method", where)
+        if method == "fp8":
+            _check(qc.get("weight_block_size"), (None,), f"{where}.weight_block_size")
+            scheme = qc.get("activation_scheme", "dynamic")
+            _check(scheme, ACTIVATION_SCHEMES, f"{where}.activation_scheme")
+            return Fp8Config(weight_strategy="tensor", activation_scheme=scheme, checkpoint_fp8=True,
+                             ignore=_ignore(qc.get("ignored_layers") or (), f"{where}.ignored_layers"))
+        _check(method, ("compressed-tensors", "fp8"), f"{where}.quant_method")
+        _check(qc.get("format", "float-quantized"), ("float-quantized", "naive-quantized"), f"{where}.format")
+        _check(qc.get("kv_cache_scheme"), (None,), f"{where}.kv_cache_scheme")
+        groups = _need(qc, "config_groups", where)
+        if not isinstance(groups, dict) or len(groups) != 1:
+            raise ValueError(f"{where}.config_groups has {len(groups) if isinstance(groups, dict) else groups!r} "
+                             "groups; one group of fp8 Linears is supported")
+        (gname, group), = groups.items()
+        g = f"{where}.config_groups.{gname}"
+        targets = _need(group, "targets", g)
+        if "Linear" not in targets:
+            raise ValueError(f"{g}.targets={targets!r} is not supported (supported: a list holding 'Linear')")
+        w = _need(group, "weights", g)
+        if not isinstance(w, dict):
+            raise ValueError(f"{g}.weights={w!r} is not supported (an fp8 weight scheme is needed)")
+        _check(w.get("type"), ("float",), f"{g}.weights.type")
+        _check(w.get("num_bits"), (8,), f"{g}.weights.num_bits")
+        _check(w.get("strategy"), WEIGHT_STRATEGIES, f"{g}.weights.strategy")
+        _check(w.get("symmetric", True), (True,), f"{g}.weights.symmetric")
+        _check(w.get("dynamic", False), (False,), f"{g}.weights.dynamic")
+        _check(w.get("block_structure"), (None,), f"{g}.weights.block_structure")
+        a = group.get("input_activations")
+        if not isinstance(a, dict):
+            raise ValueError(f"{g}.input_activations={a!r} is not supported (weight-only fp8, W8A16, is not; "
+                             "supported: fp8 activations, dynamic per token or static per tensor)")
+        _check(a.get("type"), ("float",), f"{g}.input_activations.type")
+        _check(a.get("num_bits"), (8,), f"{g}.input_activations.num_bits")
+        _check(a.get("dynamic"), (True, False), f"{g}.input_activations.dynamic")
+        if a["dynamic"]:
+            _check(a.get("strategy", "token"), ("token",), f"{g}.input_activations.strategy")
+        else:
+            _check(a.get("strategy", "tensor"), ("tensor",), f"{g}.input_activations.strategy")
+        return Fp8Config(weight_strategy=w["strategy"], activation_scheme="dynamic" if a["dynamic"] else "static",
+                         checkpoint_fp8=True, ignore=_ignore(qc.get("ignore") or (), f"{where}.ignore"))
+    except ValueError as e:
+        raise ValueError(f"{source}: {e}") from None
+
+
+def _ignore(names, field: str) -> tuple[str, ...]:
+    """Entries of an ignore list that name decoder Linears (the LM head and embedding are never quantized)."""
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        raise ValueError(f"{field}={names!r} must be a list of module names")
+    return tuple(n for n in names if n not in ("lm_head", "model.embed_tokens"))
+
+
+def hf_quantization(hf: dict, *, source: str = "config.json") -> Fp8Config | None:
+    """:func:`fp8_config_from_hf` of ``hf["quantization_config"]``, or ``None`` when the checkpoint has none.
+
+    Raises:
+        ValueError: a quantization config jaxkv does not run (naming the field, its value and ``source``).
+    """
+    qc = hf.get("quantization_config")
+    if qc is None:
+        return None
+    if not isinstance(qc, dict):
+        raise ValueError(f"{source}: quantization_config={qc!r} is not an object")
+    return fp8_config_from_hf(qc, source=source)

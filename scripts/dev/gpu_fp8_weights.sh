@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# fp8 weights on one H100 (issue 45 item 2), one device call (nvidia-h100-x1; carry .whl .dummy), logs in $OUT:
+#   (a) hlo : scripts/dev/bench_fp8_gemm.py's HLO part: the optimized HLO of one fp8 Linear at the 8B gate_proj shape
+#             for M = 1, 256, 8192 (files in $OUT/hlo/), grepped for cuBLASLt's fp8 GEMM (__cublas$lt$matmul$f8) and for
+#             f8 -> wide converts (an upcast instead); the same count over a 2-layer 8B-shaped fp8 model (14 expected);
+#             the fp8 Linear's error on the GPU against the dequantize-then-f32-matmul reference.
+#   (b) gemm: bf16 vs fp8 GEMM stacks at the 8B layer shapes (8 layers of q/k/v/o/gate/up/down with their own
+#             weights), M = 1..8192 rows, bf16 / fp8 (f32 GEMM output, the model's) / fp8-bf16out (bf16 GEMM
+#             output), ms per stack, and the CUPTI kernel tables at 16 and 1024 rows
+#             (bench_fused_gemm.py's method, torch.profiler).
+#   (c) e2e : jaxkv bench throughput, Llama-3.1-8B shape with dummy weights, 1000 requests of
+#             .dummy/requests-llama3.json (session 23's vLLM-rule set), --quantization fp8 first, then bf16 (the
+#             baseline, rerun on the same card), LLM defaults, --nvml-busy; with .dummy/llama3-tokenizer when carried.
+# Each stage has its own timeout; (c) takes what is left of ~590 s. Usage:
+#   bash scripts/dev/gpu_fp8_weights.sh [all|hlo|gemm|e2e]        (default all; expected ~8-9 min for all)
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
+OUT=${OUT:-/tmp/out}
+mkdir -p $OUT
+if [ -d .whl ] && [ ! -d /tmp/site/zmq ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+fi
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $OUT/device.txt
+python3 -c "import jax; print('jax', jax.__version__, jax.devices())" | tee -a $OUT/device.txt
+quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initialize backend" -e "warn_once"; }
+stage=${1:-all}
+
+if [ $stage = all ] || [ $stage = hlo ]; then
+  echo "== (a) HLO of the fp8 Linear, accuracy on the device ($(date +%T), ${SECONDS} s)" | tee $OUT/hlo.txt
+  timeout 150 python3 scripts/dev/bench_fp8_gemm.py --hlo-dir $OUT/hlo --skip-timing 2>&1 | quiet | tee -a $OUT/hlo.txt
+  echo "exit ${PIPESTATUS[0]} (0: every checked program has its fp8 GEMM and no upcast of an f8 weight)" | tee -a $OUT/hlo.txt
+  grep -cF 'custom_call_target="__cublas$lt$matmul$f8"' $OUT/hlo/*.txt 2>/dev/null | tee -a $OUT/hlo.txt
+fi
+
+if [ $stage = all ] || [ $stage = gemm ]; then
+  echo "== (b) bf16 vs fp8 GEMM stacks, 8B layer shapes ($(date +%T), ${SECONDS} s)" | tee $OUT/gemm.txt
+  timeout 240 python3 scripts/dev/bench_fp8_gemm.py --skip-hlo --rows 1,16,64,256,1024,4096,8192 --layers 8 \
+    --variants bf16,fp8,fp8-bf16out --kernel-rows 16,1024 2>&1 | quiet | tee -a $OUT/gemm.txt
+fi
+
+if [ $stage = all ] || [ $stage = e2e ]; then
+  TOK=""
+  [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer .dummy/llama3-tokenizer"
+  B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
+  for q in fp8 none; do
+    left=$(( 590 - SECONDS ))
+    if [ $left -lt 60 ]; then echo "== (c) $q: skipped, ${left} s left" | tee -a $OUT/e2e.txt; continue; fi
+    flag=""; [ $q = fp8 ] && flag="--quantization fp8"
+    echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, quantization=$q" \
+      "($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
+    timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json --num-prompts 1000 \
+      --backend jaxkv --nvml-busy $flag > $OUT/e2e-$q.log 2>&1
+    echo "exit $?" >> $OUT/e2e-$q.log
+    grep -e "^jaxkv" -e "start-up" -e nvml -e "host loop" -e "unfinished" -e "quantization" -e "Error" -e "exit " \
+      $OUT/e2e-$q.log | tee -a $OUT/e2e.txt
+  done
+fi
+echo "done at ${SECONDS} s"
