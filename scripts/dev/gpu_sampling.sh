@@ -3,8 +3,8 @@
 # ShareGPT requests tokenized by SmolLM2 (.dummy/requests-3000.json, from `jaxkv bench throughput
 # --save-requests`), LLM and server defaults. Carry .whl .dummy (and .baseline for STAGE=sampling).
 #   STAGE=sampling: 3000 requests: the code before the sampling work (.baseline = `git archive 9d32cad`) and this
-#     tree, plain; this tree with logprobs=5, with penalties (presence 0.5, frequency 0.5, repetition 1.1) on every
-#     request, and n=8 over the first 375 prompts (3000 sequences); this tree plain again (the spread).
+#     tree, plain (skipped when .baseline is not carried); this tree with logprobs=5, with penalties (presence 0.5, frequency 0.5, repetition 1.1) on every
+#     request, and n=8 over the first 375 prompts (3000 sequences; SKIP_N=1 skips it); this tree plain again (the spread).
 #   STAGE=server: 1000 requests offline (LLM), then `jaxkv serve` (its defaults: two API-server processes on this
 #     16-CPU machine) through the openai client: rate inf with 8 client processes (CPU per process role by
 #     scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
@@ -29,14 +29,16 @@ if [ "${STAGE:-sampling}" = sampling ]; then
     echo "=== $label: $*" | tee -a "$OUT/sampling.txt"
     timeout "$limit" $B "$@" --output-json "$OUT/$label.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/sampling.txt"
   }
+  if [ -d .baseline ]; then
   echo "=== old (9d32cad): plain" | tee -a "$OUT/sampling.txt"
   (cd .baseline && PYTHONPATH=/tmp/site:$PWD timeout 200 python3 scripts/bench_throughput.py --model $S \
      --load-format dummy --requests $R --backend jaxkv --no-progress --num-prompts 3000 \
      --output-json "$OUT/old-plain.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/sampling.txt")
+  fi
   run new-plain 200 --num-prompts 3000
   run new-logprobs5 200 --num-prompts 3000 --logprobs 5
   run new-penalties 200 --num-prompts 3000 --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1
-  run new-n8x375 200 --num-prompts 375 --n 8
+  [ -n "${SKIP_N:-}" ] || run new-n8x375 200 --num-prompts 375 --n 8
   run new-plain-again 200 --num-prompts 3000
   python3 - "$OUT" <<'PY' | tee -a "$OUT/sampling.txt"
 import json, pathlib, sys
