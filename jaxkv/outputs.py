@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -23,8 +24,73 @@ class Logprob:
     decoded_token: str | None = None
 
 
-SampleLogprobs = list[dict[int, Logprob]]
-"""Per generated token: ``{token_id: Logprob}`` of the top ``logprobs`` tokens and the sampled one."""
+class FlatLogprobs(Sequence):
+    """Per generated token ``{token_id: Logprob}``, stored flat (vLLM ``FlatLogprobs``): the rows the engine
+    sent, and a position's dict built only when it is read (``logprobs[i]``, iteration, slicing). An offline
+    ``generate`` with ``logprobs=5`` would otherwise build six ``Logprob`` objects per token on the front
+    end's process, time that the engine-core process then waits for requests.
+
+    It is a read-only sequence: ``len``, indexing (a slice is a :class:`FlatLogprobs`), iteration, and ``==``
+    against any sequence of dicts (a ``list[dict[int, Logprob]]`` with the same entries is equal).
+
+    Attributes:
+        token_ids: per position, the chosen token then the top-k tokens (``list[list[int]]``).
+        logprobs: their logprobs (``list[list[float]]``).
+        ranks: the chosen token's rank per position (``list[int]``; 1 = most likely); the top-k tokens'
+            ranks are ``1..k`` in order.
+        texts: ``token_id -> text`` for ``Logprob.decoded_token`` (``None``: no text).
+    """
+
+    __slots__ = ("logprobs", "ranks", "texts", "token_ids")
+
+    def __init__(self, token_ids: list[list[int]] | None = None, logprobs: list[list[float]] | None = None,
+                 ranks: list[int] | None = None, texts: Mapping[int, str] | None = None):
+        self.token_ids = [] if token_ids is None else token_ids
+        self.logprobs = [] if logprobs is None else logprobs
+        self.ranks = [] if ranks is None else ranks
+        self.texts = texts
+
+    def extend_rows(self, token_ids: list[list[int]], logprobs: list[list[float]], ranks: list[int]) -> None:
+        """Append positions (the rows of a ``LogprobsLists``)."""
+        self.token_ids.extend(token_ids)
+        self.logprobs.extend(logprobs)
+        self.ranks.extend(ranks)
+
+    def chosen_logprob_sum(self) -> float:
+        """The sum of the chosen tokens' logprobs (``cumulative_logprob``)."""
+        return float(sum(row[0] for row in self.logprobs))
+
+    def __len__(self) -> int:
+        return len(self.ranks)
+
+    def _dict(self, i: int) -> dict[int, Logprob]:
+        ids, lps, texts = self.token_ids[i], self.logprobs[i], self.texts
+        chosen = ids[0]
+        d = {chosen: Logprob(lps[0], self.ranks[i], None if texts is None else texts[chosen])}
+        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+            if tok not in d:
+                d[tok] = Logprob(lp, r, None if texts is None else texts[tok])
+        return d
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return FlatLogprobs(self.token_ids[i], self.logprobs[i], self.ranks[i], self.texts)
+        return self._dict(range(len(self))[i])  # negative indices; IndexError names the range
+
+    def __eq__(self, other) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)) or len(other) != len(self):
+            return NotImplemented if not isinstance(other, Sequence) else False
+        return all(a == b for a, b in zip(self, other))
+
+    __hash__ = None
+
+    def __repr__(self) -> str:
+        return f"FlatLogprobs({list(self)!r})"
+
+
+SampleLogprobs = FlatLogprobs | list[dict[int, Logprob]]
+"""Per generated token: ``{token_id: Logprob}`` of the top ``logprobs`` tokens and the sampled one (a
+:class:`FlatLogprobs` from ``LLM``/the server, a list from an in-process ``LLMEngine``)."""
 
 PromptLogprobs = list[dict[int, Logprob] | None]
 """Per prompt token: ``None`` for the first, then ``{token_id: Logprob}`` of the prompt token and the top

@@ -123,7 +123,7 @@ class _RequestState:
     def process(self, out: EngineCoreOutput) -> StreamOutput:
         """Fold one step's :class:`EngineCoreOutput` into its completion; applies stop strings."""
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None and out.index == 0:
-            self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].decode_token))
+            self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].texts))
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         c = self.completions[out.index]
         text, finished, finish_reason, stop_reason = c.add(out)

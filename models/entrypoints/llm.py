@@ -67,7 +67,7 @@ class _Request:
     def add(self, out) -> bool:
         """Fold one core output in; True when a stop string just ended its completion."""
         if out.new_prompt_logprobs is not None and self.prompt_logprobs is not None and out.index == 0:
-            self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].decode_token))
+            self.prompt_logprobs.extend(logprob_dicts(out.new_prompt_logprobs, self.completions[0].texts))
         self.num_cached_tokens = max(self.num_cached_tokens, out.num_cached_tokens)
         c = self.completions[out.index]
         if c.finished:

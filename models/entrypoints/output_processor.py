@@ -10,7 +10,7 @@ completed it (tokens the engine generated after that are not the completion's).
 from __future__ import annotations
 
 from jaxkv.engine.protocol import EngineCoreOutput, LogprobsLists
-from jaxkv.outputs import Logprob
+from jaxkv.outputs import FlatLogprobs, Logprob
 from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.detokenizer import IncrementalDetokenizer, StopChecker
 
@@ -25,32 +25,51 @@ def truncate_prompt(prompt_token_ids: list[int], truncate_prompt_tokens: int | N
     return prompt_token_ids if keep is None or len(prompt_token_ids) <= keep else prompt_token_ids[-keep:]
 
 
-_TOKEN_TEXTS: dict[int, tuple[object, dict[int, str]]] = {}  # id(tokenizer) -> (tokenizer, {token id: text})
+class TokenTexts(dict):
+    """``{token_id: text}`` of one tokenizer (``Logprob.decoded_token``), filled on first use: logprobs name
+    ``1 + k`` tokens per generated token, mostly the same few thousand, so a hit is one dict lookup."""
+
+    def __init__(self, tokenizer):
+        super().__init__()
+        self.tokenizer = tokenizer
+
+    def __missing__(self, token_id: int) -> str:
+        text = self[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+
+_TOKEN_TEXTS: dict[int, TokenTexts] = {}  # id(tokenizer) -> its texts (the entry keeps the tokenizer alive)
+
+
+def token_texts(tokenizer) -> TokenTexts:
+    """The shared :class:`TokenTexts` of ``tokenizer``."""
+    texts = _TOKEN_TEXTS.get(id(tokenizer))
+    if texts is None or texts.tokenizer is not tokenizer:
+        texts = _TOKEN_TEXTS[id(tokenizer)] = TokenTexts(tokenizer)
+    return texts
 
 
 def token_text(tokenizer, token_id: int) -> str:
-    """One token's text (``Logprob.decoded_token``), cached per tokenizer: logprobs name ``1 + k`` tokens per
-    generated token, mostly the same few thousand."""
-    entry = _TOKEN_TEXTS.get(id(tokenizer))
-    if entry is None or entry[0] is not tokenizer:
-        entry = _TOKEN_TEXTS[id(tokenizer)] = (tokenizer, {})
-    texts = entry[1]
-    text = texts.get(token_id)
-    if text is None:
-        text = texts[token_id] = tokenizer.decode([token_id], skip_special_tokens=False)
-    return text
+    """One token's text, cached per tokenizer (:func:`token_texts`)."""
+    return token_texts(tokenizer)[token_id]
 
 
-def logprob_dicts(lists: LogprobsLists, decode_token) -> list[dict[int, Logprob]]:
+def logprob_dicts(lists: LogprobsLists, texts: TokenTexts) -> list[dict[int, Logprob]]:
     """:class:`LogprobsLists` as vLLM's ``{token_id: Logprob}`` per position, ``decoded_token`` from
-    ``decode_token(token_id)``; the chosen token first, then the top ones by rank."""
+    ``texts`` (:func:`token_texts`); the chosen token first, then the top ones by rank.
+
+    About 1 us per entry on the front end's process: the cost of ``logprobs`` for an offline ``generate``."""
     out = []
+    append = out.append
     for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-        d = {ids[0]: Logprob(lps[0], rank, decode_token(ids[0]))}
-        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
+        chosen = ids[0]
+        d = {chosen: Logprob(lps[0], rank, texts[chosen])}
+        r = 1
+        for tok, lp in zip(ids[1:], lps[1:]):
             if tok not in d:
-                d[tok] = Logprob(lp, r, decode_token(tok))
-        out.append(d)
+                d[tok] = Logprob(lp, r, texts[tok])
+            r += 1
+        append(d)
     return out
 
 
@@ -59,7 +78,8 @@ class CompletionState:
 
     Attributes:
         detok: its tokens (``detok.token_ids``: what ``usage`` counts) and text.
-        logprobs: with ``SamplingParams.logprobs``, one dict per token (``decoded_token`` filled).
+        logprobs: with ``SamplingParams.logprobs``, one dict per token (``decoded_token`` filled), a
+            :class:`jaxkv.outputs.FlatLogprobs` (the dicts are built when read).
         cumulative: the sum of the sampled tokens' logprobs.
         finished: it ended (engine, stop string or abort).
     """
@@ -67,19 +87,20 @@ class CompletionState:
     def __init__(self, index: int, tokenizer, params: SamplingParams):
         self.index = index
         self.tokenizer = tokenizer
+        self.texts = token_texts(tokenizer)
         self.detok = IncrementalDetokenizer(tokenizer, skip_special_tokens=params.skip_special_tokens)
         self.detokenize = params.detokenize
         self.stops = StopChecker(params.stop)
         self.include_stop = params.include_stop_str_in_output
         self.want_logprobs = params.logprobs is not None
-        self.logprobs: list[dict[int, Logprob]] | None = [] if self.want_logprobs else None
+        self.logprobs = FlatLogprobs(texts=self.texts) if self.want_logprobs else None
         self.cumulative = 0.0 if self.want_logprobs else None
         self.finished = False
         self.stopped_by_string = False
         self.stop_token: int | None = None  # the engine's stop token / EOS: in token_ids, not in the text
 
     def decode_token(self, token_id: int) -> str:
-        return token_text(self.tokenizer, token_id)
+        return self.texts[token_id]
 
     def add(self, out: EngineCoreOutput) -> tuple[str, bool, str | None, int | str | None]:
         """Fold one step's tokens in; returns ``(text, finished, finish_reason, stop_reason)``.
@@ -91,7 +112,7 @@ class CompletionState:
         new = list(out.new_token_ids)
         if finish_reason == "stop" and new and not self.include_stop:  # ended by a stop token or EOS
             self.stop_token = new[-1]
-        new_lp = (logprob_dicts(out.new_logprobs, self.decode_token)
+        new_lp = (FlatLogprobs(out.new_logprobs.token_ids, out.new_logprobs.logprobs, out.new_logprobs.ranks)
                   if self.want_logprobs and out.new_logprobs is not None else None)
         hit = None
         texted = new[:-1] if self.stop_token is not None else new  # tokens whose text the completion shows
@@ -108,8 +129,8 @@ class CompletionState:
             self.detok.add_tokens([], finished=True)  # flush what a broken character held back
             self.detok.token_ids.append(new[-1])
         if new_lp is not None:
-            self.logprobs.extend(new_lp)
-            self.cumulative += sum(d[tok].logprob for d, tok in zip(new_lp, new))
+            self.logprobs.extend_rows(new_lp.token_ids, new_lp.logprobs, new_lp.ranks)
+            self.cumulative += new_lp.chosen_logprob_sum()
         text = self.detok.text if self.detokenize else ""
         if hit is not None:
             at, stop = hit

@@ -18,6 +18,7 @@ from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.async_llm import AsyncLLM, EngineDeadError, StreamOutput, truncate_prompt
 from models.entrypoints.openai.limits import ServerLimits, check_stop
 from models.entrypoints.openai.protocol import OpenAIError, UsageInfo, _SamplingFields
+from models.entrypoints.output_processor import token_text
 
 _FIELD_IN_MESSAGE = re.compile(r"^\s*'?([a-z_]+)'?\s*[=\[]")
 LOGPROB_FLOOR = -9999.0  # OpenAI's JSON-safe stand-in for -inf (vLLM clamps the same way)
@@ -184,8 +185,8 @@ class OpenAIServing:
         return self.async_llm.generate(prompt_token_ids, params, request_id)
 
     def token_text(self, token_id: int) -> str:
-        """One token's text as logprobs show it (special tokens included)."""
-        return self.tokenizer.decode([token_id], skip_special_tokens=False)
+        """One token's text as logprobs show it (special tokens included; cached per tokenizer)."""
+        return token_text(self.tokenizer, token_id)
 
 
 async def final_output(gen: AsyncIterator[StreamOutput]) -> StreamOutput:
