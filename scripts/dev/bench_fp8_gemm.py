@@ -9,7 +9,7 @@ GEMM, how accurate is it there, and what does a Llama-3.1-8B layer stack's GEMMs
    per M it prints the custom-call targets (``__cublas$lt$matmul$f8`` is the fp8 GEMM; ``__cublas$gemm`` /
    ``__cublas$lt$matmul`` with a wide convert of the weight would be an upcast), transposes of the weight, and
    converts of the f8 weight to a wide type. Then the same count over a 2-layer 8B-shaped fp8 model's dense forward
-   (7 fp8 GEMMs a layer expected).
+   (7 fp8 Linears a layer: 4 to 7 fp8 GEMMs, XLA's dot merger joining q/k/v and gate/up).
 2. **Accuracy on the device**: the fp8 Linear against the dequantize-then-f32-matmul reference
    (``fp8_linear_reference``, ``Precision.HIGHEST``) at M = 256: max and mean relative error (the fp8 GEMM's own
    accumulation; XLA's default precision may use Hopper's fast fp8 accumulation, as vLLM's CUTLASS kernels do);
@@ -89,8 +89,10 @@ def check_hlo(hlo_dir: pathlib.Path | None) -> bool:
     if hlo_dir is not None:
         (hlo_dir / "fp8-llama8b-2layers-dense.txt").write_text(text)
     s = hlo_summary(text)
-    ok &= s["fp8_gemms"] == 14 and not s["f8_converts"]
-    print(f"HLO 2-layer 8B fp8 model, dense forward of 64 tokens: {FP8_GEMM} x {s['fp8_gemms']} (14 expected), "
+    # 14 Linears; XLA's dot merger joins GEMMs that share their input (q/k/v, gate/up): 8 to 14 GEMMs, all fp8
+    ok &= 8 <= s["fp8_gemms"] <= 14 and not s["f8_converts"]
+    print(f"HLO 2-layer 8B fp8 model, dense forward of 64 tokens: {FP8_GEMM} x {s['fp8_gemms']} (8 to 14 expected: "
+          "14 Linears, q/k/v and gate/up may be merged), "
           f"other custom calls {sorted(set(t for t in s['targets'] if t != FP8_GEMM))}, f8->wide converts "
           f"{len(s['f8_converts'])}, f8 transposes {len(s['f8_transposes'])}")
     del model, state

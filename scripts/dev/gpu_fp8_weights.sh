@@ -2,7 +2,7 @@
 # fp8 weights on one H100 (issue 45 item 2), one device call (nvidia-h100-x1; carry .whl .dummy), logs in $OUT:
 #   (a) hlo : scripts/dev/bench_fp8_gemm.py's HLO part: the optimized HLO of one fp8 Linear at the 8B gate_proj shape
 #             for M = 1, 256, 8192 (files in $OUT/hlo/), grepped for cuBLASLt's fp8 GEMM (__cublas$lt$matmul$f8) and for
-#             f8 -> wide converts (an upcast instead); the same count over a 2-layer 8B-shaped fp8 model (14 expected);
+#             f8 -> wide converts (an upcast instead); the same count over a 2-layer 8B-shaped fp8 model (8 to 14: q/k/v and gate/up may be merged);
 #             the fp8 Linear's error on the GPU against the dequantize-then-f32-matmul reference.
 #   (b) gemm: bf16 vs fp8 GEMM stacks at the 8B layer shapes (8 layers of q/k/v/o/gate/up/down with their own
 #             weights), M = 1..8192 rows, bf16 / fp8 (f32 GEMM output, the model's) / fp8-bf16out (bf16 GEMM

@@ -4,7 +4,8 @@
 # --save-requests`), LLM and server defaults. Carry .whl .dummy (and .baseline for STAGE=sampling).
 #   STAGE=sampling: 3000 requests: the code before the sampling work (.baseline = `git archive 9d32cad`) and this
 #     tree, plain (skipped when .baseline is not carried); this tree with logprobs=5, with penalties (presence 0.5, frequency 0.5, repetition 1.1) on every
-#     request, and n=8 over the first 375 prompts (3000 sequences; SKIP_N=1 skips it); this tree plain again (the spread).
+#     request, and n=8 over the first 375 prompts (3000 sequences); this tree plain again (the spread).
+#     RUNS="plain logprobs5 ..." picks some of them (default all five).
 #   STAGE=server: 1000 requests offline (LLM), then `jaxkv serve` (its defaults: two API-server processes on this
 #     16-CPU machine) through the openai client: rate inf with 8 client processes (CPU per process role by
 #     scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
@@ -35,11 +36,13 @@ if [ "${STAGE:-sampling}" = sampling ]; then
      --load-format dummy --requests $R --backend jaxkv --no-progress --num-prompts 3000 \
      --output-json "$OUT/old-plain.json" 2>&1 | quiet | tail -8 | tee -a "$OUT/sampling.txt")
   fi
-  run new-plain 200 --num-prompts 3000
-  run new-logprobs5 200 --num-prompts 3000 --logprobs 5
-  run new-penalties 200 --num-prompts 3000 --presence-penalty 0.5 --frequency-penalty 0.5 --repetition-penalty 1.1
-  [ -n "${SKIP_N:-}" ] || run new-n8x375 200 --num-prompts 375 --n 8
-  run new-plain-again 200 --num-prompts 3000
+  runs=" ${RUNS:-plain logprobs5 penalties n8x375 plain-again} "
+  [[ $runs == *" plain "* ]] && run new-plain 200 --num-prompts 3000
+  [[ $runs == *" logprobs5 "* ]] && run new-logprobs5 200 --num-prompts 3000 --logprobs 5
+  [[ $runs == *" penalties "* ]] && run new-penalties 200 --num-prompts 3000 --presence-penalty 0.5 \
+    --frequency-penalty 0.5 --repetition-penalty 1.1
+  [[ $runs == *" n8x375 "* ]] && run new-n8x375 200 --num-prompts 375 --n 8
+  [[ $runs == *" plain-again "* ]] && run new-plain-again 200 --num-prompts 3000
   python3 - "$OUT" <<'PY' | tee -a "$OUT/sampling.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
@@ -52,7 +55,9 @@ for f in sorted(out.glob("*.json")):
     print(f"{f.stem:18s} {r['output_tokens_per_s']:10.1f} out tok/s{first}  {r['num_requests']:5d} requests  "
           f"prompt tokens computed {r.get('prompt_tokens_computed')}  round trips {r.get('round_trips')}  "
           f"model steps {r.get('model_steps')}  {r['elapsed_s']:.2f} s")
-plain = tps["new-plain"]
+plain = tps.get("new-plain")
+if plain is None:
+    sys.exit()
 for k in ("old-plain", "new-logprobs5", "new-penalties", "new-n8x375", "new-plain-again"):
     if k in tps:
         print(f"{k} / new-plain: {tps[k] / plain:.3f}")
