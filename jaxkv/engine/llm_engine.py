@@ -783,9 +783,9 @@ class LLMEngine:
             at += count
 
     def _copy_blocks(self, sched) -> None:
-        """A schedule's preempted requests give their penalty slots back (before its inputs are built: one
-        re-admitted later starts its row over); the host tier's copies a schedule asked for, before its step (and after every step dispatched
-        before it): device to host first, then the loads it began (host to device beside the steps; see
+        """Before a schedule's step (and after every step dispatched before it): its preempted requests give
+        their penalty slots back (one re-admitted later starts its row over), then the host tier's copies it
+        asked for: device to host first, then the loads it began (host to device beside the steps; see
         :mod:`jaxkv.core.host_kv_pool`)."""
         for req in sched.preempted:
             self.runner.release_slot(req)
