@@ -63,11 +63,6 @@ class LogprobStore:
         ids, lps, ranks = (np.concatenate([c[i] for c in self.chunks]) for i in range(3))
         return ids[start:], lps[start:], ranks[start:]
 
-    def entries(self, start: int = 0) -> list[tuple[list[int], list[float], int]]:
-        """Per position ``(ids, logprobs, rank)`` as Python lists."""
-        ids, lps, ranks = self.arrays(start)
-        return list(zip(ids.tolist(), lps.tolist(), ranks.tolist()))
-
     def cumulative(self) -> float:
         return float(sum(c[1][:, 0].astype("float64").sum() for c in self.chunks))
 

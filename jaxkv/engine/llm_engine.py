@@ -34,7 +34,7 @@ from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
 from jaxkv.engine.protocol import EngineCoreOutput, LogprobsLists, child_request_id
 from jaxkv.kv_cache.specs import SlidingWindowSpec
-from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput
+from jaxkv.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
 from jaxkv.sampling_params import SamplingParams
 from jaxkv.worker.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
 from jaxkv.worker.model_runner import ModelFn, ModelRunner
@@ -166,15 +166,15 @@ def _lists(entries) -> LogprobsLists | None:
                                                   [e[2] for e in entries])
 
 
-def _dicts(entries) -> list[dict[int, Logprob]]:
-    """Logprob entries ``(ids, logprobs, rank)`` as vLLM's ``{token_id: Logprob}`` (chosen token first)."""
-    out = []
-    for ids, lps, rank in entries:
-        d = {ids[0]: Logprob(lps[0], rank)}
-        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            d.setdefault(tok, Logprob(lp, r))
-        out.append(d)
-    return out
+def _store_lists(store, start: int = 0) -> LogprobsLists:
+    """Positions ``start..`` of a request's :class:`jaxkv.core.request.LogprobStore` as :class:`LogprobsLists`."""
+    ids, lps, ranks = store.arrays(start)
+    return LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
+
+
+def _dicts(lists: LogprobsLists) -> list[dict[int, Logprob]]:
+    """Logprob rows as vLLM's ``{token_id: Logprob}`` per position (chosen token first; no text)."""
+    return list(FlatLogprobs(lists.token_ids, lists.logprobs, lists.ranks))
 
 
 class LLMEngine:
@@ -639,8 +639,7 @@ class LLMEngine:
             if req.logprobs is not None:
                 start = 0 if req.final_only else req.num_logprobs_sent
                 if len(req.logprobs) > start:
-                    ids, lps, ranks = req.logprobs.arrays(start)
-                    new_lp = LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
+                    new_lp = _store_lists(req.logprobs, start)
                 req.num_logprobs_sent = len(req.logprobs)
             new_plp = None
             if req.prompt_logprobs is not None and req.num_prompt_logprobs_sent < len(req.prompt_logprobs):
@@ -840,7 +839,7 @@ class LLMEngine:
         completions = []
         for req in reqs:
             finished = req.is_finished
-            lp = None if req.logprobs is None else _dicts(req.logprobs.entries())
+            lp = None if req.logprobs is None else _dicts(_store_lists(req.logprobs))
             completions.append(CompletionOutput(
                 index=req.index, token_ids=list(req.output_token_ids), new_token_ids=list(req.new_token_ids),
                 finish_reason=RequestStatus.get_finished_reason(req.status), stop_reason=req.stop_reason,
@@ -851,7 +850,7 @@ class LLMEngine:
             first = self._children[reqs[0].parent_id][0]
         prompt_lp = None
         if first is not None and first.prompt_logprobs is not None:
-            prompt_lp = [None, *_dicts(first.prompt_logprobs)]
+            prompt_lp = [None, *_dicts(_lists(first.prompt_logprobs))] if first.prompt_logprobs else [None]
         req = reqs[0]
         return RequestOutput(request_id=req.parent_id, prompt_token_ids=req.prompt_token_ids, outputs=completions,
                              finished=all(r.is_finished for r in reqs), prompt_logprobs=prompt_lp,

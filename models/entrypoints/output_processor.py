@@ -56,21 +56,8 @@ def token_text(tokenizer, token_id: int) -> str:
 
 def logprob_dicts(lists: LogprobsLists, texts: TokenTexts) -> list[dict[int, Logprob]]:
     """:class:`LogprobsLists` as vLLM's ``{token_id: Logprob}`` per position, ``decoded_token`` from
-    ``texts`` (:func:`token_texts`); the chosen token first, then the top ones by rank.
-
-    About 1 us per entry on the front end's process: the cost of ``logprobs`` for an offline ``generate``."""
-    out = []
-    append = out.append
-    for ids, lps, rank in zip(lists.token_ids, lists.logprobs, lists.ranks):
-        chosen = ids[0]
-        d = {chosen: Logprob(lps[0], rank, texts[chosen])}
-        r = 1
-        for tok, lp in zip(ids[1:], lps[1:]):
-            if tok not in d:
-                d[tok] = Logprob(lp, r, texts[tok])
-            r += 1
-        append(d)
-    return out
+    ``texts`` (:func:`token_texts`); the chosen token first, then the top ones by rank."""
+    return list(FlatLogprobs(lists.token_ids, lists.logprobs, lists.ranks, texts))
 
 
 class CompletionState:
@@ -98,9 +85,6 @@ class CompletionState:
         self.finished = False
         self.stopped_by_string = False
         self.stop_token: int | None = None  # the engine's stop token / EOS: in token_ids, not in the text
-
-    def decode_token(self, token_id: int) -> str:
-        return self.texts[token_id]
 
     def add(self, out: EngineCoreOutput) -> tuple[str, bool, str | None, int | str | None]:
         """Fold one step's tokens in; returns ``(text, finished, finish_reason, stop_reason)``.
