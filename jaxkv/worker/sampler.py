@@ -216,8 +216,11 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
     Args:
         logits: ``f32[R, vocab]`` raw logits.
         params, extras, features: as :func:`sample_with_features`.
-        output_counts, prompt_mask: with ``features.penalties``: ``int32[R, vocab]`` / ``bool[R, vocab]``, or
-            ``None`` to build them from ``extras``.
+        output_counts, prompt_mask: with ``features.penalties`` (required): ``int32[R, vocab]`` /
+            ``bool[R, vocab]`` (:func:`token_counts` of the rows' output and prompt tokens).
+
+    Raises:
+        ValueError: ``features.penalties`` without ``output_counts`` and ``prompt_mask``.
 
     Returns:
         ``f32[R, vocab]``.
@@ -241,10 +244,9 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
         ids = extras["bias_ids"]
         logits = logits.at[rows, jnp.where(ids >= 0, ids, vocab)].add(extras["bias_values"], mode="drop")
     if features.penalties:
-        if output_counts is None:
-            output_counts = token_counts(extras["output_ids"], vocab)
-        if prompt_mask is None:
-            prompt_mask = token_counts(extras["prompt_ids"], vocab) > 0
+        if output_counts is None or prompt_mask is None:
+            raise ValueError("features.penalties needs output_counts and prompt_mask (token_counts of the rows' "
+                             "output and prompt tokens)")
         logits = apply_penalties(logits, output_counts, prompt_mask, extras["presence"], extras["frequency"],
                                  extras["repetition"])
     return logits
@@ -269,8 +271,8 @@ def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict
         extras: the per-row arrays ``features`` names (:class:`SamplerFeatures`).
         features: static.
         output_counts, prompt_mask: with ``features.penalties``, ``int32[R, vocab]`` counts of each row's
-            generated tokens and ``bool[R, vocab]`` its prompt's tokens (a decode loop keeps the counts up
-            to date across its steps); ``None``: built from ``extras``.
+            generated tokens and ``bool[R, vocab]`` its prompt's tokens (the runner keeps them per slot on
+            the device, and a decode loop up to date across its steps).
 
     Returns:
         ``(tokens int32[R], logprobs)``: ``logprobs`` is :func:`raw_logprobs`' dict when

@@ -16,7 +16,14 @@ import pytest
 
 import models
 from jaxkv.sampling_params import SamplingParams
-from jaxkv.worker.sampler import SamplerFeatures, SamplingArrays, apply_min_p, process_logits, raw_logprobs
+from jaxkv.worker.sampler import (
+    SamplerFeatures,
+    SamplingArrays,
+    apply_min_p,
+    process_logits,
+    raw_logprobs,
+    token_counts,
+)
 from tests.models.test_llama_paged import TINY, _engine, _tiny_model
 
 V = TINY.vocab_size
@@ -95,8 +102,7 @@ def test_processors_equal_numpy_on_model_logits(model):
     for r, (p, o) in enumerate(zip(prompts, outputs)):
         hist[r, :len(p)] = p
         out_ids[r, :len(o)] = o
-    extras = dict(output_ids=out_ids, prompt_ids=hist,
-                  presence=np.array([sp.presence_penalty for sp in sps], np.float32),
+    extras = dict(presence=np.array([sp.presence_penalty for sp in sps], np.float32),
                   frequency=np.array([sp.frequency_penalty for sp in sps], np.float32),
                   repetition=np.array([sp.repetition_penalty for sp in sps], np.float32),
                   bias_ids=np.array([[-1, -1], [3, 9], [-1, -1], [-1, -1]], np.int32),
@@ -105,7 +111,8 @@ def test_processors_equal_numpy_on_model_logits(model):
                   has_allowed=np.array([0, 0, 1, 0], np.int32),
                   bad_ids=np.array([[-1, -1], [-1, -1], [-1, -1], [11, 13]], np.int32))  # the runner's matches
     feats = SamplerFeatures(penalties=True, logit_bias=True, allowed=True, bad_words=True)
-    got = np.asarray(process_logits(logits, _arrays(4), extras, feats))
+    got = np.asarray(process_logits(logits, _arrays(4), extras, feats, output_counts=token_counts(out_ids, V),
+                                    prompt_mask=token_counts(hist, V) > 0))
     for r in range(4):
         want = np_process(logits[r], sps[r], prompts[r], outputs[r])
         finite = np.isfinite(want)
