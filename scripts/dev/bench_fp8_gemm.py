@@ -33,6 +33,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
+from bench_fused_gemm import print_kernels  # this folder: on sys.path when run as a script
 
 from models.quantization import FP8_DTYPE, fp8_linear, fp8_linear_reference, quantize_weight
 
@@ -167,28 +168,6 @@ def stack(weights, x, variant: str):
         h = lin(q + jnp.tile(k + v, Q // KV), lw["o"])
         x = x + h + lin(jax.nn.silu(g) * u, lw["down"])
     return x
-
-
-def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
-    """CUPTI (``torch.profiler``) table of the ``top`` kernels of ``calls`` calls of ``run``: us and launches per
-    call (GPU only)."""
-    if jax.default_backend() != "gpu":
-        return
-    try:
-        from torch.profiler import ProfilerActivity, profile
-    except ImportError:
-        print(f"   kernels, {label}: torch is not installed, no CUPTI table")
-        return
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(calls):
-            run()
-        sync()
-    events = sorted((e for e in prof.key_averages() if e.device_time_total > 0), key=lambda e: -e.device_time_total)
-    total = sum(e.device_time_total for e in events) / calls
-    print(f"   kernels, {label}: {total:9.1f} us of device time per stack")
-    for e in events[:top]:
-        print(f"   {e.device_time_total / calls:9.1f} us {e.count / calls:5.1f} x "
-              f"{e.device_time_total / e.count:7.1f} us  {e.key[:90]}")
 
 
 def time_stacks(a) -> None:

@@ -63,8 +63,15 @@ def stack(weights, x, q, kv, f, fused, silu=jax.nn.silu, tile=jnp.tile):
 
 
 def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
-    """CUPTI (``torch.profiler``) table of the ``top`` kernels of ``calls`` calls of ``run``: us and launches per call."""
-    from torch.profiler import ProfilerActivity, profile
+    """CUPTI (``torch.profiler``) table of the ``top`` kernels of ``calls`` calls of ``run``: us and launches per
+    call (GPU only; without torch a line says so)."""
+    if jax.default_backend() != "gpu":
+        return
+    try:
+        from torch.profiler import ProfilerActivity, profile
+    except ImportError:
+        print(f"   kernels, {label}: torch is not installed, no CUPTI table")
+        return
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             run()
@@ -73,8 +80,8 @@ def print_kernels(run, sync, calls: int, top: int, label: str) -> None:
     total = sum(e.device_time_total for e in events) / calls
     print(f"   kernels, {label}: {total:9.1f} us of device time per stack")
     for e in events[:top]:
-        print(f"   {e.device_time_total / calls:9.1f} us {e.count / calls:5.1f} x {e.device_time_total / e.count:7.1f} us  "
-              f"{e.key[:80]}")
+        print(f"   {e.device_time_total / calls:9.1f} us {e.count / calls:5.1f} x "
+              f"{e.device_time_total / e.count:7.1f} us  {e.key[:90]}")
 
 
 def jax_timer(a, fused):
