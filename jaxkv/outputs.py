@@ -25,7 +25,7 @@ class Logprob:
 
 
 class FlatLogprobs(Sequence):
-    """Per generated token ``{token_id: Logprob}``, stored flat (vLLM ``FlatLogprobs``): the rows the engine
+    """Per generated token ``{token_id: Logprob}``, stored flat (vLLM ``FlatLogprobs``): the NumPy rows the engine
     sent, and a position's dict built only when it is read (``logprobs[i]``, iteration, slicing). An offline
     ``generate`` with ``logprobs=5`` would otherwise build six ``Logprob`` objects per token on the front
     end's process, time that the engine-core process then waits for requests.
@@ -34,48 +34,93 @@ class FlatLogprobs(Sequence):
     against any sequence of dicts (a ``list[dict[int, Logprob]]`` with the same entries is equal).
 
     Attributes:
-        token_ids: per position, the chosen token then the top-k tokens (``list[list[int]]``).
-        logprobs: their logprobs (``list[list[float]]``).
-        ranks: the chosen token's rank per position (``list[int]``; 1 = most likely); the top-k tokens'
-            ranks are ``1..k`` in order.
+        token_ids: ``int[n, 1 + k]``: per position, the chosen token then the top-k tokens in rank order.
+        logprobs: ``float[n, 1 + k]``: their logprobs (float32 from the engine).
+        ranks: ``int[n]``: the chosen token's rank per position (1 = most likely); the top-k tokens' ranks
+            are ``1..k`` in order.
         texts: ``token_id -> text`` for ``Logprob.decoded_token`` (``None``: no text).
+
+    Raises:
+        ValueError: rows of different widths, or shapes that disagree (:meth:`extend_rows`).
     """
 
-    __slots__ = ("logprobs", "ranks", "texts", "token_ids")
+    __slots__ = ("_chunks", "_joined", "_len", "texts")
 
-    def __init__(self, token_ids: list[list[int]] | None = None, logprobs: list[list[float]] | None = None,
-                 ranks: list[int] | None = None, texts: Mapping[int, str] | None = None):
-        self.token_ids = [] if token_ids is None else token_ids
-        self.logprobs = [] if logprobs is None else logprobs
-        self.ranks = [] if ranks is None else ranks
+    def __init__(self, token_ids=None, logprobs=None, ranks=None, texts: Mapping[int, str] | None = None):
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+        self._joined: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._len = 0
         self.texts = texts
+        if token_ids is not None:
+            self.extend_rows(token_ids, logprobs, ranks)
 
-    def extend_rows(self, token_ids: list[list[int]], logprobs: list[list[float]], ranks: list[int]) -> None:
-        """Append positions (the rows of a ``LogprobsLists``)."""
-        self.token_ids.extend(token_ids)
-        self.logprobs.extend(logprobs)
-        self.ranks.extend(ranks)
+    def extend_rows(self, token_ids, logprobs, ranks) -> None:
+        """Append positions: ``[n, 1 + k]`` ids and logprobs and ``[n]`` ranks (arrays, a
+        :class:`jaxkv.engine.protocol.LogprobsLists`' views, or nested lists)."""
+        ids, lps, rks = np.asarray(token_ids), np.asarray(logprobs), np.asarray(ranks)
+        if rks.size == 0 and ids.size == 0:
+            return
+        if ids.ndim != 2 or lps.shape != ids.shape or rks.shape != ids.shape[:1]:
+            raise ValueError(f"FlatLogprobs: token_ids {ids.shape}, logprobs {lps.shape} and ranks {rks.shape} "
+                             "must be [n, 1 + k], [n, 1 + k] and [n]")
+        if self._chunks and self._chunks[0][0].shape[1] != ids.shape[1]:
+            raise ValueError(f"FlatLogprobs: rows of width {ids.shape[1]} after rows of width "
+                             f"{self._chunks[0][0].shape[1]}")
+        self._chunks.append((ids, lps, rks))
+        self._len += len(rks)
+        self._joined = None
+
+    def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        if self._joined is None:
+            if not self._chunks:
+                self._joined = (np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32), np.zeros(0, np.int32))
+            elif len(self._chunks) == 1:
+                self._joined = self._chunks[0]
+            else:
+                self._joined = tuple(np.concatenate([c[i] for c in self._chunks]) for i in range(3))
+                self._chunks = [self._joined]
+        return self._joined
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        return self._arrays()[0]
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        return self._arrays()[1]
+
+    @property
+    def ranks(self) -> np.ndarray:
+        return self._arrays()[2]
 
     def chosen_logprob_sum(self) -> float:
-        """The sum of the chosen tokens' logprobs (``cumulative_logprob``)."""
-        return float(sum(row[0] for row in self.logprobs))
+        """The sum of the chosen tokens' logprobs (``cumulative_logprob``), in float64."""
+        return float(sum(c[1][:, 0].sum(dtype=np.float64) for c in self._chunks))
 
     def __len__(self) -> int:
-        return len(self.ranks)
+        return self._len
 
-    def _dict(self, i: int) -> dict[int, Logprob]:
-        ids, lps, texts = self.token_ids[i], self.logprobs[i], self.texts
+    def _row_dict(self, ids: list, lps: list, rank: int) -> dict[int, Logprob]:
+        texts = self.texts
         chosen = ids[0]
-        d = {chosen: Logprob(lps[0], self.ranks[i], None if texts is None else texts[chosen])}
-        for r, (tok, lp) in enumerate(zip(ids[1:], lps[1:]), start=1):
-            if tok not in d:
-                d[tok] = Logprob(lp, r, None if texts is None else texts[tok])
+        d = {chosen: Logprob(lps[0], rank, None if texts is None else texts[chosen])}
+        for r in range(1, len(ids)):
+            tok = ids[r]
+            if tok not in d:  # the chosen token among the top ones keeps its own rank
+                d[tok] = Logprob(lps[r], r, None if texts is None else texts[tok])
         return d
 
     def __getitem__(self, i):
+        ids, lps, rks = self._arrays()
         if isinstance(i, slice):
-            return FlatLogprobs(self.token_ids[i], self.logprobs[i], self.ranks[i], self.texts)
-        return self._dict(range(len(self))[i])  # negative indices; IndexError names the range
+            return FlatLogprobs(ids[i], lps[i], rks[i], self.texts)
+        i = range(len(self))[i]  # negative indices; IndexError names the range
+        return self._row_dict(ids[i].tolist(), lps[i].tolist(), int(rks[i]))
+
+    def __iter__(self):
+        ids, lps, rks = self._arrays()
+        for row_ids, row_lps, rank in zip(ids.tolist(), lps.tolist(), rks.tolist()):
+            yield self._row_dict(row_ids, row_lps, rank)
 
     def __eq__(self, other) -> bool:
         if not isinstance(other, Sequence) or isinstance(other, (str, bytes)) or len(other) != len(self):

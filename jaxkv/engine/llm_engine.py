@@ -162,14 +162,15 @@ def _check_params(request_id: str, params: SamplingParams, *, vocab_size: int | 
 
 
 def _lists(entries) -> LogprobsLists | None:
-    return None if not entries else LogprobsLists([e[0] for e in entries], [e[1] for e in entries],
-                                                  [e[2] for e in entries])
+    """Prompt-logprob rows ``(ids, logprobs, rank)`` as :class:`LogprobsLists` (``None`` for none)."""
+    if not entries:
+        return None
+    return LogprobsLists.from_arrays([e[0] for e in entries], [e[1] for e in entries], [e[2] for e in entries])
 
 
 def _store_lists(store, start: int = 0) -> LogprobsLists:
     """Positions ``start..`` of a request's :class:`jaxkv.core.request.LogprobStore` as :class:`LogprobsLists`."""
-    ids, lps, ranks = store.arrays(start)
-    return LogprobsLists(ids.tolist(), lps.tolist(), ranks.tolist())
+    return LogprobsLists.from_arrays(*store.arrays(start))
 
 
 def _dicts(lists: LogprobsLists) -> list[dict[int, Logprob]]:

@@ -2,7 +2,7 @@
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``,
 ``EngineCoreRequestType``) and ``v1/serial_utils.py``. Messages carry token ids and small structs, never
-text or arrays: one message per step per direction. They are ``msgspec`` structs of a tagged union, so
+text, and arrays only as raw bytes (:class:`LogprobsLists`): one message per step per direction. They are ``msgspec`` structs of a tagged union, so
 one decoder reads every kind and a malformed message fails loudly (``msgspec.ValidationError``).
 
 Front end → engine core (over the core's DEALER socket, from the front end's ROUTER):
@@ -27,6 +27,7 @@ from __future__ import annotations
 from typing import Any, Union
 
 import msgspec
+import numpy as np
 
 from jaxkv.sampling_params import SamplingParams
 
@@ -81,16 +82,58 @@ class Shutdown(msgspec.Struct, tag="shutdown", array_like=True):
 
 
 class LogprobsLists(msgspec.Struct, array_like=True, gc=False):
-    """Log-probabilities of consecutive positions, compact (vLLM ``LogprobsLists``): position ``p``'s
-    ``token_ids[p]`` are the chosen token (sampled, or the prompt's next token) then the top-k tokens,
-    ``logprobs[p]`` theirs, ``ranks[p]`` the chosen token's rank (1 = most likely)."""
+    """Log-probabilities of consecutive positions (vLLM ``LogprobsLists``), sent as the raw bytes of three
+    little-endian arrays: msgpack then copies three buffers per message instead of walking ``n * (k + 1)``
+    numbers, and the front end views them with NumPy without building a Python object per number.
 
-    token_ids: list[list[int]]
-    logprobs: list[list[float]]
-    ranks: list[int]
+    Position ``p``'s ``token_ids[p]`` are the chosen token (sampled, or the prompt's next token) then the top-k
+    tokens in rank order, ``logprobs[p]`` theirs, ``ranks[p]`` the chosen token's rank (1 = most likely).
+    Build one with :meth:`from_arrays`; read it through the properties.
+
+    Attributes:
+        token_ids_raw: ``int32[n, width]`` C order, little-endian.
+        logprobs_raw: ``float32[n, width]``.
+        ranks_raw: ``int32[n]``.
+        width: ``1 + k``.
+    """
+
+    token_ids_raw: bytes
+    logprobs_raw: bytes
+    ranks_raw: bytes
+    width: int
+
+    @classmethod
+    def from_arrays(cls, token_ids, logprobs, ranks) -> "LogprobsLists":
+        """From ``int[n, width]`` ids, ``float[n, width]`` logprobs and ``int[n]`` ranks (arrays or nested lists).
+
+        Raises:
+            ValueError: shapes that disagree (naming them).
+        """
+        ids = np.ascontiguousarray(token_ids, dtype="<i4")
+        lps = np.ascontiguousarray(logprobs, dtype="<f4")
+        rks = np.ascontiguousarray(ranks, dtype="<i4")
+        if ids.ndim != 2 or lps.shape != ids.shape or rks.shape != ids.shape[:1]:
+            raise ValueError(f"LogprobsLists: token_ids {ids.shape}, logprobs {lps.shape} and ranks {rks.shape} "
+                             "must be [n, width], [n, width] and [n]")
+        return cls(ids.tobytes(), lps.tobytes(), rks.tobytes(), ids.shape[1])
+
+    @property
+    def ranks(self) -> np.ndarray:
+        """``int32[n]`` (a read-only view of the bytes)."""
+        return np.frombuffer(self.ranks_raw, "<i4")
+
+    @property
+    def token_ids(self) -> np.ndarray:
+        """``int32[n, width]`` (a read-only view)."""
+        return np.frombuffer(self.token_ids_raw, "<i4").reshape(len(self), self.width)
+
+    @property
+    def logprobs(self) -> np.ndarray:
+        """``float32[n, width]`` (a read-only view)."""
+        return np.frombuffer(self.logprobs_raw, "<f4").reshape(len(self), self.width)
 
     def __len__(self) -> int:
-        return len(self.ranks)
+        return len(self.ranks_raw) // 4
 
 
 def child_request_id(request_id: str, index: int) -> str:

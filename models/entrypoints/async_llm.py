@@ -564,14 +564,16 @@ class _MPAsyncLLM(AsyncLLM):
 
 
 def lists_of(logprobs: list[dict[int, Logprob]], token_ids: Sequence[int]) -> LogprobsLists:
-    """``{token_id: Logprob}`` per position (the chosen ``token_ids``) back to :class:`LogprobsLists`."""
-    ids, lps, ranks = [], [], []
+    """``{token_id: Logprob}`` per position (the chosen ``token_ids``) back to :class:`LogprobsLists`: the chosen
+    token, then every entry of the dict in rank order, padded to one width with the chosen token (a repeat of
+    the chosen token is skipped when the dict is rebuilt, so every position reads back as its dict)."""
+    rows = []
     for d, tok in zip(logprobs, token_ids):
-        others = sorted((t for t in d if t != tok), key=lambda t: d[t].rank or 0)
-        ids.append([tok, *others])
-        lps.append([d[tok].logprob, *(d[t].logprob for t in others)])
-        ranks.append(d[tok].rank or 0)
-    return LogprobsLists(ids, lps, ranks)
+        rows.append([(tok, d[tok].logprob)] + [(t, d[t].logprob) for t in sorted(d, key=lambda t: d[t].rank or 0)])
+    width = max((len(r) for r in rows), default=1)
+    rows = [r + [r[0]] * (width - len(r)) for r in rows]
+    return LogprobsLists.from_arrays([[t for t, _ in r] for r in rows], [[lp for _, lp in r] for r in rows],
+                                     [d[tok].rank or 0 for d, tok in zip(logprobs, token_ids)])
 
 
 def core_output_of(out, completion) -> EngineCoreOutput:

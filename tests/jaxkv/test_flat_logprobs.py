@@ -36,3 +36,42 @@ def test_flat_logprobs_reads_as_the_list_of_dicts():
     with pytest.raises(IndexError):
         flat[9]
     assert FlatLogprobs(ids, lps, ranks)[0][ids[0][0]].decoded_token is None  # no texts: no decoded_token
+
+
+def test_logprobs_lists_round_trip_through_the_wire_as_raw_arrays():
+    from jaxkv.engine.protocol import EngineCoreOutput, EngineCoreOutputs, LogprobsLists, decode_output, encode
+
+    rng = np.random.default_rng(1)
+    ids = rng.integers(0, 50_000, (7, 6)).astype(np.int32)
+    lps = rng.standard_normal((7, 6)).astype(np.float32)
+    ranks = rng.integers(1, 9, 7).astype(np.int32)
+    lists = LogprobsLists.from_arrays(ids, lps, ranks)
+    msg = decode_output(encode(EngineCoreOutputs(0, [EngineCoreOutput("r", [1, 2], new_logprobs=lists)])))
+    got = msg.outputs[0].new_logprobs
+    assert len(got) == 7 and got.width == 6
+    np.testing.assert_array_equal(got.token_ids, ids)
+    np.testing.assert_array_equal(got.logprobs, lps)
+    np.testing.assert_array_equal(got.ranks, ranks)
+    texts = {int(t): str(t) for t in ids.ravel()}
+    assert list(FlatLogprobs(got.token_ids, got.logprobs, got.ranks, texts)) == _reference(
+        ids.tolist(), lps.tolist(), ranks.tolist(), texts)
+    with pytest.raises(ValueError, match="ranks"):
+        LogprobsLists.from_arrays(ids, lps, ranks[:3])
+
+
+def test_flat_logprobs_rejects_rows_of_another_width():
+    flat = FlatLogprobs([[1, 2]], [[-0.5, -0.25]], [2])
+    with pytest.raises(ValueError, match="width 3 after rows of width 2"):
+        flat.extend_rows([[1, 2, 3]], [[-0.5, -0.25, -1.0]], [2])
+
+
+def test_lists_of_reads_back_as_the_dicts_with_the_chosen_token_anywhere():
+    """The in-process path's dicts -> rows -> dicts: chosen token first in the top-k, last in it, and outside."""
+    from models.entrypoints.async_llm import lists_of
+
+    top = {10: Logprob(-0.5, 1), 11: Logprob(-1.0, 2), 12: Logprob(-1.5, 3)}
+    dicts = [dict(top), dict(top), {**top, 99: Logprob(-4.0, 17)}]
+    chosen = [10, 12, 99]
+    rows = lists_of(dicts, chosen)
+    assert rows.width == 5  # the widest position: the chosen token then four entries
+    assert list(FlatLogprobs(rows.token_ids, rows.logprobs, rows.ranks)) == dicts

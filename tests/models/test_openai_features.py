@@ -5,9 +5,10 @@
 
 * completion ``c`` of a request emits the bytes of ``TEXT`` starting at offset ``4 * c`` (one byte-token per
   step), or a prompt's script (``@name`` in the prompt: ``SCRIPTS[name]`` then EOS);
-* the sampled token at position ``j`` of completion ``c`` has logprob ``-(j + 1) / 8 - c / 100`` and rank
+* the sampled token at position ``j`` of completion ``c`` has logprob ``-(j + 1) / 8 - c / 64`` and rank
   ``k + 1`` (``k`` = the request's ``logprobs``); the top-``k`` tokens are the digits ``"0"``, ``"1"``, ...
-  with logprob ``-(r + 1) / 100`` and rank ``r + 1``;
+  with logprob ``-(r + 1) / 128`` and rank ``r + 1`` (binary fractions: float32, the engine's wire type,
+  holds them exactly);
 * prompt token ``p >= 1`` has logprob ``-p / 4`` (rank ``k + 1``), with the same digits as the top ones.
 
 Each test builds its expected JSON from these rules, and the official ``openai`` client parses the answers.
@@ -78,11 +79,11 @@ class ByteTokenizer:
 
 
 def sample_logprob(j: int, c: int) -> float:
-    return -(j + 1) / 8 - c / 100
+    return -(j + 1) / 8 - c / 64
 
 
 def alt_logprob(r: int) -> float:
-    return -(r + 1) / 100
+    return -(r + 1) / 128
 
 
 def _alts(k: int) -> dict[int, Logprob]:
@@ -326,9 +327,9 @@ def test_completion_prompt_logprobs_field(server):
     assert r.status_code == 200, r.text
     got = r.json()["choices"][0]["prompt_logprobs"]
     assert got == [None, {"98": {"logprob": -0.25, "rank": 2, "decoded_token": "b"},
-                          "48": {"logprob": -0.01, "rank": 1, "decoded_token": "0"}},
+                          "48": {"logprob": alt_logprob(0), "rank": 1, "decoded_token": "0"}},
                    {"99": {"logprob": -0.5, "rank": 2, "decoded_token": "c"},
-                    "48": {"logprob": -0.01, "rank": 1, "decoded_token": "0"}}]
+                    "48": {"logprob": alt_logprob(0), "rank": 1, "decoded_token": "0"}}]
     r = httpx.post(server[0] + "/v1/completions", timeout=10, json={
         "model": MODEL, "prompt": "abc", "max_tokens": 1, "prompt_logprobs": 1, "stream": True})
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt_logprobs"
