@@ -63,16 +63,12 @@ BENCH_SCHEMA = {"type": "object", "properties": {
     "required": ["title", "rating", "genre"]}
 
 
-def mark_structured(requests: list[SampleRequest], fraction: float) -> int:
-    """Give ``response_format`` (a json_schema of :data:`BENCH_SCHEMA`) to an evenly spread ``fraction`` of
-    ``requests`` (request ``i`` when ``floor((i + 1) * fraction) > floor(i * fraction)``); returns how many."""
-    marked = 0
-    for i, r in enumerate(requests):
-        if int((i + 1) * fraction) > int(i * fraction):
-            r.extra = {"response_format": {"type": "json_schema",
-                                           "json_schema": {"name": "review", "schema": BENCH_SCHEMA}}}
-            marked += 1
-    return marked
+def mark_structured(requests: list[SampleRequest], fraction: float) -> list[SampleRequest]:
+    """``requests`` with ``response_format`` (a json_schema of :data:`BENCH_SCHEMA`) on an evenly spread
+    ``fraction`` of them (request ``i`` when ``floor((i + 1) * fraction) > floor(i * fraction)``)."""
+    rf = {"response_format": {"type": "json_schema", "json_schema": {"name": "review", "schema": BENCH_SCHEMA}}}
+    return [dataclasses.replace(r, extra={**(r.extra or {}), **rf}) if int((i + 1) * fraction) > int(i * fraction)
+            else r for i, r in enumerate(requests)]
 
 
 def load_requests(args: argparse.Namespace, tokenizer, num: int) -> list[SampleRequest]:
@@ -519,7 +515,8 @@ def main(argv=None) -> int:
         runs = 1 if args.same_prompts else len(args.rates)
         pool = load_requests(args, tokenizer, per_run * runs + args.warmup_requests)
         if args.json_schema_fraction:  # the warm-up requests too: their programs compile before timing
-            print(f"{mark_structured(pool, args.json_schema_fraction)} requests (warm-up included) with "
+            pool = mark_structured(pool, args.json_schema_fraction)
+            print(f"{sum(r.extra is not None for r in pool)} requests (warm-up included) with "
                   "response_format json_schema")
         if args.sample_only:
             print(f"sampled {len(pool)} requests ({sum(r.prompt_len for r in pool)} prompt tokens, "

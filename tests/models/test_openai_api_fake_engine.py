@@ -472,3 +472,16 @@ def test_bench_serving_server_delta_across_api_server_processes():
     assert bench_serving._server_delta(before, after) == {"num_preemptions": 3}
     after["api_server_index"] = 0
     assert bench_serving._server_delta(before, after) == {"num_preemptions": 3, "num_generation_tokens_total": -800}
+
+
+def test_bench_serving_json_schema_fraction_marks_an_even_share():
+    """``--json-schema-fraction``: the requests keep their fields; an evenly spread share gets the schema."""
+    from models.benchmarks import serving as bench_serving
+
+    reqs = [bench_serving.SampleRequest(prompt=f"p{i}", prompt_len=2, output_len=4,
+                                        extra={"seed": i} if i == 1 else None) for i in range(10)]
+    marked = bench_serving.mark_structured(reqs, 0.5)
+    with_schema = [i for i, r in enumerate(marked) if r.extra and "response_format" in r.extra]
+    assert with_schema == [1, 3, 5, 7, 9]  # request i when floor((i + 1) / 2) > floor(i / 2)
+    assert marked[1].extra["seed"] == 1 and marked[3].extra["response_format"]["type"] == "json_schema"
+    assert [r.prompt for r in marked] == [r.prompt for r in reqs] and reqs[3].extra is None  # inputs untouched

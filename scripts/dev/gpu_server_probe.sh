@@ -1,0 +1,104 @@
+#!/usr/bin/env bash
+# Issue 44 item 5: where a server run at rate inf loses against offline (one GPU call, ~4 min). SmolLM2 shapes
+# with random weights, ShareGPT requests (.dummy/requests-3000.json); carry .whl (with py-spy) and .dummy.
+#   1. offline LLM on requests 0..999 (the reference);
+#   2. a fresh server (defaults), 500 warm-up requests (2000..2499, 32 tokens), then requests 0..999 at rate inf
+#      through 8 openai client processes, under scripts/dev/proc_cpu.py with py-spy on the core and API servers;
+#   3. the same with CPUs split by role (taskset): the engine core alone on two physical cores, the API servers
+#      on two more, the clients on the rest: does sharing cores (hyperthread siblings) with the clients cost it?
+# Usage (device tool, repository root): bash scripts/dev/gpu_server_probe.sh
+set -uo pipefail
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache PATH=/tmp/site/bin:$PATH
+OUT=${OUT:-/tmp/server_probe}
+mkdir -p "$OUT"
+[ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
+lscpu | grep -e "^CPU(s)" -e "Thread(s) per core" -e "Core(s) per socket" -e "Model name" | tee -a "$OUT/device.txt"
+quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "Unable to initialize backend" -e "^INFO" \
+  -e "Processed prompts"; }
+S=$PWD/.dummy/smollm2-header.gguf
+python3 - <<'PY'
+import json
+r = json.load(open(".dummy/requests-3000.json"))
+json.dump(r[:1000], open("/tmp/req-a.json", "w"))
+json.dump(r[2000:2500] + r[:1000], open("/tmp/req-wa.json", "w"))
+PY
+# CPU sets by physical core: E = 2 cores for the engine core, A = 2 for the API servers, C = the rest
+read -r E A C < <(python3 - <<'PY'
+import os, collections
+cores = collections.defaultdict(list)
+for c in sorted(os.sched_getaffinity(0)):
+    t = f"/sys/devices/system/cpu/cpu{c}/topology"
+    key = (open(f"{t}/physical_package_id").read().strip(), open(f"{t}/core_id").read().strip())
+    cores[key].append(c)
+groups = list(cores.values())
+fmt = lambda gs: ",".join(str(c) for g in gs for c in g)
+print(fmt(groups[:2]), fmt(groups[2:4]), fmt(groups[4:]))
+PY
+)
+echo "CPU sets: engine core $E, API servers $A, clients $C" | tee -a "$OUT/device.txt"
+
+echo "=== offline, requests 0..999" | tee "$OUT/probe.txt"
+timeout 200 python3 scripts/bench_throughput.py --model $S --load-format dummy --requests /tmp/req-a.json \
+  --backend jaxkv --no-progress --num-prompts 1000 --output-json "$OUT/offline.json" 2>&1 | quiet | tail -4 \
+  | tee -a "$OUT/probe.txt"
+start() {  # a fresh server: $1 = log name
+  python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 \
+    > "$OUT/server-$1.log" 2>&1 &
+  SERVER=$!
+  for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
+}
+stop() { kill -TERM $SERVER; wait $SERVER; }
+C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000 \
+  --requests /tmp/req-wa.json --warmup-requests 500 --warmup-max-tokens 32 --request-rate inf --client-processes 8"
+
+start default
+echo "=== default placement: rate inf, 8 openai client processes, py-spy on the core and API servers" \
+  | tee -a "$OUT/probe.txt"
+timeout 150 python3 scripts/dev/proc_cpu.py --py-spy "$OUT/spy" -- python3 $C_ARGS --result-json "$OUT/inf-default.json" \
+  2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
+stop
+
+start pinned
+for pid in $(pgrep -f "models.entrypoints.openai.server") $(pgrep -f "scripts/serve.py"); do
+  taskset -a -p -c "$A" "$pid" > /dev/null
+done
+for pid in $(pgrep -f "jaxkv.engine.core"); do taskset -a -p -c "$E" "$pid" > /dev/null; done
+echo "=== CPUs by role (core $E, API $A, clients $C): rate inf, 8 openai client processes" | tee -a "$OUT/probe.txt"
+timeout 150 taskset -c "$C" python3 scripts/dev/proc_cpu.py -- python3 $C_ARGS --result-json "$OUT/inf-pinned.json" \
+  2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
+stop
+
+start default-again
+echo "=== default placement again (the spread), no py-spy" | tee -a "$OUT/probe.txt"
+timeout 150 python3 scripts/dev/proc_cpu.py -- python3 $C_ARGS --result-json "$OUT/inf-default-again.json" \
+  2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
+stop
+python3 - "$OUT" <<'PY' | tee -a "$OUT/probe.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+off = json.loads((out / "offline.json").read_text())["results"][-1]["output_tokens_per_s"]
+print(f"offline {off:.0f} out tok/s")
+for name in ("inf-default", "inf-pinned", "inf-default-again"):
+    f = out / f"{name}.json"
+    if f.exists():
+        r = json.loads(f.read_text())["runs"][0]
+        print(f"{name:18s} {r['output_throughput']:8.0f} out tok/s = {r['output_throughput'] / off:.3f}x offline, "
+              f"{r['duration_s']:.2f} s, server {r.get('server')}")
+PY
+for f in "$OUT"/spy/*.txt; do  # collapsed stacks -> the top frames by own samples, per process
+  [ -f "$f" ] && python3 - "$f" <<'PY' > "${f%.txt}.top.txt"
+import collections, sys
+own, total = collections.Counter(), 0
+for line in open(sys.argv[1]):
+    stack, _, n = line.rstrip().rpartition(" ")
+    n = int(n); total += n
+    frames = stack.split(";")
+    own[frames[-1]] += n
+print(f"{total} samples")
+for frame, n in own.most_common(40):
+    print(f"{100 * n / total:5.1f} %  {frame}")
+PY
+done
+ls -la "$OUT"/spy 2>/dev/null | head
