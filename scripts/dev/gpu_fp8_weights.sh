@@ -42,17 +42,25 @@ if [ $stage = all ] || [ $stage = e2e ]; then
   TOK=""
   [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer .dummy/llama3-tokenizer"
   B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
-  for q in fp8 none; do
+  # E2E_RUNS: which runs, in order (fp8 = fp8 weights, fp8kv = fp8 weights + fp8 KV cache, none = bf16);
+  # E2E_XLA_FLAGS: XLA_FLAGS for every run (an A/B of the flags is two calls); E2E_PROFILE=1: --profile-busy
+  # (a second, traced pass: the kernel table). GPU memory in use is sampled every 2 s (mem-RUN.csv).
+  for q in ${E2E_RUNS:-fp8 none}; do
     left=$(( 590 - SECONDS ))
     if [ $left -lt 60 ]; then echo "== (c) $q: skipped, ${left} s left" | tee -a $OUT/e2e.txt; continue; fi
-    flag=""; [ $q = fp8 ] && flag="--quantization fp8"
-    echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, quantization=$q" \
-      "($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
-    timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json --num-prompts 1000 \
-      --backend jaxkv --nvml-busy $flag > $OUT/e2e-$q.log 2>&1
+    case $q in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
+    echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
+      "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
+    nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -lms 2000 > $OUT/mem-$q.csv &
+    SMI=$!
+    XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
+      --num-prompts 1000 --backend jaxkv --nvml-busy ${E2E_PROFILE:+--profile-busy} $flag > $OUT/e2e-$q.log 2>&1
     echo "exit $?" >> $OUT/e2e-$q.log
+    kill $SMI
+    echo "GPU memory used (MiB): max $(cut -d, -f2 $OUT/mem-$q.csv | tr -dc '0-9\n' | sort -n | tail -1)" \
+      "of $(head -1 $OUT/mem-$q.csv | cut -d, -f3)" >> $OUT/e2e-$q.log
     grep -e "^jaxkv" -e "start-up" -e nvml -e "host loop" -e "unfinished" -e "quantization" -e "Error" -e "exit " \
-      $OUT/e2e-$q.log | tee -a $OUT/e2e.txt
+      -e "GPU memory" -e "num_gpu_blocks" -e "profile-busy" -e "^ *[0-9.]* s  " $OUT/e2e-$q.log | cut -c1-400 | tee -a $OUT/e2e.txt
   done
 fi
 echo "done at ${SECONDS} s"
