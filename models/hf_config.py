@@ -47,6 +47,13 @@ BUILTIN_CONFIGS: dict[str, dict[str, Any]] = {
         rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
                           original_max_position_embeddings=8192),
         tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16"),
+    "llama-3.1-70b": dict(  # meta-llama/Llama-3.1-70B (140 GB of bf16 weights: tensor_parallel_size >= 2)
+        architectures=["LlamaForCausalLM"], vocab_size=128256, hidden_size=8192, intermediate_size=28672,
+        num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8, hidden_act="silu",
+        max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=500000.0,
+        rope_scaling=dict(rope_type="llama3", factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192),
+        tie_word_embeddings=False, bos_token_id=128000, eos_token_id=128001, torch_dtype="bfloat16"),
     "qwen2.5-7b": dict(  # Qwen/Qwen2.5-7B
         architectures=["Qwen2ForCausalLM"], vocab_size=152064, hidden_size=3584, intermediate_size=18944,
         num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4, hidden_act="silu",

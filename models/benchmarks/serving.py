@@ -223,10 +223,13 @@ def compute_metrics(results: Sequence[RequestResult], duration: float) -> dict:
 
 
 def _server_delta(before: dict, after: dict) -> dict:
-    """The server's counters over one run (``/stats`` before and after): preemptions, compiles, steps,
-    tokens, and the GPU's idle share (host time between device steps / all step time)."""
-    keys = ("num_preemptions", "num_compiles", "steps", "device_steps", "prompt_tokens", "generated_tokens",
-            "num_generation_tokens_total")
+    """The server's counters over one run (``/stats`` before and after): preemptions, compiles, host round
+    trips (``steps``) and model steps, tokens, the engine's time by phase (the offline benchmark's
+    ``round_trips`` / ``model_steps`` / ``schedule_s``... of the same requests compare with them), and the
+    GPU's idle share (host time between device steps / all step time)."""
+    keys = ("num_preemptions", "num_compiles", "steps", "model_steps", "decode_steps", "num_generated_tokens",
+            "num_prompt_tokens_computed", "step_s", "device_wait_s", "device_idle_s", "schedule_s", "execute_s",
+            "update_s", "num_generation_tokens_total")
     num = (int, float)
     delta = {k: after[k] - before[k] for k in keys
              if isinstance(after.get(k), num) and isinstance(before.get(k), num)}
