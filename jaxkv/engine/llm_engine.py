@@ -718,14 +718,17 @@ class LLMEngine:
         sampled = tokens.T.tolist() if loop else tokens[:, None].tolist()
         lens_before = [req.num_output_tokens for req, _ in sched.scheduled]
         touched = self.scheduler.update_from_output(sched, sampled)
+        if logprobs is not None:  # row-major views, [rows, steps, 1 + K] and [rows, steps]: one slice per request
+            lp_ids, lp_vals, lp_ranks = ((a.swapaxes(0, 1) if loop else a[:, None]) for a in logprobs)
         generated = 0
         for r, (req, _) in enumerate(sched.scheduled):
             got = req.num_output_tokens - lens_before[r]
             generated += got
             if logits is not None and got:
                 req.logits.extend(logits[:got, r] if loop else logits[r:r + 1])
-            if logprobs is not None and got and req.logprobs is not None:
-                self._record_logprobs(req, logprobs, r, got, loop)
+            if logprobs is not None and got and req.logprobs is not None:  # views of the step's rows
+                k = 1 + req.sampling_params.logprobs
+                req.logprobs.add(lp_ids[r, :got, :k], lp_vals[r, :got, :k], lp_ranks[r, :got])
             if got and req.grammar is not None and not req.grammar.accept(req.new_token_ids):
                 log.error("request %s: token %s outside its grammar (%s): aborted", req.request_id,
                           req.new_token_ids, req.grammar.error)
@@ -755,17 +758,6 @@ class LLMEngine:
             c["decode_steps"] += loop
             c["decode_tokens"] += generated
         return aborted, touched
-
-    @staticmethod
-    def _record_logprobs(req: Request, lp: tuple, row: int, got: int, loop: int) -> None:
-        """Row ``row``'s first ``got`` sampled tokens' logprobs (its top ``logprobs`` of the step's width), kept
-        as views of the step's arrays."""
-        ids, lps, ranks = lp
-        k = 1 + req.sampling_params.logprobs
-        if loop:
-            req.logprobs.add(ids[:got, row, :k], lps[:got, row, :k], ranks[:got, row])
-        else:
-            req.logprobs.add(ids[row:row + 1, :k], lps[row:row + 1, :k], ranks[row:row + 1])
 
     @staticmethod
     def _record_prompt_logprobs(sched, lp: dict) -> None:

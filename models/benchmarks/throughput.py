@@ -591,6 +591,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cprofile and args.profile_busy:
         p.error("--cprofile and --profile-busy both install the interpreter's profiler hook; use one")
+    from models.entrypoints.engine_args import multiprocessing_enabled
+    for flag, value in (("--profile-busy", args.profile_busy), ("--cprofile", args.cprofile)):
+        jaxkv = any(b.startswith("jaxkv") for b in (args.backend or ["jaxkv"]))
+        if value and jaxkv and multiprocessing_enabled(None):
+            p.error(f"{flag} traces this process, and the jaxkv engine runs in engine-core processes: set "
+                    "JAXKV_ENABLE_MULTIPROCESSING=0 (the in-process engine) to use it")
     return args
 
 

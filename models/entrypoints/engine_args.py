@@ -17,6 +17,7 @@ import logging
 import os
 import pathlib
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from jaxkv.config import (
@@ -291,6 +292,35 @@ def default_max_num_batched_tokens(on_gpu: bool, max_num_seqs: int) -> int:
     return max(8192 if on_gpu else 2048, max_num_seqs)
 
 
+FP8_XLA_FLAGS = ("--xla_gpu_enable_triton_gemm=false",)
+"""XLA flags of an engine with fp8 weights: XLA's Triton GEMM fusions off, so every fp8 Linear is cuBLASLt's fp8 GEMM
+without autotuning Triton candidates. With them on, Llama-3.1-8B's warm-up spent ~6 minutes autotuning and then
+failed with ``CUDA_ERROR_OUT_OF_MEMORY`` loading a kernel module (H100, session 24); with them off it compiled its
+18 programs in 66 s, never used memory beyond XLA's pool, and ran at 9,233 out tok/s (session 25;
+docs/perf-notes.md). No effect on CPU."""
+
+
+def use_xla_flags(flags: Sequence[str], *, why: str) -> bool:
+    """Add ``flags`` (``--name=value``) to ``$XLA_FLAGS`` for this process's XLA backend, unless ``$XLA_FLAGS``
+    already names them (the user's setting wins). XLA reads the variable when its backend starts, so this works
+    only before the first computation; afterwards a warning names the flags and ``why`` they were wanted and
+    ``False`` is returned."""
+    import jax._src.xla_bridge as xb
+    current = os.environ.get("XLA_FLAGS", "")
+    named = {f.split("=", 1)[0] for f in current.split()}
+    missing = [f for f in flags if f.split("=", 1)[0] not in named]
+    if not missing:
+        return True
+    if getattr(xb, "backends_are_initialized", lambda: False)():
+        log.warning("%s: XLA's backend already started in this process, so XLA_FLAGS cannot take %s; set "
+                    "XLA_FLAGS before the first JAX computation (or run the engine in engine-core processes)",
+                    why, " ".join(missing))
+        return False
+    os.environ["XLA_FLAGS"] = " ".join([current, *missing]).strip()
+    log.info("%s: XLA_FLAGS += %s", why, " ".join(missing))
+    return True
+
+
 def configure_compilation_cache(cache_dir: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache at ``cache_dir`` ("auto": the default directory) unless
     this process already configured one; every program is cached (no minimum compile time). Returns the
@@ -337,8 +367,11 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     from models.registry import resolve_model
 
     t_start = time.perf_counter()
-    cache_dir = configure_compilation_cache(args.compilation_cache_dir)
     path = resolve_model(args.model)
+    quantization = registry.load_quantization(path, args.quantization)
+    if quantization is not None:
+        use_xla_flags(FP8_XLA_FLAGS, why="fp8 weights")
+    cache_dir = configure_compilation_cache(args.compilation_cache_dir)
     tp = args.tensor_parallel_size
     mesh = make_mesh(tp, 1) if tp > 1 else None  # one device: exactly the plain program
     on_gpu = jax.default_backend() == "gpu"
@@ -353,7 +386,6 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     t_checkpoint = time.perf_counter()
     if mesh is not None:
         check_model_tensor_parallel(config, tp)
-    quantization = registry.load_quantization(path, args.quantization)
     model = registry.build_model(config, weights, dtype=dtype, seed=args.seed, mesh=mesh, quantization=quantization)
     del weights
     t_model = time.perf_counter()

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Issue 45 item 4: the Llama-3.1-70B shape (dummy weights) with tensor_parallel_size=4, one call on nvidia-h100-x4
 # (carry .whl .dummy): jaxkv bench throughput on 1000 requests of .dummy/requests-llama3.json (the vLLM-rule set),
-# LLM defaults, --nvml-busy; RUNS (default "bf16 fp8kv"): bf16, then fp8 weights + fp8 KV cache; PROFILE=1 adds
-# --profile-busy to the first run (a traced second pass: the kernel table, NCCL all-reduces included). Each run
-# gets what is left of ~585 s. Usage: bash scripts/dev/gpu_70b.sh
+# LLM defaults, --nvml-busy; RUNS (default "bf16 fp8kv"): bf16, then fp8 weights + fp8 KV cache; PROFILE=1 (default)
+# follows the first run with a traced pass of the in-process engine (--profile-busy: the kernel table, NCCL
+# all-reduces included). Each run gets what is left of ~585 s; XLA_FLAGS passes through. Usage: bash scripts/dev/gpu_70b.sh
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out70}
@@ -18,14 +18,18 @@ for run in ${RUNS:-bf16 fp8kv}; do
   left=$(( 585 - SECONDS ))
   if [ $left -lt 90 ]; then echo "== $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
-  prof=""; [ "${PROFILE:-1}" = 1 ] && [ $first = 1 ] && prof="--profile-busy"
-  first=0
-  echo "== Llama-3.1-70B dummy, tp=4, 1000 requests, LLM defaults, $run: $flag $prof ($(date +%T), ${SECONDS} s;" \
-    "timeout $left s)" | tee -a "$OUT/70b.txt"
-  JAXKV_PROFILE_TOP=30 timeout $left python3 scripts/bench_throughput.py --model llama-3.1-70b --load-format dummy \
-    $TOK --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv -tp 4 --no-progress --nvml-busy \
-    $prof $flag > "$OUT/70b-$run.log" 2>&1
+  echo "== Llama-3.1-70B dummy, tp=4, 1000 requests, LLM defaults, $run: $flag XLA_FLAGS=${XLA_FLAGS:-}" \
+    "($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
+  B="python3 scripts/bench_throughput.py --model llama-3.1-70b --load-format dummy $TOK \
+    --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv -tp 4 --no-progress"
+  timeout $left $B --nvml-busy $flag > "$OUT/70b-$run.log" 2>&1
   echo "exit $?" >> "$OUT/70b-$run.log"
+  left=$(( 585 - SECONDS ))
+  if [ "${PROFILE:-1}" = 1 ] && [ $first = 1 ] && [ $left -gt 150 ]; then  # kernel table: traced, in-process engine
+    JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --profile-busy $flag >> "$OUT/70b-$run.log" 2>&1
+    echo "exit $? (traced pass)" >> "$OUT/70b-$run.log"
+  fi
+  first=0
   grep -e "^jaxkv" -e "start-up" -e nvml -e "unfinished" -e "Error" -e "exit " -e "num_gpu_blocks" \
     -e "profile-busy" -e "^ *[0-9.]* s  " "$OUT/70b-$run.log" | cut -c1-400 | tee -a "$OUT/70b.txt"
 done

@@ -466,3 +466,26 @@ def test_smollm2_fp8_against_bf16(gguf_path):
     assert r["reference_reproduces"] >= 0.95, r  # the texts are (near enough) bf16's greedy path here
     assert r["mean_kl"] < acc.KL_MAX, r
     assert r["token_agreement"] >= 0.85, r
+
+
+def test_fp8_engines_turn_xla_triton_gemm_off_before_the_backend_starts():
+    """``use_xla_flags``: in a fresh process the flag reaches XLA_FLAGS (and XLA accepts it on CPU); the user's own
+    setting of the same flag wins; once the backend runs, nothing changes and a warning says why."""
+    code = ("import os, logging; logging.basicConfig(level=logging.INFO)\n"
+            "from models.entrypoints.engine_args import FP8_XLA_FLAGS, use_xla_flags\n"
+            "ok = use_xla_flags(FP8_XLA_FLAGS, why='fp8 weights')\n"
+            "import jax.numpy as jnp; assert float(jnp.ones(3).sum()) == 3.0\n"
+            "print(ok, repr(os.environ.get('XLA_FLAGS')))\n")
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip() == "True '--xla_gpu_enable_triton_gemm=false'"
+    env["XLA_FLAGS"] = "--xla_gpu_enable_triton_gemm=true"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert out.stdout.strip() == "True '--xla_gpu_enable_triton_gemm=true'", out.stderr[-2000:]
+
+    from models.entrypoints import engine_args
+    jnp.ones(1).block_until_ready()  # this process's backend runs
+    before = os.environ.get("XLA_FLAGS")
+    assert not engine_args.use_xla_flags(("--xla_gpu_enable_triton_gemm=false",), why="fp8 weights")
+    assert os.environ.get("XLA_FLAGS") == before

@@ -121,6 +121,23 @@ def test_cprofile_saves_the_host_profile(tmp_path, gguf_path):
     assert both.returncode == 2 and "--cprofile" in both.stderr and "--profile-busy" in both.stderr
 
 
+def test_tracing_flags_refuse_engine_core_processes():
+    """``--profile-busy`` / ``--cprofile`` trace this process: with engine-core processes they would see
+    nothing, so the command refuses them (naming the flag and the switch) instead of ignoring them."""
+    mod = _module()
+    import os
+    old = os.environ.get("JAXKV_ENABLE_MULTIPROCESSING")
+    os.environ["JAXKV_ENABLE_MULTIPROCESSING"] = "1"
+    try:
+        for flag in (["--profile-busy"], ["--cprofile", "x.prof"]):
+            with pytest.raises(SystemExit) as e:
+                mod.parse_args(flag)
+            assert e.value.code == 2
+        assert mod.parse_args(["--backend", "hf", "--profile-busy"]).profile_busy  # no jaxkv engine: allowed
+    finally:
+        os.environ["JAXKV_ENABLE_MULTIPROCESSING"] = old if old is not None else "0"
+
+
 def test_union_seconds_matches_a_brute_force_count():
     mod = _module()
     rng = np.random.default_rng(0)
