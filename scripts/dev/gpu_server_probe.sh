@@ -4,8 +4,8 @@
 #   1. offline LLM on requests 0..999 (the reference);
 #   2. a fresh server (defaults), 500 warm-up requests (2000..2499, 32 tokens), then requests 0..999 at rate inf
 #      through 8 openai client processes, under scripts/dev/proc_cpu.py with py-spy on the core and API servers;
-#   3. the same with CPUs split by role (taskset): the engine core alone on two physical cores, the API servers
-#      on two more, the clients on the rest: does sharing cores (hyperthread siblings) with the clients cost it?
+#   3. the same with the processes placed by role (VARIANTS below): does sharing CPUs with the clients cost the
+#      engine core? The server's engine counters (round trips, model steps, phase seconds) beside each.
 # Usage (device tool, repository root): bash scripts/dev/gpu_server_probe.sh
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache PATH=/tmp/site/bin:$PATH
@@ -53,39 +53,42 @@ stop() { kill -TERM $SERVER; wait $SERVER; }
 C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000 \
   --requests /tmp/req-wa.json --warmup-requests 500 --warmup-max-tokens 32 --request-rate inf --client-processes 8"
 
-start default
-echo "=== default placement: rate inf, 8 openai client processes, py-spy on the core and API servers" \
-  | tee -a "$OUT/probe.txt"
-timeout 150 python3 scripts/dev/proc_cpu.py --py-spy "$OUT/spy" -- python3 $C_ARGS --result-json "$OUT/inf-default.json" \
-  2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
-stop
-
-start pinned
-for pid in $(pgrep -f "models.entrypoints.openai.server") $(pgrep -f "scripts/serve.py"); do
-  taskset -a -p -c "$A" "$pid" > /dev/null
+# VARIANTS (default all): default (no placement), nice (the engine core at nice -10), core (the engine core alone
+# on E), server (core on E, API servers on A, clients anywhere), all (and the clients on C); py-spy on the first
+place() {  # $1: variant
+  case $1 in
+    nice) for pid in $(pgrep -f "jaxkv.engine.core"); do renice -n -10 -p "$pid" > /dev/null; done;;
+    core) for pid in $(pgrep -f "jaxkv.engine.core"); do taskset -a -p -c "$E" "$pid" > /dev/null; done;;
+    server|all)
+      for pid in $(pgrep -f "models.entrypoints.openai.server") $(pgrep -f "scripts/serve.py"); do
+        taskset -a -p -c "$A" "$pid" > /dev/null
+      done
+      for pid in $(pgrep -f "jaxkv.engine.core"); do taskset -a -p -c "$E" "$pid" > /dev/null; done;;
+  esac
+}
+spy="--py-spy $OUT/spy"
+for v in ${VARIANTS:-default nice core server all}; do
+  start "$v"
+  place "$v"
+  pin=""; [ "$v" = all ] && pin="taskset -c $C"
+  echo "=== $v: rate inf, 8 openai client processes ${spy:+(py-spy)}" | tee -a "$OUT/probe.txt"
+  timeout 150 $pin python3 scripts/dev/proc_cpu.py $spy -- python3 $C_ARGS --result-json "$OUT/inf-$v.json" \
+    2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
+  stop
+  spy=""
 done
-for pid in $(pgrep -f "jaxkv.engine.core"); do taskset -a -p -c "$E" "$pid" > /dev/null; done
-echo "=== CPUs by role (core $E, API $A, clients $C): rate inf, 8 openai client processes" | tee -a "$OUT/probe.txt"
-timeout 150 taskset -c "$C" python3 scripts/dev/proc_cpu.py -- python3 $C_ARGS --result-json "$OUT/inf-pinned.json" \
-  2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
-stop
-
-start default-again
-echo "=== default placement again (the spread), no py-spy" | tee -a "$OUT/probe.txt"
-timeout 150 python3 scripts/dev/proc_cpu.py -- python3 $C_ARGS --result-json "$OUT/inf-default-again.json" \
-  2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
-stop
 python3 - "$OUT" <<'PY' | tee -a "$OUT/probe.txt"
 import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
-off = json.loads((out / "offline.json").read_text())["results"][-1]["output_tokens_per_s"]
-print(f"offline {off:.0f} out tok/s")
-for name in ("inf-default", "inf-pinned", "inf-default-again"):
-    f = out / f"{name}.json"
-    if f.exists():
-        r = json.loads(f.read_text())["runs"][0]
-        print(f"{name:18s} {r['output_throughput']:8.0f} out tok/s = {r['output_throughput'] / off:.3f}x offline, "
-              f"{r['duration_s']:.2f} s, server {r.get('server')}")
+o = json.loads((out / "offline.json").read_text())["results"][-1]
+off = o["output_tokens_per_s"]
+print(f"offline {off:.0f} out tok/s, {o['elapsed_s']:.2f} s, round trips {o.get('round_trips')}, model steps "
+      f"{o.get('model_steps')}, host {o.get('host_s', 0):.2f} s (schedule {o.get('schedule_s', 0):.2f}, execute "
+      f"{o.get('execute_s', 0):.2f}, update {o.get('update_s', 0):.2f}), device wait {o.get('wait_s', 0):.2f} s")
+for f in sorted(out.glob("inf-*.json")):
+    r = json.loads(f.read_text())["runs"][0]
+    print(f"{f.stem:14s} {r['output_throughput']:8.0f} out tok/s = {r['output_throughput'] / off:.3f}x offline, "
+          f"{r['duration_s']:.2f} s, server {r.get('server')}")
 PY
 for f in "$OUT"/spy/*.txt; do  # collapsed stacks -> the top frames by own samples, per process
   [ -f "$f" ] && python3 - "$f" <<'PY' > "${f%.txt}.top.txt"
