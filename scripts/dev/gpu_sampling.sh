@@ -10,6 +10,8 @@
 #     16-CPU machine) through the openai client: rate inf with 8 client processes (CPU per process role by
 #     scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
 #     processes and response_format json_schema on half of the requests.
+#   STAGE=n8-8b: Llama-3.1-8B shapes (dummy weights, .dummy/requests-llama3.json): 1000 distinct prompts, then n=8
+#     over the first 125 (1000 sequences sharing their prompt's blocks); output tok/s of each.
 # Usage (device tool, repository root): STAGE=sampling bash scripts/dev/gpu_sampling.sh
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache
@@ -63,6 +65,28 @@ for k in ("old-plain", "new-logprobs5", "new-penalties", "new-n8x375", "new-plai
         print(f"{k} / new-plain: {tps[k] / plain:.3f}")
 if "old-plain" in tps:
     print(f"new-plain / old-plain: {plain / tps['old-plain']:.3f}")
+PY
+fi
+
+if [ "${STAGE:-}" = n8-8b ]; then  # n=8 where the prefill is a real share of the run: Llama-3.1-8B shapes
+  TOK=""
+  [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer .dummy/llama3-tokenizer"
+  B8="python3 scripts/bench_throughput.py --model llama-3.1-8b --load-format dummy $TOK \
+    --requests .dummy/requests-llama3.json --backend jaxkv --no-progress"
+  echo "=== 8B: 1000 distinct prompts" | tee "$OUT/n8.txt"
+  timeout 250 $B8 --num-prompts 1000 --output-json "$OUT/8b-plain.json" 2>&1 | quiet | tail -6 | tee -a "$OUT/n8.txt"
+  echo "=== 8B: n=8 over the first 125 prompts (1000 sequences)" | tee -a "$OUT/n8.txt"
+  timeout 250 $B8 --num-prompts 125 --n 8 --output-json "$OUT/8b-n8.json" 2>&1 | quiet | tail -6 | tee -a "$OUT/n8.txt"
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/n8.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+r = {k: json.loads((out / f"8b-{k}.json").read_text())["results"][-1] for k in ("plain", "n8")
+     if (out / f"8b-{k}.json").exists()}
+for k, v in r.items():
+    print(f"{k:6s} {v['output_tokens_per_s']:9.1f} out tok/s  {v['num_requests']} requests  output tokens "
+          f"{v['output_tokens']}  prompt tokens computed {v.get('prompt_tokens_computed')}  {v['elapsed_s']:.2f} s")
+if len(r) == 2:
+    print(f"n8 / plain: {r['n8']['output_tokens_per_s'] / r['plain']['output_tokens_per_s']:.3f}")
 PY
 fi
 
