@@ -368,8 +368,13 @@ def run_engine_core(launch: EngineCoreLaunch) -> int:
         gc.freeze()
         info = dict(info, startup_s=time.perf_counter() - t0, pid=os.getpid())
         _send_to(outs, Ready(launch.engine_index, info))
-        EngineCoreProc(engine, engine_index=launch.engine_index, input_socket=inp, output_socket=outs,
-                       stats_interval_s=launch.stats_interval_s).run_busy_loop()
+        try:
+            EngineCoreProc(engine, engine_index=launch.engine_index, input_socket=inp, output_socket=outs,
+                           stats_interval_s=launch.stats_interval_s).run_busy_loop()
+        finally:
+            trace = getattr(engine, "write_step_trace", None)
+            if trace is not None and trace():
+                logger.info("engine core %d: step trace written to $JAXKV_STEP_TRACE", launch.engine_index)
     except SystemExit:
         code = 0
     except BaseException as e:  # noqa: BLE001 - report every failure, then exit non-zero

@@ -178,6 +178,9 @@ def _dicts(lists: LogprobsLists) -> list[dict[int, Logprob]]:
     return list(FlatLogprobs(lists.token_ids, lists.logprobs, lists.ranks))
 
 
+STEP_TRACE_ENV = "JAXKV_STEP_TRACE"
+
+
 class LLMEngine:
     """Continuous batching over a paged KV cache, driving any ``model_fn``.
 
@@ -304,6 +307,8 @@ class LLMEngine:
         self._done_children: dict[str, dict[int, Request]] = {}
         self._arrivals = 0
         self._seed_rng = np.random.default_rng(seed)
+        # $JAXKV_STEP_TRACE (a folder): one record per round trip, written by write_step_trace (docs/serving.md)
+        self._step_trace: list[tuple] | None = [] if os.environ.get(STEP_TRACE_ENV) else None
         self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
                               step_s=0.0, device_wait_s=0.0, device_idle_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0,
                               schedule_s=0.0, execute_s=0.0, update_s=0.0)
@@ -625,6 +630,24 @@ class LLMEngine:
                 del self._children[req.parent_id]
         return outs
 
+    def write_step_trace(self) -> str | None:
+        """With ``$JAXKV_STEP_TRACE`` set to a folder: write this engine's round trips there as JSON lines
+        (``step-trace-PID.jsonl``) and return the path; ``None`` without it. Each record: ``t0`` / ``t1``
+        (``time.perf_counter`` seconds of the round trip), ``steps`` (decode-loop length; 0: a mixed step),
+        ``rows`` and ``tokens`` scheduled, ``generated`` tokens, ``running`` / ``waiting`` requests after it,
+        ``arrivals`` (requests added so far). A maintainer's tool (``scripts/dev/step_trace.py`` reads it)."""
+        folder = os.environ.get(STEP_TRACE_ENV)
+        if not folder or self._step_trace is None:
+            return None
+        import json
+        os.makedirs(folder, exist_ok=True)
+        path = os.path.join(folder, f"step-trace-{os.getpid()}.jsonl")
+        keys = ("t0", "t1", "steps", "rows", "tokens", "generated", "running", "waiting", "arrivals")
+        with open(path, "w") as f:
+            for rec in self._step_trace:
+                f.write(json.dumps(dict(zip(keys, rec))) + "\n")
+        return path
+
     def step_core_outputs(self) -> list[EngineCoreOutput]:
         """:meth:`step` as an engine-core process sends it: only token ids (and logprobs), one
         :class:`EngineCoreOutput` per completion that got tokens or finished; a request added with
@@ -748,6 +771,10 @@ class LLMEngine:
         if not self.has_unfinished_requests():
             self._busy_until = None  # no work left: idle time until the next request is not the host's
         t1 = time.perf_counter()
+        if self._step_trace is not None:
+            self._step_trace.append((t0, t1, loop, len(sched.scheduled), sum(n for _, n in sched.scheduled),
+                                     generated, len(self.scheduler.running), len(self.scheduler.waiting),
+                                     self._arrivals))
         c["step_s"] += t1 - t0
         c["device_wait_s"] += t_back - t_wait
         c["schedule_s"] += t_sched

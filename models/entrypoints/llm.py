@@ -322,9 +322,12 @@ class LLM:
             self._client.call_utility("reset_prefix_cache")
 
     def shutdown(self) -> None:
-        """Stop the engine-core processes now (otherwise when this object is collected or at exit)."""
+        """Stop the engine-core processes now (otherwise when this object is collected or at exit); an
+        in-process engine writes its step trace (``$JAXKV_STEP_TRACE``) here."""
         if self._client is not None:
             self._client.shutdown()
+        elif self.engine is not None:
+            self.engine.write_step_trace()
 
     def __enter__(self):
         return self

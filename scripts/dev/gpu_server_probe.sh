@@ -40,11 +40,11 @@ PY
 echo "CPU sets: engine core $E, API servers $A, clients $C" | tee -a "$OUT/device.txt"
 
 echo "=== offline, requests 0..999" | tee "$OUT/probe.txt"
-timeout 200 python3 scripts/bench_throughput.py --model $S --load-format dummy --requests /tmp/req-a.json \
+JAXKV_STEP_TRACE=$OUT/trace-offline timeout 200 python3 scripts/bench_throughput.py --model $S --load-format dummy --requests /tmp/req-a.json \
   --backend jaxkv --no-progress --num-prompts 1000 --output-json "$OUT/offline.json" 2>&1 | quiet | tail -4 \
   | tee -a "$OUT/probe.txt"
 start() {  # a fresh server: $1 = log name
-  python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 \
+  JAXKV_STEP_TRACE=$OUT/trace-$1 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 \
     > "$OUT/server-$1.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
@@ -54,7 +54,8 @@ C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm
   --requests /tmp/req-wa.json --warmup-requests 500 --warmup-max-tokens 32 --request-rate inf --client-processes 8"
 
 # VARIANTS (default all): default (no placement), nice (the engine core at nice -10), core (the engine core alone
-# on E), server (core on E, API servers on A, clients anywhere), all (and the clients on C); py-spy on the first
+# on E), server (core on E, API servers on A, clients anywhere), all (and the clients on C); any other name: no
+# placement (repeats); py-spy on the first. Every engine writes its step trace (scripts/dev/step_trace.py).
 place() {  # $1: variant
   case $1 in
     nice) for pid in $(pgrep -f "jaxkv.engine.core"); do renice -n -10 -p "$pid" > /dev/null; done;;
@@ -90,6 +91,10 @@ for f in sorted(out.glob("inf-*.json")):
     print(f"{f.stem:14s} {r['output_throughput']:8.0f} out tok/s = {r['output_throughput'] / off:.3f}x offline, "
           f"{r['duration_s']:.2f} s, server {r.get('server')}")
 PY
+for d in "$OUT"/trace-*; do  # the timed burst of each engine: round trips, occupancy, arrivals, tail
+  echo "=== step trace $(basename $d)" | tee -a "$OUT/probe.txt"
+  python3 scripts/dev/step_trace.py "$d"/*.jsonl --bins 8 | tail -11 | tee -a "$OUT/probe.txt"
+done
 for f in "$OUT"/spy/*.txt; do  # collapsed stacks -> the top frames by own samples, per process
   [ -f "$f" ] && python3 - "$f" <<'PY' > "${f%.txt}.top.txt"
 import collections, sys

@@ -43,3 +43,30 @@ def test_chat_ends_on_the_end_of_turn_token(llm):
 def test_resolve_model_errors():
     with pytest.raises(ValueError, match="neither"):
         models.resolve_model("no-such-model")
+
+
+def test_step_trace_records_every_round_trip(llm, tmp_path, monkeypatch, capsys):
+    """``$JAXKV_STEP_TRACE``: one record per round trip, the engine's own counters summed back, and
+    scripts/dev/step_trace.py's summary of them."""
+    import json
+
+    from tests.conftest import load_script
+
+    engine = llm.engine
+    monkeypatch.setenv("JAXKV_STEP_TRACE", str(tmp_path))
+    engine._step_trace = []  # the engine was built before the variable was set
+    before = engine.stats
+    try:
+        llm.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+                     use_tqdm=False)
+        path = engine.write_step_trace()
+    finally:
+        engine._step_trace = None
+    after = engine.stats
+    records = [json.loads(line) for line in open(path)]
+    assert len(records) == after.steps - before.steps > 0
+    assert sum(r["generated"] for r in records) == 15 == after.num_generated_tokens - before.num_generated_tokens
+    assert sum(max(1, r["steps"]) for r in records) == after.model_steps - before.model_steps
+    assert all(r["t0"] <= r["t1"] and r["rows"] >= 1 for r in records) and records[-1]["running"] == 0
+    assert load_script("step_trace").main([path]) == 0
+    assert f"{len(records)} round trips" in capsys.readouterr().out
