@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
-# Issue 45 item 4: the Llama-3.1-70B shape (dummy weights) with tensor_parallel_size=4, one call on nvidia-h100-x4
-# (carry .whl .dummy): jaxkv bench throughput on 1000 requests of .dummy/requests-llama3.json (the vLLM-rule set),
-# LLM defaults, --nvml-busy; RUNS (default "bf16 fp8kv"): bf16, then fp8 weights + fp8 KV cache; PROFILE=1 (default)
+# Issue 45 item 4: the Llama-3.1-70B shape (dummy weights) with tensor_parallel_size=TP (default 4: nvidia-h100-x4;
+# TP=2 on two GPUs where no x4 is lent: fp8 weights only fit 80 GB cards), one call (carry .whl .dummy): jaxkv bench
+# throughput on 1000 requests of .dummy/requests-llama3.json (the vLLM-rule set), LLM defaults, --nvml-busy;
+# RUNS (default "bf16 fp8kv"; with TP=2 "fp8kv", plus bf16 on cards of >= 120 GB): fp8kv = fp8 weights + fp8 KV
+# cache; PROFILE=1 (default)
 # follows the first run with a traced pass of the in-process engine (--profile-busy: the kernel table, NCCL
 # all-reduces included). Each run gets what is left of ~585 s; XLA_FLAGS passes through. Usage: bash scripts/dev/gpu_70b.sh
 set -uo pipefail
@@ -13,15 +15,23 @@ mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/device.txt"
 TOK=""
 [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer .dummy/llama3-tokenizer"
+TP=${TP:-4}
+if [ -z "${RUNS:-}" ]; then
+  RUNS="bf16 fp8kv"
+  if [ "$TP" = 2 ]; then
+    mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
+    RUNS="fp8kv"; [ "$mem" -ge 120000 ] && RUNS="fp8kv bf16"
+  fi
+fi
 first=1
-for run in ${RUNS:-bf16 fp8kv}; do
+for run in $RUNS; do
   left=$(( 585 - SECONDS ))
   if [ $left -lt 90 ]; then echo "== $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
-  echo "== Llama-3.1-70B dummy, tp=4, 1000 requests, LLM defaults, $run: $flag XLA_FLAGS=${XLA_FLAGS:-}" \
+  echo "== Llama-3.1-70B dummy, tp=$TP, 1000 requests, LLM defaults, $run: $flag XLA_FLAGS=${XLA_FLAGS:-}" \
     "($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
   B="python3 scripts/bench_throughput.py --model llama-3.1-70b --load-format dummy $TOK \
-    --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv -tp 4 --no-progress"
+    --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv -tp $TP --no-progress"
   timeout $left $B --nvml-busy $flag > "$OUT/70b-$run.log" 2>&1
   echo "exit $?" >> "$OUT/70b-$run.log"
   left=$(( 585 - SECONDS ))

@@ -26,19 +26,22 @@ import math
 import sys
 
 
-def model_numbers(config) -> dict:
-    """Parameters (embedding counted once when tied), and KV bytes per token (bf16)."""
+def model_numbers(config, *, weight_bytes: float = 2, kv_bytes: float = 2) -> dict:
+    """Parameters (embedding counted once when tied), their bytes (``weight_bytes`` each: 2 for bf16, 1 for fp8;
+    the embedding and LM head stay bf16 with fp8 weights), and KV bytes per token (``kv_bytes`` per element)."""
     h, L, v = config.hidden_size, config.num_layers, config.vocab_size
     attn = h * config.head_size * (config.num_heads + 2 * config.num_kv_heads) + config.num_heads * config.head_size * h
     mlp = 3 * h * config.intermediate_size
     params = L * (attn + mlp) + v * h * (1 if config.tie_word_embeddings else 2)
-    kv_per_token = 2 * L * config.num_kv_heads * config.head_size * 2
-    return dict(params=params, weight_bytes=2 * params, kv_bytes_per_token=kv_per_token,
+    kv_per_token = 2 * L * config.num_kv_heads * config.head_size * kv_bytes
+    embed = v * h * (1 if config.tie_word_embeddings else 2)
+    return dict(params=params, weight_bytes=weight_bytes * (params - embed) + 2 * embed, kv_bytes_per_token=kv_per_token,
                 attn_flops_per_pair=4 * L * config.num_heads * config.head_size)
 
 
-def bound(config, requests, *, max_num_seqs: int, bandwidth: float, flops: float) -> dict:
-    m = model_numbers(config)
+def bound(config, requests, *, max_num_seqs: int, bandwidth: float, flops: float,
+          **dtypes) -> dict:
+    m = model_numbers(config, **dtypes)
     prompt = sum(len(p) for p, _ in requests)
     output = sum(n for _, n in requests)
     steps = math.ceil(output / max_num_seqs)
@@ -54,12 +57,13 @@ def bound(config, requests, *, max_num_seqs: int, bandwidth: float, flops: float
                 bound_output_tok_s=output / total)
 
 
-def scheduled_bound(config, requests, *, max_num_seqs: int, bandwidth: float, flops: float) -> dict:
+def scheduled_bound(config, requests, *, max_num_seqs: int, bandwidth: float, flops: float,
+          **dtypes) -> dict:
     """The decode bound of a continuous-batching schedule: requests admitted in order as slots free (at most
     ``max_num_seqs`` running; prefill taking no step), each decode step costing at least the larger of its
     bytes (all weights + every running sequence's KV) over ``bandwidth`` and its FLOPs over ``flops``. Its step
     count is at least the longest answer, which the packed bound above ignores."""
-    m = model_numbers(config)
+    m = model_numbers(config, **dtypes)
     queue = [(len(p), n) for p, n in requests if n > 0][::-1]
     running: list[list[int]] = []  # [context tokens, tokens still to generate]
     steps = rows_total = 0
@@ -81,7 +85,7 @@ def scheduled_bound(config, requests, *, max_num_seqs: int, bandwidth: float, fl
 
 
 def sequential_bound(config, requests, *, max_num_seqs: int, max_num_batched_tokens: int, bandwidth: float,
-                     flops: float, order: str = "fcfs") -> dict:
+                     flops: float, order: str = "fcfs", **dtypes) -> dict:
     """The bound of an engine that runs each step's kernels one after another, on the engine's schedule.
 
     Each step of ``sim_token_budget.replay`` (at most ``max_num_seqs`` requests, ``max_num_batched_tokens``
@@ -105,7 +109,7 @@ def sequential_bound(config, requests, *, max_num_seqs: int, max_num_batched_tok
     from sim_token_budget import replay
     if order not in ("fcfs", "longest_first"):
         raise ValueError(f"order={order!r} is not 'fcfs' or 'longest_first'")
-    m = model_numbers(config)
+    m = model_numbers(config, **dtypes)
     reqs = [(len(p), n) for p, n in requests if n > 0]
     if order == "longest_first":
         reqs.sort(key=lambda r: -r[1])
@@ -137,13 +141,20 @@ def main(argv=None) -> int:
     p.add_argument("--tflops", type=float, default=798.0)
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the sequential bound's token budget")
     p.add_argument("--measured", type=float, default=None, help="a run's output tok/s, to compare")
+    p.add_argument("--weight-bytes", type=float, default=2, help="bytes per Linear weight (1: fp8 weights)")
+    p.add_argument("--kv-bytes", type=float, default=2, help="bytes per KV-cache element (1: fp8 cache)")
+    p.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                   help="GPUs sharing each step: bandwidth and FLOP/s times this (all-reduces not counted)")
     args = p.parse_args(argv)
+    args.bandwidth_tb_s *= args.tensor_parallel_size
+    args.tflops *= args.tensor_parallel_size
+    dtypes = dict(weight_bytes=args.weight_bytes, kv_bytes=args.kv_bytes)
     from models import registry
     config = registry.load_config(registry.resolve_model(args.model))
     with open(args.requests) as f:
         requests = [(list(ids), int(n)) for ids, n in json.load(f)[:args.num_prompts]]
     b = bound(config, requests, max_num_seqs=args.max_num_seqs, bandwidth=args.bandwidth_tb_s * 1e12,
-              flops=args.tflops * 1e12)
+              flops=args.tflops * 1e12, **dtypes)
     print(f"{registry.model_name(args.model)}: {b['params'] / 1e9:.2f} B parameters; {len(requests)} requests, "
           f"{b['prompt_tokens']} prompt / {b['output_tokens']} output tokens; {args.bandwidth_tb_s} TB/s, "
           f"{args.tflops} TFLOP/s, max_num_seqs {args.max_num_seqs}")
@@ -154,7 +165,7 @@ def main(argv=None) -> int:
     if args.measured:
         print(f"measured {args.measured:,.0f} = {args.measured / b['bound_output_tok_s']:.0%} of the bound")
     s = scheduled_bound(config, requests, max_num_seqs=args.max_num_seqs, bandwidth=args.bandwidth_tb_s * 1e12,
-                        flops=args.tflops * 1e12)
+                        flops=args.tflops * 1e12, **dtypes)
     total = s["scheduled_decode_s"] + b["prefill_s"]
     print(f"scheduled bound: {s['scheduled_steps']} decode steps of {s['mean_rows']:.1f} rows on average (the longest "
           f"answer: {max(n for _, n in requests)} tokens); decode {s['scheduled_decode_s']:.2f} s + prefill "
@@ -170,7 +181,8 @@ def main(argv=None) -> int:
     for order in ("fcfs", "longest_first"):
         q = sequential_bound(config, requests, max_num_seqs=args.max_num_seqs,
                              max_num_batched_tokens=args.max_num_batched_tokens,
-                             bandwidth=args.bandwidth_tb_s * 1e12, flops=args.tflops * 1e12, order=order)
+                             bandwidth=args.bandwidth_tb_s * 1e12, flops=args.tflops * 1e12, order=order,
+                             **dtypes)
         phases = "; ".join(f"{k} unfinished: {n} steps, {sec:.2f} s" for k, (n, sec) in q["phases"].items())
         print(f"sequential bound ({order}, {args.max_num_batched_tokens} tokens a step): {q['seconds']:.2f} s = "
               f"{q['output_tok_s']:,.0f} output tok/s over {q['steps']} steps ({phases})"
