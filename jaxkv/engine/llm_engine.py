@@ -309,6 +309,7 @@ class LLMEngine:
         self._seed_rng = np.random.default_rng(seed)
         # $JAXKV_STEP_TRACE (a folder): one record per round trip, written by write_step_trace (docs/serving.md)
         self._step_trace: list[tuple] | None = [] if os.environ.get(STEP_TRACE_ENV) else None
+        self._arrival_trace: list[tuple] = []  # (time, prompt tokens, max_tokens, n) per request, when tracing
         self._counters = dict(steps=0, model_steps=0, num_generated_tokens=0, num_prompt_tokens_computed=0,
                               step_s=0.0, device_wait_s=0.0, device_idle_s=0.0, decode_s=0.0, decode_steps=0, decode_tokens=0,
                               schedule_s=0.0, execute_s=0.0, update_s=0.0)
@@ -501,6 +502,8 @@ class LLMEngine:
                              f"ids with min_tokens > 0; max_num_stop_token_ids="
                              f"{self.runner.max_num_stop_token_ids}")
         self._arrivals += 1
+        if self._step_trace is not None:
+            self._arrival_trace.append((time.perf_counter(), req.num_prompt_tokens, req.max_tokens, n))
         for r in reqs:
             self._requests[r.request_id] = r
         if grammar is None:
@@ -635,7 +638,8 @@ class LLMEngine:
         (``step-trace-PID.jsonl``) and return the path; ``None`` without it. Each record: ``t0`` / ``t1``
         (``time.perf_counter`` seconds of the round trip), ``steps`` (decode-loop length; 0: a mixed step),
         ``rows`` and ``tokens`` scheduled, ``generated`` tokens, ``running`` / ``waiting`` requests after it,
-        ``arrivals`` (requests added so far). A maintainer's tool (``scripts/dev/step_trace.py`` reads it)."""
+        ``arrivals`` (requests added so far); then one record per request in arrival order: ``arrival`` time,
+        ``prompt_tokens``, ``max_tokens``, ``n``. A maintainer's tool (``scripts/dev/step_trace.py`` reads it)."""
         folder = os.environ.get(STEP_TRACE_ENV)
         if not folder or self._step_trace is None:
             return None
@@ -646,6 +650,8 @@ class LLMEngine:
         with open(path, "w") as f:
             for rec in self._step_trace:
                 f.write(json.dumps(dict(zip(keys, rec))) + "\n")
+            for t, prompt, max_tokens, n in self._arrival_trace:
+                f.write(json.dumps(dict(arrival=t, prompt_tokens=prompt, max_tokens=max_tokens, n=n)) + "\n")
         return path
 
     def step_core_outputs(self) -> list[EngineCoreOutput]:

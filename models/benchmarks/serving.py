@@ -263,18 +263,27 @@ async def _send_scheduled(args, requests: list[SampleRequest], arrivals: Sequenc
     client = openai.AsyncOpenAI(base_url=args.base_url.rstrip("/") + "/v1", api_key=args.api_key or "none",
                                 max_retries=0, http_client=http)
 
-    async def one(req, at):
-        delay = t0 + at - time.time()
-        if delay > 0:
-            await asyncio.sleep(delay)
+    async def one(req):
         if semaphore is None:
             return await send_request_openai(client, args.model, req, ignore_eos=args.ignore_eos)
         async with semaphore:
             return await send_request_openai(client, args.model, req, ignore_eos=args.ignore_eos)
 
+    # one task per request, created at its arrival time and in its order (vLLM's benchmark does the same): tasks
+    # start in creation order, so requests due together (rate inf) leave in the dataset's order. Each sleeping
+    # until its own time instead would wake equal deadlines in heap order, i.e. scrambled, and the server would
+    # then admit the requests in another order than offline LLM.generate (which can change the run's length)
+    tasks = []
     try:
-        return await asyncio.gather(*[one(r, a) for r, a in zip(requests, arrivals)])
+        for req, at in zip(requests, arrivals):
+            delay = t0 + at - time.time()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one(req)))
+        return await asyncio.gather(*tasks)
     finally:
+        for task in tasks:
+            task.cancel()
         await client.close()
 
 

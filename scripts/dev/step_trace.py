@@ -6,6 +6,10 @@ batch's occupancy), when the requests arrived, and the tail with few requests le
     python scripts/dev/step_trace.py /tmp/trace/step-trace-PID.jsonl [--bins 10] [--gap 0.5]
 
 A burst ends where the engine idled longer than ``--gap`` seconds (a benchmark's warm-up, then its timed run).
+The requests that arrived during a burst are replayed, in their arrival order and longest output first, through
+``sim_token_budget.replay`` (the engine's schedule, one token per step for every running request): how many steps
+that order needs. At rate inf a server admits its requests in the order they happened to arrive; offline
+``LLM.generate`` in the dataset's. With few requests and one long answer, the order moves the run's length.
 """
 
 from __future__ import annotations
@@ -22,6 +26,17 @@ def bursts(records: list[dict], gap: float) -> list[list[dict]]:
         else:
             out.append([r])
     return out
+
+
+def order_steps(arrivals: list[dict], *, budget: int, seats: int) -> tuple[int, int]:
+    """Steps of the engine's schedule for ``arrivals`` in their order, and longest output first."""
+    import os
+    import sys
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from sim_token_budget import replay
+    reqs = [(a["prompt_tokens"], a["max_tokens"]) for a in arrivals for _ in range(a.get("n", 1))]
+    count = lambda rs: sum(1 for _ in replay(rs, budget=budget, seats=seats))  # noqa: E731
+    return count(reqs), count(sorted(reqs, key=lambda r: -r[1]))
 
 
 def describe(burst: list[dict], bins: int) -> list[str]:
@@ -61,14 +76,24 @@ def main(argv=None) -> int:
     p.add_argument("trace", nargs="+")
     p.add_argument("--bins", type=int, default=10)
     p.add_argument("--gap", type=float, default=0.5, help="idle seconds that end a burst")
+    p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the replay's token budget")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="the replay's seats")
     args = p.parse_args(argv)
     for path in args.trace:
         with open(path) as f:
-            records = [json.loads(line) for line in f if line.strip()]
-        print(f"== {path}: {len(records)} round trips")
+            lines = [json.loads(line) for line in f if line.strip()]
+        records = [r for r in lines if "t0" in r]
+        arrivals = [r for r in lines if "arrival" in r]
+        print(f"== {path}: {len(records)} round trips, {len(arrivals)} requests")
         for i, b in enumerate(bursts(records, args.gap)):
             print(f"-- burst {i}")
             print("\n".join(describe(b, args.bins)))
+            mine = [a for a in arrivals if b[0]["t0"] - args.gap <= a["arrival"] <= b[-1]["t1"]]
+            if mine:
+                got, best = order_steps(mine, budget=args.max_num_batched_tokens, seats=args.max_num_seqs)
+                engine = sum(max(1, r["steps"]) for r in b)
+                print(f"the {len(mine)} requests of this burst, replayed: {got} steps in their arrival order, "
+                      f"{best} longest output first (the engine ran {engine} model steps)")
     return 0
 
 

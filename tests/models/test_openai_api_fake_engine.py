@@ -74,6 +74,7 @@ class FakeEngine:
         self.waiting: deque = deque()
         self.running: dict[str, tuple] = {}
         self.aborted: list[str] = []
+        self.arrivals: list[list[int]] = []  # prompts in the order add_request got them
         self.lock = threading.Lock()  # the test thread reads; only the engine thread may write
 
     def add_request(self, request_id, prompt_token_ids, sampling_params):
@@ -81,6 +82,7 @@ class FakeEngine:
             raise ValueError("prompt_token_ids contains the forbidden '~'")
         if any(r[0] == request_id for r in self.waiting) or request_id in self.running:
             raise ValueError(f"request_id={request_id!r} exists")
+        self.arrivals.append(list(prompt_token_ids))
         self.waiting.append((request_id, list(prompt_token_ids), sampling_params, []))
 
     def abort_request(self, request_id):
@@ -485,3 +487,27 @@ def test_bench_serving_json_schema_fraction_marks_an_even_share():
     assert with_schema == [1, 3, 5, 7, 9]  # request i when floor((i + 1) / 2) > floor(i / 2)
     assert marked[1].extra["seed"] == 1 and marked[3].extra["response_format"]["type"] == "json_schema"
     assert [r.prompt for r in marked] == [r.prompt for r in reqs] and reqs[3].extra is None  # inputs untouched
+
+
+
+def test_bench_serving_starts_due_requests_in_the_dataset_order(monkeypatch):
+    """At rate inf the openai client process starts its requests in their order (vLLM's benchmark creates its
+    tasks the same way); sleeping each request until its own, equal, deadline woke them in heap order. (Over the
+    network, racing connections may still reorder them a little.)"""
+    import asyncio
+
+    from models.benchmarks import serving as bench_serving
+
+    started = []
+
+    async def fake_send(client, model, req, *, ignore_eos):
+        started.append(req.prompt)
+        await asyncio.sleep(0.001)
+        return bench_serving.RequestResult()
+
+    monkeypatch.setattr(bench_serving, "send_request_openai", fake_send)
+    args = bench_serving.parse_args(["--base-url", "http://127.0.0.1:9", "--model", MODEL])
+    reqs = [bench_serving.SampleRequest(prompt=f"q{i:02d}", prompt_len=3, output_len=2) for i in range(60)]
+    arrivals = [0.0] * 30 + [0.001 * i for i in range(30)]  # a burst, then spaced requests
+    out = asyncio.run(bench_serving._send_scheduled(args, reqs, arrivals, time.time() + 0.05))
+    assert len(out) == 60 and started == [r.prompt for r in reqs]
