@@ -5,10 +5,13 @@
 # RUNS (default "bf16 fp8kv"; with TP=2 "fp8kv", plus bf16 on cards of >= 120 GB): fp8kv = fp8 weights + fp8 KV
 # cache; PROFILE=1 (default)
 # follows the first run with a traced pass of the in-process engine (--profile-busy: the kernel table, NCCL
-# all-reduces included). Each run gets what is left of ~585 s; XLA_FLAGS passes through. Usage: bash scripts/dev/gpu_70b.sh
+# all-reduces included). Each run gets what is left of DEADLINE seconds (default 540: leave room under the call's
+# limit, which shrinks when little device time is left); XLA_FLAGS passes through. Logs go straight to $OUT, so
+# a call cut short still brings back what ran: run it as `bash scripts/dev/gpu_70b.sh` with the tool's $OUT.
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out70}
+DEADLINE=${DEADLINE:-540}
 mkdir -p "$OUT"
 [ -d /tmp/site/zmq ] || python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl
@@ -25,7 +28,7 @@ if [ -z "${RUNS:-}" ]; then
 fi
 first=1
 for run in $RUNS; do
-  left=$(( 585 - SECONDS ))
+  left=$(( DEADLINE - SECONDS ))
   if [ $left -lt 90 ]; then echo "== $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   flag=""; [ $run = fp8kv ] && flag="--quantization fp8 --kv-cache-dtype fp8"
   echo "== Llama-3.1-70B dummy, tp=$TP, 1000 requests, LLM defaults, $run: $flag XLA_FLAGS=${XLA_FLAGS:-}" \
@@ -34,7 +37,7 @@ for run in $RUNS; do
     --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv -tp $TP --no-progress"
   timeout $left $B --nvml-busy $flag > "$OUT/70b-$run.log" 2>&1
   echo "exit $?" >> "$OUT/70b-$run.log"
-  left=$(( 585 - SECONDS ))
+  left=$(( DEADLINE - SECONDS ))
   if [ "${PROFILE:-1}" = 1 ] && [ $first = 1 ] && [ $left -gt 150 ]; then  # kernel table: traced, in-process engine
     JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --profile-busy $flag >> "$OUT/70b-$run.log" 2>&1
     echo "exit $? (traced pass)" >> "$OUT/70b-$run.log"
