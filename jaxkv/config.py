@@ -27,5 +27,9 @@ LOAD_FORMATS = ("auto", "dummy")
 PREEMPTION_MODES = ("recompute", "swap")
 """``preemption_mode`` (vLLM V0's names): prefill a preempted request again, or swap its blocks to the host."""
 
+SCHEDULING_POLICIES = ("fcfs", "priority")
+"""``scheduling_policy`` (vLLM ``--scheduling-policy``): arrival order, or the requests' ``priority`` (smaller first,
+ties by arrival; the running request with the largest is preempted first)."""
+
 COMPILE_AHEAD_MODES = ("auto", "on", "off")
 """``compile_ahead``: compile every step bucket before the engine reports ready (``auto``: on GPU only)."""

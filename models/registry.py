@@ -13,7 +13,8 @@ Two checkpoint formats, one set of model classes (:mod:`models.decoder`):
 
 ``load_format="dummy"`` (vLLM's ``--load-format dummy``) takes the config of either, of a bare ``config.json``,
 or of a built-in name (:data:`models.hf_config.BUILTIN_CONFIGS`: ``llama-3.1-8b``, ``llama-3.1-70b``,
-``qwen2.5-7b``, ``qwen3-8b``, ``mistral-7b``, ``gemma-3-4b``), and makes random weights on the device (:mod:`models.dummy`).
+``qwen2.5-7b``, ``qwen3-8b``, ``mistral-7b``, ``gemma-3-4b``), and makes random weights on the device
+(:mod:`models.dummy`).
 
 fp8 weights (:mod:`models.quantization`): an HF directory whose ``config.json`` has an fp8
 ``quantization_config`` (compressed-tensors) loads fp8 as it is; ``quantization="fp8"`` (vLLM ``--quantization

@@ -91,6 +91,7 @@ class Request:
         num_cached_blocks: leading blocks already offered to the prefix cache.
         cached_block_ids: blocks the request holds through the prefix cache (released, not freed).
         arrival_index: order of ``add_request`` calls.
+        priority: with ``scheduling_policy="priority"``, smaller runs first (vLLM's ``priority``; ties by arrival).
         seed: the PRNG seed its tokens are sampled with (the params' seed or one drawn by the engine).
         max_tokens: the tokens it may generate (``sampling_params.max_tokens`` capped by the model length).
         stop_ids_for_min_tokens: every token that would end it (EOS unless ``ignore_eos``, and
@@ -104,7 +105,8 @@ class Request:
     """
 
     def __init__(self, request_id: str, prompt_token_ids: list[int], sampling_params: "SamplingParams", *,
-                 arrival_index: int, seed: int, max_model_len: int, eos_token_ids: frozenset[int]):
+                 arrival_index: int, seed: int, max_model_len: int, eos_token_ids: frozenset[int],
+                 priority: int = 0):
         self.request_id = request_id
         self.prompt_token_ids = list(prompt_token_ids)
         self.sampling_params = sampling_params
@@ -123,6 +125,7 @@ class Request:
         self.kv_load = None  # jaxkv.worker.kv_offload.KVLoad
         self.pending_prefix: list[tuple[list, list[int]]] = []  # host hits to cache once the load lands
         self.arrival_index = arrival_index
+        self.priority = priority
         self.seed = seed
         room = max_model_len - len(self.prompt_token_ids)
         wanted = sampling_params.max_tokens

@@ -6,11 +6,13 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_fro
 1. running requests first, in admission order: each gets ``num_tokens - num_computed_tokens`` tokens (1
    while decoding; a prefill chunk otherwise), capped by ``long_prefill_token_threshold`` and the step's
    token budget ``max_num_batched_tokens``; blocks are allocated on demand; when none is free the most
-   recently admitted running request is preempted (recompute: blocks freed, back to the front of the
-   waiting queue, its generated tokens kept; ``preemption_mode="swap"`` with a host tier: its blocks are
+   recently admitted running request is preempted (``policy="priority"``: the one with the largest
+   ``(priority, arrival)``) (recompute: blocks freed, back to the front of the waiting queue (priority: to
+   its place by priority), its generated tokens kept; ``preemption_mode="swap"`` with a host tier: its blocks are
    copied to host blocks instead and come back when it resumes, no token recomputed, falling back to
    recompute when the host pool is full);
-2. then, if nothing was preempted, waiting requests in arrival order while the budget, ``max_num_seqs``
+2. then, if nothing was preempted, waiting requests in arrival order (priority: by ``(priority, arrival)``)
+   while the budget, ``max_num_seqs``
    and the free blocks allow (prefix-cache hits skip their cached tokens; with a host tier, hits in its
    prefix cache after the device's hits are copied back and skipped too; a swapped-out request is
    swapped back in); with ``async_loads`` a request whose blocks come from the host tier waits for the copy
@@ -28,13 +30,13 @@ vLLM: ``vllm/v1/core/sched/scheduler.py`` (``Scheduler.schedule`` / ``update_fro
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import time
 
 from jaxkv.core.host_kv_pool import has_host_blocks
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
+from jaxkv.core.request_queue import SCHEDULING_POLICIES, make_waiting_queue
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -53,6 +55,9 @@ class SchedulerConfig:
             > 0 trades that much admission latency for fewer host round trips).
         preemption_mode: ``"recompute"`` (free the blocks, prefill again on resume; vLLM V1's only mode)
             or ``"swap"`` (copy the blocks to the KV-cache manager's host tier and back; vLLM V0's names).
+        policy: ``"fcfs"`` (arrival order; the most recently admitted request is preempted first) or
+            ``"priority"`` (vLLM's: waiting requests by ``(priority, arrival)``, smaller first; the running request
+            with the largest ``(priority, arrival)`` is preempted first; :mod:`jaxkv.core.request_queue`).
     """
 
     max_num_seqs: int = 256
@@ -62,10 +67,13 @@ class SchedulerConfig:
     num_scheduler_steps: int = 8
     max_admission_delay_steps: int = 0
     preemption_mode: str = "recompute"
+    policy: str = "fcfs"
 
     def __post_init__(self):
         if self.preemption_mode not in ("recompute", "swap"):
             raise ValueError(f"preemption_mode={self.preemption_mode!r} is not one of 'recompute', 'swap'")
+        if self.policy not in SCHEDULING_POLICIES:
+            raise ValueError(f"policy={self.policy!r} is not one of {SCHEDULING_POLICIES}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len", "num_scheduler_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
@@ -137,7 +145,7 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache_manager: KVCacheManager, *, async_loads: bool = False):
         self.config = config
         self.kv_cache_manager = kv_cache_manager
-        self.waiting: collections.deque[Request] = collections.deque()
+        self.waiting = make_waiting_queue(config.policy)  # a deque (fcfs) or kept in priority order
         self.running: list[Request] = []
         self.loading: list[Request] = []  # admitted, waiting for their host→device load (async_loads)
         self.num_preemptions = 0
@@ -238,7 +246,13 @@ class Scheduler:
                 continue
             n = self._num_new_tokens(req, req.num_computed_tokens, budget)
             while not kv.allocate_slots(req, n):
-                victim = self.running.pop()  # the most recently admitted
+                j = self._victim_index()
+                victim = self.running.pop(j)
+                if j < i:  # (priority) a request already in this step: out of it again, its tokens back
+                    i -= 1
+                    k = next((k for k, (r, _) in enumerate(scheduled) if r is victim), None)
+                    if k is not None:
+                        budget += scheduled.pop(k)[1]
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is req:
@@ -248,7 +262,7 @@ class Scheduler:
                 budget -= n
                 i += 1
                 continue
-            break  # req preempted itself: every later request is gone too
+            break  # req preempted itself: the requests after it wait (fcfs: they were preempted first)
 
         if not preempted:
             self._admission_delayed = 0
@@ -278,6 +292,13 @@ class Scheduler:
         # (jaxkv.attention.dispatch._leading_decodes_apart), as vLLM's model runner reorders decodes first for FlashInfer/MLA
         scheduled.sort(key=lambda rn: rn[1] != 1)
         return SchedulerOutput(scheduled, 0, preempted)
+
+    def _victim_index(self) -> int:
+        """Where in :attr:`running` the next request to preempt is: the most recently admitted (fcfs), or the
+        largest ``(priority, arrival)`` (priority; vLLM's choice)."""
+        if self.config.policy == "fcfs":
+            return len(self.running) - 1
+        return max(range(len(self.running)), key=lambda j: (self.running[j].priority, self.running[j].arrival_index))
 
     def _admit(self, req: Request, budget: int) -> int | None:
         """Blocks for a waiting request (prefix-cache hits first: the device's, then, with a host tier, the

@@ -180,7 +180,7 @@ class EngineCoreProc:
             error = None
             try:
                 self.engine.add_requests([(r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only)
-                                          for r in msg.requests])
+                                          + ((r.priority,) if r.priority else ()) for r in msg.requests])
                 self._remember(msg.requests, client)
             except ValueError as e:
                 error = str(e)
@@ -190,7 +190,7 @@ class EngineCoreProc:
         for r in msg.requests:
             try:
                 self.engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
-                                        final_only=r.final_only)
+                                        final_only=r.final_only, **({"priority": r.priority} if r.priority else {}))
                 self._remember([r], client)
             except ValueError as e:
                 rejected.append(EngineCoreOutput(r.request_id, error=str(e)))

@@ -230,6 +230,8 @@ class LLMEngine:
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` per token a request may ask for (vLLM's).
         structured_outputs: a :class:`jaxkv.core.structured_output.StructuredOutputManager` for the model's
             tokenizer (``None``: requests with ``structured_outputs`` are refused).
+        scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's ``--scheduling-policy``: requests'
+            ``priority`` orders admission and preemption; :class:`jaxkv.core.scheduler.SchedulerConfig`).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -245,13 +247,14 @@ class LLMEngine:
                  max_num_stop_token_ids: int = 8, return_logits: bool = False,
                  check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
                  kv_offloading_size: float | None = None, preemption_mode: str = "recompute",
-                 vocab_size: int | None = None, max_logprobs: int = 20, structured_outputs=None):
+                 vocab_size: int | None = None, max_logprobs: int = 20, structured_outputs=None,
+                 scheduling_policy: str = "fcfs"):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
                                       num_scheduler_steps=num_scheduler_steps,
                                       max_admission_delay_steps=max_admission_delay_steps,
-                                      preemption_mode=preemption_mode)
+                                      preemption_mode=preemption_mode, policy=scheduling_policy)
         if preemption_mode == "swap" and not kv_offloading_size:
             raise ValueError(f"preemption_mode='swap' needs a host tier: kv_offloading_size={kv_offloading_size!r}")
         if kv_offloading_size is not None and mesh is not None:
@@ -447,17 +450,22 @@ class LLMEngine:
 
     # -- requests -------------------------------------------------------------------------------------
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams,
-                    *, final_only: bool = False) -> None:
-        """Queue a request (WAITING). vLLM: ``LLMEngine.add_request``.
+                    *, final_only: bool = False, priority: int = 0) -> None:
+        """Queue a request (WAITING). vLLM: ``LLMEngine.add_request``. ``priority`` orders the waiting queue
+        with ``scheduling_policy="priority"`` (smaller first, ties by arrival; vLLM's).
 
         ``final_only``: :meth:`step_core_outputs` reports it only when it finishes (vLLM
         ``RequestOutputKind.FINAL_ONLY``).
 
         Raises:
             ValueError: a live request with this id, an empty prompt, a prompt of ``>= max_model_len``
-                tokens, a request whose longest sequence needs more blocks than the whole cache, or too
-                many stop tokens for ``min_tokens``; nothing changes.
+                tokens, a request whose longest sequence needs more blocks than the whole cache, too
+                many stop tokens for ``min_tokens``, or ``priority != 0`` under ``scheduling_policy="fcfs"``
+                (vLLM's rule); nothing changes.
         """
+        if priority != 0 and self.config.policy != "priority":
+            raise ValueError(f"request_id={request_id!r}: priority={priority} needs scheduling_policy='priority' "
+                             f"(this engine's is {self.config.policy!r})")
         if not isinstance(sampling_params, SamplingParams):
             raise ValueError(f"sampling_params={sampling_params!r} is not a SamplingParams")
         if self.runner.is_sleeping:
@@ -487,7 +495,7 @@ class LLMEngine:
             params = sampling_params if i == 0 else sampling_params.replace(prompt_logprobs=None)
             rid = request_id if n == 1 else child_request_id(request_id, i)
             req = Request(rid, prompt, params, arrival_index=self._arrivals, seed=seed + i,
-                          max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids)
+                          max_model_len=self.max_model_len, eos_token_ids=self.eos_token_ids, priority=priority)
             req.parent_id, req.index, req.final_only = request_id, i, final_only
             req.grammar_future = grammar
             reqs.append(req)
@@ -557,7 +565,8 @@ class LLMEngine:
                 del self._held[parent]
 
     def add_requests(self, requests: Iterable[tuple[str, list[int], SamplingParams, bool]]) -> None:
-        """Queue ``(request_id, prompt_token_ids, sampling_params, final_only)`` requests: all or none.
+        """Queue ``(request_id, prompt_token_ids, sampling_params, final_only[, priority])`` requests: all or
+        none.
 
         Raises:
             ValueError: what :meth:`add_request` raises for one of them; none of them is then queued
@@ -565,8 +574,8 @@ class LLMEngine:
         """
         added: list[str] = []
         try:
-            for rid, prompt, params, final_only in requests:
-                self.add_request(rid, prompt, params, final_only=final_only)
+            for rid, prompt, params, final_only, *priority in requests:
+                self.add_request(rid, prompt, params, final_only=final_only, priority=priority[0] if priority else 0)
                 added.append(rid)
         except ValueError:
             aborted = len(self._aborted)

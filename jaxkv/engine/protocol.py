@@ -2,8 +2,9 @@
 
 vLLM: ``vllm/v1/engine/__init__.py`` (``EngineCoreRequest``, ``EngineCoreOutput(s)``,
 ``EngineCoreRequestType``) and ``v1/serial_utils.py``. Messages carry token ids and small structs, never
-text, and arrays only as raw bytes (:class:`LogprobsLists`): one message per step per direction. They are ``msgspec`` structs of a tagged union, so
-one decoder reads every kind and a malformed message fails loudly (``msgspec.ValidationError``).
+text, and arrays only as raw bytes (:class:`LogprobsLists`): one message per step per direction. They are
+``msgspec`` structs of a tagged union, so one decoder reads every kind and a malformed message fails loudly
+(``msgspec.ValidationError``).
 
 Front end → engine core (over the core's DEALER socket, from the front end's ROUTER):
 
@@ -44,12 +45,14 @@ class EngineCoreRequest(msgspec.Struct, array_like=True, omit_defaults=True, gc=
         final_only: send the request's tokens once, when it finishes (vLLM
             ``RequestOutputKind.FINAL_ONLY``, what the offline ``LLM`` uses); otherwise every step's new
             tokens are sent (``DELTA``, what streaming needs).
+        priority: with ``scheduling_policy="priority"``, smaller is admitted first (vLLM's ``priority``).
     """
 
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     final_only: bool = False
+    priority: int = 0
 
 
 class AddRequests(msgspec.Struct, tag="add", array_like=True, omit_defaults=True, gc=False):

@@ -229,8 +229,8 @@ class AsyncLLM:
     # ---------------------------------------------------------------------------------- requests
 
     async def generate(self, prompt_token_ids: Sequence[int], sampling_params: SamplingParams, request_id: str, *,
-                       stop: Sequence[str] | None = None, skip_special_tokens: bool | None = None
-                       ) -> AsyncIterator[StreamOutput]:
+                       stop: Sequence[str] | None = None, skip_special_tokens: bool | None = None,
+                       priority: int = 0) -> AsyncIterator[StreamOutput]:
         """Submit a request and yield its outputs as they are produced. vLLM: ``AsyncLLM.generate``.
 
         Args:
@@ -239,6 +239,7 @@ class AsyncLLM:
                 ``bad_words`` are applied here; the rest in the engine).
             request_id: unique among unfinished requests.
             stop, skip_special_tokens: override ``sampling_params``' fields of the same names.
+            priority: with the engine's ``scheduling_policy="priority"``: smaller is admitted first (vLLM's).
 
         Yields:
             :class:`StreamOutput` s of every completion (``index``) as they progress, each ending with one
@@ -246,9 +247,13 @@ class AsyncLLM:
             (``aclose()``, task cancelled, client gone) aborts the request.
 
         Raises:
-            ValueError: the engine rejected the request (nothing else is disturbed).
+            ValueError: the engine rejected the request (nothing else is disturbed); ``priority != 0`` with an
+                engine whose policy is ``"fcfs"``.
             EngineDeadError: the engine thread has died.
         """
+        if priority and self.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs an engine with scheduling_policy='priority' (this one's is "
+                             f"{self.scheduling_policy!r})")
         if self.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.dead_error!r}")
         if request_id in self._requests:
@@ -262,7 +267,7 @@ class AsyncLLM:
         params = params.with_bad_words_tokenized(self.tokenizer)
         prompt = truncate_prompt([int(t) for t in prompt_token_ids], params.truncate_prompt_tokens)
         state = _RequestState(request_id, prompt, self.tokenizer, params)
-        self._submit(request_id, prompt, params)  # raises before anything is registered
+        self._submit(request_id, prompt, params, priority)  # raises before anything is registered
         self._requests[request_id] = state
         try:
             while not state.finished:
@@ -307,10 +312,15 @@ class AsyncLLM:
         self._abort_in_core(ids)
 
     # hooks of the engine's side: the engine thread here, engine-core processes in _MPAsyncLLM
-    def _submit(self, request_id: str, prompt: list[int], sampling_params) -> None:
+    @property
+    def scheduling_policy(self) -> str:
+        """The engine's ``"fcfs"`` or ``"priority"`` (an engine without a scheduler config: ``"fcfs"``)."""
+        return getattr(getattr(self.engine, "config", None), "policy", "fcfs")
+
+    def _submit(self, request_id: str, prompt: list[int], sampling_params, priority: int = 0) -> None:
         if self._thread is None:
             self.start()
-        self._commands.put(("add", request_id, prompt, sampling_params))
+        self._commands.put(("add", request_id, prompt, sampling_params, priority))
 
     def _abort_in_core(self, request_ids: list[str]) -> None:
         for rid in request_ids:
@@ -391,12 +401,12 @@ class AsyncLLM:
         aborts: list[str] = []
         for cmd in commands:
             if cmd[0] == "add":
-                _, rid, prompt, params = cmd
+                _, rid, prompt, params, priority = cmd
                 if aborts and rid in aborts:  # re-used id after an abort: apply the abort first
                     self._abort_in_engine(aborts)
                     aborts = []
                 try:
-                    self.engine.add_request(rid, prompt, params)
+                    self.engine.add_request(rid, prompt, params, **({"priority": priority} if priority else {}))
                 except ValueError as e:
                     self._loop.call_soon_threadsafe(self._deliver_error, rid, e)
             elif cmd[0] == "abort":
@@ -514,12 +524,18 @@ class _MPAsyncLLM(AsyncLLM):
     def is_ready(self) -> bool:
         return self.is_running and self.client.is_ready
 
-    def _submit(self, request_id: str, prompt: list[int], sampling_params) -> None:
+    @property
+    def scheduling_policy(self) -> str:
+        """The engine cores' policy, from their ``Ready`` facts (``"fcfs"`` before they are ready)."""
+        info = next((i for i in self.client.engine_info if i), None) or {}
+        return info.get("scheduling_policy", "fcfs")
+
+    def _submit(self, request_id: str, prompt: list[int], sampling_params, priority: int = 0) -> None:
         if not self._started:
             self.start()
         if self.client.dead_error is not None:
             raise EngineDeadError(f"engine is dead: {self.client.dead_error}")
-        self.client.add_request(EngineCoreRequest(request_id, prompt, sampling_params))
+        self.client.add_request(EngineCoreRequest(request_id, prompt, sampling_params, priority=priority))
 
     def _abort_in_core(self, request_ids: list[str]) -> None:
         if self.client.is_alive:

@@ -28,6 +28,7 @@ from jaxkv.config import (
     MODEL_DTYPES,
     PREEMPTION_MODES,
     QUANTIZATIONS,
+    SCHEDULING_POLICIES,
 )
 
 log = logging.getLogger(__name__)
@@ -89,6 +90,8 @@ class EngineArgs:
             ``None``: none): a second-tier prefix cache and the room for swap preemption.
         preemption_mode: ``"recompute"`` or ``"swap"`` (needs ``kv_offloading_size``); vLLM V0's names.
             See :class:`jaxkv.LLMEngine` for both.
+        scheduling_policy: ``"fcfs"`` or ``"priority"`` (vLLM ``--scheduling-policy``: requests carry a
+            ``priority``, smaller admitted first and preempted last).
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
         structured_outputs_disable_any_whitespace: JSON grammars allow no whitespace beyond the compact form
             (vLLM ``--structured-outputs-config.disable_any_whitespace``).
@@ -120,11 +123,13 @@ class EngineArgs:
     compilation_cache_dir: str | None = "auto"
     kv_offloading_size: float | None = None
     preemption_mode: str = "recompute"
+    scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     structured_outputs_disable_any_whitespace: bool = False
 
     def __post_init__(self):
-        for name, choices in (("preemption_mode", PREEMPTION_MODES), ("compile_ahead", COMPILE_AHEAD_MODES),
+        for name, choices in (("preemption_mode", PREEMPTION_MODES), ("scheduling_policy", SCHEDULING_POLICIES),
+                              ("compile_ahead", COMPILE_AHEAD_MODES),
                               ("dtype", MODEL_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
                               ("load_format", LOAD_FORMATS)):
             if getattr(self, name) not in choices:
@@ -225,6 +230,8 @@ class EngineArgs:
             help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
         add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
             "again; swap: its blocks go to the host tier and back (needs --kv-offloading-size)")
+        add("--scheduling-policy", choices=SCHEDULING_POLICIES, help="fcfs: arrival order; priority: by each "
+            "request's priority (smaller first, ties by arrival; the largest is preempted first)")
         unknown = set(defaults) - {a.dest for a in g._group_actions}
         if unknown:
             raise ValueError(f"defaults {sorted(unknown)} name no engine flag")
@@ -408,6 +415,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         num_scheduler_steps=args.num_scheduler_steps, max_admission_delay_steps=args.max_admission_delay_steps,
         async_scheduling=args.async_scheduling, seed=args.seed, return_logits=args.return_logits, mesh=mesh,
         kv_offloading_size=args.kv_offloading_size, preemption_mode=args.preemption_mode,
+        scheduling_policy=args.scheduling_policy,
         vocab_size=config.vocab_size, max_logprobs=args.max_logprobs,
         structured_outputs=structured_output_manager(tokenizer, config.vocab_size,
                                                      any_whitespace=not args.structured_outputs_disable_any_whitespace))
@@ -436,7 +444,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 compilation_cache_dir=cache_dir, async_scheduling=args.async_scheduling,
                 prefix_caching=args.enable_prefix_caching, kv_offloading_size=args.kv_offloading_size,
                 num_host_blocks=engine.host_pool.num_blocks if engine.host_pool is not None else 0,
-                preemption_mode=args.preemption_mode)
+                preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy)
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
 

@@ -350,7 +350,8 @@ class LLM:
 
     # -- generation --------------------------------------------------------------------------------------
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 *, use_tqdm: bool = True, on_finished=None) -> list[RequestOutput]:
+                 *, use_tqdm: bool = True, on_finished=None, priority: Sequence[int] | None = None
+                 ) -> list[RequestOutput]:
         """Complete every prompt; outputs in input order, with ``text`` decoded. vLLM: ``LLM.generate``.
 
         Args:
@@ -363,10 +364,14 @@ class LLM:
             use_tqdm: show a progress bar with the running tokens/s.
             on_finished: optional ``(RequestOutput) -> None`` called as each request ends; benchmarks time
                 the run's phases with it.
+            priority: one int per prompt with ``scheduling_policy="priority"`` (vLLM's: smaller is admitted
+                first, ties by order; the requests reach the engine in windows of
+                :attr:`DISPATCH_WINDOW_PER_SEQ` x ``max_num_seqs``, in the order given).
 
         Raises:
             ValueError: bad prompts (empty, too long for ``max_model_len`` or the cache), bad sampling
-                parameters, or a list of sampling params of another length; nothing is left queued.
+                parameters, a list of sampling params or priorities of another length, or ``priority`` with
+                the ``"fcfs"`` policy; nothing is left queued.
         """
         texts, token_ids = self._normalise(prompts)
         if sampling_params is None:
@@ -375,6 +380,13 @@ class LLM:
                   else [sampling_params] * len(token_ids))
         if len(params) != len(token_ids):
             raise ValueError(f"{len(params)} sampling_params for {len(token_ids)} prompts")
+        if priority is not None:
+            priority = [int(x) for x in priority]
+            if len(priority) != len(token_ids):
+                raise ValueError(f"{len(priority)} priorities for {len(token_ids)} prompts")
+            if self.engine_args.scheduling_policy != "priority" and any(priority):
+                raise ValueError(f"priority needs scheduling_policy='priority' (this LLM's is "
+                                 f"{self.engine_args.scheduling_policy!r})")
         for i, (p, sp) in enumerate(zip(token_ids, params)):
             if len(p) == 0:
                 raise ValueError(f"prompts[{i}] is empty")
@@ -403,12 +415,14 @@ class LLM:
 
         try:
             if self.engine is not None and self.engine_args.return_logits:
+                if priority is not None and any(priority):
+                    raise ValueError("priority is not supported with return_logits")
                 outputs = self.engine.generate(token_ids, params, progress=progress)  # logits: tests only
                 for out in outputs:
                     for c in out.outputs:
                         c.text = self.tokenizer.decode(c.token_ids)
             else:
-                outputs = self._generate_core(token_ids, params, progress)
+                outputs = self._generate_core(token_ids, params, progress, priority)
         finally:
             if bar is not None:
                 bar.close()
@@ -426,7 +440,8 @@ class LLM:
     # ($JAXKV_DISPATCH_WINDOW_PER_SEQ overrides it for A/B measurements; 0 sends every request at once)
     DISPATCH_WINDOW_PER_SEQ = 2
 
-    def _generate_core(self, token_ids: list[list[int]], params: list[SamplingParams], progress) -> list[RequestOutput]:
+    def _generate_core(self, token_ids: list[list[int]], params: list[SamplingParams], progress,
+                       priority: list[int] | None = None) -> list[RequestOutput]:
         """``generate`` over the engine's core outputs (:class:`EngineCoreOutput`, in process or from the
         engine-core processes), each folded into its completion by the shared output processor.
 
@@ -442,8 +457,9 @@ class LLM:
         base = f"gen-{self._next_id}-"
         self._next_id += 1
         ids = [f"{base}{i}" for i in range(len(token_ids))]
-        requests = [EngineCoreRequest(rid, p, sp, final_only=not sp.stop)
-                    for rid, p, sp in zip(ids, token_ids, params)]
+        priority = priority or [0] * len(ids)
+        requests = [EngineCoreRequest(rid, p, sp, final_only=not sp.stop, priority=prio)
+                    for rid, p, sp, prio in zip(ids, token_ids, params, priority)]
         states = {rid: _Request(p, [CompletionState(i, self.tokenizer, sp) for i in range(sp.n)], sp)
                   for rid, p, sp in zip(ids, token_ids, params)}
         index = {rid: i for i, rid in enumerate(ids)}
@@ -451,7 +467,7 @@ class LLM:
         left = len(ids)
         if self._client is None:
             window = chunk = len(requests)
-            self.engine.add_requests((r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only)
+            self.engine.add_requests((r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only, r.priority)
                                      for r in requests)
             next_outputs = self.engine.step_core_outputs
             abort = self.engine.abort_request

@@ -326,3 +326,38 @@ def test_async_scheduling_queues_the_next_step_before_fetching(async_engine):
     stats = async_engine.stats
     assert 0 <= stats.device_idle_s <= stats.step_s and 0 <= stats.gpu_idle_share <= 1
     assert _all_free(async_engine)
+
+
+def test_priority_policy_admits_the_smallest_priorities_first_and_keeps_tokens(engine):
+    """``scheduling_policy="priority"`` (vLLM's): 12 requests added at once are first admitted in
+    ``(priority, arrival)`` order; every request's greedy tokens equal its solo run. FCFS refuses a priority.
+    (The module's engine with its scheduler switched to the policy: no new compiles.)"""
+    import dataclasses
+
+    from jaxkv.core.request_queue import PriorityQueue
+
+    prompts, params = _workload(n=12, seed=5)
+    prios = [3, 0, 2, 0, 1, 5, 0, 2, 4, 1, 0, 3]
+    with pytest.raises(ValueError, match="priority=3 needs scheduling_policy='priority'"):
+        engine.add_request("p", prompts[0], params[0], priority=3)
+    sched, before = engine.scheduler, (engine.config, engine.scheduler.config, engine.scheduler.waiting)
+    engine.config = sched.config = dataclasses.replace(engine.config, policy="priority")
+    sched.waiting = PriorityQueue()
+    try:
+        for i in range(12):
+            engine.add_request(f"q{i}", prompts[i], params[i], priority=prios[i])
+        reqs = [engine._requests[f"q{i}"] for i in range(12)]
+        done = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+    finally:
+        engine.config, sched.config, sched.waiting = before
+    # first admissions in (priority, arrival) order (requests admitted in one step share a time)
+    by_key = sorted(range(12), key=lambda i: (prios[i], i))
+    times = [reqs[i].first_scheduled_time for i in by_key]
+    assert times == sorted(times) and times[0] < times[-1]
+    for i in range(12):
+        assert done[f"q{i}"] == engine.generate([prompts[i]], params[i])[0].outputs[0].token_ids, f"request {i}"
+    assert _all_free(engine)

@@ -511,3 +511,37 @@ def test_bench_serving_starts_due_requests_in_the_dataset_order(monkeypatch):
     arrivals = [0.0] * 30 + [0.001 * i for i in range(30)]  # a burst, then spaced requests
     out = asyncio.run(bench_serving._send_scheduled(args, reqs, arrivals, time.time() + 0.05))
     assert len(out) == 60 and started == [r.prompt for r in reqs]
+
+
+def test_priority_reaches_a_priority_engine_and_is_400_on_fcfs(server):
+    """vLLM's ``priority`` field: 400 naming it unless the engine runs ``scheduling_policy="priority"``; then
+    each request's priority reaches ``add_request`` (completions and chat, streamed or not)."""
+    import types
+
+    class PriorityEngine(FakeEngine):
+        config = types.SimpleNamespace(policy="priority")
+
+        def __init__(self):
+            super().__init__()
+            self.priorities = []
+
+        def add_request(self, request_id, prompt_token_ids, sampling_params, priority=0):
+            self.priorities.append(priority)
+            super().add_request(request_id, prompt_token_ids, sampling_params)
+
+    r = httpx.post(server[0] + "/v1/completions", timeout=10,
+                   json={"model": MODEL, "prompt": "hi", "max_tokens": 2, "priority": -3})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "priority", r.text
+    assert "--scheduling-policy priority" in r.json()["error"]["message"]
+    engine = PriorityEngine()
+    tok = ByteTokenizer()
+    app = build_app(AsyncLLM(engine, tok, log_stats_interval_s=None), tok, served_model_names=[MODEL],
+                    max_model_len=MAX_MODEL_LEN, default_stop_token_ids=[EOS])
+    from starlette.testclient import TestClient
+    with TestClient(app) as c:
+        for path, body in (("/v1/completions", {"prompt": "hi"}),
+                           ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hi"}]})):
+            for stream, prio in ((False, -3), (True, 7), (False, 0)):
+                r = c.post(path, json={"model": MODEL, "max_tokens": 2, "stream": stream, "priority": prio, **body})
+                assert r.status_code == 200, r.text
+    assert engine.priorities == [-3, 7, 0, -3, 7, 0]

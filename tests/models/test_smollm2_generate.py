@@ -74,3 +74,13 @@ def test_step_trace_records_every_round_trip(llm, tmp_path, monkeypatch, capsys)
     assert load_script("step_trace").main([path, "--max-num-seqs", "4"]) == 0
     out = capsys.readouterr().out
     assert f"{len(records)} round trips, 3 requests" in out and "replayed: " in out
+
+
+def test_generate_priority_needs_the_priority_policy(llm):
+    greedy = SamplingParams(max_tokens=2, temperature=0)
+    with pytest.raises(ValueError, match="priority needs scheduling_policy='priority'"):
+        llm.generate(["a", "b"], greedy, priority=[0, 1], use_tqdm=False)
+    with pytest.raises(ValueError, match="1 priorities for 2 prompts"):
+        llm.generate(["a", "b"], greedy, priority=[0], use_tqdm=False)
+    out = llm.generate(["a", "b"], greedy, priority=[0, 0], use_tqdm=False)  # zeros: FCFS as usual
+    assert [len(o.outputs[0].token_ids) for o in out] == [2, 2]

@@ -54,6 +54,11 @@ class AbortingEngine:
         return self.async_llm.is_running
 
     @property
+    def scheduling_policy(self) -> str:
+        """The engine's ``"fcfs"`` or ``"priority"`` (``"fcfs"`` for an engine that does not say)."""
+        return getattr(self.async_llm, "scheduling_policy", "fcfs")
+
+    @property
     def is_ready(self) -> bool:
         """``AsyncLLM.is_ready`` where it has one (engine-core processes loaded and compiled)."""
         return getattr(self.async_llm, "is_ready", self.async_llm.is_running)

@@ -89,7 +89,7 @@ def random_id(prefix: str) -> str:
 # Fields OpenAI or vLLM define that this server does not implement, with the values that mean "off" (sent by
 # some clients as defaults): anything else is a 400 naming the field. None is always accepted.
 _NOT_IMPLEMENTED: dict[str, tuple] = {
-    "use_beam_search": (False,), "length_penalty": (1, 1.0), "priority": (0,), "prompt_embeds": (),
+    "use_beam_search": (False,), "length_penalty": (1, 1.0), "prompt_embeds": (),
     "logprob_token_ids": (), "return_tokens_as_token_ids": (False,), "return_token_ids": (False,),
     "cache_salt": (), "kv_transfer_params": (), "ec_transfer_params": (), "vllm_xargs": (),
     "repetition_detection": (), "thinking_token_budget": (), "stream_interval": (), "watermarking": (False,),
@@ -231,6 +231,7 @@ class _SamplingFields(OpenAIBaseModel):
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM extension
     min_tokens: int = Field(default=0, ge=0)  # vLLM extension
+    priority: int = 0  # vLLM extension: with --scheduling-policy priority, smaller is admitted first
     skip_special_tokens: bool = True  # vLLM extension
     presence_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(default=None, ge=-2.0, le=2.0)

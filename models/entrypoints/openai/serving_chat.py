@@ -95,6 +95,7 @@ class OpenAIServingChat(OpenAIServing):
         """
         self.check_model(request.model)
         request.check_supported()
+        self.check_priority(request)
         if request.n > self.limits.max_prompts_per_request:
             raise OpenAIError(f"Invalid value for 'n': {request.n} completions; this server accepts at most "
                               f"{self.limits.max_prompts_per_request} per request (--max-prompts-per-request)",
@@ -156,7 +157,8 @@ class OpenAIServingChat(OpenAIServing):
         finals: list = [None] * request.n
         tracker = self._track(request, prep)
         try:
-            async with contextlib.aclosing(self.stream(prep.token_ids, prep.params, request_id)) as outputs:
+            stream = self.stream(prep.token_ids, prep.params, request_id, request.priority)
+            async with contextlib.aclosing(stream) as outputs:
                 async for out in outputs:
                     if tracker is not None:
                         tracker.on_output(out)
@@ -222,7 +224,8 @@ class OpenAIServingChat(OpenAIServing):
             if prep.echo:
                 for i in range(n):
                     yield fmt.chat(i, prep.echo)
-            async with contextlib.aclosing(self.stream(prep.token_ids, prep.params, request_id)) as outputs:
+            stream = self.stream(prep.token_ids, prep.params, request_id, request.priority)
+            async with contextlib.aclosing(stream) as outputs:
                 async for out in outputs:
                     if tracker is not None:
                         tracker.on_output(out)

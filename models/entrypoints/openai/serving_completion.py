@@ -58,6 +58,7 @@ class OpenAIServingCompletion(OpenAIServing):
         """
         self.check_model(request.model)
         request.check_supported()
+        self.check_priority(request)
         self.check_alive()
         prompts = request.prompts
         most = self.limits.max_prompts_per_request
@@ -94,7 +95,8 @@ class OpenAIServingCompletion(OpenAIServing):
         return p.text
 
     def _streams(self, request: CompletionRequest, request_id: str, prepared: list[PreparedPrompt]):
-        return [self.stream(p.token_ids, p.params, f"{request_id}-{i}") for i, p in enumerate(prepared)]
+        return [self.stream(p.token_ids, p.params, f"{request_id}-{i}", request.priority)
+                for i, p in enumerate(prepared)]
 
     def _trackers(self, request: CompletionRequest, prepared: list[PreparedPrompt]):
         if self.metrics is None:

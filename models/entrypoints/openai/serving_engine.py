@@ -180,9 +180,25 @@ class OpenAIServing:
             param = m.group(1) if m and m.group(1) in kwargs else None
             raise OpenAIError(f"Invalid request: {e}", param=param) from None
 
-    def stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> AsyncIterator[StreamOutput]:
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
+               ) -> AsyncIterator[StreamOutput]:
         """The engine's outputs of one request (:meth:`AsyncLLM.generate`)."""
+        if priority:
+            return self.async_llm.generate(prompt_token_ids, params, request_id, priority=priority)
         return self.async_llm.generate(prompt_token_ids, params, request_id)
+
+    def check_priority(self, request: _SamplingFields) -> int:
+        """``request.priority``, which needs an engine started with ``--scheduling-policy priority`` unless it is 0
+        (vLLM's rule).
+
+        Raises:
+            OpenAIError: 400 naming ``priority``.
+        """
+        policy = getattr(self.async_llm, "scheduling_policy", "fcfs")
+        if request.priority and policy != "priority":
+            raise OpenAIError(f"Invalid value for 'priority': {request.priority} needs a server started with "
+                              f"--scheduling-policy priority (this one's is {policy!r})", param="priority")
+        return request.priority
 
     def token_text(self, token_id: int) -> str:
         """One token's text as logprobs show it (special tokens included; cached per tokenizer)."""

@@ -173,3 +173,76 @@ def test_config_validation():
         SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=4)
     with pytest.raises(ValueError, match="num_scheduler_steps=0"):
         SchedulerConfig(num_scheduler_steps=0)
+
+
+def _preq(i, prompt_len, priority, max_tokens=8):
+    r = _req(i, prompt_len, max_tokens=max_tokens)
+    r.priority = priority
+    return r
+
+
+def test_priority_policy_admits_by_priority_then_arrival():
+    """vLLM's ``--scheduling-policy priority``: waiting requests by ``(priority, arrival)``, smaller first; FCFS
+    ignores the priorities. A plain sort of the same keys is the reference."""
+    import random
+
+    rng = random.Random(0)
+    prios = [rng.choice([-1, 0, 0, 2, 5]) for _ in range(12)]
+    for policy, want in (("priority", sorted(range(12), key=lambda i: (prios[i], i))), ("fcfs", list(range(12)))):
+        s = _scheduler(num_blocks=64, max_num_seqs=1, max_num_batched_tokens=16, policy=policy)
+        for i in range(12):
+            s.add_request(_preq(i, 3, prios[i], max_tokens=1))
+        admitted = []
+        while s.has_unfinished_requests():
+            out = s.schedule()
+            admitted += [r.arrival_index for r, _ in out.scheduled if r.arrival_index not in admitted]
+            _run(s, out)
+        assert admitted == want, policy
+
+
+def test_priority_policy_preempts_the_largest_priority_even_if_scheduled_earlier_in_the_step():
+    """With blocks short, the running request with the largest ``(priority, arrival)`` is preempted (vLLM's
+    choice), also when it already got its tokens earlier in this step: it leaves the step and waits again in
+    priority order; every request still ends with all its tokens and every block comes back."""
+    s = _scheduler(num_blocks=4, policy="priority")
+    reqs = [_preq(0, 4, 9), _preq(1, 4, 0), _preq(2, 4, 1)]  # r0: the lowest priority, admitted first (alone)
+    s.add_request(reqs[0])
+    _run(s, s.schedule())
+    for r in reqs[1:]:
+        s.add_request(r)
+    out = s.schedule()
+    assert [r.request_id for r, _ in out.scheduled] == ["r0", "r1", "r2"]  # r0 decodes first, then the prompts
+    _run(s, out)
+    assert s.kv_cache_manager.allocator.num_free_blocks == 0  # r0: 2 blocks (6 tokens), r1 and r2: one each
+    out = s.schedule()
+    # running order r0, r1, r2: r0 (6 tokens, room in its block) is scheduled first; r1 then needs a 2nd block
+    # and none is free: r0 (priority 9) is the victim although it is already in the step, and leaves it
+    assert [r.request_id for r in out.preempted] == ["r0"]
+    assert "r0" not in [r.request_id for r, _ in out.scheduled]
+    assert {r.request_id for r, _ in out.scheduled} == {"r1", "r2"}
+    assert reqs[0].status == RequestStatus.PREEMPTED and list(s.waiting) == [reqs[0]]
+    s.add_request(_preq(3, 4, 0))
+    assert [r.request_id for r in s.waiting] == ["r3", "r0"]  # the new priority-0 request goes first
+    _run(s, out)
+    while s.has_unfinished_requests():
+        _run(s, s.schedule())
+    assert all(r.num_output_tokens == 8 for r in reqs)
+    assert s.kv_cache_manager.num_free_blocks == 4
+
+
+def test_priority_queue_is_a_sorted_deque():
+    from jaxkv.core.request_queue import PriorityQueue, make_waiting_queue
+
+    q = PriorityQueue()
+    reqs = [_preq(i, 1, p) for i, p in enumerate([3, 1, 3, 0, 1])]
+    for r in reqs:
+        q.append(r)
+    assert [r.arrival_index for r in q] == [3, 1, 4, 0, 2] and q[0] is reqs[3] and len(q) == 5
+    q.remove(reqs[1])
+    assert reqs[1] not in q and q.popleft() is reqs[3]
+    q.appendleft(reqs[1])  # a preempted request: back by its priority, not to the front
+    assert [r.arrival_index for r in q] == [1, 4, 0, 2]
+    with pytest.raises(ValueError, match="scheduling_policy='lifo'"):
+        make_waiting_queue("lifo")
+    with pytest.raises(ValueError, match="policy='lifo'"):
+        SchedulerConfig(policy="lifo")
