@@ -71,6 +71,11 @@ def mark_structured(requests: list[SampleRequest], fraction: float) -> list[Samp
             else r for i, r in enumerate(requests)]
 
 
+def with_priority_by_order(requests: list[SampleRequest]) -> list[SampleRequest]:
+    """``requests`` with ``priority`` = their index (``--priority-by-order``)."""
+    return [dataclasses.replace(r, extra={**(r.extra or {}), "priority": i}) for i, r in enumerate(requests)]
+
+
 def load_requests(args: argparse.Namespace, tokenizer, num: int) -> list[SampleRequest]:
     """``num`` ShareGPT requests with the throughput benchmark's loader, sampling rule and seed (or the
     first ``num`` of a ``--requests`` file saved by either benchmark's ``--save-requests``); the prompts go
@@ -490,6 +495,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--json-schema-fraction", type=float, default=0.0,
                    help="share of each run's requests sent with response_format json_schema (a nested schema "
                         "with enums, arrays and required fields), spread evenly")
+    p.add_argument("--priority-by-order", action="store_true",
+                   help="send each request's place in the dataset as its priority (vLLM's field; the server needs "
+                        "--scheduling-policy priority): waiting requests are admitted in the dataset's order, as "
+                        "offline LLM.generate admits them, whatever order racing requests arrive in")
     args = p.parse_args(argv)
     if not 0 <= args.json_schema_fraction <= 1:
         p.error(f"--json-schema-fraction={args.json_schema_fraction} must be in [0, 1]")
@@ -530,6 +539,8 @@ def main(argv=None) -> int:
             pool = mark_structured(pool, args.json_schema_fraction)
             print(f"{sum(r.extra is not None for r in pool)} requests (warm-up included) with "
                   "response_format json_schema")
+        if args.priority_by_order:
+            pool = with_priority_by_order(pool)
         if args.sample_only:
             print(f"sampled {len(pool)} requests ({sum(r.prompt_len for r in pool)} prompt tokens, "
                   f"{sum(r.output_len for r in pool)} output tokens)"

@@ -4,8 +4,8 @@
 #   1. offline LLM on requests 0..999 (the reference);
 #   2. a fresh server (defaults), 500 warm-up requests (2000..2499, 32 tokens), then requests 0..999 at rate inf
 #      through 8 openai client processes, under scripts/dev/proc_cpu.py with py-spy on the core and API servers;
-#   3. the same with the processes placed by role (VARIANTS below): does sharing CPUs with the clients cost the
-#      engine core? The server's engine counters (round trips, model steps, phase seconds) beside each.
+#   3. variants (VARIANTS below): the admission order fixed to the dataset's (priority), the processes placed by
+#      role. The server's engine counters (round trips, model steps, phase seconds) beside each.
 # Usage (device tool, repository root): bash scripts/dev/gpu_server_probe.sh
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache PATH=/tmp/site/bin:$PATH
@@ -43,9 +43,10 @@ echo "=== offline, requests 0..999" | tee "$OUT/probe.txt"
 JAXKV_STEP_TRACE=$OUT/trace-offline timeout 200 python3 scripts/bench_throughput.py --model $S --load-format dummy --requests /tmp/req-a.json \
   --backend jaxkv --no-progress --num-prompts 1000 --output-json "$OUT/offline.json" 2>&1 | quiet | tail -4 \
   | tee -a "$OUT/probe.txt"
-start() {  # a fresh server: $1 = log name
-  JAXKV_STEP_TRACE=$OUT/trace-$1 python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 \
-    > "$OUT/server-$1.log" 2>&1 &
+start() {  # a fresh server: $1 = log name, then more serve flags
+  local name=$1; shift
+  JAXKV_STEP_TRACE=$OUT/trace-$name python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 \
+    --port 8000 "$@" > "$OUT/server-$name.log" 2>&1 &
   SERVER=$!
   for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
 }
@@ -53,9 +54,11 @@ stop() { kill -TERM $SERVER; wait $SERVER; }
 C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000 \
   --requests /tmp/req-wa.json --warmup-requests 500 --warmup-max-tokens 32 --request-rate inf --client-processes 8"
 
-# VARIANTS (default all): default (no placement), nice (the engine core at nice -10), core (the engine core alone
-# on E), server (core on E, API servers on A, clients anywhere), all (and the clients on C); any other name: no
-# placement (repeats); py-spy on the first. Every engine writes its step trace (scripts/dev/step_trace.py).
+# VARIANTS (default "default priority default2 priority2"): default (no placement), priority* (the server with
+# --scheduling-policy priority and the client's --priority-by-order: admission in the dataset's order, as offline),
+# nice (the engine core at nice -10), core (the engine core alone on E), server (core on E, API servers on A,
+# clients anywhere), all (and the clients on C); any other name: no placement (repeats); py-spy on the first.
+# Every engine writes its step trace (scripts/dev/step_trace.py replays its arrival order).
 place() {  # $1: variant
   case $1 in
     nice) for pid in $(pgrep -f "jaxkv.engine.core"); do renice -n -10 -p "$pid" > /dev/null; done;;
@@ -68,12 +71,14 @@ place() {  # $1: variant
   esac
 }
 spy="--py-spy $OUT/spy"
-for v in ${VARIANTS:-default nice core server all}; do
-  start "$v"
+for v in ${VARIANTS:-default priority default2 priority2}; do
+  prio=""; serve_flags=""
+  case $v in priority*) prio="--priority-by-order"; serve_flags="--scheduling-policy priority";; esac
+  start "$v" $serve_flags
   place "$v"
   pin=""; [ "$v" = all ] && pin="taskset -c $C"
-  echo "=== $v: rate inf, 8 openai client processes ${spy:+(py-spy)}" | tee -a "$OUT/probe.txt"
-  timeout 150 $pin python3 scripts/dev/proc_cpu.py $spy -- python3 $C_ARGS --result-json "$OUT/inf-$v.json" \
+  echo "=== $v: rate inf, 8 openai client processes ${spy:+(py-spy)} $serve_flags $prio" | tee -a "$OUT/probe.txt"
+  timeout 150 $pin python3 scripts/dev/proc_cpu.py $spy -- python3 $C_ARGS $prio --result-json "$OUT/inf-$v.json" \
     2>&1 | quiet | tail -9 | tee -a "$OUT/probe.txt"
   stop
   spy=""
@@ -93,7 +98,7 @@ for f in sorted(out.glob("inf-*.json")):
 PY
 for d in "$OUT"/trace-*; do  # the timed burst of each engine: round trips, occupancy, arrivals, tail
   echo "=== step trace $(basename $d)" | tee -a "$OUT/probe.txt"
-  python3 scripts/dev/step_trace.py "$d"/*.jsonl --bins 8 | tail -11 | tee -a "$OUT/probe.txt"
+  python3 scripts/dev/step_trace.py "$d"/*.jsonl --bins 8 | tail -12 | tee -a "$OUT/probe.txt"
 done
 for f in "$OUT"/spy/*.txt; do  # collapsed stacks -> the top frames by own samples, per process
   [ -f "$f" ] && python3 - "$f" <<'PY' > "${f%.txt}.top.txt"

@@ -487,6 +487,9 @@ def test_bench_serving_json_schema_fraction_marks_an_even_share():
     assert with_schema == [1, 3, 5, 7, 9]  # request i when floor((i + 1) / 2) > floor(i / 2)
     assert marked[1].extra["seed"] == 1 and marked[3].extra["response_format"]["type"] == "json_schema"
     assert [r.prompt for r in marked] == [r.prompt for r in reqs] and reqs[3].extra is None  # inputs untouched
+    ordered = bench_serving.with_priority_by_order(marked)
+    assert [r.extra["priority"] for r in ordered] == list(range(10)) and ordered[1].extra["seed"] == 1
+    assert ordered[3].extra["response_format"] == marked[3].extra["response_format"]
 
 
 
