@@ -348,14 +348,17 @@ class Scheduler:
         """A pure-decode device loop when every running request decodes and no waiting request can be
         admitted (or may still be held back by ``max_admission_delay_steps``)."""
         cfg = self.config
-        live = [r for r in self.running if r.remaining_tokens > 0]
+        # a structured output's mask comes from the host for each token: one whose last token is in flight sits
+        # the loop out, one whose token is back decodes once in it (its mask for that step); the others loop
+        live = [r for r in self.running if r.remaining_tokens > 0
+                and not (r.grammar is not None and r.num_output_placeholders)]
         if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
         if any(r.needs_known_history and r.num_output_placeholders for r in live):
             return None  # such a request waits for its token: a mixed step runs the others
-        if any(r.grammar is not None for r in live):
-            return None  # a structured output's mask comes from the host each step
-        remaining = [r.remaining_tokens for r in live]
+        if all(r.grammar is not None for r in live):
+            return None  # only structured outputs: one mixed step, no idle loop iterations
+        remaining = [1 if r.grammar is not None else r.remaining_tokens for r in live]
         if not self.waiting and not self.loading:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
         else:
@@ -363,7 +366,7 @@ class Scheduler:
             # request joins at the next pass), else until the first running request reaches its length cap
             # (its seat frees then); beyond them, at most max_admission_delay_steps in all
             admissible = bool(self.loading) or (len(self.running) < cfg.max_num_seqs and self._can_admit_head())
-            free_steps = 0 if admissible else min(remaining)
+            free_steps = 0 if admissible else min(r.remaining_tokens for r in live)
             allowed = cfg.max_admission_delay_steps - self._admission_delayed
             k = min(cfg.num_scheduler_steps, max(remaining), max(free_steps, allowed))
             if k < 1:

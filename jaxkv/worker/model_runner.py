@@ -247,6 +247,19 @@ class StepResult:
     prompt_logprobs: dict | None = None
 
 
+def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: dict, features):
+    """Structured outputs: ``extras["bitmask"]`` ``int32[num_rows, words]`` (each of ``rows`` filled by its
+    grammar for its next token, every other row all ones) and ``features.bitmask``; ``features`` unchanged when
+    ``rows`` is empty."""
+    if not rows:
+        return features
+    bitmask = np.full((num_rows, reqs[rows[0]].grammar_words), -1, np.int32)
+    for r in rows:
+        reqs[r].grammar.fill_bitmask(bitmask, r)
+    extras["bitmask"] = bitmask
+    return dataclasses.replace(features, bitmask=True)
+
+
 class ModelRunner:
     """Builds padded inputs from a :class:`jaxkv.core.scheduler.SchedulerOutput` and runs the jitted step.
 
@@ -807,13 +820,8 @@ class ModelRunner:
         if features.penalties:  # which rows' sampled tokens are real (a prompt chunk's is not)
             extras["counted"] = np.zeros(num_rows, np.int32)
             extras["counted"][:n] = sched.samples
-        constrained = [r for r in special if reqs[r].grammar is not None and sched.samples[r]]
-        if constrained:
-            bitmask = np.full((num_rows, reqs[constrained[0]].grammar_words), -1, np.int32)
-            for r in constrained:
-                reqs[r].grammar.fill_bitmask(bitmask, r)
-            extras["bitmask"] = bitmask
-            features = dataclasses.replace(features, bitmask=True)
+        features = _with_grammar_bitmask(
+            reqs, [r for r in special if reqs[r].grammar is not None and sched.samples[r]], num_rows, extras, features)
         return inputs, sampling, extras, features, plp_k
 
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
@@ -963,4 +971,8 @@ class ModelRunner:
         steps[:n] = [s for _, s in scheduled]
         arrays = dict(tokens=tokens, src_rows=src, positions=positions, steps=steps,
                       block_tables=self._block_table(reqs, num_rows))
-        return (arrays, *self._sampling_arrays(reqs, num_rows, sched.gen_idx))
+        sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
+        # a structured output runs one step of the loop (the scheduler's rule): its mask for it, all ones elsewhere
+        features = _with_grammar_bitmask(reqs, [r for r, req in enumerate(reqs) if req.grammar is not None],
+                                         num_rows, extras, features)
+        return arrays, sampling, extras, features

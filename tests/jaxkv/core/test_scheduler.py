@@ -246,3 +246,27 @@ def test_priority_queue_is_a_sorted_deque():
         make_waiting_queue("lifo")
     with pytest.raises(ValueError, match="policy='lifo'"):
         SchedulerConfig(policy="lifo")
+
+
+def test_structured_outputs_take_one_step_of_a_decode_loop_the_others_loop():
+    """A structured output's mask comes from the host for each token: in a decode loop it decodes once while
+    the others run every step; with its last token still in flight it sits the loop out; structured outputs
+    alone run single (mixed) steps."""
+    s = _scheduler(num_scheduler_steps=4)
+    g, a, b = _req(0, 3, max_tokens=20), _req(1, 3, max_tokens=20), _req(2, 3, max_tokens=20)
+    for r in (g, a, b):
+        s.add_request(r)
+    _run(s, s.schedule())  # the prompts
+    g.grammar = object()  # the scheduler only asks whether there is one
+    out = s.schedule()
+    assert out.num_decode_steps == 4 and [(r.request_id, n) for r, n in out.scheduled] == [
+        ("r0", 1), ("r1", 4), ("r2", 4)]
+    # async scheduling: the next pass is planned before this one's tokens are back; g's token is in flight
+    nxt = s.schedule()
+    assert nxt.num_decode_steps == 4 and [r.request_id for r, _ in nxt.scheduled] == ["r1", "r2"]
+    _run(s, out)  # the first loop's tokens are back (g's one, a's and b's four)
+    assert g.num_output_tokens == 2 and g.num_output_placeholders == 0
+    for r in (a, b):
+        s.finish_request(r, RequestStatus.FINISHED_ABORTED)
+    only = s.schedule()
+    assert only.num_decode_steps == 0 and [(r.request_id, n) for r, n in only.scheduled] == [("r0", 1)]
