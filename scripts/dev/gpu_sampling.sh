@@ -7,8 +7,8 @@
 #     request, and n=8 over the first 375 prompts (3000 sequences); this tree plain again (the spread).
 #     RUNS="plain logprobs5 ..." picks some of them (default all five).
 #   STAGE=server: 1000 requests offline (LLM), then `jaxkv serve` (its defaults: two API-server processes on this
-#     16-CPU machine) through the openai client: rate inf with 8 client processes (CPU per process role by
-#     scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
+#     16-CPU machine) through the openai client: rate inf with 8 client processes after 500 short warm-up
+#     requests (CPU per process role by scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
 #     processes and response_format json_schema on half of the requests.
 #   STAGE=n8-8b: Llama-3.1-8B shapes (dummy weights, .dummy/requests-llama3.json): 1000 distinct prompts, then n=8
 #     over the first 125 (1000 sequences sharing their prompt's blocks); output tok/s of each.
@@ -94,7 +94,8 @@ if [ "${STAGE:-}" = server ]; then
   python3 - <<'PY'
 import json
 r = json.load(open(".dummy/requests-3000.json"))
-for name, part in (("a", r[:1000]), ("b", r[1000:2000]), ("bc", r[1000:1500] + r[2000:3000])):
+for name, part in (("a", r[:1000]), ("b", r[1000:2000]), ("bc", r[1000:1500] + r[2000:3000]),
+                   ("wa", r[2000:2500] + r[:1000])):
     json.dump(part, open(f"/tmp/req-{name}.json", "w"))
 PY
   timeout 200 $B --requests /tmp/req-a.json --num-prompts 1000 --output-json "$OUT/offline.json" 2>&1 | quiet | tail -5 \
@@ -110,9 +111,11 @@ PY
   stop() { kill -TERM $SERVER; wait $SERVER; }
   C="python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000"
   start 1
-  echo "=== the offline requests at rate inf, 8 client processes (CPU by role)" | tee -a "$OUT/server.txt"
-  timeout 150 python3 scripts/dev/proc_cpu.py -- $C --requests /tmp/req-a.json --request-rate inf \
-    --client-processes 8 --result-json "$OUT/serve-inf.json" 2>&1 | quiet | tail -22 | tee -a "$OUT/server.txt"
+  echo "=== the offline requests at rate inf, 8 client processes (CPU by role), 500 warm-up requests first" \
+    | tee -a "$OUT/server.txt"
+  timeout 150 python3 scripts/dev/proc_cpu.py -- $C --requests /tmp/req-wa.json --warmup-requests 500 \
+    --warmup-max-tokens 32 --request-rate inf --client-processes 8 --result-json "$OUT/serve-inf.json" 2>&1 | quiet \
+    | tail -22 | tee -a "$OUT/server.txt"
   echo "=== other requests at $RATE req/s (0.9x offline), 4 client processes" | tee -a "$OUT/server.txt"
   timeout 150 $C --requests /tmp/req-b.json --request-rate $RATE --client-processes 4 \
     --result-json "$OUT/serve-09x.json" 2>&1 | quiet | tail -14 | tee -a "$OUT/server.txt"
