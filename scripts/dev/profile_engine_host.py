@@ -1,6 +1,7 @@
 """Host cost of one engine step, with a trivial model (no real device work), profiled with cProfile.
 
     python scripts/dev/profile_engine_host.py [--requests 1000] [--max-num-seqs 256] [--steps 100]
+        [--final-only] [--core-outputs] [--logprobs K]
     python scripts/dev/profile_engine_host.py --workload requests-1000.json [--max-admission-delay-steps 8]
 
 ``--workload FILE`` (token ids and output lengths, as ``bench_throughput.py --save-requests`` writes them)
@@ -98,6 +99,9 @@ def main(argv=None) -> int:
     p.add_argument("--max-admission-delay-steps", type=int, default=0)
     p.add_argument("--num-scheduler-steps", type=int, default=8, help="most decode steps per host round trip")
     p.add_argument("--num-blocks", type=int, default=None, help="cache blocks (default 4096; 16384 with --workload)")
+    p.add_argument("--logprobs", type=int, default=None, help="every request asks for this many logprobs")
+    p.add_argument("--core-outputs", action="store_true",
+                   help="step_core_outputs() (an engine-core process's step, outputs as sent) instead of step()")
     args = p.parse_args(argv)
     vocab = 128
 
@@ -112,15 +116,18 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     for i in range(args.requests):
         engine.add_request(str(i), rng.integers(0, vocab, int(rng.integers(4, 300))).tolist(),
-                           jaxkv.SamplingParams(max_tokens=int(rng.integers(4, 300)), ignore_eos=True))
+                           jaxkv.SamplingParams(max_tokens=int(rng.integers(4, 300)), ignore_eos=True,
+                                                logprobs=args.logprobs),
+                           final_only=args.final_only)
+    step = engine.step_core_outputs if args.core_outputs else lambda: engine.step(final_only=args.final_only)
     for _ in range(30):  # fill the running batch
-        engine.step(final_only=args.final_only)
+        step()
     before = engine.stats
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
     for _ in range(args.steps):
-        engine.step(final_only=args.final_only)
+        step()
     prof.disable()
     dt = time.perf_counter() - t0
     after = engine.stats
