@@ -44,11 +44,10 @@ class FlatLogprobs(Sequence):
         ValueError: rows of different widths, or shapes that disagree (:meth:`extend_rows`).
     """
 
-    __slots__ = ("_chunks", "_joined", "_len", "texts")
+    __slots__ = ("_chunks", "_len", "texts")
 
     def __init__(self, token_ids=None, logprobs=None, ranks=None, texts: Mapping[int, str] | None = None):
-        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
-        self._joined: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
+        self._chunks: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []  # joined into one when read
         self._len = 0
         self.texts = texts
         if token_ids is not None:
@@ -68,18 +67,13 @@ class FlatLogprobs(Sequence):
                              f"{self._chunks[0][0].shape[1]}")
         self._chunks.append((ids, lps, rks))
         self._len += len(rks)
-        self._joined = None
 
     def _arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        if self._joined is None:
-            if not self._chunks:
-                self._joined = (np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32), np.zeros(0, np.int32))
-            elif len(self._chunks) == 1:
-                self._joined = self._chunks[0]
-            else:
-                self._joined = tuple(np.concatenate([c[i] for c in self._chunks]) for i in range(3))
-                self._chunks = [self._joined]
-        return self._joined
+        if not self._chunks:
+            return np.zeros((0, 1), np.int32), np.zeros((0, 1), np.float32), np.zeros(0, np.int32)
+        if len(self._chunks) > 1:
+            self._chunks = [tuple(np.concatenate([c[i] for c in self._chunks]) for i in range(3))]
+        return self._chunks[0]
 
     @property
     def token_ids(self) -> np.ndarray:

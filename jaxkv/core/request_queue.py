@@ -26,7 +26,6 @@ class PriorityQueue:
     first, ties by arrival). A list with binary insertion: the head is read every pass, inserts are rare."""
 
     def __init__(self):
-        self._keys: list[tuple[int, int]] = []
         self._reqs: list = []
 
     @staticmethod
@@ -34,20 +33,15 @@ class PriorityQueue:
         return req.priority, req.arrival_index
 
     def append(self, req) -> None:
-        key = self._key(req)
-        i = bisect.bisect_right(self._keys, key)
-        self._keys.insert(i, key)
-        self._reqs.insert(i, req)
+        self._reqs.insert(bisect.bisect_right(self._reqs, self._key(req), key=self._key), req)
 
     appendleft = append  # a preempted request goes back by its priority, not to the front
 
     def popleft(self):
-        self._keys.pop(0)
         return self._reqs.pop(0)
 
     def remove(self, req) -> None:
-        i = self._reqs.index(req)  # ValueError when absent, as deque.remove
-        del self._keys[i], self._reqs[i]
+        self._reqs.remove(req)  # ValueError when absent, as deque.remove
 
     def __getitem__(self, i: int):
         return self._reqs[i]

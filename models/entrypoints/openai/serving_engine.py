@@ -183,9 +183,7 @@ class OpenAIServing:
     def stream(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str, priority: int = 0
                ) -> AsyncIterator[StreamOutput]:
         """The engine's outputs of one request (:meth:`AsyncLLM.generate`)."""
-        if priority:
-            return self.async_llm.generate(prompt_token_ids, params, request_id, priority=priority)
-        return self.async_llm.generate(prompt_token_ids, params, request_id)
+        return self.async_llm.generate(prompt_token_ids, params, request_id, priority=priority)
 
     def check_priority(self, request: _SamplingFields) -> int:
         """``request.priority``, which needs an engine started with ``--scheduling-policy priority`` unless it is 0
