@@ -6,6 +6,7 @@ and :data:`slow`, the marker of the long variants that ``JAXKV_SLOW=1`` turns on
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import sys
@@ -252,6 +253,40 @@ def smollm2_llm(gguf_path):
 @pytest.fixture
 def rng(request):
     return np.random.default_rng(zlib.crc32(request.node.name.encode()))
+
+
+def start_uvicorn(app, server_cls=None, *, config: dict | None = None, **server_kwargs):
+    """``app`` served by uvicorn (``server_cls``, default ``uvicorn.Server``, given ``server_kwargs``; ``config``:
+    more ``uvicorn.Config`` options) in a daemon thread on a free 127.0.0.1 port, returned once it has started:
+    ``(server, thread, port)``."""
+    import socket
+    import threading
+    import time
+
+    import uvicorn
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    srv = (server_cls or uvicorn.Server)(
+        uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", **(config or {})), **server_kwargs)
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not srv.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
+        time.sleep(0.01)
+    return srv, thread, port
+
+
+@contextlib.contextmanager
+def serve(app):
+    """The base URL of ``app`` served as :func:`start_uvicorn` does; the server stops on exit."""
+    srv, thread, port = start_uvicorn(app)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(10)
 
 
 def jaxkv_command() -> list[str]:

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import socket
 import threading
 import time
 from collections import deque
@@ -24,6 +23,7 @@ uvicorn = pytest.importorskip("uvicorn")
 from jaxkv.sampling_params import SamplingParams
 from models.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from models.entrypoints.openai.api_server import build_app  # noqa: E402
+from tests.conftest import serve  # noqa: E402
 
 OUTPUT = "Hello wörld 🙂 STOP then more text; ".encode()
 EOS = 0
@@ -138,22 +138,8 @@ def server():
     tok = ByteTokenizer()
     app = build_app(AsyncLLM(engine, tok, log_stats_interval_s=None), tok, served_model_names=[MODEL, "alias"],
                     max_model_len=MAX_MODEL_LEN, default_stop_token_ids=[EOS])
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.02)
-    base = f"http://127.0.0.1:{port}"
-    try:
+    with serve(app) as base:
         yield base, engine
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 @pytest.fixture

@@ -17,11 +17,9 @@ The server runs in-process (uvicorn in a thread), so each request costs millisec
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import logging
-import socket
 import threading
 import time
 from collections import deque
@@ -36,6 +34,7 @@ from jaxkv.outputs import CompletionOutput, Logprob, RequestOutput  # noqa: E402
 from jaxkv.sampling_params import StructuredOutputsParams  # noqa: E402
 from models.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from models.entrypoints.openai.api_server import build_app  # noqa: E402
+from tests.conftest import serve  # noqa: E402
 
 EOS = 0
 MODEL = "fake-model"
@@ -197,26 +196,6 @@ class LogprobEngine:
                     if outs[1:]:
                         outputs.append(RequestOutput(rid, req.prompt, outs[1:], all(req.done)))
         return outputs
-
-
-@contextlib.contextmanager
-def serve(app):
-    """``(base_url)`` of ``app`` served by uvicorn in a thread on a free port."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(10)
 
 
 def make_app(engine=None, **kwargs):

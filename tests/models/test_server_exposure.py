@@ -11,7 +11,6 @@ import asyncio
 import json
 import signal
 import socket
-import threading
 import time
 
 import httpx
@@ -26,6 +25,7 @@ from models.entrypoints.async_llm import AsyncLLM  # noqa: E402
 from models.entrypoints.openai.api_server import build_app  # noqa: E402
 from models.entrypoints.openai.drain import GracefulServer  # noqa: E402
 from models.entrypoints.openai.limits import ServerLimits, json_depth  # noqa: E402
+from tests.conftest import start_uvicorn  # noqa: E402
 
 KEYS = ["key-one", "second-key"]
 LIMITS = ServerLimits(max_request_body_bytes=256 * 1024, max_json_depth=8, max_stop_strings=3, max_stop_chars=20,
@@ -33,19 +33,8 @@ LIMITS = ServerLimits(max_request_body_bytes=256 * 1024, max_json_depth=8, max_s
 AUTH = {"Authorization": f"Bearer {KEYS[0]}"}
 
 
-def _start(app, server_cls=uvicorn.Server, **kwargs):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    srv = server_cls(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
-                                    timeout_graceful_shutdown=5), **kwargs)
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 20
-    while not srv.started:
-        assert time.monotonic() < deadline and thread.is_alive(), "server did not start"
-        time.sleep(0.01)
-    return srv, thread, port
+def _start(app, server_cls=None, **kwargs):
+    return start_uvicorn(app, server_cls, config=dict(timeout_graceful_shutdown=5), **kwargs)
 
 
 def _app(engine, **kwargs):
