@@ -151,12 +151,15 @@ MGPU_DECODE_QK8T_SCRATCH_BYTES = 2048
 MGPU_DECODE_PAGE_IDS_FIRST = os.environ.get("JAXKV_MGPU_DECODE_PAGE_IDS_FIRST")
 
 
+def _set_or_fp8(setting: str | None, fp8: bool) -> bool:
+    """An A/B switch's value: ``setting`` when set ("1"/"0"), else on for an fp8 cache only."""
+    return fp8 if setting is None else setting == "1"
+
+
 def mgpu_decode_page_ids_first(fp8: bool) -> bool:
     """``page_ids_first`` of the persistent Mosaic decode kernel: ``MGPU_DECODE_PAGE_IDS_FIRST`` when set ("1"/"0"),
     else on for an fp8 cache only."""
-    if MGPU_DECODE_PAGE_IDS_FIRST is not None:
-        return MGPU_DECODE_PAGE_IDS_FIRST == "1"
-    return fp8
+    return _set_or_fp8(MGPU_DECODE_PAGE_IDS_FIRST, fp8)
 
 
 # Persistent decode: the memory warpgroup loads the next item's sequence length (and the one after's sequence id)
@@ -170,9 +173,7 @@ MGPU_DECODE_PREFETCH_ITEM = os.environ.get("JAXKV_MGPU_DECODE_PREFETCH_ITEM")
 def mgpu_decode_prefetch_item(fp8: bool) -> bool:
     """``prefetch_item`` of the persistent Mosaic decode kernel: ``MGPU_DECODE_PREFETCH_ITEM`` when set ("1"/"0"),
     else on for an fp8 cache only."""
-    if MGPU_DECODE_PREFETCH_ITEM is not None:
-        return MGPU_DECODE_PREFETCH_ITEM == "1"
-    return fp8
+    return _set_or_fp8(MGPU_DECODE_PREFETCH_ITEM, fp8)
 # Mixed batches (prefill chunks beside decodes), where decode runs on the Mosaic kernel: the leading one-token rows
 # (the scheduler puts them first) go to it and the rest to the prefill kernel (jaxkv.attention.dispatch._leading_decodes_apart),
 # instead of every row to the prefill kernel (session 23: 362 us a call at ~250 decode rows in the 8B run's mixed
