@@ -57,7 +57,7 @@ def test_step_trace_records_every_round_trip(llm, tmp_path, monkeypatch, capsys)
     engine._step_trace = []  # the engine was built before the variable was set
     before = engine.stats
     try:
-        llm.generate(["a", "b c", "d e f"], SamplingParams(max_tokens=5, temperature=0, ignore_eos=True),
+        llm.generate(["a b", "d e f"], SamplingParams(max_tokens=8, temperature=0, ignore_eos=True),
                      use_tqdm=False)
         path = engine.write_step_trace()
     finally:
@@ -66,14 +66,14 @@ def test_step_trace_records_every_round_trip(llm, tmp_path, monkeypatch, capsys)
     lines = [json.loads(line) for line in open(path)]
     records = [r for r in lines if "t0" in r]
     assert [(a["prompt_tokens"], a["max_tokens"]) for a in lines if "arrival" in a] == [
-        (len(llm.get_tokenizer().encode(p)), 5) for p in ("a", "b c", "d e f")]  # the requests, in their order
+        (len(llm.get_tokenizer().encode(p)), 8) for p in ("a b", "d e f")]  # the requests, in their order
     assert len(records) == after.steps - before.steps > 0
-    assert sum(r["generated"] for r in records) == 15 == after.num_generated_tokens - before.num_generated_tokens
+    assert sum(r["generated"] for r in records) == 16 == after.num_generated_tokens - before.num_generated_tokens
     assert sum(max(1, r["steps"]) for r in records) == after.model_steps - before.model_steps
     assert all(r["t0"] <= r["t1"] and r["rows"] >= 1 for r in records) and records[-1]["running"] == 0
     assert load_script("step_trace").main([path, "--max-num-seqs", "4"]) == 0
     out = capsys.readouterr().out
-    assert f"{len(records)} round trips, 3 requests" in out and "replayed: " in out
+    assert f"{len(records)} round trips, 2 requests" in out and "replayed: " in out
 
 
 def test_generate_priority_needs_the_priority_policy(llm):
