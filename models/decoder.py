@@ -32,6 +32,7 @@ from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.kv_cache.dtypes import FP8_DTYPES
 from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
 from models.decoder_config import DecoderConfig
+from models.parallel import row_parallel
 from models.quantization import Fp8Config, Fp8Linear, make_linear
 
 
@@ -141,7 +142,7 @@ class Attention(nnx.Module):
         # write + attend; on a mesh per shard (local heads, local rows and blocks: jaxkv.parallel)
         out, kv_cache = paged_attention_layer(q, k, v, kv_cache, metadata, scale=self.scale,
                                               impl=attention_impl, mesh=mesh, **extras)
-        return self.o_proj(out.reshape(x.shape[0], c.num_heads * c.head_size)), kv_cache
+        return row_parallel(self.o_proj, out.reshape(x.shape[0], c.num_heads * c.head_size), mesh), kv_cache
 
     def dense(self, x: Float[Array, "batch seq hidden"], valid: jax.Array) -> Float[Array, "batch seq hidden"]:
         """Cache-free attention over whole left-aligned sequences (``valid``: bool[batch, seq]); causal, and
@@ -173,10 +174,10 @@ class MLP(nnx.Module):
             self.up_proj = make_linear(d, f, name="up_proj", **linear)
             self.down_proj = make_linear(f, d, name="down_proj", **linear)
 
-    def __call__(self, x):
+    def __call__(self, x, *, mesh=None):
         g = self.gate_proj(x)
         g = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        return self.down_proj(g * self.up_proj(x))
+        return row_parallel(self.down_proj, g * self.up_proj(x), mesh)
 
 
 class DecoderLayer(nnx.Module):
@@ -197,18 +198,18 @@ class DecoderLayer(nnx.Module):
             self.post_feedforward_layernorm = _rms_norm(d, eps, rngs)
         self.mlp = MLP(config, dtype=dtype, rngs=rngs, **quant, **({"layer": layer} if quant else {}))
 
-    def _after_attention(self, x, h):
+    def _after_attention(self, x, h, mesh=None):
         if not self.sandwich:
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x).astype(x.dtype))
+            return x + self.mlp(self.post_attention_layernorm(x).astype(x.dtype), mesh=mesh)
         x = x + self.post_attention_layernorm(h).astype(x.dtype)
-        h = self.mlp(self.pre_feedforward_layernorm(x).astype(x.dtype))
+        h = self.mlp(self.pre_feedforward_layernorm(x).astype(x.dtype), mesh=mesh)
         return x + self.post_feedforward_layernorm(h).astype(x.dtype)
 
     def __call__(self, x, positions, kv_cache, metadata, *, attention_impl, mesh=None):
         h, kv_cache = self.self_attn(self.input_layernorm(x).astype(x.dtype), positions, kv_cache, metadata,
                                      attention_impl=attention_impl, mesh=mesh)
-        return self._after_attention(x, h), kv_cache
+        return self._after_attention(x, h, mesh), kv_cache
 
     def dense(self, x, valid):
         return self._after_attention(x, self.self_attn.dense(self.input_layernorm(x).astype(x.dtype), valid))

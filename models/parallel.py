@@ -24,9 +24,10 @@ fp8 projections (:class:`models.quantization.Fp8Linear`) hold ``weight`` ``f8e4m
 orientation) and ``weight_scale`` ``f32[out]``: column-parallel ``weight`` ``P("tp", None)`` with its scales split
 alike ``P("tp")``; row-parallel (o_proj, down_proj) ``weight`` ``P(None, "tp")`` with the scales replicated
 ``P()`` (every rank's partial sums have all output channels); a static ``input_scale`` ``f32[]`` is replicated.
-k/v replicated when ``num_kv_heads < tp``: weight and scales ``P()``. The per-token activation scales of a
-row-parallel layer are over the whole row (XLA all-reduces the ``[tokens]`` amax), so a ``tp`` mesh computes
-what one device does; vLLM's ``RowParallelLinear`` quantizes each rank's slice with its own scales.
+k/v replicated when ``num_kv_heads < tp``: weight and scales ``P()``. A row-parallel fp8 layer runs per rank
+(:func:`row_parallel`, vLLM's ``RowParallelLinear``): each rank's slice gets its own per-token activation scales and
+the partial sums are all-reduced in the model dtype; the cache-free ``dense`` path (tests, references) leaves it
+to the partitioner, which scales whole rows as one device does.
 
 Every weight is replicated over ``dp``. The embedding and LM head are replicated, so every ``tp`` rank
 computes full-vocabulary logits and sampling needs no gather (a vocab-parallel head would save memory
@@ -36,11 +37,13 @@ on large vocabularies; not done).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from jaxkv.parallel.mesh import TP, check_tensor_parallel, mesh_sizes
+from jaxkv.parallel.mesh import DP, TP, check_tensor_parallel, mesh_sizes
 from models.decoder_config import DecoderConfig
+from models.quantization import Fp8Linear, fp8_linear
 
 _COLUMN = {"q_proj", "gate_proj", "up_proj"}
 _ROW = {"o_proj", "down_proj"}
@@ -97,3 +100,38 @@ def shard_params(state, config: DecoderConfig, mesh: Mesh):
 
 
 shard_llama_params = shard_params
+
+
+def row_parallel(proj, x: jax.Array, mesh: Mesh | None) -> jax.Array:
+    """``proj(x)`` for a row-parallel projection (o_proj, down_proj: ``x`` ``[tokens, in]`` split over ``tp``).
+
+    A plain ``nnx.Linear`` is left to XLA's partitioner (one all-reduce of its partial sums). An fp8
+    :class:`models.quantization.Fp8Linear` on a ``tp > 1`` mesh runs per rank, as vLLM's ``RowParallelLinear``
+    with ``Fp8LinearMethod``: each rank quantizes its ``[tokens, in / tp]`` slice with its own per-token scales,
+    takes its fp8 GEMM times its scales in the model dtype, and the ranks' partial sums are all-reduced in that
+    dtype (bf16 on the wire), then the bias is added. Left to the partitioner the same layer all-reduced its
+    ``[tokens]`` absmax (one more collective per projection) and its f32 partial sums (twice the bytes).
+
+    Args:
+        proj: the layer (``nnx.Linear`` or ``Fp8Linear``).
+        x: ``[num_tokens, in]`` activations (tokens over ``dp``, features over ``tp``).
+        mesh: the ``(dp, tp)`` mesh or ``None``.
+
+    Returns:
+        ``[num_tokens, out]`` in ``x.dtype``, replicated over ``tp``.
+    """
+    _, tp = mesh_sizes(mesh)
+    if tp == 1 or not isinstance(proj, Fp8Linear) or x.ndim != 2:
+        return proj(x)
+    static = proj.input_scale is not None
+
+    def local(x, weight, weight_scale, *input_scale):
+        y = fp8_linear(x, weight, weight_scale, input_scale=input_scale[0] if static else None)
+        return jax.lax.psum(y, TP)
+
+    args = (x, proj.weight[...], proj.weight_scale[...]) + ((proj.input_scale[...],) if static else ())
+    specs = (P(DP, TP), P(None, TP), P()) + ((P(),) if static else ())
+    y = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(DP, None), check_vma=False)(*args)
+    if proj.bias is not None:
+        y = (y.astype(jnp.float32) + proj.bias[...].astype(jnp.float32)).astype(x.dtype)
+    return y

@@ -30,9 +30,9 @@ the norms (vLLM's ``ignore: ["lm_head"]``). Two sources:
 Where jaxkv differs from vLLM's kernels (same formula): the projections are not fused, so q/k/v (and gate/up)
 keep their own static ``input_scale`` (vLLM's fused ``QKVParallelLinear`` takes the largest of the three) and
 their own per-tensor weight scale (vLLM requantizes a fused layer's shards to one); XLA computes one per-token
-quantization of a shared input for all of them (CSE). On a tensor-parallel mesh the per-token scales of a
-row-parallel layer (o_proj, down_proj) cover the whole row (XLA all-reduces the ``[tokens]`` amax), where vLLM's
-``RowParallelLinear`` scales each rank's slice on its own.
+quantization of a shared input for all of them (CSE). On a tensor-parallel mesh a row-parallel layer (o_proj,
+down_proj) scales each rank's slice of the row on its own and all-reduces its partial sums in the model dtype, as
+vLLM's ``RowParallelLinear`` does (:func:`models.parallel.row_parallel`).
 """
 
 from __future__ import annotations

@@ -191,6 +191,59 @@ def test_compiled_step_has_one_all_reduce_per_row_parallel_matmul():
 
 
 @needs_mesh
+def test_fp8_row_parallel_layers_scale_each_rank_and_all_reduce_in_the_model_dtype():
+    """fp8 weights on tp=2 (vLLM's ``RowParallelLinear`` with ``Fp8LinearMethod``): o_proj / down_proj quantize
+    each rank's slice of the row with its own per-token scales (float64 NumPy per shard; a whole-row scale would
+    flush the small half to e4m3 subnormals), and the decode step all-reduces only their bf16 partial sums
+    (before: one more all-reduce of the f32 ``[tokens]`` absmax per projection, and f32 sums)."""
+    import ml_dtypes
+
+    from models.dummy import dummy_model
+    from models.parallel import row_parallel
+    from models.quantization import Fp8Config, Fp8Linear
+
+    f8 = ml_dtypes.float8_e4m3fn
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((4, 64))
+    x[:, 32:] *= 1e-5                                    # rank 1's half: 5 orders of magnitude smaller
+    w = rng.standard_normal((24, 64))
+    w[:, 32:] *= 1e5                                     # ... and its weights as much larger
+    s_w = np.abs(w).max(axis=1) / 448
+    w_q = np.clip(w / s_w[:, None], -448, 448).astype(f8)
+    proj = Fp8Linear(64, 24, dtype=jnp.float32)
+    proj.weight.set_value(jnp.asarray(w_q))
+    proj.weight_scale.set_value(jnp.asarray(s_w, jnp.float32))
+    got = np.asarray(row_parallel(proj, jnp.asarray(x, jnp.float32), make_mesh(2, 1)), np.float64)
+
+    def partial(xs, ws):  # one rank's fp8 product in float64, its own per-token scales
+        s = np.maximum(np.abs(xs).max(axis=1) / 448, 1 / (448 * 512))
+        xq = np.clip(xs / s[:, None], -448, 448).astype(f8).astype(np.float64)
+        return xq @ ws.astype(np.float64).T * s[:, None] * s_w
+    want = partial(x[:, :32], w_q[:, :32]) + partial(x[:, 32:], w_q[:, 32:])
+    whole_row = partial(x, w_q)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5 * np.abs(want).max())
+    assert np.abs(whole_row - want).max() > 0.05 * np.abs(want).max()  # the two schemes differ on this input
+    np.testing.assert_allclose(np.asarray(row_parallel(proj, jnp.asarray(x, jnp.float32), None)), whole_row,
+                               rtol=1e-5, atol=1e-5 * np.abs(whole_row).max())  # one device: the whole row
+
+    config = _config(2)
+    mesh = make_mesh(2, 1)
+    params, fn = make_model_fn(dummy_model(config, dtype=jnp.bfloat16, quantization=Fp8Config(), mesh=mesh),
+                               attention_impl="reference", mesh=mesh)
+    _, caches = init_kv_caches(config, block_size=BLOCK, num_blocks=8, dtype=jnp.bfloat16, mesh=mesh)
+    md = AttentionMetadata(slot_mapping=jnp.zeros(4, jnp.int32), seq_lens=jnp.ones(4, jnp.int32),
+                           block_tables=jnp.zeros((4, 4), jnp.int32), query_start_loc=jnp.arange(5, dtype=jnp.int32),
+                           max_query_len=1, max_seq_len=4 * BLOCK)
+    ids = jnp.zeros(4, jnp.int32)
+    lowered = jax.jit(fn).lower(params, ids, ids, caches, md, jnp.arange(4, dtype=jnp.int32))
+    reduced = re.findall(r"\"stablehlo.all_reduce\".*?\) -> tensor<([^>]*)>", lowered.as_text(), re.S)
+    assert reduced and set(reduced) == {"4x64xbf16"}, reduced           # the partial sums, in bf16
+    ops = re.findall(r"= \S+ (all-reduce|all-gather|reduce-scatter|collective-permute|all-to-all)(?:-start)?\(",
+                     lowered.compile().as_text())
+    assert ops == ["all-reduce"] * (2 * config.num_layers), ops         # (the CPU backend sums them in f32)
+
+
+@needs_mesh
 def test_bad_head_counts_name_the_valid_sizes():
     with pytest.raises(ValueError, match=r"num_heads=4 is not divisible by tensor_parallel_size=3.*\[1, 2, 4\]"):
         make_model_fn(_model(2), attention_impl="reference", mesh=make_mesh(3, 1))
