@@ -362,15 +362,24 @@ class LLMEngine:
                     kv_offload_copy_s=off.copy_s, kv_offload_write_s=off.write_s, kv_offload_load_s=off.load_s)
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None,
-               executable_cache=None) -> None:
+               executable_cache=None, structured_outputs: bool = False) -> None:
         """Compile every bucket before serving (so no request pays for a compile), ``max_workers``
         compiles at a time (default: one per CPU core); afterwards ``num_compiles == num_buckets``.
         ``top_k_top_p``: also the buckets' programs for batches with a top-k/top-p request (otherwise
         compiled when first needed; ``num_compiles == 2 * num_buckets`` then). ``run``: run each bucket
         once on a dummy batch too (default: except on CPU; :meth:`ModelRunner.warmup`).
         ``executable_cache``: a :class:`jaxkv.worker.executable_cache.ExecutableCache` to load the
-        programs from (a warm start traces none of them) and store new ones in."""
-        self.runner.warmup(max_workers, top_k_top_p, run, executable_cache=executable_cache)
+        programs from (a warm start traces none of them) and store new ones in. ``structured_outputs``: also
+        each of those programs with a grammar bitmask (twice the programs), so a constrained request compiles
+        nothing while serving (the server's default: ``--compile-structured-outputs``).
+
+        Raises:
+            ValueError: ``structured_outputs=True`` on an engine without a structured-output manager.
+        """
+        if structured_outputs and self.structured_outputs is None:
+            raise ValueError("warmup(structured_outputs=True) needs LLMEngine(structured_outputs=...)")
+        words = self.structured_outputs.bitmask_words if structured_outputs else None
+        self.runner.warmup(max_workers, top_k_top_p, run, executable_cache=executable_cache, bitmask_words=words)
         if self.offloader is not None:  # the host tier's copy programs, one per padded size
             self.runner.kv_caches = self.offloader.warmup(self.runner.kv_caches)
 

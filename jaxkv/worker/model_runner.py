@@ -867,7 +867,7 @@ class ModelRunner:
         return out
 
     def warmup(self, max_workers: int | None = None, top_k_top_p: bool = False, run: bool | None = None,
-               executable_cache=None) -> None:
+               executable_cache=None, bitmask_words: int | None = None) -> None:
         """Compile every bucket now (vLLM captures its CUDA graphs at start-up), then (``run``) run each
         once with a dummy batch whose tokens all go to ``PAD_SLOT_ID`` (the cache is not written; the
         outputs are discarded).
@@ -881,15 +881,18 @@ class ModelRunner:
         on CPU: there a run of every bucket's all-padding batch computes every padded token (minutes for
         4096-token buckets) and buys nothing. Afterwards ``num_compiles == num_buckets`` (loaded
         programs count); with ``top_k_top_p`` the programs for batches with a top-k/top-p row are
-        compiled too (``2 * num_buckets``)."""
-        variants = (False, True) if top_k_top_p else (False,)
+        compiled too (``2 * num_buckets``), and with ``bitmask_words`` (structured outputs: the bitmask's
+        ``ceil(vocab / 32)``) each of those again with a grammar bitmask (``x 2``): without them a server's first
+        constrained batches compiled mid-run (3 programs in a json_schema run on an H100, session 26)."""
+        variants = [(tkp, words) for tkp in ((False, True) if top_k_top_p else (False,))
+                    for words in ((None, bitmask_words) if bitmask_words else (None,))]
         programs: list[_WarmupProgram] = []
         saved = self._mixed, self._decode, self.kv_caches
         self._mixed = _LowerOnly("mixed", self._mixed, programs, executable_cache)
         self._decode = _LowerOnly("decode", self._decode, programs, executable_cache)
         try:
-            for flag in variants:
-                self._warmup_batches(flag)
+            for flag, words in variants:
+                self._warmup_batches(flag, words)
         finally:
             self._mixed, self._decode, self.kv_caches = saved
 
@@ -915,12 +918,20 @@ class ModelRunner:
                 executable_cache.store(program.disk_key, exe)
         if run is None:
             run = jax.default_backend() != "cpu"
-        for flag in variants if run else ():
-            self._warmup_batches(flag)
+        for flag, words in variants if run else ():
+            self._warmup_batches(flag, words)
 
-    def _warmup_batches(self, top_k_top_p: bool = False) -> None:
+    def _warmup_batches(self, top_k_top_p: bool = False, bitmask_words: int | None = None) -> None:
         """One all-padding call per bucket: every token bucket's mixed step, then every request
-        bucket's decode loop (their top-k/top-p programs if ``top_k_top_p``)."""
+        bucket's decode loop (their top-k/top-p programs if ``top_k_top_p``; with an all-ones grammar bitmask of
+        ``bitmask_words`` words per row if given)."""
+
+        def sampling(rows):
+            sampling, extras, features = self._sampling_arrays([], rows, top_k_top_p=top_k_top_p)
+            if bitmask_words:
+                extras["bitmask"] = np.full((rows, bitmask_words), -1, np.int32)
+                features = dataclasses.replace(features, bitmask=True)
+            return sampling, extras, features
         num_rows = self.request_buckets[-1]
         width = self.max_num_blocks_per_seq
         for t in self.token_buckets:
@@ -933,14 +944,13 @@ class ModelRunner:
                           seq_lens=seq_lens, query_start_loc=qsl,
                           block_tables=self._empty_tables(num_rows),
                           logits_indices=np.zeros(num_rows, np.int32))
-            tokens, *_ = self._run_mixed(inputs, *self._sampling_arrays([], num_rows, top_k_top_p=top_k_top_p),
-                                         None, max_query_len=t)
+            tokens, *_ = self._run_mixed(inputs, *sampling(num_rows), None, max_query_len=t)
             jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             zeros = np.zeros(rows, np.int32)
             arrays = dict(tokens=zeros, src_rows=np.full(rows, -1, np.int32), positions=zeros, steps=zeros,
                           block_tables=self._empty_tables(rows))
-            out, *_ = self._run_decode(arrays, *self._sampling_arrays([], rows, top_k_top_p=top_k_top_p), None)
+            out, *_ = self._run_decode(arrays, *sampling(rows), None)
             jax.block_until_ready(out)
 
     def execute_decode(self, sched, src_rows=None, prev_tokens=None) -> StepResult:

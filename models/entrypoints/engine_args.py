@@ -83,6 +83,8 @@ class EngineArgs:
         compile_ahead: ``"auto"`` (on GPU), ``"on"`` or ``"off"``: compile every step bucket before the
             engine reports ready (vLLM captures its CUDA graphs at start-up).
         compile_top_k_top_p: with ``compile_ahead``, also each bucket's top-k/top-p program.
+        compile_structured_outputs: with ``compile_ahead``, also each of those programs with a grammar bitmask
+            (when the tokenizer allows structured outputs).
         compilation_cache_dir: JAX's persistent compilation cache (``"auto"``:
             :func:`default_compilation_cache_dir`; ``None`` or ``""``: off), so a second start of the same
             model and settings loads its programs instead of compiling them.
@@ -120,6 +122,7 @@ class EngineArgs:
     load_format: str = "auto"
     compile_ahead: str = "auto"
     compile_top_k_top_p: bool = False
+    compile_structured_outputs: bool = False
     compilation_cache_dir: str | None = "auto"
     kv_offloading_size: float | None = None
     preemption_mode: str = "recompute"
@@ -219,6 +222,9 @@ class EngineArgs:
         add("--compile-top-k-top-p", action=argparse.BooleanOptionalAction,
             help="with --compile-ahead, also each bucket's program for batches with a top-k/top-p request "
             f"(default: {d['compile_top_k_top_p']})")
+        add("--compile-structured-outputs", action=argparse.BooleanOptionalAction,
+            help="with --compile-ahead, also each of those programs with a grammar bitmask (structured outputs; "
+            f"a model whose tokenizer allows them) (default: {d['compile_structured_outputs']})")
         add("--compilation-cache-dir", help="JAX's persistent compilation cache; auto: "
             "~/.cache/jaxkv/jax-compilation-cache or $JAX_COMPILATION_CACHE_DIR")
         g.add_argument("--no-compilation-cache", action="store_true", help="turn the persistent cache off")
@@ -424,7 +430,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     executable_cache = None
     if args.compile_ahead == "on" or (args.compile_ahead == "auto" and on_gpu):
         executable_cache = _executable_cache(cache_dir, args, config, dtype, cache_dtype, attention_impl)
-        engine.warmup(top_k_top_p=args.compile_top_k_top_p, executable_cache=executable_cache)
+        engine.warmup(top_k_top_p=args.compile_top_k_top_p, executable_cache=executable_cache,
+                      structured_outputs=args.compile_structured_outputs and engine.structured_outputs is not None)
         warmup_s = time.perf_counter() - t_built
     caches = list(engine.kv_caches)
     info = dict(model=registry.model_name(path), device=f"{jax.default_backend()}:{jax.devices()[0].device_kind}",

@@ -18,7 +18,7 @@ from tests.conftest import load_script
 # command -> (parse_args, base argv, the defaults it sets itself)
 COMMANDS = {
     "generate": (generate.parse_args, ["--prompt", "x"], {}),
-    "serve": (server.parse_args, [], {"compile_top_k_top_p": True}),
+    "serve": (server.parse_args, [], {"compile_top_k_top_p": True, "compile_structured_outputs": True}),
     "bench throughput": (throughput.parse_args, [], {}),
     "bench_multiturn": (lambda argv: load_script("bench_multiturn").parse_args(argv), [],
                         {"num_gpu_blocks": 2048, "kv_offloading_size": 8.0, "preemption_mode": "swap"}),

@@ -84,3 +84,23 @@ def test_invalid_grammars_name_the_field(llm):
     with pytest.raises(ValueError, match="structured_outputs.json is not valid JSON"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json="{nope")), use_tqdm=False)
     assert not llm.engine.has_unfinished_requests()
+
+
+def test_compile_structured_outputs_warms_the_bitmask_programs(tmp_path):
+    """``compile_structured_outputs`` (the server's default): start-up compiles each bucket's program again with
+    a grammar bitmask, so constrained requests (a mixed step, then decode loops) compile nothing while serving;
+    and they give the tokens the lazily compiled engine gives."""
+    from tests.conftest import step_compiles
+    hfc.write_checkpoint(tmp_path, "LlamaForCausalLM", seed=5)
+    kw = dict(dtype="float32", attention_impl="reference", max_model_len=64, num_gpu_blocks=64, block_size=8,
+              max_num_seqs=2, max_num_batched_tokens=16, num_scheduler_steps=2, enable_multiprocessing=False,
+              structured_outputs_disable_any_whitespace=True)
+    sp = SamplingParams(max_tokens=24, temperature=1.0, seed=3, structured_outputs=StructuredOutputsParams(
+        regex=r"[0-9]{3}-[a-z]{2,12}"))
+    lazy = models.LLM(tmp_path, **kw).generate(["A:", "B:"], sp, use_tqdm=False)
+    warm = models.LLM(tmp_path, compile_ahead="on", compile_structured_outputs=True, **kw)
+    assert warm.engine.num_compiles == 2 * warm.engine.num_buckets
+    outs = []
+    assert step_compiles(lambda: outs.extend(warm.generate(["A:", "B:"], sp, use_tqdm=False))) == []
+    assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in lazy]
+    assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,12}", o.outputs[0].text) for o in outs)

@@ -23,8 +23,9 @@ def make_arg_parser(prog: str = "jaxkv serve", description: str | None = None) -
                    help="names clients may use in 'model' (default: --model); the first is reported")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
-    # a server compiles each bucket's top-k/top-p program at start-up too: no stall at the first such request
-    EngineArgs.add_cli_args(p, compile_top_k_top_p=True)
+    # a server compiles each bucket's top-k/top-p and grammar-bitmask programs at start-up too: no stall at the
+    # first such request
+    EngineArgs.add_cli_args(p, compile_top_k_top_p=True, compile_structured_outputs=True)
     p.add_argument("--data-parallel-size-local", type=int, default=None,
                    help="ranks started on this host (default: all)")
     p.add_argument("--data-parallel-start-rank", type=int, default=0, help="first rank started here (--headless)")
