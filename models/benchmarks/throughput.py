@@ -284,6 +284,11 @@ def device_busy_seconds(trace_dir: str | pathlib.Path, top: int | None = None) -
           f"XLA programs on the device {union_seconds(modules):.3f} s, {len(spans)} kernel/copy events")
     for lo, hi, share in gap_histogram(spans):
         print(f"  idle gaps {lo:>6.0f}-{hi:<6.0f} us: {share:.3f} s")
+    total = sum(t for t, _ in by_name.values())
+    nccl = sum(t for name, (t, _) in by_name.items() if "nccl" in name.lower())
+    gpus = sum(plane.name.startswith("/device:GPU") for plane in data.planes)
+    print(f"  summed over {gpus} GPU(s): kernels/copies {total * 1e-9:.3f} s, NCCL collectives {nccl * 1e-9:.3f} s "
+          f"({100 * nccl / total:.1f} %)")
     for name, (t, n) in sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]:
         print(f"  {t * 1e-9:8.3f} s  {n:8d} x  {t / n * 1e-3:8.1f} us  {name[:100]}")
     return busy

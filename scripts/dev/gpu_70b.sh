@@ -4,8 +4,8 @@
 # throughput on 1000 requests of .dummy/requests-llama3.json (the vLLM-rule set), LLM defaults, --nvml-busy;
 # RUNS (default "bf16 fp8kv"; with TP=2 "fp8kv", plus bf16 on cards of >= 120 GB): fp8kv = fp8 weights + fp8 KV
 # cache; PROFILE=1 (default)
-# then takes a traced pass of the in-process engine on PROFILE_PROMPTS requests (--profile-busy: the kernel table,
-# NCCL all-reduces included). Each run gets what is left of DEADLINE seconds (default 540: leave room under the call's
+# then (or first, PROFILE_FIRST=1) a traced pass of the in-process engine on PROFILE_PROMPTS requests
+# (--profile-busy: the kernel table, NCCL all-reduces included). Each run gets what is left of DEADLINE seconds (default 540: leave room under the call's
 # limit, which shrinks when little device time is left); XLA_FLAGS passes through. Logs go straight to $OUT, so
 # a call cut short still brings back what ran: run it as `bash scripts/dev/gpu_70b.sh` with the tool's $OUT.
 set -uo pipefail
@@ -33,6 +33,22 @@ if [ -z "${RUNS:-}" ]; then
     RUNS="fp8kv"; [ "$mem" -ge 120000 ] && RUNS="fp8kv bf16"
   fi
 fi
+traced() {  # kernel table (NCCL all-reduces included): a traced pass of the in-process engine over the first
+  # PROFILE_PROMPTS requests (default 200) of the first run's configuration; limited to $1 seconds
+  local run=${RUNS%% *} left=$(( DEADLINE - SECONDS ))
+  [ "$1" -lt "$left" ] && left=$1
+  if [ "${PROFILE:-1}" = 1 ] && [ $left -gt 120 ]; then
+    echo "== traced pass: $run, ${PROFILE_PROMPTS:-200} requests ($(date +%T), ${SECONDS} s; timeout $left s)" \
+      | tee -a "$OUT/70b.txt"
+    JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --num-prompts "${PROFILE_PROMPTS:-200}" \
+      --profile-busy $(flags $run) > "$OUT/70b-$run-traced.log" 2>&1
+    echo "exit $? (traced pass)" >> "$OUT/70b-$run-traced.log"
+    summary "$run-traced"
+  fi
+}
+# PROFILE_FIRST=1: the traced pass first (its compiles fill the persistent cache the same configuration's timed
+# run then loads from), limited to PROFILE_FIRST_S seconds (default 240); else after the A/B runs
+[ "${PROFILE_FIRST:-0}" = 1 ] && traced "${PROFILE_FIRST_S:-240}"
 for run in $RUNS; do
   left=$(( DEADLINE - SECONDS ))
   if [ $left -lt 90 ]; then echo "== $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
@@ -42,15 +58,5 @@ for run in $RUNS; do
   echo "exit $?" >> "$OUT/70b-$run.log"
   summary "$run"
 done
-# kernel table (NCCL all-reduces included): a traced pass of the in-process engine over the first PROFILE_PROMPTS
-# requests (default 200) of the first run's configuration, after the A/B runs so they come first; its compiles
-# come from the persistent cache the first run filled
-run=${RUNS%% *}; left=$(( DEADLINE - SECONDS ))
-if [ "${PROFILE:-1}" = 1 ] && [ $left -gt 120 ]; then
-  echo "== traced pass: $run, ${PROFILE_PROMPTS:-200} requests ($(date +%T), ${SECONDS} s)" | tee -a "$OUT/70b.txt"
-  JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --num-prompts "${PROFILE_PROMPTS:-200}" \
-    --profile-busy $(flags $run) > "$OUT/70b-$run-traced.log" 2>&1
-  echo "exit $? (traced pass)" >> "$OUT/70b-$run-traced.log"
-  summary "$run-traced"
-fi
+[ "${PROFILE_FIRST:-0}" = 1 ] || traced 100000
 echo "done at ${SECONDS} s" | tee -a "$OUT/70b.txt"

@@ -149,23 +149,27 @@ def test_union_seconds_matches_a_brute_force_count():
     assert mod.union_seconds(spans) == pytest.approx(covered.sum() * 1e-9)
 
 
-def test_device_busy_counts_gpu_stream_lines_only(tmp_path, monkeypatch):
-    """Only ``Stream`` lines of ``/device:GPU`` planes count ("XLA Modules" spans the gaps between kernels)."""
+def test_device_busy_counts_gpu_stream_lines_only(tmp_path, monkeypatch, capsys):
+    """Only ``Stream`` lines of ``/device:GPU`` planes count ("XLA Modules" spans the gaps between kernels); the
+    NCCL kernels' share of the kernel time is summed over the GPUs."""
     import types
 
     import jax.profiler
     mod = _module()
-    ev = lambda a, d: types.SimpleNamespace(start_ns=a, duration_ns=d)
+    ev = lambda a, d, name="gemm": types.SimpleNamespace(start_ns=a, duration_ns=d, name=name)
     line = lambda name, *evs: types.SimpleNamespace(name=name, events=list(evs))
     planes = [types.SimpleNamespace(name="/host:CPU", lines=[line("python", ev(0, 10_000))]),
               types.SimpleNamespace(name="/device:GPU:0", lines=[
                   line("XLA Modules", ev(0, 1_000)), line("Stream #13(compute)", ev(100, 50), ev(120, 50)),
-                  line("Stream #14(MemcpyH2D)", ev(400, 10))])]
+                  line("Stream #14(MemcpyH2D)", ev(400, 10))]),
+              types.SimpleNamespace(name="/device:GPU:1", lines=[
+                  line("Stream #13(compute)", ev(100, 30, "ncclDevKernel_AllReduce_Sum_bf16_RING_LL"))])]
     (tmp_path / "x").mkdir()
     (tmp_path / "x" / "host.xplane.pb").write_bytes(b"")
     monkeypatch.setattr(jax.profiler, "ProfileData",
                         types.SimpleNamespace(from_file=lambda path: types.SimpleNamespace(planes=planes)))
-    assert mod.device_busy_seconds(tmp_path) == pytest.approx(80e-9)
+    assert mod.device_busy_seconds(tmp_path) == pytest.approx(80e-9)  # the union over both GPUs' streams
+    assert "summed over 2 GPU(s): kernels/copies 0.000 s, NCCL collectives 0.000 s (21.4 %)" in capsys.readouterr().out
     assert mod.device_busy_seconds(tmp_path / "x" / "none") is None
 
 
