@@ -657,7 +657,8 @@ class LLMEngine:
         (``time.perf_counter`` seconds of the round trip), ``steps`` (decode-loop length; 0: a mixed step),
         ``rows`` and ``tokens`` scheduled, ``generated`` tokens, ``running`` / ``waiting`` requests after it,
         ``arrivals`` (requests added so far); then one record per request in arrival order: ``arrival`` time,
-        ``prompt_tokens``, ``max_tokens``, ``n``. A maintainer's tool (``scripts/dev/step_trace.py`` reads it)."""
+        ``prompt_tokens``, ``max_tokens``, ``n``; last a ``clock`` record (``perf_counter`` and ``time.time()`` read
+        together) that puts the records on the wall clock. A maintainer's tool (``scripts/dev/step_trace.py``)."""
         folder = os.environ.get(STEP_TRACE_ENV)
         if not folder or self._step_trace is None:
             return None
@@ -670,6 +671,7 @@ class LLMEngine:
                 f.write(json.dumps(dict(zip(keys, rec))) + "\n")
             for t, prompt, max_tokens, n in self._arrival_trace:
                 f.write(json.dumps(dict(arrival=t, prompt_tokens=prompt, max_tokens=max_tokens, n=n)) + "\n")
+            f.write(json.dumps(dict(clock=dict(perf_counter=time.perf_counter(), time=time.time()))) + "\n")
         return path
 
     def step_core_outputs(self) -> list[EngineCoreOutput]:

@@ -327,7 +327,7 @@ def run_rate_openai(args, requests: list[SampleRequest], rate: float, seed: int)
     after = stats()
     metrics = compute_metrics(results, duration)
     metrics.update(request_rate=rate, num_prompts=len(requests), server=_server_delta(before, after),
-                   client="openai", client_processes=n)
+                   client="openai", client_processes=n, t0_wall=t0)
     errors = [r.error for r in results if not r.success]
     if errors:
         metrics["errors"] = errors[:5]

@@ -10,6 +10,7 @@
 #     16-CPU machine) through the openai client: rate inf with 8 client processes after 500 short warm-up
 #     requests (CPU per process role by scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
 #     processes and response_format json_schema on half of the requests.
+#     SERVE_FLAGS: more `jaxkv serve` flags for every server of the stage (e.g. --api-server-count 4).
 #   STAGE=n8-8b: Llama-3.1-8B shapes (dummy weights, .dummy/requests-llama3.json): 1000 distinct prompts, then n=8
 #     over the first 125 (1000 sequences sharing their prompt's blocks); output tok/s of each.
 # Usage (device tool, repository root): STAGE=sampling bash scripts/dev/gpu_sampling.sh
@@ -103,7 +104,7 @@ PY
   RATE=$(python3 -c "import json; r = json.load(open('$OUT/offline.json'))['results'][0]; print(round(0.9 * r['requests_per_s'], 2))")
   echo "0.9x offline request rate: $RATE req/s" | tee -a "$OUT/server.txt"
   start() {  # a fresh server (an empty prefix cache): $1 = log name
-    python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 \
+    python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 ${SERVE_FLAGS:-} \
       > "$OUT/server-$1.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done

@@ -56,7 +56,8 @@ C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm
 
 # VARIANTS (default "default priority default2 priority2"): default (no placement), priority* (the server with
 # --scheduling-policy priority and the client's --priority-by-order: admission in the dataset's order, as offline),
-# *api4* (four API-server processes instead of the default two; with priority* both), nice (the engine core at nice -10), core (the engine core alone on E), server (core on E, API servers on A,
+# *apiN* (N API-server processes instead of the default; with priority* both), nice (the engine core at nice -10),
+# core (the engine core alone on E), server (core on E, API servers on A,
 # clients anywhere), all (and the clients on C); any other name: no placement (repeats); py-spy on the first.
 # Every engine writes its step trace (scripts/dev/step_trace.py replays its arrival order).
 place() {  # $1: variant
@@ -74,7 +75,7 @@ spy="--py-spy $OUT/spy"
 for v in ${VARIANTS:-default priority default2 priority2}; do
   prio=""; serve_flags=""
   case $v in priority*) prio="--priority-by-order"; serve_flags="--scheduling-policy priority";; esac
-  case $v in *api4*) serve_flags="$serve_flags --api-server-count 4";; esac
+  [[ $v =~ api([0-9]+) ]] && serve_flags="$serve_flags --api-server-count ${BASH_REMATCH[1]}"
   start "$v" $serve_flags
   place "$v"
   pin=""; [ "$v" = all ] && pin="taskset -c $C"

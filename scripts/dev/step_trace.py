@@ -71,6 +71,21 @@ def describe(burst: list[dict], bins: int) -> list[str]:
     return lines
 
 
+def client_edges(burst: list[dict], arrivals: list[dict], clock: dict, client_json: str) -> list[str]:
+    """Where the client's run (``t0_wall`` to ``t0_wall + duration_s``) lies against the engine's last burst: the
+    time to its first arrival and after its last round trip (the HTTP path's edges, which offline has not)."""
+    with open(client_json) as f:
+        run = json.load(f)["runs"][-1]
+    if "t0_wall" not in run:
+        return [f"{client_json}: no t0_wall (written before session 26)"]
+    wall = lambda t: t - clock["perf_counter"] + clock["time"]  # noqa: E731
+    t0, t1 = run["t0_wall"], run["t0_wall"] + run["duration_s"]
+    first = min((a["arrival"] for a in arrivals if a["arrival"] >= burst[0]["t0"] - 1.0), default=burst[0]["t0"])
+    return [f"client run {run['duration_s']:.2f} s: first request at the engine {wall(first) - t0:+.3f} s after the "
+            f"client's start, engine burst {burst[-1]['t1'] - burst[0]['t0']:.2f} s, its last round trip ends "
+            f"{t1 - wall(burst[-1]['t1']):.3f} s before the client's last response"]
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("trace", nargs="+")
@@ -78,14 +93,20 @@ def main(argv=None) -> int:
     p.add_argument("--gap", type=float, default=0.5, help="idle seconds that end a burst")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="the replay's token budget")
     p.add_argument("--max-num-seqs", type=int, default=256, help="the replay's seats")
+    p.add_argument("--client-json", help="a `jaxkv bench serving --result-json` of the same run (its last run): the "
+                   "client's start and end against the last burst's first arrival and last round trip")
     args = p.parse_args(argv)
     for path in args.trace:
         with open(path) as f:
             lines = [json.loads(line) for line in f if line.strip()]
         records = [r for r in lines if "t0" in r]
         arrivals = [r for r in lines if "arrival" in r]
+        clock = next((r["clock"] for r in lines if "clock" in r), None)
         print(f"== {path}: {len(records)} round trips, {len(arrivals)} requests")
-        for i, b in enumerate(bursts(records, args.gap)):
+        found = bursts(records, args.gap)
+        if args.client_json and clock and found:
+            print("\n".join(client_edges(found[-1], arrivals, clock, args.client_json)))
+        for i, b in enumerate(found):
             print(f"-- burst {i}")
             print("\n".join(describe(b, args.bins)))
             mine = [a for a in arrivals if b[0]["t0"] - args.gap <= a["arrival"] <= b[-1]["t1"]]

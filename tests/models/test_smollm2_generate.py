@@ -71,9 +71,17 @@ def test_step_trace_records_every_round_trip(llm, tmp_path, monkeypatch, capsys)
     assert sum(r["generated"] for r in records) == 16 == after.num_generated_tokens - before.num_generated_tokens
     assert sum(max(1, r["steps"]) for r in records) == after.model_steps - before.model_steps
     assert all(r["t0"] <= r["t1"] and r["rows"] >= 1 for r in records) and records[-1]["running"] == 0
-    assert load_script("step_trace").main([path, "--max-num-seqs", "4"]) == 0
+    # a client run that started 0.25 s before the first arrival and ended 0.5 s after the last round trip
+    clock = lines[-1]["clock"]
+    wall = lambda t: t - clock["perf_counter"] + clock["time"]  # noqa: E731
+    t0 = wall(min(a["arrival"] for a in lines if "arrival" in a)) - 0.25
+    client = tmp_path / "client.json"
+    client.write_text(json.dumps({"runs": [{"t0_wall": t0, "duration_s": wall(records[-1]["t1"]) + 0.5 - t0}]}))
+    assert load_script("step_trace").main([path, "--max-num-seqs", "4", "--client-json", str(client)]) == 0
     out = capsys.readouterr().out
     assert f"{len(records)} round trips, 2 requests" in out and "replayed: " in out
+    assert "first request at the engine +0.250 s after the client's start" in out
+    assert "ends 0.500 s before the client's last response" in out
 
 
 def test_generate_priority_needs_the_priority_policy(llm):
