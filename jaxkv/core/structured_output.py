@@ -13,7 +13,10 @@ its grammar outside the scheduler's queue (vLLM's ``WAITING_FOR_FSM``), so it ho
 Each request gets its own matcher (a copy of the compiled one). Per step the host fills each constrained row
 of an ``int32[rows, ceil(vocab / 32)]`` bitmask (bit ``t % 32`` of word ``t // 32``: token ``t`` allowed) and
 the jitted step masks the logits with it; the sampled token then advances the request's matcher. Once the
-grammar is complete only EOS is allowed, so the request ends on its own.
+grammar is complete only EOS is allowed, so the request ends on its own. The rows of one step are filled in
+parallel by llguidance's own threads (:func:`fill_bitmasks`; vLLM fills xgrammar's in a thread pool): on an
+H100 server with json_schema on half of 1000 requests, filling them one after another took ~11 s of a 17.9 s
+run's host time (session 26).
 """
 
 from __future__ import annotations
@@ -91,6 +94,42 @@ class Grammar:
     @property
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_stopped())
+
+
+_EXECUTOR = None
+_EXECUTOR_LOCK = threading.Lock()
+
+
+def _executor():
+    """The process's llguidance thread pool (one thread per core), made on first use."""
+    global _EXECUTOR
+    with _EXECUTOR_LOCK:
+        if _EXECUTOR is None:
+            _EXECUTOR = _import_llguidance().LLExecutor()
+        return _EXECUTOR
+
+
+def fill_bitmasks(rows: Iterable[tuple[Grammar, int]], bitmask: np.ndarray) -> None:
+    """Row ``r`` of ``bitmask`` (``int32[rows, words]``, C-contiguous) gets ``grammar``'s allowed next tokens, for
+    each ``(grammar, r)``; llguidance computes the rows on its threads at once (the GIL released). Same bits as
+    :meth:`Grammar.fill_bitmask` row by row.
+
+    Raises:
+        ValueError: ``bitmask`` not an ``int32`` C-contiguous 2-D array, or a row outside it.
+    """
+    rows = list(rows)
+    if bitmask.dtype != np.int32 or bitmask.ndim != 2 or not bitmask.flags["C_CONTIGUOUS"]:
+        raise ValueError(f"bitmask must be a C-contiguous int32[rows, words] array, got {bitmask.dtype}"
+                         f"{list(bitmask.shape)}")
+    bad = [r for _, r in rows if not 0 <= r < bitmask.shape[0]]
+    if bad:
+        raise ValueError(f"bitmask rows {bad} outside [0, {bitmask.shape[0]})")
+    if len(rows) == 1:
+        grammar, r = rows[0]
+        grammar.fill_bitmask(bitmask, r)
+    elif rows:
+        import llguidance.numpy as lnp
+        lnp.fill_next_token_bitmask_par(_executor(), [(g.matcher, r) for g, r in rows], bitmask)
 
 
 class StructuredOutputManager:

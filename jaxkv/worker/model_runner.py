@@ -44,6 +44,7 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.checks import checked, checks_are_enabled, raise_if_error
 from jaxkv.core.request import Request
+from jaxkv.core.structured_output import fill_bitmasks
 from jaxkv.kv_cache.slot_mapping import slot_mapping_from_positions
 from jaxkv.worker.executable_cache import program_devices
 from jaxkv.worker.sampler import (
@@ -254,8 +255,7 @@ def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: di
     if not rows:
         return features
     bitmask = np.full((num_rows, reqs[rows[0]].grammar_words), -1, np.int32)
-    for r in rows:
-        reqs[r].grammar.fill_bitmask(bitmask, r)
+    fill_bitmasks([(reqs[r].grammar, r) for r in rows], bitmask)
     extras["bitmask"] = bitmask
     return dataclasses.replace(features, bitmask=True)
 

@@ -104,3 +104,38 @@ def test_compile_structured_outputs_warms_the_bitmask_programs(tmp_path):
     assert step_compiles(lambda: outs.extend(warm.generate(["A:", "B:"], sp, use_tqdm=False))) == []
     assert [o.outputs[0].text for o in outs] == [o.outputs[0].text for o in lazy]
     assert all(re.fullmatch(r"[0-9]{3}-[a-z]{2,12}", o.outputs[0].text) for o in outs)
+
+
+def test_parallel_bitmask_fill_equals_row_by_row(llm):
+    """``fill_bitmasks`` (llguidance's threads) gives every row the bits ``Grammar.fill_bitmask`` gives it alone:
+    64 matchers of three grammars advanced by different random allowed tokens, rows in a shuffled order, one row
+    left all ones; bad arrays are refused by name."""
+    import numpy as np
+
+    from jaxkv.core.structured_output import fill_bitmasks
+    manager = llm.engine.structured_outputs
+    kinds = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,12}"),
+             StructuredOutputsParams(choice=["yes", "no", "maybe so"])]
+    compiled = [manager.compile(k).result() for k in kinds]
+    rng = np.random.default_rng(0)
+    grammars = [manager.grammar(compiled[i % 3]) for i in range(64)]
+    one = manager.new_bitmask(1)
+    for i, g in enumerate(grammars):
+        for _ in range(i % 7):  # a different point of its grammar each
+            g.fill_bitmask(one, 0)
+            allowed = np.flatnonzero(np.unpackbits(one[0].view(np.uint8), bitorder="little"))
+            if g.is_terminated or not len(allowed):
+                break
+            assert g.accept([int(rng.choice(allowed))])
+    rows = rng.permutation(65)[:64]
+    want = manager.new_bitmask(65)
+    for g, r in zip(grammars, rows):
+        g.fill_bitmask(want, int(r))
+    got = manager.new_bitmask(65)
+    fill_bitmasks(zip(grammars, (int(r) for r in rows)), got)
+    np.testing.assert_array_equal(got, want)
+    assert (got[int(np.setdiff1d(np.arange(65), rows)[0])] == -1).all() and (got != -1).any()
+    with pytest.raises(ValueError, match="C-contiguous int32"):
+        fill_bitmasks([(grammars[0], 0)], np.zeros((2, manager.bitmask_words), np.int64))
+    with pytest.raises(ValueError, match=r"rows \[70\] outside \[0, 65\)"):
+        fill_bitmasks([(grammars[0], 70), (grammars[1], 0)], got)
