@@ -63,9 +63,20 @@ without an initialised accumulator, so with ``pv_from_smem=True`` (the default w
 written to a per-consumer shared-memory tile and a fresh accumulator is added. Both paths are lowered for
 sm_90 in the tests.
 
-Falls back (``unsupported_reason``): float32 queries (``wgmma`` has no f32 path), an fp8 cache (not yet
-here: the Triton kernel dequantises it), head sizes other than 64/128/256, more than 64 query heads per KV
-head (the decode kernel's rule, shared), block sizes that are not a power of two >= 8, ALiBi.
+An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2``, with ``k_scale`` / ``v_scale``): the memory warpgroup copies
+the fp8 pages into fp8 ring slots (half the bytes); each consumer converts a slot into its own 16-bit K or V tile
+in ``q``'s dtype (through registers in the 8-bit ``wgmma`` fragment layout, the decode kernel's
+``_convert_tile``), releases the slot, and runs the same ``wgmma`` s on the converted tile; ``k_scale`` is folded
+into the logit scale and ``v_scale`` into the output, so softmax and the accumulator stay float32 across steps.
+Both consumers convert the slot they share (one copy each: no barrier between them beyond the ring's); the V
+rows of invisible slots are zeroed in the consumer's own tile. Steps default to 64 keys (two 16-bit tiles per
+consumer beside the ring). Interpreted and lowered for sm_90 on CPU; not yet compiled on a GPU, so the
+op-level dispatch keeps fp8 prefill on the Triton kernel (no fp8 entry in
+``tuning.MGPU_PREFILL_MIN_QUERY_LEN``).
+
+Falls back (``unsupported_reason``): float32 queries (``wgmma`` has no f32 path), an fp8 cache with head size
+256 (its converted tiles do not fit beside the Q tiles), head sizes other than 64/128/256, more than 64 query
+heads per KV head (the decode kernel's rule, shared), block sizes that are not a power of two >= 8, ALiBi.
 
 In the interpreter the default is one consumer: with three warpgroups (three CPU threads each running an
 XLA computation that blocks in barrier callbacks) the interpreter intermittently deadlocks on the 2-core CPU
@@ -92,12 +103,20 @@ from pallas_kernels._mgpu_paging import issue_kv_step, issue_ring_step
 from pallas_kernels._online_softmax import accumulate_pv, softmax_rescale_exp2
 from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
-from pallas_kernels.paged_attention_mgpu import COMPUTE_DTYPES, LOG2E, ROWS, _tile_transforms, default_num_programs
-from pallas_kernels.paged_attention_mgpu import HEAD_SIZES  # noqa: F401  (the head sizes this kernel computes too)
+from pallas_kernels.paged_attention_mgpu import (
+    COMPUTE_DTYPES,
+    HEAD_SIZES,  # noqa: F401  (the head sizes this kernel computes too)
+    LOG2E,
+    ROWS,
+    _convert_tile,
+    _tile_transforms,
+    default_num_programs,
+)
 from pallas_kernels.paged_attention_mgpu import unsupported_reason as decode_unsupported_reason
 from pallas_kernels.paged_prefill_attention import _is_int, check_prefill_call
 
 MAX_CONSUMERS = 2
+FP8_MAX_HEAD_SIZE = 128
 
 
 def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_size: int,
@@ -106,10 +125,11 @@ def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, hea
 
     The op-level dispatch falls back to the Triton prefill kernel with this reason. Static arguments only.
     The decode kernel's rules (:func:`pallas_kernels.paged_attention_mgpu.unsupported_reason`), and no fp8
-    cache (not implemented here yet).
+    cache with head size 256 (each consumer's two converted 16-bit tiles do not fit beside its Q tile).
     """
-    if jnp.dtype(q_dtype) in COMPUTE_DTYPES and jnp.dtype(kv_dtype) in FP8_DTYPES:
-        return f"kv_cache.dtype={jnp.dtype(kv_dtype)} (fp8 not implemented in the Mosaic prefill kernel)"
+    if jnp.dtype(q_dtype) in COMPUTE_DTYPES and jnp.dtype(kv_dtype) in FP8_DTYPES and head_size > FP8_MAX_HEAD_SIZE:
+        return (f"kv_cache.dtype={jnp.dtype(kv_dtype)} with head_size={head_size} (Mosaic prefill kernel: fp8 up to "
+                f"head size {FP8_MAX_HEAD_SIZE})")
     return decode_unsupported_reason(q_dtype, kv_dtype, num_heads, num_kv_heads, head_size, block_size,
                                      alibi=alibi)
 
@@ -149,9 +169,11 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                     group: int, num_heads: int, num_tiles: int, num_seqs: int, num_programs: int,
                     num_q_buffers: int, sliding_window: int | None, logits_soft_cap: float | None,
                     pv_from_smem: bool, pingpong: bool, set_registers: bool):
-    (q_smem, k_smem, v_smem, p_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed, q_free), schedule = scratch
+    ((q_smem, k_smem, v_smem, p_smem, k16_smem, v16_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed, q_free),
+     schedule) = scratch
     block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
+    fp8 = k16_smem is not None           # fp8 ring slots, converted by each consumer into its own 16-bit tiles
     tile_tokens = num_consumers * ROWS
     num_items = num_tiles * num_heads
     wg = lax.axis_index("wg")
@@ -208,13 +230,21 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
             slot = lax.rem(g, num_stages)
             t0 = j * block_kv
             plgpu.barrier_wait(k_bars.at[slot])
+            if fp8:
+                k_tile = k16_smem.at[wg]
+                _convert_tile(k_smem.at[slot], k_tile)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(k_consumed.at[slot])
+            else:
+                k_tile = k_smem.at[slot]
 
             def qk(acc_ref):
-                plgpu.wgmma(acc_ref, q_tile, k_smem.at[slot].T)
+                plgpu.wgmma(acc_ref, q_tile, k_tile.T)
                 schedule_barrier()
                 return acc_ref[...]
             logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            plgpu.barrier_arrive(k_consumed.at[slot])
+            if not fp8:
+                plgpu.barrier_arrive(k_consumed.at[slot])
             logits = logits * k_factor
             if logits_soft_cap is not None:
                 logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
@@ -234,13 +264,20 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                 acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
                 plgpu.barrier_arrive(schedule)                       # softmax done
             plgpu.barrier_wait(v_bars.at[slot])
+            if fp8:                                                  # before the tensor-core turn
+                v_tile = v16_smem.at[wg]
+                _convert_tile(v_smem.at[slot], v_tile)
+                plgpu.commit_smem()
+                plgpu.barrier_arrive(v_consumed.at[slot])
+            else:
+                v_tile = v_smem.at[slot]
             if pingpong:
                 plgpu.barrier_wait(schedule)                         # the tensor cores are ours
-            v_tile = v_smem.at[slot]
             if masked:
                 # V rows no row of the program sees and that may hold NaN: at or past seq_len (unowned
                 # slots, block 0) and before the window start of the program's first row of this sequence
-                # (pages a sliding-window model may have freed). The same for both consumers.
+                # (pages a sliding-window model may have freed). The same for both consumers (fp8: each
+                # zeroes its own converted tile).
                 @pl.when((t0 + block_kv > seg.seq_len) | (t0 < prog.kv_start))
                 def _zero_invisible_rows():
                     vrow = t0 + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
@@ -251,7 +288,8 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                     plgpu.commit_smem()
 
             acc = accumulate_pv(acc, p16, v_tile, p_smem.at[wg] if pv_from_smem else None)
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            if not fp8:
+                plgpu.barrier_arrive(v_consumed.at[slot])
             return g + 1, acc, m_next, l
 
         def over_item(k, g):
@@ -358,13 +396,19 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     block_tables = jnp.pad(block_tables, ((0, 0), (0, pl.cdiv(block_kv, block_size))))
 
     tile = _tile_transforms(head_size, dtype)
+    kv_dtype = kv_cache.dtype
+    fp8 = jnp.dtype(kv_dtype) in FP8_DTYPES
+    ring = _tile_transforms(head_size, kv_dtype)
     stage_shape = (num_stages, block_kv, head_size)
+    converted = (num_consumers, block_kv, head_size)                            # fp8: each consumer's own tiles
     smem = (
         plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_size), dtype, transforms=tile),  # q, then out
-        plgpu.SMEM(stage_shape, dtype, transforms=tile),                         # K ring
-        plgpu.SMEM(stage_shape, dtype, transforms=tile),                         # V ring
+        plgpu.SMEM(stage_shape, kv_dtype, transforms=ring),                      # K ring
+        plgpu.SMEM(stage_shape, kv_dtype, transforms=ring),                      # V ring
         plgpu.SMEM((num_consumers, ROWS, block_kv), dtype,
                    transforms=_tile_transforms(block_kv, dtype)) if pv_from_smem else None,  # P
+        plgpu.SMEM(converted, dtype, transforms=tile) if fp8 else None,          # K in q's dtype
+        plgpu.SMEM(converted, dtype, transforms=tile) if fp8 else None,          # V in q's dtype
     )
     copies = block_kv // tokens_per_copy
     barriers = (plgpu.Barrier(num_barriers=num_q_buffers * num_consumers),
@@ -446,13 +490,14 @@ def paged_prefill_attention_mgpu(
 
     vLLM: ``PagedAttention.forward_prefix`` → ``context_attention_fwd`` / unified attention. Same arguments,
     semantics and result as :func:`pallas_kernels.paged_prefill_attention.paged_prefill_attention` for the
-    calls :func:`unsupported_reason` accepts (bf16/f16 q and cache; head size 64/128/256; at most 64 query
-    heads per KV head; block size a power of two >= 8; no ALiBi).
+    calls :func:`unsupported_reason` accepts (bf16/f16 q; the cache in q's dtype, or fp8 with head size 64/128;
+    head size 64/128/256; at most 64 query heads per KV head; block size a power of two >= 8; no ALiBi).
 
     Args:
         q: ``[num_tokens, num_heads, head_size]`` bf16/f16, the new tokens of all sequences, concatenated;
             tokens past ``query_start_loc[-1]`` are padding (output 0).
-        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` in ``q.dtype``, holding every
+        kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` in ``q.dtype`` or fp8
+            (``float8_e4m3fn`` / ``float8_e5m2``, stored as ``x / k_scale`` and ``x / v_scale``), holding every
             token of every sequence up to its ``seq_len`` (the new ones included); 0 keys, 1 values.
         block_tables: ``int32[num_seqs, max_num_blocks_per_seq]``.
         seq_lens: ``int32[num_seqs]`` cached + new tokens per sequence.
@@ -462,7 +507,7 @@ def paged_prefill_attention_mgpu(
             (``max_query_len`` is only checked: the grid is sized by ``num_tokens``).
         alibi_slopes: must be ``None`` (see :func:`unsupported_reason`).
         block_kv: keys per inner step (static, a positive multiple of 64); ``None``:
-            :func:`pallas_kernels.tuning.mgpu_prefill_block_kv`.
+            :func:`pallas_kernels.tuning.mgpu_prefill_block_kv` (64 with an fp8 cache).
         num_stages: shared-memory ring depth (static, >= 1); ``None``:
             :func:`pallas_kernels.tuning.mgpu_prefill_num_stages`.
         num_consumers: consumer warpgroups per program, 1 or 2 (64 query rows each); ``None``:
@@ -501,8 +546,9 @@ def paged_prefill_attention_mgpu(
         num_consumers = 1 if interpret else tuning.MGPU_PREFILL_NUM_CONSUMERS
     if pv_from_smem is None:
         pv_from_smem = bool(interpret)
+    fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
     if block_kv is None:
-        block_kv = tuning.mgpu_prefill_block_kv(head_size)
+        block_kv = tuning.mgpu_prefill_block_kv(head_size, fp8=fp8)
     if not _is_int(block_kv) or block_kv < 64 or block_kv % 64:
         raise ValueError(f"block_kv={block_kv!r} must be a positive multiple of 64")
     if num_consumers not in (1, MAX_CONSUMERS):
@@ -517,10 +563,10 @@ def paged_prefill_attention_mgpu(
         if not _is_int(num_programs) or num_programs < 1:
             raise ValueError(f"num_programs={num_programs!r} must be >= 1")
         num_q_buffers = tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
-                                                      pv_from_smem=pv_from_smem)
+                                                      pv_from_smem=pv_from_smem, fp8=fp8)
     if num_stages is None:
         num_stages = tuning.mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers,
-                                                    pv_from_smem=pv_from_smem, num_q_buffers=num_q_buffers)
+                                                    pv_from_smem=pv_from_smem, num_q_buffers=num_q_buffers, fp8=fp8)
     if not _is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be >= 1")
     return _paged_prefill_attention_mgpu_jit(

@@ -348,28 +348,32 @@ MGPU_PREFILL_NUM_CONSUMERS = 2
 MGPU_PREFILL_MAX_STAGES = 4
 
 
-def mgpu_prefill_block_kv(head_size: int) -> int:
-    """Keys per step of the Mosaic prefill kernel: 128 (64 for head size 256, so two stages fit)."""
-    return 64 if head_size > 128 else 128
+def mgpu_prefill_block_kv(head_size: int, *, fp8: bool = False) -> int:
+    """Keys per step of the Mosaic prefill kernel: 128 (64 for head size 256, so two stages fit; 64 with an fp8
+    cache, whose consumers each hold a converted 16-bit K and V tile of a step beside the ring)."""
+    return 64 if head_size > 128 or fp8 else 128
 
 
 def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
-                            num_q_buffers: int = 1) -> int:
-    """Ring depth: as many K+V stages (16-bit) as fit ``MGPU_SMEM_BYTES`` beside the consumers' 64-row Q
-    tiles (``num_q_buffers`` of each) and their P tiles when P goes through shared memory, at most
-    ``MGPU_PREFILL_MAX_STAGES``, at least 1 (bf16, D 128, 128 keys, two consumers, P in registers, one Q
-    buffer: 2 stages, 160 KiB; two Q buffers: 2 stages, 192 KiB)."""
+                            num_q_buffers: int = 1, fp8: bool = False) -> int:
+    """Ring depth: as many K+V stages (16-bit; fp8: 8-bit) as fit ``MGPU_SMEM_BYTES`` beside the consumers'
+    64-row Q tiles (``num_q_buffers`` of each), their P tiles when P goes through shared memory and (fp8) their
+    converted 16-bit K and V tiles, at most ``MGPU_PREFILL_MAX_STAGES``, at least 1 (bf16, D 128, 128 keys, two
+    consumers, P in registers, one Q buffer: 2 stages, 160 KiB; two Q buffers: 2 stages, 192 KiB; fp8, 64 keys,
+    two Q buffers: 4 stages, 192 KiB)."""
     fixed = (num_q_buffers * num_consumers * 64 * head_size * 2
-             + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0))
-    per_stage = 2 * block_kv * head_size * 2
+             + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0)
+             + (num_consumers * 2 * block_kv * head_size * 2 if fp8 else 0))
+    per_stage = 2 * block_kv * head_size * (1 if fp8 else 2)
     return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
 
 
-def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool) -> int:
+def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
+                           fp8: bool = False) -> int:
     """Q tiles per consumer of the persistent Mosaic prefill kernel: 2 (the next item's Q loads while this
     one computes) where two ring stages still fit beside them, else 1 (head size 256)."""
     two = mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers, pv_from_smem=pv_from_smem,
-                                  num_q_buffers=2)
+                                  num_q_buffers=2, fp8=fp8)
     return 2 if two >= 2 else 1
 
 
@@ -384,3 +388,7 @@ def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int,
 # per row) stay on Triton (a Mosaic tile of 128 tokens would walk the keys of every sequence it touches).
 MGPU_PREFILL_MIN_QUERY_LEN: dict[tuple[int, str], int] = {(128, "bfloat16"): 512}
 MGPU_PREFILL_MIN_TOKENS_PER_SEQ = 512
+# The Mosaic prefill kernel's fp8-cache path (session 26) passed the interpreter and the sm_90 lowering on CPU
+# only; until its compiled kernel tests pass on a GPU the op-level dispatch sends fp8 prefill to Triton, even
+# with attention_impl="pallas_mosaic" (the kernel itself stays callable: tests, scripts/dev/gpu_mgpu.sh).
+MGPU_PREFILL_FP8_COMPILED = False

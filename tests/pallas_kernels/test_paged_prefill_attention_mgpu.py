@@ -42,11 +42,11 @@ PAD_TOKENS = 3  # rows of q past query_start_loc[-1]: their output must be 0
 
 
 def _cls(lengths, *, kv_heads=1, group=4, head=128, block=16, dtype="bfloat16", window=None, cap=None,
-         width=None) -> fuzz.ShapeClass:
+         width=None, fp8=False) -> fuzz.ShapeClass:
     most = max(c + q for c, q in lengths)
     width = width or -(-most // block) + 1
     return fuzz.ShapeClass(kernel="prefill", num_seqs=len(lengths), num_kv_heads=kv_heads, group=group,
-                           head_size=head, block_size=block, dtype=dtype, fp8=False, table_width=width,
+                           head_size=head, block_size=block, dtype=dtype, fp8=fp8, table_width=width,
                            num_blocks=len(lengths) * width + 2,
                            num_tokens=sum(q for _, q in lengths) + PAD_TOKENS,
                            max_query_len=max(q for _, q in lengths), sliding_window=window,
@@ -67,9 +67,14 @@ CASES = [
     ([(17, 5), (0, 2)], dict(group=64, head=64, block=16), 1),                       # the full 64-row tile
     ([(0, 130), (70, 64)], dict(kv_heads=2, group=4, head=128, block=64), 2),         # pages of 64 (bench p64)
     ([(0, 100), (30, 60), (0, 2), (5, 90)], dict(kv_heads=2, group=2, head=64), 2),   # across program edges
+    # an fp8 cache (k_scale / v_scale): converted per consumer into q's dtype; D 64 and 128, window, soft cap
+    (MIXED, dict(kv_heads=3, group=3, head=64, fp8=True), 2),
+    ([(300, 70), (40, 1), (129, 64)], dict(group=2, head=128, block=16, window=150, cap=20.0, fp8=True), 2),
+    ([(0, 19), (7, 1), (20, 12), (3, 0)], dict(kv_heads=2, group=3, head=128, block=8, dtype="float16",
+                                             fp8=True), 1),
 ]
-DEFAULT = [0, 2, 3, 4, 8]
-PERSISTENT_DEFAULT = [2, 8]  # persistent in a plain CPU run: one Q tile (D 256, window), tiles across sequences  # the cases of a plain CPU run (~5 s each in the interpreter); the rest with SLOW
+DEFAULT = [0, 2, 3, 4, 8, 10]
+PERSISTENT_DEFAULT = [2, 8, 9]  # persistent in a plain CPU run: one Q tile (D 256, window), tiles across sequences  # the cases of a plain CPU run (~5 s each in the interpreter); the rest with SLOW
 IDS = [f"{_cls(l, **kw).describe()} {l} c{nc}" for l, kw, nc in CASES]
 
 
@@ -201,10 +206,11 @@ def test_sequence_search_matches_searchsorted():
         np.testing.assert_array_equal(np.asarray(got), want, err_msg=f"{num_seqs=}")
 
 
-@pytest.mark.parametrize("change,match", fuzz.MGPU_UNSUPPORTED + [(dict(kv_dtype=jnp.float8_e4m3fn), "fp8")])
+@pytest.mark.parametrize("change,match", fuzz.MGPU_UNSUPPORTED + [
+    (dict(kv_dtype=jnp.float8_e4m3fn, head=256), "fp8 up to head size 128")])
 def test_unsupported_calls_say_why(change, match):
     """The kernel refuses what it does not implement, naming the field (the dispatch falls back): the decode
-    kernel's rules, and an fp8 cache."""
+    kernel's rules, and an fp8 cache of head size 256."""
     args, q, kv, extra = fuzz.mgpu_unsupported_call(change, num_tokens=2)
     reason = unsupported_reason(args["dtype"], args["kv_dtype"], *args["heads"], args["head"], args["block"],
                                 alibi=args["alibi"])
@@ -251,7 +257,8 @@ def test_num_stages_fit_shared_memory():
 def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     """``impl="pallas_mosaic"`` (``_interpret`` on CPU): a supported prefill / mixed batch runs the Mosaic
     prefill kernel, under ``jax.jit`` too, and matches the reference; an fp8 cache falls back to the Triton
-    kernel with a one-time warning naming the reason."""
+    kernel with a one-time warning naming the reason (its Mosaic path awaits a compiled GPU run:
+    ``tuning.MGPU_PREFILL_FP8_COMPILED``)."""
     calls = []
 
     def spy(name, fn):
@@ -275,7 +282,8 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     assert fuzz.error(out[:10], case) <= fuzz.TOLERANCE[cls.dtype]
 
     kv8 = kv.astype(jnp.float8_e4m3fn)
-    with pytest.warns(UserWarning, match="prefill falls back to the Triton kernel: kv_cache.dtype=float8_e4m3fn"):
+    with pytest.warns(UserWarning, match="prefill falls back to the Triton kernel: kv_cache.dtype=float8_e4m3fn "
+                      r"\(the Mosaic prefill kernel's fp8 path awaits its compiled GPU tests\)"):
         jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
     assert calls == ["mosaic", "triton"]
     with warnings.catch_warnings():
