@@ -244,6 +244,12 @@ def test_num_stages_fit_shared_memory():
     assert tuning.mgpu_prefill_num_stages(64, 256, num_consumers=2, pv_from_smem=False) == 2
     assert tuning.mgpu_prefill_q_buffers(64, 256, num_consumers=2, pv_from_smem=False) == 1
     assert tuning.mgpu_prefill_num_stages(128, 64, num_consumers=2, pv_from_smem=True) == 4
+    # fp8, D 128: 64-key steps, two Q tiles, each consumer's converted K and V tiles: 4 fp8 stages, 192 KiB
+    assert tuning.mgpu_prefill_block_kv(128, fp8=True) == 64
+    assert tuning.mgpu_prefill_q_buffers(64, 128, num_consumers=2, pv_from_smem=False, fp8=True) == 2
+    assert tuning.mgpu_prefill_num_stages(64, 128, num_consumers=2, pv_from_smem=False, num_q_buffers=2,
+                                          fp8=True) == 4
+    assert 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 4 * 2 * 64 * 128 == 192 * 1024 <= tuning.MGPU_SMEM_BYTES
     for d in (64, 128, 256):
         bkv = tuning.mgpu_prefill_block_kv(d)
         for smem_p in (False, True):
