@@ -160,6 +160,9 @@ def main(argv=None) -> int:
                    help="decode: also the Mosaic bf16 kernel without the longest-first deal (balance=False)")
     p.add_argument("--shapes", default=None,
                    help="decode: comma-separated BATCHxCTX shapes instead of the grid (e.g. 64x1024,256x4096)")
+    p.add_argument("--prefill-fp8", action="store_true",
+                   help="prefill: also an fp8 e4m3 cache (scales 1): the Triton kernel and the Mosaic kernel (its fp8 "
+                        "path), each TF/s, the Mosaic result checked against Triton's on the same fp8 cache")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
                         "paged_prefill_attention_mgpu)")
@@ -185,7 +188,7 @@ def main(argv=None) -> int:
         return bench_write(time_calls, copy_gbs)
     if args.mode == "prefill":
         return bench_prefill(time_calls, args.iters, sweep=not args.quick, mosaic=not args.no_mosaic,
-                             breakdown=args.breakdown)
+                             breakdown=args.breakdown, fp8=args.prefill_fp8)
 
     ours = {} if args.mosaic_only else {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick and not args.mosaic_only:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
@@ -424,7 +427,25 @@ def _paged_dense(rng, batch, length, key):
     return (q, k, v, *_pages(rng, k, v, BLOCK_SIZE))
 
 
-def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False) -> int:
+def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs) -> str:
+    """An fp8 cache (the same K/V in e4m3, scales 1): Triton's and the Mosaic kernel's TF/s, the Mosaic output
+    checked against Triton's on that cache; ``bf16_tfs``: the Triton kernel's bf16 TF/s for the ratio."""
+    from pallas_kernels.paged_prefill_attention import paged_prefill_attention
+    from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu
+    q, kv, *meta = args
+    args8 = (q, kv.astype(jnp.float8_e4m3fn), *meta)
+    kw = dict(kw, k_scale=1.0, v_scale=1.0)
+    triton = jax.jit(functools.partial(paged_prefill_attention, **kw))
+    want = triton(*args8).astype(jnp.float32)
+    t_tfs = flops / statistics.median(time_calls(triton, [args8], iters)) / 1e12
+    mosaic = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw))
+    m_tfs = _mosaic_prefill_try("mosaic fp8", mosaic, args8, lambda out: jnp.abs(out.astype(jnp.float32) - want).max(),
+                                iters, time_calls, flops)
+    m = f"{m_tfs:.1f} TF/s ({m_tfs / t_tfs:.2f}x Triton fp8)" if m_tfs else "-"
+    return f"      fp8 cache: Triton {t_tfs:.1f} TF/s ({t_tfs / bf16_tfs:.2f}x its bf16), Mosaic {m}"
+
+
+def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, fp8=False) -> int:
     """Paged prefill kernels (Triton; Mosaic GPU) vs cuDNN dense causal attention on the same Q/K/V
     (TFLOP/s, causal FLOPs), then chunked prefill (a 512-token chunk over a cached context)."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
@@ -475,6 +496,9 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False) 
                 if breakdown and tfs:
                     breakdowns.append((name, fn, vargs))
             print(row, flush=True)
+            if fp8:
+                print(_fp8_prefill_line(args, dict(scale=scale, max_query_len=length), iters, time_calls, flops,
+                                        flops / t_ours / 1e12), flush=True)
             if breakdown:
                 print_breakdown("cudnn", cudnn, (q, k, v))
                 print_breakdown("ours (Triton)", ours, args)
@@ -522,6 +546,8 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False) 
             tfs = _mosaic_prefill_try(name, fn, vargs, diff, iters, time_calls, flops)
             row += f" {tfs:>16.1f} {tfs / ours_tfs:>7.2f}" if tfs else f" {'-':>16} {'-':>7}"
         print(row, flush=True)
+        if fp8:
+            print(_fp8_prefill_line(args, kw, iters, time_calls, flops, ours_tfs), flush=True)
     return 0
 
 
