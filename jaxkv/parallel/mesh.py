@@ -4,7 +4,8 @@ vLLM: ``--tensor-parallel-size`` / ``--data-parallel-size`` and its process grou
 (``vllm/distributed/parallel_state.py``). Here the mesh is JAX's own: a :class:`jax.sharding.Mesh` of
 shape ``(dp, tp)``; arrays carry :class:`jax.sharding.NamedSharding` s over it, XLA's SPMD partitioner
 inserts the collectives, and per-shard code (the paged attention kernels) runs under
-:func:`jax.shard_map`. jaxkv writes no communication code of its own.
+:func:`jax.shard_map`. jaxkv writes one collective of its own: the ``psum`` of an fp8 row-parallel projection's
+partial sums (:func:`models.parallel.row_parallel`), so that each rank can scale its slice as vLLM does.
 
 Several hosts: call ``jax.distributed.initialize(coordinator_address, num_processes, process_id)`` in
 every process before anything else touches JAX (on SLURM / Cloud TPU the arguments are detected), then
