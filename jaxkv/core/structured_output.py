@@ -24,7 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
-from typing import Any, Iterable
+from typing import Any, Iterable, Sequence
 
 import numpy as np
 
@@ -130,6 +130,27 @@ def fill_bitmasks(rows: Iterable[tuple[Grammar, int]], bitmask: np.ndarray) -> N
     elif rows:
         import llguidance.numpy as lnp
         lnp.fill_next_token_bitmask_par(_executor(), [(g.matcher, r) for g, r in rows], bitmask)
+
+
+def accept_tokens(rows: Iterable[tuple[Grammar, Sequence[int]]]) -> list[bool]:
+    """:meth:`Grammar.accept` of each ``(grammar, tokens)``, the one-token rows of unstopped grammars advanced on
+    llguidance's threads at once (a constrained request gets one token per step). Returns each row's result, in
+    order: False where a token was not allowed (the matcher's ``error`` says why)."""
+    rows = list(rows)
+    ok = [True] * len(rows)
+    single = [i for i, (g, toks) in enumerate(rows) if len(toks) == 1 and not g.matcher.is_stopped()]
+    if len(single) > 1:
+        import llguidance.numpy as lnp
+        got = lnp.consume_token_par(_executor(), [(rows[i][0].matcher, int(rows[i][1][0])) for i in single])
+        for i, g in zip(single, got):
+            ok[i] = bool(g)
+        done = set(single)
+    else:
+        done = set()
+    for i, (g, toks) in enumerate(rows):
+        if i not in done:
+            ok[i] = g.accept(toks)
+    return ok
 
 
 class StructuredOutputManager:

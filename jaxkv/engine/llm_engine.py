@@ -32,6 +32,7 @@ from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxkv.core.kv_cache_manager import KVCacheManager
 from jaxkv.core.request import Request, RequestStatus
 from jaxkv.core.scheduler import Scheduler, SchedulerConfig
+from jaxkv.core.structured_output import accept_tokens
 from jaxkv.engine.protocol import EngineCoreOutput, LogprobsLists, child_request_id
 from jaxkv.kv_cache.specs import SlidingWindowSpec
 from jaxkv.outputs import CompletionOutput, FlatLogprobs, Logprob, RequestOutput
@@ -770,6 +771,7 @@ class LLMEngine:
         if logprobs is not None:  # row-major views, [rows, steps, 1 + K] and [rows, steps]: one slice per request
             lp_ids, lp_vals, lp_ranks = ((a.swapaxes(0, 1) if loop else a[:, None]) for a in logprobs)
         generated = 0
+        constrained = []                                   # (request, its new tokens): their grammars advance at once
         for r, (req, _) in enumerate(sched.scheduled):
             got = req.num_output_tokens - lens_before[r]
             generated += got
@@ -778,10 +780,14 @@ class LLMEngine:
             if logprobs is not None and got and req.logprobs is not None:  # views of the step's rows
                 k = 1 + req.sampling_params.logprobs
                 req.logprobs.add(lp_ids[r, :got, :k], lp_vals[r, :got, :k], lp_ranks[r, :got])
-            if got and req.grammar is not None and not req.grammar.accept(req.new_token_ids):
-                log.error("request %s: token %s outside its grammar (%s): aborted", req.request_id,
-                          req.new_token_ids, req.grammar.error)
-                self.abort_request(req.request_id)
+            if got and req.grammar is not None:
+                constrained.append((req, req.new_token_ids))
+        if constrained:
+            for (req, toks), ok in zip(constrained, accept_tokens((req.grammar, toks) for req, toks in constrained)):
+                if not ok:
+                    log.error("request %s: token %s outside its grammar (%s): aborted", req.request_id, toks,
+                              req.grammar.error)
+                    self.abort_request(req.request_id)
         if self._held:
             self._release_held()
         c["steps"] += 1

@@ -139,3 +139,58 @@ def test_parallel_bitmask_fill_equals_row_by_row(llm):
         fill_bitmasks([(grammars[0], 0)], np.zeros((2, manager.bitmask_words), np.int64))
     with pytest.raises(ValueError, match=r"rows \[70\] outside \[0, 65\)"):
         fill_bitmasks([(grammars[0], 70), (grammars[1], 0)], got)
+
+
+def test_accept_tokens_equals_accept_row_by_row(llm):
+    """``accept_tokens`` (one-token rows on llguidance's threads) leaves every matcher where ``Grammar.accept``
+    leaves a copy of it, with the same results: allowed tokens, a disallowed one (False, the error kept), a
+    several-token row, a stopped grammar (True: its EOS ends the request)."""
+    import numpy as np
+
+    from jaxkv.core.structured_output import accept_tokens
+    manager = llm.engine.structured_outputs
+    choice = manager.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
+    regex = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}")).result()
+    tok = llm.get_tokenizer()
+    digit = tok.encode("7")[-1]
+    letter = tok.encode("x")[-1]
+    first = manager.new_bitmask(1)
+    manager.grammar(choice).fill_bitmask(first, 0)
+    yes = int(np.flatnonzero(np.unpackbits(first[0].view(np.uint8), bitorder="little"))[0])  # a token choice allows
+    pairs = [(manager.grammar(regex), [digit]), (manager.grammar(regex), [letter]), (manager.grammar(regex), [digit]),
+             (manager.grammar(choice), [yes]), (manager.grammar(regex), [digit, digit])]
+    stopped = manager.grammar(regex)
+    assert stopped.accept([digit, digit, digit]) and stopped.is_terminated
+    pairs.append((stopped, [tok.eos_token_id if tok.eos_token_id is not None else 0]))
+    copies = [(manager.grammar(regex) if i != 3 else manager.grammar(choice), t) for i, (_, t) in enumerate(pairs[:5])]
+    twin = manager.grammar(regex)
+    twin.accept([digit, digit, digit])
+    copies.append((twin, pairs[5][1]))
+    want = [g.accept(t) for g, t in copies]
+    got = accept_tokens(pairs)
+    assert got == want and want[1] is False and all(want[i] for i in (0, 2, 3, 4, 5))
+    words = manager.new_bitmask(2)
+    for (g, _), (c, _) in zip(pairs, copies):
+        if g.is_terminated or g.error:
+            assert (g.is_terminated, bool(g.error)) == (c.is_terminated, bool(c.error))
+            continue
+        g.fill_bitmask(words, 0)
+        c.fill_bitmask(words, 1)
+        np.testing.assert_array_equal(words[0], words[1])
+
+
+def test_a_token_outside_the_grammar_aborts_only_its_request(llm, monkeypatch, caplog):
+    """With the masks taken away (every row left all ones), a noise model soon samples what the regex forbids: the
+    engine aborts that request, logs why, and the unconstrained request beside it finishes as usual."""
+    import logging
+
+    from jaxkv.worker import model_runner
+    monkeypatch.setattr(model_runner, "fill_bitmasks", lambda rows, bitmask: None)
+    digits = SamplingParams(max_tokens=12, temperature=1.0, seed=11,
+                            structured_outputs=StructuredOutputsParams(regex=r"[0-9]{12}"))
+    plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    with caplog.at_level(logging.ERROR):
+        outs = llm.generate(["Digits:", "Hello"], [digits, plain], use_tqdm=False)
+    assert outs[0].outputs[0].finish_reason == "abort", outs[0].outputs[0]
+    assert "outside its grammar" in caplog.text and outs[0].request_id in caplog.text
+    assert len(outs[1].outputs[0].token_ids) == 6 and outs[1].outputs[0].finish_reason == "length"
