@@ -64,7 +64,8 @@ def main(argv=None) -> int:
     p.add_argument("--port", type=int, default=8123)
     p.add_argument("--health-timeout", type=float, default=600)
     p.add_argument("--py-spy", default=None, metavar="FILE",
-                   help="also sample the API-server process with py-spy (collapsed stacks to FILE) during the load")
+                   help="also sample the API-server process with py-spy during the load (collapsed stacks to FILE; "
+                        "--gil: only samples that hold the GIL, so its waits are left out)")
     p.add_argument("serve_args", nargs="*", help="more scripts/serve.py flags (after --)")
     args = p.parse_args(argv)
     vocab = args.vocab_size
@@ -88,7 +89,7 @@ def main(argv=None) -> int:
         spy = None
         if args.py_spy:
             spy = subprocess.Popen(["py-spy", "record", "-p", str(api_server_pids(server.pid)[-1]), "-o", args.py_spy, "--format",
-                                    "raw", "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+                                    "raw", "-r", "200", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         pids = api_server_pids(server.pid)
         before = sum(cpu_seconds(p) for p in pids)
