@@ -88,8 +88,9 @@ def main(argv=None) -> int:
     try:
         spy = None
         if args.py_spy:
-            spy = subprocess.Popen(["py-spy", "record", "-p", str(api_server_pids(server.pid)[-1]), "-o", args.py_spy, "--format",
-                                    "raw", "-r", "200", "--gil"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            spy = subprocess.Popen(["py-spy", "record", "-p", str(api_server_pids(server.pid)[-1]), "-o", args.py_spy,
+                                    "--format", "raw", "-r", "200", "--gil"],
+                                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(1.0)
         pids = api_server_pids(server.pid)
         before = sum(cpu_seconds(p) for p in pids)
