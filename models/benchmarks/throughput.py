@@ -410,9 +410,63 @@ class NvmlBusySampler:
         return False
 
 
+class TraceWindow:
+    """A JAX profiler trace of ``seconds`` of a run from ``start`` seconds into it (a timer thread starts and stops
+    it), or of the whole run (``seconds`` ``None``): a long run over several GPUs traced whole overflows CUPTI's
+    event buffer (a 70B run over 4 GPUs, session 26). Use as a context manager around the run; ``span_s`` is the
+    traced time (what the busy share divides by)."""
+
+    def __init__(self, trace_dir: str, start: float = 0.0, seconds: float | None = None):
+        self.trace_dir, self.start, self.seconds = trace_dir, float(start), seconds
+        self._lock = threading.Lock()
+        self._state = "idle"            # idle -> tracing -> done
+        self._timers: list[threading.Timer] = []
+        self._t0 = self._t_start = self._t_stop = None
+
+    def _begin(self):
+        with self._lock:
+            if self._state == "idle":
+                jax.profiler.start_trace(self.trace_dir)
+                self._state, self._t_start = "tracing", time.perf_counter()
+
+    def _end(self):
+        with self._lock:
+            if self._state == "tracing":
+                jax.profiler.stop_trace()
+                self._t_stop = time.perf_counter()
+            self._state = "done"
+
+    def __enter__(self):
+        self._t0 = time.perf_counter()
+        if self.seconds is None and self.start <= 0:
+            self._begin()
+            return self
+        self._timers = [threading.Timer(self.start, self._begin)]
+        if self.seconds is not None:
+            self._timers.append(threading.Timer(self.start + self.seconds, self._end))
+        for t in self._timers:
+            t.daemon = True
+            t.start()
+        return self
+
+    def __exit__(self, *exc):
+        for t in self._timers:
+            t.cancel()
+        self._end()
+        return False
+
+    @property
+    def span_s(self) -> float | None:
+        """Seconds traced (``None``: the run ended before the window opened)."""
+        if self._t_start is None:
+            return None
+        return self._t_stop - self._t_start
+
+
 def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_size: int,
               progress: bool, profile_busy: bool = False, nvml_busy: bool = False,
-              cprofile: str | None = None, name: str | None = None) -> Result:
+              cprofile: str | None = None, name: str | None = None,
+              profile_window: tuple[float, float | None] = (0.0, None)) -> Result:
     """Time ``llm.generate`` (the public API: engine-core processes or the in-process engine, whichever
     ``llm`` runs) on ``requests``; the engines' counters before and after give the host-loop breakdown."""
     llm.reset_prefix_cache()
@@ -427,7 +481,7 @@ def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_s
     trace_dir = None
     if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run (in-process engines only)
         trace_dir = tempfile.mkdtemp(prefix=f"bench-{name}-trace-")
-        prof = jax.profiler.trace(trace_dir)
+        prof = TraceWindow(trace_dir, *profile_window)
     else:
         prof = contextlib.nullcontext()
     nvml = NvmlBusySampler() if nvml_busy else contextlib.nullcontext()
@@ -451,11 +505,17 @@ def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_s
         pyprof.dump_stats(cprofile)
         for key in ("tottime", "cumulative"):
             pstats.Stats(pyprof, stream=sys.stdout).sort_stats(key).print_stats(30)
-    busy_s = None
+    busy_s, traced_s = None, elapsed
     if profile_busy:
-        busy_s = device_busy_seconds(trace_dir)
+        traced_s = prof.span_s
+        if traced_s is None:
+            print(f"--profile-busy: the run ended before its window opened ({profile_window[0]} s in)")
+        else:
+            if profile_window != (0.0, None):
+                print(f"--profile-busy: traced {traced_s:.2f} s from {profile_window[0]} s into the run")
+            busy_s = device_busy_seconds(trace_dir)
         shutil.rmtree(trace_dir, ignore_errors=True)  # a whole run's trace grows with its kernel count
-    busy_share = None if busy_s is None else busy_s / elapsed
+    busy_share = None if busy_s is None else busy_s / traced_s
     if nvml_busy and nvml.share is None:
         print(f"--nvml-busy: {nvml.reason}")
     elif nvml_busy and not static:
@@ -587,6 +647,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--profile-busy", action="store_true",
                    help="measure the GPU's busy share of the jaxkv runs from a JAX profiler trace (XLA's CUPTI "
                         "tracer); tracing slows the run, so take throughput from a run without it")
+    p.add_argument("--profile-window", default=None, metavar="START:SECONDS",
+                   help="with --profile-busy, trace only SECONDS of the timed run from START seconds into it (e.g. "
+                        "20:3; a whole run over several GPUs can overflow CUPTI's event buffer)")
     p.add_argument("--nvml-busy", action="store_true",
                    help="measure the GPU's busy share of the jaxkv runs from NVML's utilization samples "
                         "(nvidia-ml-py; no slowdown)")
@@ -596,6 +659,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.cprofile and args.profile_busy:
         p.error("--cprofile and --profile-busy both install the interpreter's profiler hook; use one")
+    args.profile_window_s = (0.0, None)
+    if args.profile_window is not None:
+        try:
+            start, seconds = (float(x) for x in args.profile_window.split(":"))
+            if start < 0 or seconds <= 0:
+                raise ValueError
+        except ValueError:
+            p.error(f"--profile-window={args.profile_window!r} must be START:SECONDS (START >= 0, SECONDS > 0)")
+        if not args.profile_busy:
+            p.error("--profile-window needs --profile-busy")
+        args.profile_window_s = (start, seconds)
     from models.entrypoints.engine_args import multiprocessing_enabled
     for flag, value in (("--profile-busy", args.profile_busy), ("--cprofile", args.cprofile)):
         jaxkv = any(b.startswith("jaxkv") for b in (args.backend or ["jaxkv"]))
@@ -746,7 +820,7 @@ def run(args) -> int:
         results.append(run_jaxkv(llms[mp], requests, static=backend == "jaxkv-static", batch_size=batch_size,
                                  progress=not args.no_progress, profile_busy=args.profile_busy and not mp,
                                  nvml_busy=args.nvml_busy, cprofile=args.cprofile if not mp else None,
-                                 name=backend))
+                                 name=backend, profile_window=args.profile_window_s))
         _print_partial(results[-1])
     for llm in llms.values():
         llm.shutdown()

@@ -34,14 +34,15 @@ if [ -z "${RUNS:-}" ]; then
   fi
 fi
 traced() {  # kernel table (NCCL all-reduces included): a traced pass of the in-process engine over the first
-  # PROFILE_PROMPTS requests (default 200) of the first run's configuration; limited to $1 seconds
+  # PROFILE_PROMPTS requests (default 200) of the first run's configuration, traced for PROFILE_WINDOW (default 10:3: 3 s
+  # from 10 s into the run; the whole run over 4 GPUs overflowed CUPTI's event buffer); limited to $1 seconds
   local run=${RUNS%% *} left=$(( DEADLINE - SECONDS ))
   [ "$1" -lt "$left" ] && left=$1
   if [ "${PROFILE:-1}" = 1 ] && [ $left -gt 120 ]; then
     echo "== traced pass: $run, ${PROFILE_PROMPTS:-200} requests ($(date +%T), ${SECONDS} s; timeout $left s)" \
       | tee -a "$OUT/70b.txt"
     JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --num-prompts "${PROFILE_PROMPTS:-200}" \
-      --profile-busy $(flags $run) > "$OUT/70b-$run-traced.log" 2>&1
+      --profile-busy --profile-window "${PROFILE_WINDOW:-10:3}" $(flags $run) > "$OUT/70b-$run-traced.log" 2>&1
     echo "exit $? (traced pass)" >> "$OUT/70b-$run-traced.log"
     summary "$run-traced"
   fi
