@@ -225,18 +225,22 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
             schedule_barrier()
             return g + 1
 
+        def wgmma_tile(ring, converted, consumed, slot):
+            """The ``wgmma`` operand of a filled ring slot: the slot itself (released after its ``wgmma``), or
+            with an fp8 cache the consumer's own 16-bit tile, converted from the slot, which is released now."""
+            if not fp8:
+                return ring.at[slot]
+            _convert_tile(ring.at[slot], converted.at[wg])
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(consumed.at[slot])
+            return converted.at[wg]
+
         def step(j, carry, *, q_tile, c0, seg, prog, masked: bool):
             g, acc, m, l = carry
             slot = lax.rem(g, num_stages)
             t0 = j * block_kv
             plgpu.barrier_wait(k_bars.at[slot])
-            if fp8:
-                k_tile = k16_smem.at[wg]
-                _convert_tile(k_smem.at[slot], k_tile)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(k_consumed.at[slot])
-            else:
-                k_tile = k_smem.at[slot]
+            k_tile = wgmma_tile(k_smem, k16_smem, k_consumed, slot)
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_tile.T)
@@ -264,13 +268,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                 acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
                 plgpu.barrier_arrive(schedule)                       # softmax done
             plgpu.barrier_wait(v_bars.at[slot])
-            if fp8:                                                  # before the tensor-core turn
-                v_tile = v16_smem.at[wg]
-                _convert_tile(v_smem.at[slot], v_tile)
-                plgpu.commit_smem()
-                plgpu.barrier_arrive(v_consumed.at[slot])
-            else:
-                v_tile = v_smem.at[slot]
+            v_tile = wgmma_tile(v_smem, v16_smem, v_consumed, slot)  # (fp8: converted before the tensor-core turn)
             if pingpong:
                 plgpu.barrier_wait(schedule)                         # the tensor cores are ours
             if masked:

@@ -137,20 +137,14 @@ def accept_tokens(rows: Iterable[tuple[Grammar, Sequence[int]]]) -> list[bool]:
     llguidance's threads at once (a constrained request gets one token per step). Returns each row's result, in
     order: False where a token was not allowed (the matcher's ``error`` says why)."""
     rows = list(rows)
-    ok = [True] * len(rows)
+    ok: list[bool | None] = [None] * len(rows)             # None: not advanced in parallel
     single = [i for i, (g, toks) in enumerate(rows) if len(toks) == 1 and not g.matcher.is_stopped()]
     if len(single) > 1:
         import llguidance.numpy as lnp
         got = lnp.consume_token_par(_executor(), [(rows[i][0].matcher, int(rows[i][1][0])) for i in single])
-        for i, g in zip(single, got):
-            ok[i] = bool(g)
-        done = set(single)
-    else:
-        done = set()
-    for i, (g, toks) in enumerate(rows):
-        if i not in done:
-            ok[i] = g.accept(toks)
-    return ok
+        for i, good in zip(single, got):
+            ok[i] = bool(good)
+    return [g.accept(toks) if done is None else done for (g, toks), done in zip(rows, ok)]
 
 
 class StructuredOutputManager:

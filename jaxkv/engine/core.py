@@ -179,8 +179,8 @@ class EngineCoreProc:
         if msg.ack is not None:  # all or none
             error = None
             try:
-                self.engine.add_requests([(r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only)
-                                          + ((r.priority,) if r.priority else ()) for r in msg.requests])
+                self.engine.add_requests([(r.request_id, r.prompt_token_ids, r.sampling_params, r.final_only,
+                                           r.priority) for r in msg.requests])
                 self._remember(msg.requests, client)
             except ValueError as e:
                 error = str(e)
@@ -190,7 +190,7 @@ class EngineCoreProc:
         for r in msg.requests:
             try:
                 self.engine.add_request(r.request_id, r.prompt_token_ids, r.sampling_params,
-                                        final_only=r.final_only, **({"priority": r.priority} if r.priority else {}))
+                                        final_only=r.final_only, priority=r.priority)
                 self._remember([r], client)
             except ValueError as e:
                 rejected.append(EngineCoreOutput(r.request_id, error=str(e)))

@@ -421,7 +421,7 @@ class TraceWindow:
         self._lock = threading.Lock()
         self._state = "idle"            # idle -> tracing -> done
         self._timers: list[threading.Timer] = []
-        self._t0 = self._t_start = self._t_stop = None
+        self._t_start = self._t_stop = None
 
     def _begin(self):
         with self._lock:
@@ -437,7 +437,6 @@ class TraceWindow:
             self._state = "done"
 
     def __enter__(self):
-        self._t0 = time.perf_counter()
         if self.seconds is None and self.start <= 0:
             self._begin()
             return self
