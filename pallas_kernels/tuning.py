@@ -382,13 +382,15 @@ def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int,
 # prefill kernel"; bench_attention.py --mode prefill --quick, 32q/8kv heads, D 128, bf16, block 16) with the
 # second Mosaic kernel (one query head x 64 tokens per consumer, Q/O by TMA in q's layout): 1.84-2.0x Triton
 # at 512 tokens, 1.9-2.0x at 2048, 1.8-2.0x at 8192, 2.0-2.1x on 512-token chunks over 4k/16k contexts.
-# Shorter prompts were not measured and stay on Triton, as do shapes not measured (other head sizes, fp8).
+# Shorter prompts were not measured and stay on Triton, as do shapes not measured (other head sizes, e5m2).
+# fp8 e4m3 cache (session 27, same bench with --prefill-fp8, H100): the Mosaic kernel's fp8 path at 1.40-1.76x the
+# Triton kernel's fp8 path at 512 / 2048 / 8192 tokens (batch 1 and 8) and 1.42x on a 512-token chunk over 4k.
 # The measured batches were whole prompts, so a batch must also hold at least MGPU_PREFILL_MIN_TOKENS_PER_SEQ
 # token slots per sequence: the engine's mixed steps (256 rows in a 4096-token bucket, mostly decodes: 16
 # per row) stay on Triton (a Mosaic tile of 128 tokens would walk the keys of every sequence it touches).
-MGPU_PREFILL_MIN_QUERY_LEN: dict[tuple[int, str], int] = {(128, "bfloat16"): 512}
+MGPU_PREFILL_MIN_QUERY_LEN: dict[tuple[int, str], int] = {(128, "bfloat16"): 512, (128, "float8_e4m3fn"): 512}
 MGPU_PREFILL_MIN_TOKENS_PER_SEQ = 512
-# The Mosaic prefill kernel's fp8-cache path (session 26) passed the interpreter and the sm_90 lowering on CPU
-# only; until its compiled kernel tests pass on a GPU the op-level dispatch sends fp8 prefill to Triton, even
-# with attention_impl="pallas_mosaic" (the kernel itself stays callable: tests, scripts/dev/gpu_mgpu.sh).
-MGPU_PREFILL_FP8_COMPILED = False
+# The Mosaic prefill kernel's fp8-cache path (session 26) passed its compiled kernel tests on an H100 in session 27
+# (docs/logs/session27/mgpu-prefill-fp8/): the op-level dispatch may send fp8 prefill to it. False sends fp8
+# prefill to Triton again, even with attention_impl="pallas_mosaic" (the kernel itself stays callable).
+MGPU_PREFILL_FP8_COMPILED = True

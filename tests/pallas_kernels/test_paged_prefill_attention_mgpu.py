@@ -262,9 +262,9 @@ def test_num_stages_fit_shared_memory():
 
 def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     """``impl="pallas_mosaic"`` (``_interpret`` on CPU): a supported prefill / mixed batch runs the Mosaic
-    prefill kernel, under ``jax.jit`` too, and matches the reference; an fp8 cache falls back to the Triton
-    kernel with a one-time warning naming the reason (its Mosaic path awaits a compiled GPU run:
-    ``tuning.MGPU_PREFILL_FP8_COMPILED``)."""
+    prefill kernel, under ``jax.jit`` too, and matches the reference; an fp8 cache runs it too, and with
+    ``tuning.MGPU_PREFILL_FP8_COMPILED`` off falls back to the Triton kernel with a one-time warning naming the
+    reason."""
     calls = []
 
     def spy(name, fn):
@@ -288,10 +288,13 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     assert fuzz.error(out[:10], case) <= fuzz.TOLERANCE[cls.dtype]
 
     kv8 = kv.astype(jnp.float8_e4m3fn)
+    jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
+    assert calls == ["mosaic", "mosaic"]
+    monkeypatch.setattr(tuning, "MGPU_PREFILL_FP8_COMPILED", False)
     with pytest.warns(UserWarning, match="prefill falls back to the Triton kernel: kv_cache.dtype=float8_e4m3fn "
                       r"\(the Mosaic prefill kernel's fp8 path awaits its compiled GPU tests\)"):
         jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
-    assert calls == ["mosaic", "triton"]
+    assert calls == ["mosaic", "mosaic", "triton"]
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # once per reason
         jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
@@ -343,8 +346,9 @@ def test_random_classes_match_float64():
 
 def test_automatic_selection_follows_the_measured_table(monkeypatch):
     """``impl="pallas"`` picks the Mosaic prefill kernel only where ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``
-    says it was measured faster (sm_90, head size 128, bf16 cache, ``max_query_len`` >= 512, whole-prompt
-    batches); the engine's mixed steps, short prompts, other head sizes, fp8 and other GPUs stay on Triton,
+    says it was measured faster (sm_90, head size 128, bf16 or fp8 e4m3 cache, ``max_query_len`` >= 512,
+    whole-prompt batches); the engine's mixed steps, short prompts, other head sizes, e5m2 and other GPUs stay on
+    Triton,
     and decode moves only for the measured head size 128 with a bf16 or fp8 e4m3 cache."""
     import types
 
@@ -362,7 +366,9 @@ def test_automatic_selection_follows_the_measured_table(monkeypatch):
     assert not pick(256, 1, 256)                      # not measured below 512 tokens
     assert not pick(4096, 256, 4096)                  # an engine mixed step: 16 token slots per row
     assert not pick(2048, 1, 2048, head=64, heads=(9, 3))          # not measured
-    assert not pick(2048, 1, 2048, dtype=jnp.float8_e4m3fn)        # unsupported: fp8 cache
+    assert pick(2048, 1, 2048, dtype=jnp.float8_e4m3fn)            # measured: e4m3 D128
+    assert not pick(256, 1, 256, dtype=jnp.float8_e4m3fn)          # not measured below 512 tokens
+    assert not pick(2048, 1, 2048, dtype=jnp.float8_e5m2)          # not measured
     q, kv = sds((2048, 32, 128), jnp.bfloat16), sds((2, 64, 8, 16, 128), jnp.bfloat16)
     assert _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv, "pallas", False)   # measured: bf16 D128
     assert _use_mosaic("decode", sds((8, 32, 128), jnp.bfloat16), kv.update(dtype=jnp.float8_e4m3fn),
