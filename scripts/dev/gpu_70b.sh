@@ -47,6 +47,9 @@ traced() {  # kernel table (NCCL all-reduces included): a traced pass of the in-
     summary "$run-traced"
   fi
 }
+# TRACE_RUNS=1: no separate traced pass; each timed run is the in-process engine's with --profile-busy over
+# PROFILE_WINDOW (the A/B and both kernel tables in one call, each run traced alike).
+[ "${TRACE_RUNS:-0}" = 1 ] && PROFILE=0
 # PROFILE_FIRST=1: the traced pass first (its compiles fill the persistent cache the same configuration's timed
 # run then loads from), limited to PROFILE_FIRST_S seconds (default 240); else after the A/B runs
 [ "${PROFILE_FIRST:-0}" = 1 ] && traced "${PROFILE_FIRST_S:-240}"
@@ -55,7 +58,12 @@ for run in $RUNS; do
   if [ $left -lt 90 ]; then echo "== $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   echo "== Llama-3.1-70B dummy, tp=$TP, 1000 requests, LLM defaults, $run: $(flags $run) XLA_FLAGS=${XLA_FLAGS:-}" \
     "($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
-  timeout $left $B --num-prompts 1000 --nvml-busy $(flags $run) > "$OUT/70b-$run.log" 2>&1
+  if [ "${TRACE_RUNS:-0}" = 1 ]; then  # the timed runs themselves traced for a window (in-process engine, both alike)
+    JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --num-prompts 1000 --nvml-busy --profile-busy \
+      --profile-window "${PROFILE_WINDOW:-10:3}" $(flags $run) > "$OUT/70b-$run.log" 2>&1
+  else
+    timeout $left $B --num-prompts 1000 --nvml-busy $(flags $run) > "$OUT/70b-$run.log" 2>&1
+  fi
   echo "exit $?" >> "$OUT/70b-$run.log"
   summary "$run"
 done
