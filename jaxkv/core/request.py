@@ -157,9 +157,11 @@ class Request:
             sampling_params.structured_outputs is not None)
         self.penalty_slot: int | None = None  # penalties: its row of the runner's device counts while it runs
         # structured outputs: the request's matcher (jaxkv.core.structured_output.Grammar), its bitmask width;
-        # its rows run one step per pass (the mask of each token comes from the host)
+        # its rows run one step per pass (the mask of each token comes from the host), unless grammar_in_step:
+        # its masks come from a callback inside each step (ModelRunner.use_step_masks) and it runs like any row
         self.grammar = None
         self.grammar_words = 0
+        self.grammar_in_step = False
         # any sampling option beyond temperature / top-k / top-p / min_tokens: the runner's fast path skips
         # every per-feature check for a batch without one
         sp = sampling_params
@@ -171,6 +173,12 @@ class Request:
         self.queue_time_sent = False
         self.grammar_future = None  # its compiled grammar (concurrent.futures.Future), shared by its n completions
         self._token_buffer = None  # all_token_ids as int32, grown on demand (penalties' history)
+
+    @property
+    def host_grammar(self) -> bool:
+        """A structured output whose masks the host fills per dispatch: one token per pass, scheduled only
+        with its last token known."""
+        return self.grammar is not None and not self.grammar_in_step
 
     @property
     def num_tokens(self) -> int:

@@ -351,14 +351,14 @@ class Scheduler:
         # a structured output's mask comes from the host for each token: one whose last token is in flight sits
         # the loop out, one whose token is back decodes once in it (its mask for that step); the others loop
         live = [r for r in self.running if r.remaining_tokens > 0
-                and not (r.grammar is not None and r.num_output_placeholders)]
+                and not (r.host_grammar and r.num_output_placeholders)]
         if not live or any(r.num_tokens_with_placeholders - r.num_computed_tokens != 1 for r in live):
             return None
         if any(r.needs_known_history and r.num_output_placeholders for r in live):
             return None  # such a request waits for its token: a mixed step runs the others
-        if all(r.grammar is not None for r in live):
+        if all(r.host_grammar for r in live):
             return None  # only structured outputs: one mixed step, no idle loop iterations
-        remaining = [1 if r.grammar is not None else r.remaining_tokens for r in live]
+        remaining = [1 if r.host_grammar else r.remaining_tokens for r in live]
         if not self.waiting and not self.loading:
             k, delayed = min(cfg.num_scheduler_steps, max(remaining)), 0
         else:

@@ -233,6 +233,9 @@ class LLMEngine:
             tokenizer (``None``: requests with ``structured_outputs`` are refused).
         scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's ``--scheduling-policy``: requests'
             ``priority`` orders admission and preemption; :class:`jaxkv.core.scheduler.SchedulerConfig`).
+        structured_outputs_in_step: a constrained request's masks are computed inside each step (a host callback
+            per step: :meth:`jaxkv.worker.model_runner.ModelRunner.use_step_masks`), so it decodes in device
+            loops like any request instead of one token per pass (one device only; no vLLM counterpart).
 
     Raises:
         ValueError: non-positive sizes, caches that disagree with ``block_size``, ``max_num_seqs >
@@ -249,7 +252,7 @@ class LLMEngine:
                  check_kernel_inputs: bool = False, kv_cache_groups=None, mesh=None,
                  kv_offloading_size: float | None = None, preemption_mode: str = "recompute",
                  vocab_size: int | None = None, max_logprobs: int = 20, structured_outputs=None,
-                 scheduling_policy: str = "fcfs"):
+                 scheduling_policy: str = "fcfs", structured_outputs_in_step: bool = False):
         self.config = SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
                                       max_model_len=max_model_len,
                                       long_prefill_token_threshold=long_prefill_token_threshold,
@@ -276,6 +279,8 @@ class LLMEngine:
         self.vocab_size = vocab_size
         self.max_logprobs = max_logprobs
         self.structured_outputs = structured_outputs
+        if structured_outputs is not None and structured_outputs_in_step:
+            self.runner.use_step_masks(structured_outputs.bitmask_words)
         self._fsm_waiting: list[Request] = []  # requests whose grammar is compiling (vLLM WAITING_FOR_FSM)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -544,6 +549,9 @@ class LLMEngine:
         try:
             req.grammar = self.structured_outputs.grammar(future.result())
             req.grammar_words = self.structured_outputs.bitmask_words
+            if self.runner.step_masks is not None:  # its masks come from inside the steps: no host history needed
+                req.grammar_in_step = True
+                req.needs_known_history = any(len(seq) > 1 for seq in (req.sampling_params.bad_words_token_ids or ()))
         except Exception as e:  # noqa: BLE001 - validated at add_request: a library failure
             log.error("request %s: its grammar did not compile: %s", req.request_id, e)
             self.abort_request(req.request_id)
@@ -780,8 +788,11 @@ class LLMEngine:
             if logprobs is not None and got and req.logprobs is not None:  # views of the step's rows
                 k = 1 + req.sampling_params.logprobs
                 req.logprobs.add(lp_ids[r, :got, :k], lp_vals[r, :got, :k], lp_ranks[r, :got])
-            if got and req.grammar is not None:
+            if got and req.host_grammar:
                 constrained.append((req, req.new_token_ids))
+            elif req.grammar_in_step and req.grammar.error and not req.is_finished:
+                log.error("request %s: a token outside its grammar (%s): aborted", req.request_id, req.grammar.error)
+                self.abort_request(req.request_id)
         if constrained:
             for (req, toks), ok in zip(constrained, accept_tokens((req.grammar, toks) for req, toks in constrained)):
                 if not ok:

@@ -194,13 +194,16 @@ class ExecutableCache:
                 compilation_cache.reset_cache()
 
     def store(self, key: str, compiled: jax.stages.Compiled) -> None:
-        """Write ``compiled`` under ``key`` (atomically; a program that cannot be serialized is skipped)."""
+        """Write ``compiled`` under ``key`` (atomically; a program that cannot be serialized is skipped: one with
+        a host callback, such as the steps computing structured-output masks inside them, quietly)."""
         from jax.experimental.serialize_executable import serialize
 
         try:
             payload = pickle.dumps(serialize(compiled))
         except Exception as e:
-            log.warning("executable cache: program not stored (%s: %s)", type(e).__name__, e)
+            callback = "python_callback" in str(e)
+            (log.debug if callback else log.warning)("executable cache: program not stored (%s: %s)",
+                                                     type(e).__name__, e)
             return
         self.directory.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=self.directory, suffix=".tmp")

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
-from jax.experimental import checkify
+from jax.experimental import checkify, io_callback
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
@@ -248,12 +248,18 @@ class StepResult:
     prompt_logprobs: dict | None = None
 
 
-def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: dict, features):
+def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: dict, features, step_masks=None):
     """Structured outputs: ``extras["bitmask"]`` ``int32[num_rows, words]`` (each of ``rows`` filled by its
     grammar for its next token, every other row all ones) and ``features.bitmask``; ``features`` unchanged when
-    ``rows`` is empty."""
+    ``rows`` is empty. With ``step_masks`` (a :class:`~jaxkv.core.structured_output.StepMasks`) the rows are
+    registered with it instead and the step computes its masks by callback (``extras["grammar_id"]``
+    ``int32[1]``, ``features.bitmask_in_step``)."""
     if not rows:
         return features
+    if step_masks is not None:
+        extras["grammar_id"] = np.array([step_masks.register(
+            (r, reqs[r].grammar, reqs[r].num_prompt_tokens) for r in rows)], np.int32)
+        return dataclasses.replace(features, bitmask=True, bitmask_in_step=True)
     bitmask = np.full((num_rows, reqs[rows[0]].grammar_words), -1, np.int32)
     fill_bitmasks([(reqs[r].grammar, r) for r in rows], bitmask)
     extras["bitmask"] = bitmask
@@ -349,6 +355,29 @@ class ModelRunner:
         self._checked = check_kernel_inputs
         # (kind, packed shapes, static arguments) -> the executable warmup() compiled or loaded for it
         self.executables: dict[tuple, jax.stages.Compiled] = {}
+        # structured outputs' masks computed inside the steps (use_step_masks); None: filled on the host per step
+        self.step_masks = None
+
+    def use_step_masks(self, words: int) -> None:
+        """Constrained rows get their masks inside each step (an ordered host callback per step of a decode loop
+        and per mixed step: :class:`~jaxkv.core.structured_output.StepMasks`) instead of one host-filled mask
+        per dispatch; ``words`` is the bitmask's ``ceil(vocab / 32)``. Call before :meth:`warmup`.
+
+        Raises:
+            ValueError: on a mesh of several devices (a host callback per step of a partitioned program is not
+                supported: such engines keep host-filled masks).
+        """
+        from jaxkv.core.structured_output import StepMasks
+        if self._replicated is not None and len(self._replicated.mesh.devices.flat) > 1:
+            raise ValueError(f"structured-output masks inside the step need one device, not a mesh "
+                             f"{dict(self._replicated.mesh.shape)}")
+        self.step_masks = StepMasks(words)
+
+    def _step_mask(self, grammar_id, tokens, positions):
+        """``int32[R, words]`` from the host (:class:`~jaxkv.core.structured_output.StepMasks`) for a step fed
+        ``tokens`` at ``positions`` (``int32[R]``, ``-1``: the row does not run)."""
+        return io_callback(self.step_masks, jax.ShapeDtypeStruct((tokens.shape[0], self.step_masks.words), jnp.int32),
+                           grammar_id, tokens, positions, ordered=True)
 
     # -- weights and memory (RL: a trainer between generations) ----------------------------------------------
     def get_params(self):
@@ -527,6 +556,9 @@ class ModelRunner:
             counts, prompt_mask = self._slot_state(aux, extras)
         if features.bad_words:
             tail = extras["bad_tail"]
+        if features.bitmask_in_step:
+            rows = inputs["logits_indices"]
+            extras = dict(extras, bitmask=self._step_mask(extras["grammar_id"], input_ids[rows], positions[rows]))
         tokens, logprobs = self._sample(logits, sampling, extras, features, counts=counts, prompt_mask=prompt_mask,
                                         tail=tail)
         if features.penalties:
@@ -565,7 +597,10 @@ class ModelRunner:
             fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
             _check_fed_tokens(toks, fed)
             logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed), rows)
-            new, logprobs = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), extras, features,
+            step_extras = extras
+            if features.bitmask_in_step:  # this step's masks from the host, its fed tokens advancing the matchers
+                step_extras = dict(extras, bitmask=self._step_mask(extras["grammar_id"], toks, fed))
+            new, logprobs = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), step_extras, features,
                                          counts=counts if features.penalties else None,
                                          prompt_mask=prompt_mask if features.penalties else None, tail=tail)
             new = jnp.where(active, new, -1)
@@ -821,7 +856,8 @@ class ModelRunner:
             extras["counted"] = np.zeros(num_rows, np.int32)
             extras["counted"][:n] = sched.samples
         features = _with_grammar_bitmask(
-            reqs, [r for r in special if reqs[r].grammar is not None and sched.samples[r]], num_rows, extras, features)
+            reqs, [r for r in special if reqs[r].grammar is not None and sched.samples[r]], num_rows, extras, features,
+            self.step_masks)
         return inputs, sampling, extras, features, plp_k
 
     def _run_mixed(self, inputs: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
@@ -928,7 +964,10 @@ class ModelRunner:
 
         def sampling(rows):
             sampling, extras, features = self._sampling_arrays([], rows, top_k_top_p=top_k_top_p)
-            if bitmask_words:
+            if bitmask_words and self.step_masks is not None:  # an id no dispatch has: all-ones masks
+                extras["grammar_id"] = np.full(1, -1, np.int32)
+                features = dataclasses.replace(features, bitmask=True, bitmask_in_step=True)
+            elif bitmask_words:
                 extras["bitmask"] = np.full((rows, bitmask_words), -1, np.int32)
                 features = dataclasses.replace(features, bitmask=True)
             return sampling, extras, features
@@ -982,7 +1021,8 @@ class ModelRunner:
         arrays = dict(tokens=tokens, src_rows=src, positions=positions, steps=steps,
                       block_tables=self._block_table(reqs, num_rows))
         sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
-        # a structured output runs one step of the loop (the scheduler's rule): its mask for it, all ones elsewhere
+        # a structured output runs one step of the loop (the scheduler's rule) with its mask from the host, all
+        # ones elsewhere; with step masks it runs its steps like any row, each step's mask from a callback
         features = _with_grammar_bitmask(reqs, [r for r, req in enumerate(reqs) if req.grammar is not None],
-                                         num_rows, extras, features)
+                                         num_rows, extras, features, self.step_masks)
         return arrays, sampling, extras, features

@@ -100,6 +100,9 @@ class SamplerFeatures:
         bad_words: ``extras["bad_ids"]`` ``int32[R, W]``: tokens the row may not sample now (``-1`` padded).
         bitmask: structured outputs: ``extras["bitmask"]`` ``int32[R, ceil(vocab / 32)]``, bit ``t % 32`` of word
             ``t // 32`` set where token ``t`` is allowed (all ones for an unconstrained row).
+        bitmask_in_step: the model runner computes ``extras["bitmask"]`` inside the step (a host callback per
+            step, :meth:`jaxkv.worker.model_runner.ModelRunner.use_step_masks`) from ``extras["grammar_id"]``;
+            the sampler itself reads only ``bitmask``.
         num_logprobs: ``-1``: no row wants logprobs; else the top this many are returned per row (with the
             sampled token's logprob and rank).
     """
@@ -111,6 +114,7 @@ class SamplerFeatures:
     allowed: bool = False
     bad_words: bool = False
     bitmask: bool = False
+    bitmask_in_step: bool = False
     num_logprobs: int = -1
 
 

@@ -97,6 +97,9 @@ class EngineArgs:
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
         structured_outputs_disable_any_whitespace: JSON grammars allow no whitespace beyond the compact form
             (vLLM ``--structured-outputs-config.disable_any_whitespace``).
+        structured_outputs_in_step: a constrained request's masks come from a host callback inside each step, so
+            it decodes in device loops like any request (one device: ignored with ``tensor_parallel_size > 1``,
+            which keeps one host-filled mask and one token per pass). No vLLM counterpart.
     """
 
     model: str = "smollm2-135m"
@@ -129,6 +132,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     structured_outputs_disable_any_whitespace: bool = False
+    structured_outputs_in_step: bool = False
 
     def __post_init__(self):
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("scheduling_policy", SCHEDULING_POLICIES),
@@ -234,6 +238,10 @@ class EngineArgs:
         add("--max-logprobs", type=int, help="most logprobs / prompt_logprobs a request may ask for")
         add("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
             help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
+        add("--structured-outputs-in-step", action=argparse.BooleanOptionalAction,
+            help="a constrained request's masks come from a host callback inside each step, so it decodes in "
+            "device loops like any request (one device only) (default: "
+            f"{d['structured_outputs_in_step']})")
         add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
             "again; swap: its blocks go to the host tier and back (needs --kv-offloading-size)")
         add("--scheduling-policy", choices=SCHEDULING_POLICIES, help="fcfs: arrival order; priority: by each "
@@ -424,7 +432,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         scheduling_policy=args.scheduling_policy,
         vocab_size=config.vocab_size, max_logprobs=args.max_logprobs,
         structured_outputs=structured_output_manager(tokenizer, config.vocab_size,
-                                                     any_whitespace=not args.structured_outputs_disable_any_whitespace))
+                                                     any_whitespace=not args.structured_outputs_disable_any_whitespace),
+        structured_outputs_in_step=args.structured_outputs_in_step and mesh is None)
     t_built = time.perf_counter()
     warmup_s = 0.0
     executable_cache = None

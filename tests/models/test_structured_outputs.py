@@ -194,3 +194,34 @@ def test_a_token_outside_the_grammar_aborts_only_its_request(llm, monkeypatch, c
     assert outs[0].outputs[0].finish_reason == "abort", outs[0].outputs[0]
     assert "outside its grammar" in caplog.text and outs[0].request_id in caplog.text
     assert len(outs[1].outputs[0].token_ids) == 6 and outs[1].outputs[0].finish_reason == "length"
+
+
+def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
+    """``structured_outputs_in_step``: each step's masks come from a host callback inside the step, the matchers
+    advancing over the tokens the step was fed. Against the host-filled masks (one per pass, one token per pass
+    for a constrained request: the engine of ``llm``), the same requests give the same tokens, while the
+    constrained requests decode in device loops (fewer passes than tokens) and the JSON still validates."""
+    hfc.write_checkpoint(tmp_path, "LlamaForCausalLM", seed=5)
+    in_step = models.LLM(tmp_path, dtype="float32", attention_impl="reference", max_model_len=128,
+                         num_gpu_blocks=512, block_size=8, max_num_seqs=24, max_num_batched_tokens=128,
+                         num_scheduler_steps=4, async_scheduling=True, enable_multiprocessing=False,
+                         structured_outputs_disable_any_whitespace=True, structured_outputs_in_step=True)
+    sps = [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(6)]
+    sps += [SamplingParams(max_tokens=30, temperature=1.0, seed=7,
+                           structured_outputs=StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,4}")),
+            SamplingParams(max_tokens=20, temperature=1.0, seed=8,
+                           structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe so"])),
+            SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)]
+    prompts = [f"Animal {i}:" for i in range(6)] + ["Code:", "Answer:", "Hello world"]
+    want = llm.generate(prompts, sps, use_tqdm=False)
+    engine = in_step.engine
+    before = engine.stats.steps
+    got = in_step.generate(prompts, sps, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+    for o in got[:6]:
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", got[6].outputs[0].text)
+    passes = engine.stats.steps - before
+    assert engine.runner.step_masks.num_calls > 0
+    assert passes < max(len(o.outputs[0].token_ids) for o in got[:6])  # constrained rows took tokens in loops
