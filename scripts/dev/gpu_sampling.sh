@@ -10,7 +10,8 @@
 #     16-CPU machine) through the openai client: rate inf with 8 client processes after 500 short warm-up
 #     requests (CPU per process role by scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
 #     processes and response_format json_schema on half of the requests.
-#     SERVE_FLAGS: more `jaxkv serve` flags for every server of the stage (e.g. --api-server-count 4).
+#     SERVE_FLAGS: more `jaxkv serve` flags for every server of the stage (e.g. --api-server-count 4);
+#     JSON_AB_FLAGS (set, even empty): a fourth server with these flags instead runs the json_schema half again.
 #   STAGE=n8-8b: Llama-3.1-8B shapes (dummy weights, .dummy/requests-llama3.json): 1000 distinct prompts, then n=8
 #     over the first 125 (1000 sequences sharing their prompt's blocks); output tok/s of each.
 # Usage (device tool, repository root): STAGE=sampling bash scripts/dev/gpu_sampling.sh
@@ -134,5 +135,31 @@ PY
     --warmup-requests 500 --warmup-max-tokens 32 --result-json "$OUT/serve-inf-c.json" 2>&1 | quiet | tail -14 \
     | tee -a "$OUT/server.txt"
   stop
+  if [ -n "${JSON_AB_FLAGS+x}" ]; then  # the json_schema half again on a server with other flags (the A/B)
+    SERVE_FLAGS="$JSON_AB_FLAGS" start 4
+    echo "=== a fresh server with '$JSON_AB_FLAGS' instead, json_schema on half (the same warm-up)" | tee -a "$OUT/server.txt"
+    timeout 200 $C --requests /tmp/req-bc.json --request-rate inf --client-processes 8 --json-schema-fraction 0.5 \
+      --warmup-requests 500 --warmup-max-tokens 32 --result-json "$OUT/serve-inf-json-ab.json" 2>&1 | quiet \
+      | tail -14 | tee -a "$OUT/server.txt"
+    stop
+  fi
+  python3 - "$OUT" <<'PY' | tee -a "$OUT/server.txt"
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+def tps(name):
+    f = out / name
+    if not f.exists():
+        return None
+    r = json.loads(f.read_text())
+    r = r["runs"][-1] if "runs" in r else r
+    return r.get("output_throughput") or r.get("output_tokens_per_s")
+off = json.loads((out / "offline.json").read_text())["results"][0]["output_tokens_per_s"]
+rows = {k: tps(f"serve-{k}.json") for k in ("inf", "09x", "inf-json", "inf-c", "inf-json-ab")}
+print(f"offline {off:.1f} out tok/s")
+for k, v in rows.items():
+    if v:
+        print(f"{k:12s} {v:10.1f} out tok/s  {v / off:.3f}x offline" + (
+            f"  {v / rows['inf-c']:.3f}x unconstrained" if "json" in k and rows.get("inf-c") else ""))
+PY
   tail -12 "$OUT/server-1.log" > "$OUT/server-log-tail.txt"
 fi
