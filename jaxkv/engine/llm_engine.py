@@ -22,6 +22,7 @@ import concurrent.futures
 import dataclasses
 import logging
 import os
+import sys
 import time
 from typing import Iterable
 
@@ -281,6 +282,10 @@ class LLMEngine:
         self.structured_outputs = structured_outputs
         if structured_outputs is not None and structured_outputs_in_step:
             self.runner.use_step_masks(structured_outputs.bitmask_words)
+            # a step's callback needs the GIL while this thread may be preparing the next step in Python: a
+            # waiting thread gets the GIL after at most the switch interval (5 ms by default, more than a
+            # SmolLM2 step), so it is shortened for the process
+            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._fsm_waiting: list[Request] = []  # requests whose grammar is compiling (vLLM WAITING_FOR_FSM)
         self.block_size = block_size
         self.max_model_len = max_model_len
