@@ -99,6 +99,13 @@ def load_requests(args: argparse.Namespace, tokenizer, num: int) -> list[SampleR
             for ids, n in pairs]
 
 
+def as_text(requests: list[SampleRequest], tokenizer) -> list[SampleRequest]:
+    """``requests`` with each prompt decoded to text (special tokens kept), as vLLM's benchmark sends them;
+    ``prompt_len`` stays the sampled ids' count (the server's own count is checked per run)."""
+    return [dataclasses.replace(r, prompt=tokenizer.decode(r.prompt, skip_special_tokens=False))
+            if not isinstance(r.prompt, str) else r for r in requests]
+
+
 def arrival_intervals(n: int, rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Seconds to wait after each request before the next: gamma(shape=burstiness, mean=1/rate);
     burstiness 1 is a Poisson process; ``rate=inf`` sends everything at once."""
@@ -118,6 +125,7 @@ class RequestResult:
     latency: float = 0.0  # seconds to the last text chunk
     itl: list[float] = dataclasses.field(default_factory=list)  # seconds between chunks
     text: str = ""
+    server_prompt_len: int = -1  # the server's usage.prompt_tokens (-1: not reported)
     error: str = ""
     started_at: float = 0.0  # wall-clock (time.time) when sent, and when its stream ended
     finished_at: float = 0.0
@@ -137,6 +145,7 @@ async def send_request_openai(client, model: str, req: SampleRequest, *, ignore_
         async for chunk in stream:
             if chunk.usage is not None:
                 result.output_len = chunk.usage.completion_tokens
+                result.server_prompt_len = chunk.usage.prompt_tokens
             if chunk.choices and chunk.choices[0].text:
                 now = time.perf_counter()
                 if not pieces:
@@ -183,6 +192,7 @@ async def send_request(session, url: str, model: str, req: SampleRequest, *, ign
                     return result
                 if obj.get("usage"):
                     result.output_len = obj["usage"]["completion_tokens"]
+                    result.server_prompt_len = obj["usage"]["prompt_tokens"]
                 if obj.get("choices") and obj["choices"][0].get("text"):
                     now = time.perf_counter()
                     if not pieces:
@@ -217,9 +227,12 @@ def compute_metrics(results: Sequence[RequestResult], duration: float) -> dict:
     total_out = sum(r.output_len for r in ok)
     total_in = sum(r.prompt_len for r in ok)
     tpot = [(r.latency - r.ttft) / (r.output_len - 1) for r in ok if r.output_len > 1]
+    reported = [r for r in ok if r.server_prompt_len >= 0]
     return {
         "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
         "total_input_tokens": total_in, "total_output_tokens": total_out,
+        # text prompts are tokenized by the server: how many came out another length than the sampled ids
+        "prompt_len_mismatches": sum(r.server_prompt_len != r.prompt_len for r in reported),
         "request_throughput": len(ok) / duration, "output_throughput": total_out / duration,
         "total_token_throughput": (total_in + total_out) / duration,
         "ttft_ms": _ms_stats([r.ttft for r in ok]), "tpot_ms": _ms_stats(tpot),
@@ -401,6 +414,7 @@ def print_run(m: dict) -> None:
     rows = [("Successful requests", m["completed"]), ("Failed requests", m["failed"]),
             ("Benchmark duration (s)", f"{m['duration_s']:.2f}"),
             ("Total input tokens", m["total_input_tokens"]), ("Total generated tokens", m["total_output_tokens"]),
+            ("Prompts of another length at the server", m.get("prompt_len_mismatches", 0)),
             ("Request throughput (req/s)", f"{m['request_throughput']:.2f}"),
             ("Output token throughput (tok/s)", f"{m['output_throughput']:.1f}"),
             ("Total token throughput (tok/s)", f"{m['total_token_throughput']:.1f}")]
@@ -486,6 +500,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=3 * 3600)
     p.add_argument("--result-json", default=None, help="write every run's metrics here")
     p.add_argument("--markdown", action="store_true", help="summary as a Markdown table")
+    p.add_argument("--prompt-format", choices=("text", "ids"), default="text",
+                   help="text (default, as vLLM's benchmark and users send prompts): the sampled token ids decoded, "
+                        "the server tokenizes them (each run reports how many came out another length); ids: the "
+                        "token ids themselves (the openai client's request transform walks every id: ~15 ms a "
+                        "request of ~250 ids on a 2-core CPU, so 125 requests of a client process take seconds to "
+                        "leave)")
     p.add_argument("--client", choices=("openai", "aiohttp"), default="openai",
                    help="the official openai client (default) or raw aiohttp")
     p.add_argument("--client-processes", type=int, default=4,
@@ -531,10 +551,13 @@ def main(argv=None) -> int:
     from models.gguf_loader import find_smollm2_gguf
     from models.tokenizer import GGUFTokenizer
     try:
-        tokenizer = None if args.requests else GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf())
+        tokenizer = (None if args.requests and args.prompt_format == "ids"
+                     else GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf()))
         per_run = args.num_prompts
         runs = 1 if args.same_prompts else len(args.rates)
         pool = load_requests(args, tokenizer, per_run * runs + args.warmup_requests)
+        if args.prompt_format == "text":
+            pool = as_text(pool, tokenizer)
         if args.json_schema_fraction:  # the warm-up requests too: their programs compile before timing
             pool = mark_structured(pool, args.json_schema_fraction)
             print(f"{sum(r.extra is not None for r in pool)} requests (warm-up included) with "

@@ -313,6 +313,7 @@ def test_bench_serving_measures_a_run(server):
                                      "--num-prompts", "6"])
     assert args.rates == [200.0, math.inf]
     reqs = [bench_serving.SampleRequest(prompt=f"p{i}", prompt_len=2, output_len=4 + i) for i in range(6)]
+    reqs[0] = bench_serving.SampleRequest(prompt="p0", prompt_len=3, output_len=4)  # the server counts 2
     runs = [asyncio.run(bench_serving.run_rate(args, reqs, rate, seed=0)) for rate in args.rates]
     # the official openai client, the requests split over 2 client processes
     args.client_processes = 2
@@ -320,9 +321,12 @@ def test_bench_serving_measures_a_run(server):
     assert runs[-1]["client_processes"] == 2
     for m in runs:
         assert m["completed"] == 6 and m["failed"] == 0
-        assert m["total_output_tokens"] == sum(4 + i for i in range(6)) and m["total_input_tokens"] == 12
+        assert m["total_output_tokens"] == sum(4 + i for i in range(6)) and m["total_input_tokens"] == 13
         assert 0 < m["ttft_ms"]["median"] <= m["e2el_ms"]["p99"] and m["tpot_ms"]["mean"] > 0
         assert m["server"]["num_generation_tokens_total"] == m["total_output_tokens"]
+        # the server's usage.prompt_tokens against each request's prompt_len (its fake tokenizer: 1 token per
+        # character of "p<i>")
+        assert m["prompt_len_mismatches"] == 1
     table = bench_serving.summary_table(runs, markdown=True)
     assert "| 200 | 6/6 |" in table and table.count("| inf | 6/6 |") == 2
     assert bench_serving.parse_rates("inf, 0.5x,2") == [math.inf, "0.5x", 2.0]
