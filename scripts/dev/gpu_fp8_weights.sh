@@ -44,7 +44,8 @@ if [ $stage = all ] || [ $stage = e2e ]; then
   B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
   # E2E_RUNS: which runs, in order (fp8 = fp8 weights, fp8kv = fp8 weights + fp8 KV cache, none = bf16);
   # E2E_XLA_FLAGS: XLA_FLAGS for every run (an A/B of the flags is two calls); E2E_PROFILE=1: --profile-busy
-  # (a second pass, traced, of the in-process engine: the kernel table). GPU memory in use is sampled every 2 s (mem-RUN.csv).
+  # (a second pass, traced, of the in-process engine: the kernel table); E2E_TRACE_RUNS=1 instead traces a window
+  # of each timed run (below). GPU memory in use is sampled every 2 s (mem-RUN.csv).
   for q in ${E2E_RUNS:-fp8 none}; do
     left=$(( 590 - SECONDS ))
     if [ $left -lt 60 ]; then echo "== (c) $q: skipped, ${left} s left" | tee -a $OUT/e2e.txt; continue; fi
@@ -53,8 +54,13 @@ if [ $stage = all ] || [ $stage = e2e ]; then
       "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
     nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -lms 2000 > $OUT/mem-$q.csv &
     SMI=$!
-    XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
-      --num-prompts 1000 --backend jaxkv --nvml-busy $flag > $OUT/e2e-$q.log 2>&1
+    trace=""
+    # E2E_TRACE_RUNS=1: the timed run itself is the in-process engine's, traced over E2E_WINDOW (START:SECONDS) for
+    # its kernel table (every run alike: the A/B and the tables in one pass each)
+    [ -n "${E2E_TRACE_RUNS:-}" ] && trace="--profile-busy --profile-window ${E2E_WINDOW:-8:4}"
+    JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} JAXKV_PROFILE_TOP=25 XLA_FLAGS="${E2E_XLA_FLAGS:-}" \
+      timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
+      --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag > $OUT/e2e-$q.log 2>&1
     echo "exit $?" >> $OUT/e2e-$q.log
     left=$(( 590 - SECONDS ))
     if [ -n "${E2E_PROFILE:-}" ] && [ $left -gt 90 ]; then  # the kernel table: a traced pass of the in-process engine
