@@ -11,7 +11,7 @@
 #   (c) e2e : jaxkv bench throughput, Llama-3.1-8B shape with dummy weights, 1000 requests of
 #             .dummy/requests-llama3.json (session 23's vLLM-rule set), --quantization fp8 first, then bf16 (the
 #             baseline, rerun on the same card), LLM defaults, --nvml-busy; with .dummy/llama3-tokenizer when carried.
-# Each stage has its own timeout; (c) takes what is left of ~590 s. Usage:
+# Each stage has its own timeout; (c) takes what is left of DEADLINE (default 590) s. Usage:
 #   bash scripts/dev/gpu_fp8_weights.sh [all|hlo|gemm|e2e]        (default all; expected ~8-9 min for all)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
@@ -47,7 +47,7 @@ if [ $stage = all ] || [ $stage = e2e ]; then
   # (a second pass, traced, of the in-process engine: the kernel table); E2E_TRACE_RUNS=1 instead traces a window
   # of each timed run (below). GPU memory in use is sampled every 2 s (mem-RUN.csv).
   for q in ${E2E_RUNS:-fp8 none}; do
-    left=$(( 590 - SECONDS ))
+    left=$(( ${DEADLINE:-590} - SECONDS ))
     if [ $left -lt 60 ]; then echo "== (c) $q: skipped, ${left} s left" | tee -a $OUT/e2e.txt; continue; fi
     case $q in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
     echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
@@ -62,7 +62,7 @@ if [ $stage = all ] || [ $stage = e2e ]; then
       timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
       --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag > $OUT/e2e-$q.log 2>&1
     echo "exit $?" >> $OUT/e2e-$q.log
-    left=$(( 590 - SECONDS ))
+    left=$(( ${DEADLINE:-590} - SECONDS ))
     if [ -n "${E2E_PROFILE:-}" ] && [ $left -gt 90 ]; then  # the kernel table: a traced pass of the in-process engine
       JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=25 XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B \
         --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json --num-prompts 1000 --backend jaxkv \
