@@ -500,9 +500,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--request-timeout", type=float, default=3 * 3600)
     p.add_argument("--result-json", default=None, help="write every run's metrics here")
     p.add_argument("--markdown", action="store_true", help="summary as a Markdown table")
-    p.add_argument("--prompt-format", choices=("text", "ids"), default="text",
-                   help="text (default, as vLLM's benchmark and users send prompts): the sampled token ids decoded, "
-                        "the server tokenizes them (each run reports how many came out another length); ids: the "
+    p.add_argument("--prompt-format", choices=("auto", "text", "ids"), default="auto",
+                   help="text (as vLLM's benchmark and users send prompts): the sampled token ids decoded with the "
+                        "--gguf tokenizer, the server tokenizes them (each run reports how many came out another "
+                        "length); auto (default): text where a tokenizer is found, else ids (said so); ids: the "
                         "token ids themselves (the openai client's request transform walks every id: ~15 ms a "
                         "request of ~250 ids on a 2-core CPU, so 125 requests of a client process take seconds to "
                         "leave)")
@@ -551,8 +552,15 @@ def main(argv=None) -> int:
     from models.gguf_loader import find_smollm2_gguf
     from models.tokenizer import GGUFTokenizer
     try:
-        tokenizer = (None if args.requests and args.prompt_format == "ids"
-                     else GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf()))
+        tokenizer = None
+        if not args.requests or args.prompt_format != "ids":
+            try:
+                tokenizer = GGUFTokenizer.from_gguf(args.gguf or find_smollm2_gguf())
+            except (ValueError, FileNotFoundError, OSError):
+                if not args.requests or args.prompt_format == "text" or args.gguf:
+                    raise
+                print("prompts go as token ids: no tokenizer to decode them (--gguf; --prompt-format auto)")
+        args.prompt_format = "text" if tokenizer is not None and args.prompt_format != "ids" else "ids"
         per_run = args.num_prompts
         runs = 1 if args.same_prompts else len(args.rates)
         pool = load_requests(args, tokenizer, per_run * runs + args.warmup_requests)

@@ -111,7 +111,7 @@ PY
     for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
   }
   stop() { kill -TERM $SERVER; wait $SERVER; }
-  C="python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000"
+  C="python3 scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000 --gguf $S"
   start 1
   echo "=== the offline requests at rate inf, 8 client processes (CPU by role), 500 warm-up requests first" \
     | tee -a "$OUT/server.txt"

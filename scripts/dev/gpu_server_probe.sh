@@ -51,7 +51,7 @@ start() {  # a fresh server: $1 = log name, then more serve flags
   for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
 }
 stop() { kill -TERM $SERVER; wait $SERVER; }
-C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000 \
+C_ARGS="scripts/bench_serving.py --base-url http://127.0.0.1:8000 --model smollm2 --num-prompts 1000 --gguf $S \
   --requests /tmp/req-wa.json --warmup-requests 500 --warmup-max-tokens 32 --request-rate inf --client-processes 8"
 
 # VARIANTS (default "default priority default2 priority2"): default (no placement), priority* (the server with
