@@ -642,6 +642,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--requests", default=None,
                    help="JSON of [prompt_token_ids, output_len] pairs saved by --save-requests (no dataset needed)")
     p.add_argument("--save-requests", default=None, help="write the sampled requests here")
+    p.add_argument("--sample-only", action="store_true",
+                   help="sample (and --save-requests) the requests, run nothing (as jaxkv bench serving's)")
     p.add_argument("--output-json", default=None)
     p.add_argument("--profile-busy", action="store_true",
                    help="measure the GPU's busy share of the jaxkv runs from a JAX profiler trace (XLA's CUPTI "
@@ -755,7 +757,10 @@ def run(args) -> int:
     if not requests:
         raise ValueError("no request passes the sampling rule")
     print(f"requests: {len(requests)}, prompt tokens {sum(len(r.prompt_token_ids) for r in requests)}, "
-          f"output tokens {sum(r.output_len for r in requests)} (seed {args.seed})")
+          f"output tokens {sum(r.output_len for r in requests)} (seed {args.seed})"
+          + (f" -> {args.save_requests}" if args.save_requests else ""))
+    if args.sample_only:
+        return 0
     batch_size = args.static_batch_size or engine.max_num_seqs
     if args.tokenizer:
         vocab = load_config(gguf).vocab_size
