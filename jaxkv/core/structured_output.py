@@ -154,18 +154,22 @@ def accept_tokens(rows: Iterable[tuple[Grammar, Sequence[int]]]) -> list[bool]:
 class StepMasks:
     """The host side of masks computed inside the device step (``LLMEngine(structured_outputs_in_step=True)``).
 
-    Each step of a decode loop (and each mixed step) that has constrained rows calls :meth:`__call__` through an
-    ordered ``jax.experimental.io_callback`` before it samples: with the tokens the step was fed and their
-    positions, each constrained row's matcher advances over its fed token when it is the next output token it
-    has not consumed (``position - num_prompt_tokens == grammar.num_consumed``), then its row of the bitmask is
-    filled (:func:`fill_bitmasks`). A constrained request then takes a token per step of a device loop instead
-    of one per host round trip, and its matcher advances only here, in device order, so steps can be
-    dispatched before the previous one's tokens are back. vLLM computes each step's masks on the host between
-    steps (its steps are single); this moves that work into the loop at the cost of one device-host round
-    trip per step (H100, bare: 0.36-0.53 ms a step at 8-256 rows, ``scripts/dev/probe_loop_callback.py``).
+    Each step of a decode loop (and each mixed step) that has constrained rows makes two ordered
+    ``jax.experimental.io_callback`` calls. :meth:`begin`, before the step's forward pass, takes the tokens the
+    step was fed and their positions and hands them to this object's worker thread, returning at once; there each
+    constrained row's matcher advances over its fed token when it is the next output token it has not consumed
+    (``position - num_prompt_tokens == grammar.num_consumed``) and its mask row is filled (:func:`fill_bitmasks`).
+    :meth:`finish`, after the forward pass, waits for that work and returns the masks the step samples through.
+    The host fills while the device computes the step; XLA:GPU runs a program's thunks on the dispatching thread
+    and each callback waits for the stream to reach it, so one callback doing all the work would add it to every
+    step (0.43x of the unconstrained server with json_schema on half the requests, H100, session 27).
+
+    A constrained request then takes a token per step of a device loop instead of one per host round trip, and its
+    matcher advances only on the worker, in device order, so steps can be dispatched before the previous one's
+    tokens are back. vLLM fills each step's masks on the host between single steps.
 
     Dispatches are told apart by an id (:meth:`register`); ids the host does not know (the warm-up's dummy
-    batches) get all-ones masks. Thread-safe: the callbacks run on the runtime's threads.
+    batches) get all-ones masks.
 
     Args:
         words: the bitmask's ``ceil(vocab / 32)``.
@@ -178,8 +182,13 @@ class StepMasks:
         self._rows: dict[int, list[tuple[int, Grammar, int]]] = {}
         self._next_id = 0
         self._lock = threading.Lock()
+        # one worker: the matchers advance in the order the device fed their tokens
+        self._worker = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="jaxkv-step-masks")
+        self._pending: dict[int, concurrent.futures.Future] = {}
+        self._next_ticket = 0
         self.num_calls = 0
-        self.seconds = 0.0
+        self.seconds = 0.0   # worker seconds advancing and filling
+        self.wait_s = 0.0    # seconds finish() waited for the worker (the fill the forward pass did not hide)
 
     def register(self, rows: Iterable[tuple[int, Grammar, int]]) -> int:
         """A dispatch's constrained rows, ``(row, grammar, num_prompt_tokens)`` each; returns its id (an
@@ -191,22 +200,42 @@ class StepMasks:
                 del self._rows[next(iter(self._rows))]
             return self._next_id
 
-    def __call__(self, dispatch_id, tokens, positions) -> np.ndarray:
-        """``int32[R, words]``: the masks of a step whose rows were fed ``tokens`` at ``positions`` (``int32[R]``,
-        position ``-1``: the row does not run this step)."""
-        import time
-        t0 = time.perf_counter()
-        tokens = np.asarray(tokens)
-        positions = np.asarray(positions)
-        mask = np.full((tokens.shape[0], self.words), -1, np.int32)
+    def begin(self, dispatch_id, tokens, positions) -> np.ndarray:
+        """Start the masks of a step whose rows were fed ``tokens`` at ``positions`` (``int32[R]``, position
+        ``-1``: the row does not run this step); returns the ticket :meth:`finish` takes (``int32[]``)."""
+        tokens = np.array(tokens, copy=True)
+        positions = np.array(positions, copy=True)
         with self._lock:
             rows = self._rows.get(int(np.asarray(dispatch_id).reshape(-1)[0]), ())
-            # one callback at a time: a matcher advances over its tokens in device order
-            live = [(g, r) for r, g, prompt_len in rows if positions[r] >= 0 and self._advance(
-                g, int(positions[r]) - prompt_len, int(tokens[r]))]
-            fill_bitmasks(live, mask)
-            self.num_calls += 1
-            self.seconds += time.perf_counter() - t0
+            self._next_ticket = (self._next_ticket + 1) % (1 << 30)
+            ticket = self._next_ticket
+            self._pending[ticket] = self._worker.submit(self._masks, rows, tokens, positions)
+        return np.int32(ticket)
+
+    def finish(self, ticket, *after) -> np.ndarray:
+        """``int32[R, words]``: the masks :meth:`begin` started (``after``: values of the step's forward pass,
+        unused, which keep XLA from calling this before it)."""
+        import time
+        t0 = time.perf_counter()
+        with self._lock:
+            future = self._pending.pop(int(np.asarray(ticket)))
+        mask = future.result()
+        self.wait_s += time.perf_counter() - t0
+        return mask
+
+    def __call__(self, dispatch_id, tokens, positions) -> np.ndarray:
+        """:meth:`begin` and :meth:`finish` at once."""
+        return self.finish(self.begin(dispatch_id, tokens, positions))
+
+    def _masks(self, rows, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        import time
+        t0 = time.perf_counter()
+        mask = np.full((tokens.shape[0], self.words), -1, np.int32)
+        live = [(g, r) for r, g, prompt_len in rows if positions[r] >= 0 and self._advance(
+            g, int(positions[r]) - prompt_len, int(tokens[r]))]
+        fill_bitmasks(live, mask)
+        self.num_calls += 1
+        self.seconds += time.perf_counter() - t0
         return mask
 
     @staticmethod

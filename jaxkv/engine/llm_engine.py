@@ -234,7 +234,7 @@ class LLMEngine:
             tokenizer (``None``: requests with ``structured_outputs`` are refused).
         scheduling_policy: ``"fcfs"`` (default) or ``"priority"`` (vLLM's ``--scheduling-policy``: requests'
             ``priority`` orders admission and preemption; :class:`jaxkv.core.scheduler.SchedulerConfig`).
-        structured_outputs_in_step: a constrained request's masks are computed inside each step (a host callback
+        structured_outputs_in_step: a constrained request's masks are computed inside each step (host callbacks
             per step: :meth:`jaxkv.worker.model_runner.ModelRunner.use_step_masks`), so it decodes in device
             loops like any request instead of one token per pass (one device only; no vLLM counterpart).
 
@@ -282,9 +282,9 @@ class LLMEngine:
         self.structured_outputs = structured_outputs
         if structured_outputs is not None and structured_outputs_in_step:
             self.runner.use_step_masks(structured_outputs.bitmask_words)
-            # a step's callback needs the GIL while this thread may be preparing the next step in Python: a
-            # waiting thread gets the GIL after at most the switch interval (5 ms by default, more than a
-            # SmolLM2 step), so it is shortened for the process
+            # a step's callbacks (and the mask worker) need the GIL while this thread may be preparing the next step
+            # in Python: a waiting thread gets the GIL after at most the switch interval (5 ms by default, more
+            # than a SmolLM2 step), so it is shortened for the process
             sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._fsm_waiting: list[Request] = []  # requests whose grammar is compiling (vLLM WAITING_FOR_FSM)
         self.block_size = block_size

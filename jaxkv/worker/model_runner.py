@@ -359,7 +359,7 @@ class ModelRunner:
         self.step_masks = None
 
     def use_step_masks(self, words: int) -> None:
-        """Constrained rows get their masks inside each step (an ordered host callback per step of a decode loop
+        """Constrained rows get their masks inside each step (two ordered host callbacks per step of a decode loop
         and per mixed step: :class:`~jaxkv.core.structured_output.StepMasks`) instead of one host-filled mask
         per dispatch; ``words`` is the bitmask's ``ceil(vocab / 32)``. Call before :meth:`warmup`.
 
@@ -373,11 +373,21 @@ class ModelRunner:
                              f"{dict(self._replicated.mesh.shape)}")
         self.step_masks = StepMasks(words)
 
-    def _step_mask(self, grammar_id, tokens, positions):
-        """``int32[R, words]`` from the host (:class:`~jaxkv.core.structured_output.StepMasks`) for a step fed
-        ``tokens`` at ``positions`` (``int32[R]``, ``-1``: the row does not run)."""
-        return io_callback(self.step_masks, jax.ShapeDtypeStruct((tokens.shape[0], self.step_masks.words), jnp.int32),
-                           grammar_id, tokens, positions, ordered=True)
+    def _begin_step_mask(self, grammar_id, tokens, positions, *inputs):
+        """Start the host's masks of a step fed ``tokens`` at ``positions`` (``int32[R]``, ``-1``: the row does not
+        run; :meth:`~jaxkv.core.structured_output.StepMasks.begin`); returns the ticket and ``inputs``, which now
+        depend on the callback (the step's forward pass takes them, so XLA calls it first)."""
+        ticket = io_callback(self.step_masks.begin, jax.ShapeDtypeStruct((), jnp.int32), grammar_id, tokens,
+                             positions, ordered=True)
+        ticket, *inputs = lax.optimization_barrier((ticket, *inputs))
+        return ticket, inputs
+
+    def _finish_step_mask(self, ticket, logits):
+        """``int32[R, words]``: the masks begun for ``ticket``, asked for after ``logits`` (the forward pass) exist,
+        so the host fills while the device computes."""
+        return io_callback(self.step_masks.finish,
+                           jax.ShapeDtypeStruct((logits.shape[0], self.step_masks.words), jnp.int32),
+                           ticket, logits[0, 0], ordered=True)
 
     # -- weights and memory (RL: a trainer between generations) ----------------------------------------------
     def get_params(self):
@@ -544,6 +554,9 @@ class ModelRunner:
             max_seq_len=block_tables.shape[1] * self.block_size))
         indices = inputs["logits_indices"]
         num_rows = indices.shape[0]
+        if features.bitmask_in_step:  # the sampled rows' masks start on the host before the forward pass
+            ticket, (input_ids,) = self._begin_step_mask(extras["grammar_id"], input_ids[indices], positions[indices],
+                                                         input_ids)
         if prompt_logprobs >= 0:
             indices = jnp.concatenate([indices, jnp.maximum(inputs["plp_indices"], 0)])
         logits, kv_caches = self.model_fn(params, input_ids, jnp.maximum(positions, 0), kv_caches, metadata, indices)
@@ -557,8 +570,7 @@ class ModelRunner:
         if features.bad_words:
             tail = extras["bad_tail"]
         if features.bitmask_in_step:
-            rows = inputs["logits_indices"]
-            extras = dict(extras, bitmask=self._step_mask(extras["grammar_id"], input_ids[rows], positions[rows]))
+            extras = dict(extras, bitmask=self._finish_step_mask(ticket, logits))
         tokens, logprobs = self._sample(logits, sampling, extras, features, counts=counts, prompt_mask=prompt_mask,
                                         tail=tail)
         if features.penalties:
@@ -596,10 +608,13 @@ class ModelRunner:
             active = i < steps
             fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
             _check_fed_tokens(toks, fed)
-            logits, caches = self.model_fn(params, toks, jnp.maximum(fed, 0), caches, metadata_for(fed), rows)
+            fed_toks = toks
+            if features.bitmask_in_step:  # this step's masks start on the host, its fed tokens advancing the matchers
+                ticket, (fed_toks,) = self._begin_step_mask(extras["grammar_id"], toks, fed, toks)
+            logits, caches = self.model_fn(params, fed_toks, jnp.maximum(fed, 0), caches, metadata_for(fed), rows)
             step_extras = extras
-            if features.bitmask_in_step:  # this step's masks from the host, its fed tokens advancing the matchers
-                step_extras = dict(extras, bitmask=self._step_mask(extras["grammar_id"], toks, fed))
+            if features.bitmask_in_step:  # ... and are taken once the forward pass is done
+                step_extras = dict(extras, bitmask=self._finish_step_mask(ticket, logits))
             new, logprobs = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), step_extras, features,
                                          counts=counts if features.penalties else None,
                                          prompt_mask=prompt_mask if features.penalties else None, tail=tail)

@@ -100,7 +100,7 @@ class SamplerFeatures:
         bad_words: ``extras["bad_ids"]`` ``int32[R, W]``: tokens the row may not sample now (``-1`` padded).
         bitmask: structured outputs: ``extras["bitmask"]`` ``int32[R, ceil(vocab / 32)]``, bit ``t % 32`` of word
             ``t // 32`` set where token ``t`` is allowed (all ones for an unconstrained row).
-        bitmask_in_step: the model runner computes ``extras["bitmask"]`` inside the step (a host callback per
+        bitmask_in_step: the model runner computes ``extras["bitmask"]`` inside the step (host callbacks per
             step, :meth:`jaxkv.worker.model_runner.ModelRunner.use_step_masks`) from ``extras["grammar_id"]``;
             the sampler itself reads only ``bitmask``.
         num_logprobs: ``-1``: no row wants logprobs; else the top this many are returned per row (with the

@@ -97,7 +97,7 @@ class EngineArgs:
         max_logprobs: most ``logprobs`` / ``prompt_logprobs`` a request may ask for (vLLM's default, 20).
         structured_outputs_disable_any_whitespace: JSON grammars allow no whitespace beyond the compact form
             (vLLM ``--structured-outputs-config.disable_any_whitespace``).
-        structured_outputs_in_step: a constrained request's masks come from a host callback inside each step, so
+        structured_outputs_in_step: a constrained request's masks come from host callbacks inside each step, so
             it decodes in device loops like any request (one device: ignored with ``tensor_parallel_size > 1``,
             which keeps one host-filled mask and one token per pass). No vLLM counterpart.
     """
@@ -239,7 +239,7 @@ class EngineArgs:
         add("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
             help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
         add("--structured-outputs-in-step", action=argparse.BooleanOptionalAction,
-            help="a constrained request's masks come from a host callback inside each step, so it decodes in "
+            help="a constrained request's masks come from host callbacks inside each step, so it decodes in "
             "device loops like any request (one device only) (default: "
             f"{d['structured_outputs_in_step']})")
         add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
