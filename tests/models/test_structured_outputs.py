@@ -225,3 +225,40 @@ def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
     passes = engine.stats.steps - before
     assert engine.runner.step_masks.num_calls > 0
     assert passes < max(len(o.outputs[0].token_ids) for o in got[:6])  # constrained rows took tokens in loops
+
+
+def test_step_masks_advance_each_matcher_once_in_device_order(llm):
+    """``StepMasks`` (the host side of masks inside the step): a registered row's matcher advances over a fed token
+    only when it is its next output token (a re-fed token, e.g. a resumed request's, is not consumed twice), rows
+    that do not run or are not registered stay all ones, an unknown dispatch (the warm-up's) gets all-ones masks;
+    the masks equal ``Grammar.fill_bitmask`` of a copy advanced by hand."""
+    import numpy as np
+
+    from jaxkv.core.structured_output import StepMasks
+    manager = llm.engine.structured_outputs
+    regex = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")).result()
+    digit = llm.get_tokenizer().encode("7")[-1]
+    masks = StepMasks(manager.bitmask_words)
+    g, twin = manager.grammar(regex), manager.grammar(regex)
+    prompt_len = 5
+    dispatch = masks.register([(1, g, prompt_len)])
+    tokens, positions = np.zeros(3, np.int32), np.full(3, -1, np.int32)
+
+    def step(token, position):
+        tokens[1], positions[1] = token, position
+        return masks.finish(masks.begin(np.int32([dispatch]), tokens, positions), np.float32(0))
+
+    want = manager.new_bitmask(1)
+    twin.fill_bitmask(want, 0)
+    got = step(0, prompt_len - 1)                      # the last prompt token: nothing consumed
+    np.testing.assert_array_equal(got[1], want[0])
+    assert (got[[0, 2]] == -1).all() and g.num_consumed == 0
+    for k in range(2):                                  # output tokens 0 and 1, each fed once
+        got = step(digit, prompt_len + k)
+        twin.accept([digit])
+        twin.fill_bitmask(want, 0)
+        np.testing.assert_array_equal(got[1], want[0])
+    got = step(digit, prompt_len + 1)                   # token 1 fed again: not consumed again
+    np.testing.assert_array_equal(got[1], want[0])
+    assert g.num_consumed == 2 and masks.num_calls == 4
+    assert (masks(np.int32([-1]), tokens, positions) == -1).all()      # a dispatch nobody registered
