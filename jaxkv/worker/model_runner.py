@@ -20,6 +20,11 @@ session 8). So the scan runs all its iterations (those past every row's steps co
 whether the sampler filters by top-k/top-p is a static argument decided on the host: a bucket has two
 programs, the filtering one compiled when a batch first needs it.
 
+Structured outputs with ``use_step_masks`` add two host callbacks to each step that has constrained rows (their
+token masks computed on the host while the device runs the forward pass). A program with host callbacks does not
+dispatch asynchronously: XLA:GPU runs its thunks on the calling thread and each callback waits for the stream, so
+such a call returns when its loop is nearly done (session 27).
+
 The caches are donated to each call (updated in place).
 """
 
@@ -364,8 +369,8 @@ class ModelRunner:
         per dispatch; ``words`` is the bitmask's ``ceil(vocab / 32)``. Call before :meth:`warmup`.
 
         Raises:
-            ValueError: on a mesh of several devices (a host callback per step of a partitioned program is not
-                supported: such engines keep host-filled masks).
+            ValueError: on a mesh of several devices (host callbacks in a partitioned program are not supported:
+                such engines keep host-filled masks).
         """
         from jaxkv.core.structured_output import StepMasks
         if self._replicated is not None and len(self._replicated.mesh.devices.flat) > 1:
