@@ -287,6 +287,9 @@ def test_dispatch_uses_mosaic_kernel_and_falls_back_with_a_reason(monkeypatch):
     assert calls == ["mosaic"]
     assert fuzz.error(out[:10], case) <= fuzz.TOLERANCE[cls.dtype]
 
+    # an fp8 cache: where it goes (its numbers are the float64 fuzz's above), so the kernels are stubs here
+    monkeypatch.setattr(mgpu_mod, "paged_prefill_attention_mgpu", spy("mosaic", lambda q, *a, **k: q))
+    monkeypatch.setattr(triton_mod, "paged_prefill_attention", spy("triton", lambda q, *a, **k: q))
     kv8 = kv.astype(jnp.float8_e4m3fn)
     jaxkv.paged_attention(q, kv8, md, scale=scale, impl=impl, k_scale=1.0, v_scale=1.0)
     assert calls == ["mosaic", "mosaic"]
