@@ -104,8 +104,10 @@ PY
     | tee "$OUT/server.txt"
   RATE=$(python3 -c "import json; r = json.load(open('$OUT/offline.json'))['results'][0]; print(round(0.9 * r['requests_per_s'], 2))")
   echo "0.9x offline request rate: $RATE req/s" | tee -a "$OUT/server.txt"
-  start() {  # a fresh server (an empty prefix cache): $1 = log name
-    python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 ${SERVE_FLAGS:-} \
+  start() {  # a fresh server (an empty prefix cache): $1 = log name; server 1 writes its step trace
+    local trace=""
+    [ "$1" = 1 ] && trace="$OUT/trace-1"
+    JAXKV_STEP_TRACE=$trace python3 scripts/serve.py --model $S --load-format dummy --served-model-name smollm2 --port 8000 ${SERVE_FLAGS:-} \
       > "$OUT/server-$1.log" 2>&1 &
     SERVER=$!
     for _ in $(seq 240); do curl -sf localhost:8000/health > /dev/null && break; sleep 0.5; done
@@ -162,4 +164,7 @@ for k, v in rows.items():
             f"  {v / rows['inf-c']:.3f}x unconstrained" if "json" in k and rows.get("inf-c") else ""))
 PY
   tail -12 "$OUT/server-1.log" > "$OUT/server-log-tail.txt"
+  # server 1's timed bursts against the client's clock: where the rate-inf run's time outside the engine goes
+  [ -d "$OUT/trace-1" ] && python3 scripts/dev/step_trace.py "$OUT"/trace-1/*.jsonl --bins 8 \
+    --client-json "$OUT/serve-inf.json" 2>&1 | tail -24 | tee -a "$OUT/server.txt"
 fi
