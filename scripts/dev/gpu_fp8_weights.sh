@@ -17,6 +17,7 @@ set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
 mkdir -p $OUT
+. scripts/dev/snapshot.sh  # SNAPSHOT=FILE.tgz: $OUT archived as it goes
 if [ -d .whl ] && [ ! -d /tmp/site/zmq ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 fi

@@ -23,6 +23,7 @@ set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/gpu_mgpu}
 mkdir -p "$OUT"
+. scripts/dev/snapshot.sh  # SNAPSHOT=FILE.tgz: $OUT archived as it goes
 quiet() { grep -v -e "DeprecationWarning" -e "warnings.warn" -e "deprecations.warn"; }
 {
   nvidia-smi --query-gpu=name,memory.total,driver_version,compute_cap --format=csv,noheader
