@@ -98,8 +98,8 @@ class EngineArgs:
         structured_outputs_disable_any_whitespace: JSON grammars allow no whitespace beyond the compact form
             (vLLM ``--structured-outputs-config.disable_any_whitespace``).
         structured_outputs_in_step: a constrained request's masks come from host callbacks inside each step, so
-            it decodes in device loops like any request (one device: ignored with ``tensor_parallel_size > 1``,
-            which keeps one host-filled mask and one token per pass). No vLLM counterpart.
+            it decodes in device loops like any request (one device per engine: a ``ValueError`` with
+            ``tensor_parallel_size > 1``; data-parallel ranks are engines of one device each). No vLLM counterpart.
     """
 
     model: str = "smollm2-135m"
@@ -156,6 +156,9 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.structured_outputs_in_step and self.tensor_parallel_size > 1:
+            raise ValueError(f"structured_outputs_in_step=True needs one device per engine, not "
+                             f"tensor_parallel_size={self.tensor_parallel_size} (host callbacks in a partitioned step)")
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -433,7 +436,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         vocab_size=config.vocab_size, max_logprobs=args.max_logprobs,
         structured_outputs=structured_output_manager(tokenizer, config.vocab_size,
                                                      any_whitespace=not args.structured_outputs_disable_any_whitespace),
-        structured_outputs_in_step=args.structured_outputs_in_step and mesh is None)
+        structured_outputs_in_step=args.structured_outputs_in_step)
     t_built = time.perf_counter()
     warmup_s = 0.0
     executable_cache = None

@@ -76,6 +76,8 @@ def test_gguf_replaces_the_model():
     (dict(kv_offloading_size="2"), "kv_offloading_size='2' must be"),
     (dict(kv_cache_dtype="int8"), "kv_cache_dtype='int8' is not one of"),
     (dict(attention_impl="flash"), "attention_impl='flash' is not one of"),
+    (dict(structured_outputs_in_step=True, tensor_parallel_size=2),
+     "structured_outputs_in_step=True needs one device per engine, not tensor_parallel_size=2"),
 ])
 def test_engine_args_reject_bad_options(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
