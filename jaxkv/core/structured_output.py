@@ -74,6 +74,9 @@ class Grammar:
         self.matcher = matcher
         self.vocab_size = vocab_size
         self.num_consumed = 0
+        # masks inside the step: why a token fed to it was rejected, set by StepMasks' worker (other threads read
+        # this, never the matcher, which the worker may be advancing)
+        self.rejected: str | None = None
 
     def fill_bitmask(self, bitmask: np.ndarray, row: int) -> None:
         """Row ``row`` of ``bitmask`` (``int32[rows, words]``) gets the allowed next tokens."""
@@ -231,8 +234,14 @@ class StepMasks:
         import time
         t0 = time.perf_counter()
         mask = np.full((tokens.shape[0], self.words), -1, np.int32)
-        live = [(g, r) for r, g, prompt_len in rows if positions[r] >= 0 and self._advance(
-            g, int(positions[r]) - prompt_len, int(tokens[r]))]
+        live = []
+        for r, g, prompt_len in rows:
+            if positions[r] < 0:
+                continue
+            if self._advance(g, int(positions[r]) - prompt_len, int(tokens[r])):
+                live.append((g, r))
+            elif g.rejected is None:
+                g.rejected = g.error or f"token {int(tokens[r])} not allowed"
         fill_bitmasks(live, mask)
         self.num_calls += 1
         self.seconds += time.perf_counter() - t0

@@ -795,8 +795,10 @@ class LLMEngine:
                 req.logprobs.add(lp_ids[r, :got, :k], lp_vals[r, :got, :k], lp_ranks[r, :got])
             if got and req.host_grammar:
                 constrained.append((req, req.new_token_ids))
-            elif req.grammar_in_step and req.grammar.error and not req.is_finished:
-                log.error("request %s: a token outside its grammar (%s): aborted", req.request_id, req.grammar.error)
+            elif req.grammar_in_step and req.grammar.rejected and not req.is_finished:
+                # (not the matcher's own error: the step masks' worker may be advancing it right now)
+                log.error("request %s: a token outside its grammar (%s): aborted", req.request_id,
+                          req.grammar.rejected)
                 self.abort_request(req.request_id)
         if constrained:
             for (req, toks), ok in zip(constrained, accept_tokens((req.grammar, toks) for req, toks in constrained)):

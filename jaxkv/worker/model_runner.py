@@ -253,6 +253,29 @@ class StepResult:
     prompt_logprobs: dict | None = None
 
 
+class Deferred:
+    """An output of a step dispatched on the runner's dispatch thread (masks inside the step: such a call
+    returns only when its loop is nearly done): ``np.asarray`` waits for it; the next dispatch takes it as is."""
+
+    def __init__(self, future, index: int):
+        self._future = future
+        self._index = index
+
+    def result(self) -> jax.Array:
+        return self._future.result()[self._index]
+
+    def is_ready(self) -> bool:
+        return self._future.done() and self.result().is_ready()
+
+    def __array__(self, dtype=None, copy=None):
+        a = np.asarray(self.result())
+        return a if dtype is None else a.astype(dtype)
+
+
+def _resolved(x):
+    return x.result() if isinstance(x, Deferred) else x
+
+
 def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: dict, features, step_masks=None):
     """Structured outputs: ``extras["bitmask"]`` ``int32[num_rows, words]`` (each of ``rows`` filled by its
     grammar for its next token, every other row all ones) and ``features.bitmask``; ``features`` unchanged when
@@ -320,6 +343,10 @@ class ModelRunner:
         self.params = leaves
         self._treedef = treedef
         self._asleep = None  # sleep(): what wake_up() restores
+        self._inflight = None  # the dispatch thread's last call (use_step_masks), whose caches are the current ones
+        self._dispatcher = None
+        self._defer = False
+        self.num_deferred = 0  # calls made on the dispatch thread
         self.kv_caches = list(kv_caches)
         self.num_blocks = shape[1]
         self.block_size = block_size
@@ -363,6 +390,22 @@ class ModelRunner:
         # structured outputs' masks computed inside the steps (use_step_masks); None: filled on the host per step
         self.step_masks = None
 
+    @property
+    def kv_caches(self) -> list[jax.Array]:
+        """The KV caches (each step donates and replaces them); waits for a step still being dispatched."""
+        self._wait_dispatch()
+        return self._kv_caches
+
+    @kv_caches.setter
+    def kv_caches(self, caches) -> None:
+        self._wait_dispatch()
+        self._kv_caches = caches
+
+    def _wait_dispatch(self) -> None:
+        inflight, self._inflight = getattr(self, "_inflight", None), None
+        if inflight is not None:
+            inflight.result()
+
     def use_step_masks(self, words: int) -> None:
         """Constrained rows get their masks inside each step (two ordered host callbacks per step of a decode loop
         and per mixed step: :class:`~jaxkv.core.structured_output.StepMasks`) instead of one host-filled mask
@@ -377,6 +420,10 @@ class ModelRunner:
             raise ValueError(f"structured-output masks inside the step need one device, not a mesh "
                              f"{dict(self._replicated.mesh.shape)}")
         self.step_masks = StepMasks(words)
+        # such a program's call returns only when its loop is nearly done (module docstring): it is made on one
+        # dispatch thread, in order, so the engine prepares the next step meanwhile
+        self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-dispatch")
+        self._defer = True
 
     def _begin_step_mask(self, grammar_id, tokens, positions, *inputs):
         """Start the host's masks of a step fed ``tokens`` at ``positions`` (``int32[R]``, ``-1``: the row does not
@@ -793,6 +840,8 @@ class ModelRunner:
         (caches with a ``NamedSharding``) they are replicated over it, so the placeholder of the warm-up
         and a step's output are one input type and share one executable (a single-device placeholder
         made each bucket's first real step after the warm-up compile again)."""
+        if isinstance(prev_tokens, Deferred):
+            return prev_tokens  # a deferred step's (one device): the dispatch resolves it in order
         if prev_tokens is None:
             if self._no_prev is None:
                 self._no_prev = jnp.full(self.prev_len, -1, jnp.int32)
@@ -908,16 +957,33 @@ class ModelRunner:
         """Transfer the packed buffers and call the ``kind`` step: the executable the warm-up compiled or
         loaded for these shapes (``executables``), else the jitted ``step`` (caches donated and replaced);
         returns its outputs but the caches. Adds the host seconds of the transfer to ``transfer_s`` and
-        of the call to ``call_s``."""
+        of the call to ``call_s``. A program with masks inside the step whose outputs are plain arrays (no
+        penalties, logprobs or logits) is called on the dispatch thread instead (``use_step_masks``): its outputs
+        come back as :class:`Deferred`."""
+        features = static.get("features")
+        if (self._defer and features is not None and features.bitmask_in_step and not features.penalties
+                and features.num_logprobs < 0 and not self.return_logits and static.get("prompt_logprobs", -1) < 0):
+            # one thread, in order: the previous deferred call's caches are this one's input there
+            future = self._dispatcher.submit(self._dispatch_now, kind, step, ints, floats, *args, **static)
+            self._inflight = future
+            self.num_deferred += 1
+            # decode: (tokens, last, ...); mixed: (tokens, ...); the rest is None (no logprobs, logits, penalties)
+            return [Deferred(future, 0), Deferred(future, 1) if kind == "decode" else None, None, None, None]
+        self._wait_dispatch()
+        args = [_resolved(a) for a in args]
+        return self._dispatch_now(kind, step, ints, floats, *args, **static)
+
+    def _dispatch_now(self, kind: str, step, ints, floats, *args, **static):
+        args = [_resolved(a) for a in args]
         t0 = time.perf_counter()
         ints, floats = self._put_packed(ints, floats)
         t1 = time.perf_counter()
         exe = (self.executables.get(_executable_key(kind, ints, floats, static))
                if self.executables and not isinstance(step, _LowerOnly) else None)
         if exe is not None:
-            *out, self.kv_caches = exe(self.params, self.kv_caches, ints, floats, *args)
+            *out, self._kv_caches = exe(self.params, self._kv_caches, ints, floats, *args)
         else:
-            *out, self.kv_caches = step(self.params, self.kv_caches, ints, floats, *args, **static)
+            *out, self._kv_caches = step(self.params, self._kv_caches, ints, floats, *args, **static)
         self.transfer_s += t1 - t0
         self.call_s += time.perf_counter() - t1
         return out
@@ -942,6 +1008,13 @@ class ModelRunner:
         constrained batches compiled mid-run (3 programs in a json_schema run on an H100, session 26)."""
         variants = [(tkp, words) for tkp in ((False, True) if top_k_top_p else (False,))
                     for words in ((None, bitmask_words) if bitmask_words else (None,))]
+        defer, self._defer = self._defer, False  # the warm-up's calls wait for their outputs themselves
+        try:
+            self._warmup(variants, max_workers, run, executable_cache)
+        finally:
+            self._defer = defer
+
+    def _warmup(self, variants, max_workers, run, executable_cache) -> None:
         programs: list[_WarmupProgram] = []
         saved = self._mixed, self._decode, self.kv_caches
         self._mixed = _LowerOnly("mixed", self._mixed, programs, executable_cache)

@@ -223,7 +223,7 @@ def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
         jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", got[6].outputs[0].text)
     passes = engine.stats.steps - before
-    assert engine.runner.step_masks.num_calls > 0
+    assert engine.runner.step_masks.num_calls > 0 and engine.runner.num_deferred > 0  # on the dispatch thread
     assert passes < max(len(o.outputs[0].token_ids) for o in got[:6])  # constrained rows took tokens in loops
 
 
@@ -260,5 +260,9 @@ def test_step_masks_advance_each_matcher_once_in_device_order(llm):
         np.testing.assert_array_equal(got[1], want[0])
     got = step(digit, prompt_len + 1)                   # token 1 fed again: not consumed again
     np.testing.assert_array_equal(got[1], want[0])
-    assert g.num_consumed == 2 and masks.num_calls == 4
+    assert g.num_consumed == 2 and masks.num_calls == 4 and g.rejected is None
+    letter = llm.get_tokenizer().encode("x")[-1]
+    step(digit, prompt_len + 2)
+    got = step(letter, prompt_len + 3)                  # "777x": the regex wants "-"
+    assert g.rejected and (got[1] == -1).all()          # said on the grammar; the row is left all ones
     assert (masks(np.int32([-1]), tokens, positions) == -1).all()      # a dispatch nobody registered
