@@ -23,7 +23,8 @@ programs, the filtering one compiled when a batch first needs it.
 Structured outputs with ``use_step_masks`` add two host callbacks to each step that has constrained rows (their
 token masks computed on the host while the device runs the forward pass). A program with host callbacks does not
 dispatch asynchronously: XLA:GPU runs its thunks on the calling thread and each callback waits for the stream, so
-such a call returns when its loop is nearly done (session 27).
+such a call returns when its loop is nearly done (session 27). Those calls are made on one dispatch thread, in
+order, and return :class:`Deferred` tokens, so the engine prepares the next step meanwhile.
 
 The caches are donated to each call (updated in place).
 """
@@ -444,6 +445,7 @@ class ModelRunner:
     # -- weights and memory (RL: a trainer between generations) ----------------------------------------------
     def get_params(self):
         """The model's parameters, as the pytree ``model_fn`` takes (the engine's own arrays)."""
+        self._wait_dispatch()
         return jax.tree.unflatten(self._treedef, self.params)
 
     def set_params(self, params) -> None:
@@ -454,6 +456,7 @@ class ModelRunner:
         Raises:
             ValueError: another structure, shape or dtype (naming the first leaf that differs).
         """
+        self._wait_dispatch()  # a step still being dispatched runs with the weights it was scheduled with
         leaves, treedef = jax.tree.flatten(params)
         if treedef != self._treedef:
             raise ValueError(f"params have another structure than the model's: {treedef} != {self._treedef}")
