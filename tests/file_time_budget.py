@@ -18,7 +18,11 @@ started by a test (test_mesh.py's 4-device run) does not check again.
 Settings (environment, read once at configure time):
 
 * ``JAXKV_FILE_TIME_LIMIT_S``: the limit in seconds (default :data:`DEFAULT_LIMIT_S`, 20 % of 600 s);
-  ``0`` turns the check off. The long variants (``JAXKV_SLOW=1``, ``JAXKV_MGPU_FUZZ=N``) turn it off too,
+  ``0`` turns the check off. The default limit is for a machine as fast as the one ``tests/file_seconds.json``
+  was measured on: on a slower one it is scaled by :func:`machine_factor` (the median of the run's file CPU
+  seconds over the recorded ones; session 27's CPU machine ran every file, touched or not, ~1.75x slower than
+  session 26's), so a file is flagged when it grew against the others, not when the hardware is slow. A limit
+  set in the environment is taken as it is. The long variants (``JAXKV_SLOW=1``, ``JAXKV_MGPU_FUZZ=N``) turn it off too,
   unless the limit is set explicitly: they are meant to be long.
 * ``JAXKV_FILE_TIME_MEASURE``: ``cpu`` (default) or ``wall``: which seconds the limit applies to (``wall``
   on a machine that runs nothing else).
@@ -52,6 +56,8 @@ SUITE_BUDGET_S = 600.0
 # room for a CI machine up to ~1.7x slower and still fails a file that alone takes a fifth of the budget.
 DEFAULT_LIMIT_S = 0.20 * SUITE_BUDGET_S
 SHOW_LONGEST = 8
+MIN_FACTOR_FILES = 10    # files needed to tell the machine's speed (a partial run keeps the nominal limit)
+MIN_RECORDED_S = 10.0    # files recorded at fewer CPU seconds do not count (start-up noise)
 FILE_SECONDS = pathlib.Path(__file__).with_name("file_seconds.json")
 UNLISTED_FILE_S = 20.0
 _OUTER = "JAXKV_FILE_TIME_OUTER_PID"  # set by the outermost run, inherited by pytest runs its tests start
@@ -73,12 +79,34 @@ def _limit_from_env() -> float | None:
     return DEFAULT_LIMIT_S
 
 
+def machine_factor(measured: dict[str, float], recorded: dict[str, float]) -> float:
+    """How much slower this machine ran the files than the machine ``recorded`` (``tests/file_seconds.json``'s CPU
+    seconds) was measured on: the median of ``measured / recorded`` over the files recorded at
+    :data:`MIN_RECORDED_S` or more, at least 1 (a faster machine keeps the nominal limit); 1 with fewer than
+    :data:`MIN_FACTOR_FILES` such files."""
+    ratios = sorted(measured[f] / r for f, r in recorded.items() if r >= MIN_RECORDED_S and f in measured)
+    if len(ratios) < MIN_FACTOR_FILES:
+        return 1.0
+    mid = len(ratios) // 2
+    median = ratios[mid] if len(ratios) % 2 else 0.5 * (ratios[mid - 1] + ratios[mid])
+    return max(1.0, median)
+
+
+def _recorded_cpu_seconds() -> dict[str, float]:
+    try:
+        return {path: float(entry["cpu_s"]) for path, entry in json.loads(FILE_SECONDS.read_text()).items()}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
 class FileTimeBudget:
     """Per-file totals of test durations; fails the session when a file is over the limit."""
 
     def __init__(self, config: pytest.Config):
         self.config = config
         self.limit_s = _limit_from_env()
+        self.scaled = "JAXKV_FILE_TIME_LIMIT_S" not in os.environ  # the default limit follows the machine's speed
+        self.factor = 1.0
         self.measure = os.environ.get("JAXKV_FILE_TIME_MEASURE", "cpu")
         if self.measure not in ("cpu", "wall"):
             raise pytest.UsageError(f"JAXKV_FILE_TIME_MEASURE={self.measure!r} must be cpu or wall")
@@ -103,9 +131,8 @@ class FileTimeBudget:
     @pytest.hookimpl(trylast=True)
     def pytest_collection_modifyitems(self, session, config, items) -> None:
         """Files longest first (measured CPU seconds), each file's tests in their order."""
-        try:
-            seconds = {path: entry["cpu_s"] for path, entry in json.loads(FILE_SECONDS.read_text()).items()}
-        except (OSError, ValueError, KeyError, TypeError):
+        seconds = _recorded_cpu_seconds()
+        if not seconds:
             return
         first_seen: dict[str, int] = {}
         for item in items:
@@ -145,7 +172,10 @@ class FileTimeBudget:
         if self.limit_s is None:
             return
         measured = self.cpu_seconds if self.measure == "cpu" else self.seconds
-        self.over = sorted(((f, s) for f, s in measured.items() if s > self.limit_s), key=lambda kv: -kv[1])
+        if self.scaled and self.measure == "cpu":
+            self.factor = machine_factor(measured, _recorded_cpu_seconds())
+        limit = self.limit_s * self.factor
+        self.over = sorted(((f, s) for f, s in measured.items() if s > limit), key=lambda kv: -kv[1])
         if self.over and session.exitstatus == pytest.ExitCode.OK:
             session.exitstatus = pytest.ExitCode.TESTS_FAILED
 
@@ -160,6 +190,9 @@ class FileTimeBudget:
         measured = self.cpu_seconds if self.measure == "cpu" else self.seconds
         longest = sorted(self.seconds, key=lambda path: -measured[path])[:SHOW_LONGEST]
         limit = "off" if self.limit_s is None else f"{self.limit_s:g} {self.measure}-s"
+        if self.limit_s is not None and self.factor > 1:
+            limit += (f" x {self.factor:.2f}, this machine's slowness against tests/file_seconds.json's = "
+                      f"{self.limit_s * self.factor:.0f} {self.measure}-s")
         tr.write_sep("-", f"longest test files (wall and CPU seconds of their tests; per-file limit {limit})")
         for path in longest:
             tr.write_line(f"{self.seconds[path]:8.1f} s {self.cpu_seconds[path]:8.1f} cpu-s  {path}")
@@ -168,7 +201,7 @@ class FileTimeBudget:
         for path, s in self.over:
             tr.write_line(
                 f"FAILED file time budget: {path} took {s:.1f} {self.measure}-s, over the per-file limit of "
-                f"{self.limit_s:g} {self.measure}-s ({self.limit_s / SUITE_BUDGET_S:.0%} of the suite's "
+                f"{self.limit_s * self.factor:g} {self.measure}-s ({self.limit_s / SUITE_BUDGET_S:.0%} of the suite's "
                 f"{SUITE_BUDGET_S:.0f} s; "
                 "split the file, share its compiles, or move long variants behind JAXKV_SLOW; "
                 "JAXKV_FILE_TIME_LIMIT_S overrides the limit)", red=True, bold=True)

@@ -63,3 +63,14 @@ def test_under_the_limit_or_off_passes(run):
     assert run(5).ret == pytest.ExitCode.OK
     result = run(0)  # 0: the check is off, the summary still lists the files
     assert result.ret == pytest.ExitCode.OK and "per-file limit off" in result.stdout.str()
+
+
+def test_machine_factor_is_the_median_slowdown_at_least_one():
+    """The default limit's scale: the median of measured over recorded CPU seconds of the files recorded at >= 10 s
+    (a file that grew alone does not move it), never below 1, and 1 for a run of too few files."""
+    from tests.file_time_budget import machine_factor
+    recorded = {f"f{i}": 20.0 + i for i in range(12)} | {"tiny": 1.0}
+    slow = {f: 1.75 * s for f, s in recorded.items()} | {"f0": 400.0, "tiny": 50.0}
+    assert abs(machine_factor(slow, recorded) - 1.75) < 1e-9
+    assert machine_factor({f: 0.5 * s for f, s in recorded.items()}, recorded) == 1.0   # a faster machine
+    assert machine_factor({"f1": 100.0}, recorded) == 1.0                                 # a partial run
