@@ -24,6 +24,7 @@ from __future__ import annotations
 import concurrent.futures
 import json
 import threading
+import time
 from typing import Any, Iterable, Sequence
 
 import numpy as np
@@ -218,7 +219,6 @@ class StepMasks:
     def finish(self, ticket, *after) -> np.ndarray:
         """``int32[R, words]``: the masks :meth:`begin` started (``after``: values of the step's forward pass,
         unused, which keep XLA from calling this before it)."""
-        import time
         t0 = time.perf_counter()
         with self._lock:
             future = self._pending.pop(int(np.asarray(ticket)))
@@ -231,7 +231,6 @@ class StepMasks:
         return self.finish(self.begin(dispatch_id, tokens, positions))
 
     def _masks(self, rows, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
-        import time
         t0 = time.perf_counter()
         mask = np.full((tokens.shape[0], self.words), -1, np.int32)
         live = []
@@ -251,7 +250,7 @@ class StepMasks:
     def _advance(grammar: Grammar, index: int, token: int) -> bool:
         """Advance ``grammar`` over output token ``index`` if it is its next one; False once the grammar has
         rejected a token (its row stays all ones; the engine aborts the request)."""
-        if grammar.error:
+        if grammar.rejected is not None:
             return False
         if index == grammar.num_consumed:
             return grammar.accept([token])
