@@ -150,11 +150,7 @@ class Request:
         # n > 1: the parent's id and this completion's index (the engine's id is child_request_id's)
         self.parent_id: str = request_id
         self.index = 0
-        # its sampling reads its own last tokens on the host (bad words of several tokens, structured outputs):
-        # it is scheduled only when all of them are known (never with an input token still being sampled);
-        # penalties count tokens on the device and need no such wait
-        self.needs_known_history = any(len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ())) or (
-            sampling_params.structured_outputs is not None)
+        self._multi_token_bad_words = any(len(seq) > 1 for seq in (sampling_params.bad_words_token_ids or ()))
         self.penalty_slot: int | None = None  # penalties: its row of the runner's device counts while it runs
         # structured outputs: the request's matcher (jaxkv.core.structured_output.Grammar), its bitmask width;
         # its rows run one step per pass (the mask of each token comes from the host), unless grammar_in_step:
@@ -173,6 +169,15 @@ class Request:
         self.queue_time_sent = False
         self.grammar_future = None  # its compiled grammar (concurrent.futures.Future), shared by its n completions
         self._token_buffer = None  # all_token_ids as int32, grown on demand (penalties' history)
+
+    @property
+    def needs_known_history(self) -> bool:
+        """Its sampling reads its own last tokens on the host (bad words of several tokens, structured outputs
+        whose masks the host fills): it is scheduled only when all of them are known (never with an input token
+        still being sampled); penalties count tokens on the device, masks inside the step advance on the host in
+        device order, and neither needs such a wait."""
+        return self._multi_token_bad_words or (self.sampling_params.structured_outputs is not None
+                                               and not self.grammar_in_step)
 
     @property
     def host_grammar(self) -> bool:

@@ -554,9 +554,7 @@ class LLMEngine:
         try:
             req.grammar = self.structured_outputs.grammar(future.result())
             req.grammar_words = self.structured_outputs.bitmask_words
-            if self.runner.step_masks is not None:  # its masks come from inside the steps: no host history needed
-                req.grammar_in_step = True
-                req.needs_known_history = any(len(seq) > 1 for seq in (req.sampling_params.bad_words_token_ids or ()))
+            req.grammar_in_step = self.runner.step_masks is not None  # its masks come from inside the steps
         except Exception as e:  # noqa: BLE001 - validated at add_request: a library failure
             log.error("request %s: its grammar did not compile: %s", req.request_id, e)
             self.abort_request(req.request_id)

@@ -403,7 +403,7 @@ class ModelRunner:
         self._kv_caches = caches
 
     def _wait_dispatch(self) -> None:
-        inflight, self._inflight = getattr(self, "_inflight", None), None
+        inflight, self._inflight = self._inflight, None
         if inflight is not None:
             inflight.result()
 
@@ -973,7 +973,6 @@ class ModelRunner:
             # decode: (tokens, last, ...); mixed: (tokens, ...); the rest is None (no logprobs, logits, penalties)
             return [Deferred(future, 0), Deferred(future, 1) if kind == "decode" else None, None, None, None]
         self._wait_dispatch()
-        args = [_resolved(a) for a in args]
         return self._dispatch_now(kind, step, ints, floats, *args, **static)
 
     def _dispatch_now(self, kind: str, step, ints, floats, *args, **static):
