@@ -64,15 +64,26 @@ written to a per-consumer shared-memory tile and a fresh accumulator is added. B
 sm_90 in the tests.
 
 An fp8 cache (``float8_e4m3fn`` / ``float8_e5m2``, with ``k_scale`` / ``v_scale``): the memory warpgroup copies
-the fp8 pages into fp8 ring slots (half the bytes); each consumer converts a slot into its own 16-bit K or V tile
-in ``q``'s dtype (through registers in the 8-bit ``wgmma`` fragment layout, the decode kernel's
-``_convert_tile``), releases the slot, and runs the same ``wgmma`` s on the converted tile; ``k_scale`` is folded
-into the logit scale and ``v_scale`` into the output, so softmax and the accumulator stay float32 across steps.
-Both consumers convert the slot they share (one copy each: no barrier between them beyond the ring's); the V
-rows of invisible slots are zeroed in the consumer's own tile. Steps default to 64 keys (two 16-bit tiles per
-consumer beside the ring). Interpreted and lowered for sm_90 on CPU; not yet compiled on a GPU, so the
-op-level dispatch keeps fp8 prefill on the Triton kernel (no fp8 entry in
-``tuning.MGPU_PREFILL_MIN_QUERY_LEN``).
+the fp8 pages into fp8 ring slots (half the bytes); ``k_scale`` is folded into the logit scale and ``v_scale`` into
+the output, so softmax and the accumulator stay float32 across steps. How the consumers read the slots
+(``fp8_route``, :data:`FP8_ROUTES`):
+
+* "convert" (session 26): each consumer converts a slot into its own 16-bit K or V tile in ``q``'s dtype (through
+  registers in the 8-bit ``wgmma`` fragment layout, the decode kernel's ``_convert_tile``), releases the slot, and
+  runs the same ``wgmma`` s on the converted tile. Both consumers convert the slot they share (one copy each).
+  Compiled on the H100 (session 27): 1.40-1.76x the Triton kernel's fp8 path, 0.52-0.71x the same kernel with a
+  bf16 cache: the conversions set its pace.
+* "qk8" / "qk8lo" (session 28, e4m3 only): at the start of each item a consumer quantizes its 64 query rows to
+  e4m3 with a scale per row (``absmax / 448``, folded into the logit scale per row) into an fp8 tile, and
+  ``S = Q Kᵀ`` is an fp8 ``wgmma`` straight from the fp8 K slot (both operands K-major, as sm_90's fp8 ``wgmma``
+  requires), so K is never converted; "qk8lo" chains a second fp8 ``wgmma`` of the query's rounding error
+  (``e4m3(q / s - hi)``) into the same accumulator (q to ~2**-8 of itself, a bf16 query's precision), "qk8" keeps
+  one half (FlashAttention-3's fp8 accuracy: each query element off by up to 2**-4 of itself). V is converted to
+  f16 (one ``cvt`` per fp8 pair; bf16 goes through f32) and ``P V`` runs in f16 (P in [0, 1] is finer in f16).
+  An fp8 ``P V`` is not built: V's tile is not K-major for it (the decode kernel's docstring).
+
+Steps default to 64 keys with an fp8 cache (each consumer's converted tiles beside the ring). The op-level dispatch
+sends fp8 prefill here from ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``'s fp8 entry.
 
 Falls back (``unsupported_reason``): float32 queries (``wgmma`` has no f32 path), an fp8 cache with head size
 256 (its converted tiles do not fit beside the Q tiles), head sizes other than 64/128/256, more than 64 query
@@ -105,8 +116,10 @@ from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
 from pallas_kernels.paged_attention_mgpu import (
     COMPUTE_DTYPES,
+    E4M3_MAX,
     HEAD_SIZES,  # noqa: F401  (the head sizes this kernel computes too)
     LOG2E,
+    QK8_MIN_ABSMAX,
     ROWS,
     _convert_tile,
     _tile_transforms,
@@ -117,6 +130,12 @@ from pallas_kernels.paged_prefill_attention import _is_int, check_prefill_call
 
 MAX_CONSUMERS = 2
 FP8_MAX_HEAD_SIZE = 128
+# fp8 cache routes (``paged_prefill_attention_mgpu(fp8_route=...)``): "convert" (each consumer converts the K and the
+# V slot into 16-bit tiles in q's dtype), "qk8" (the consumer's query rows quantized to e4m3 once per item, a scale per
+# row; q·kᵀ an fp8 ``wgmma`` straight from the fp8 K slot; only V converted, to f16, and P·V in f16), "qk8lo" (as
+# "qk8", with the query's rounding error as a second e4m3 tile chained into the same q·kᵀ accumulator: q to ~2**-8
+# of itself, a bf16 query's precision, for twice the fp8 q·kᵀ work).
+FP8_ROUTES = ("convert", "qk8", "qk8lo")
 
 
 def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_size: int,
@@ -163,17 +182,36 @@ class _Segment:
         self.end = jnp.where(self.has_rows, (kv_end + block_kv - 1) // block_kv, self.first)
 
 
+def _quantize_rows(q_tile, q_hi, q_lo):
+    """The consumer's query rows (``q_tile``, ``[ROWS, head_size]`` in q's dtype, swizzled) to e4m3 with a scale per
+    row: ``s = absmax / 448``; ``hi = e4m3(q / s)`` into the swizzled fp8 tile ``q_hi`` and, with ``q_lo``, the
+    rounding error ``e4m3(q / s - hi)`` into ``q_lo`` (so ``q / s = hi + lo`` to ~2**-8 of each element, or 2**-10 of
+    448 where ``lo`` is subnormal). Returns ``s`` (``f32[ROWS]``, WGMMA row layout); an all-zero row (padding, rows of
+    no sequence) gets a tiny scale and quantizes to 0."""
+    q = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+    amax = jnp.maximum(jnp.max(jnp.abs(q), axis=1), QK8_MIN_ABSMAX)
+    qs = q * lax.broadcast_in_dim(E4M3_MAX / amax, q.shape, [0])
+    hi = qs.astype(q_hi.dtype)
+    q_hi[...] = hi
+    if q_lo is not None:
+        q_lo[...] = (qs - hi.astype(jnp.float32)).astype(q_lo.dtype)
+    plgpu.commit_smem()
+    return amax * (1.0 / E4M3_MAX)
+
+
 def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref,
                     scratch, *,
                     scale: float, block_kv: int, tokens_per_copy: int, num_stages: int, num_consumers: int,
                     group: int, num_heads: int, num_tiles: int, num_seqs: int, num_programs: int,
                     num_q_buffers: int, sliding_window: int | None, logits_soft_cap: float | None,
                     pv_from_smem: bool, pingpong: bool, set_registers: bool):
-    ((q_smem, k_smem, v_smem, p_smem, k16_smem, v16_smem), (q_bars, k_bars, v_bars), (k_consumed, v_consumed, q_free),
-     schedule) = scratch
+    ((q_smem, k_smem, v_smem, p_smem, k16_smem, v16_smem, q8_smem, q8lo_smem), (q_bars, k_bars, v_bars),
+     (k_consumed, v_consumed, q_free), schedule) = scratch
     block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
-    fp8 = k16_smem is not None           # fp8 ring slots, converted by each consumer into its own 16-bit tiles
+    fp8 = v16_smem is not None           # fp8 ring slots, V (and K: "convert") converted by each consumer
+    qk8 = q8_smem is not None            # fp8 q·kᵀ from the fp8 K slot (fp8_route "qk8" / "qk8lo")
+    pv_dtype = v16_smem.dtype if fp8 else dtype   # P's dtype: V's in the P·V wgmma
     tile_tokens = num_consumers * ROWS
     num_items = num_tiles * num_heads
     wg = lax.axis_index("wg")
@@ -227,15 +265,16 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
 
         def wgmma_tile(ring, converted, consumed, slot):
             """The ``wgmma`` operand of a filled ring slot: the slot itself (released after its ``wgmma``), or
-            with an fp8 cache the consumer's own 16-bit tile, converted from the slot, which is released now."""
-            if not fp8:
+            (``converted`` set: an fp8 slot) the consumer's own 16-bit tile, converted from the slot, which is
+            released now."""
+            if converted is None:
                 return ring.at[slot]
             _convert_tile(ring.at[slot], converted.at[wg])
             plgpu.commit_smem()
             plgpu.barrier_arrive(consumed.at[slot])
             return converted.at[wg]
 
-        def step(j, carry, *, q_tile, c0, seg, prog, masked: bool):
+        def step(j, carry, *, q_tile, q_lo, factor, c0, seg, prog, masked: bool):
             g, acc, m, l = carry
             slot = lax.rem(g, num_stages)
             t0 = j * block_kv
@@ -244,12 +283,14 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
 
             def qk(acc_ref):
                 plgpu.wgmma(acc_ref, q_tile, k_tile.T)
+                if q_lo is not None:                                 # "qk8lo": the query's rounding error
+                    plgpu.wgmma(acc_ref, q_lo, k_tile.T)
                 schedule_barrier()
                 return acc_ref[...]
             logits = pl.run_scoped(qk, plgpu.ACC((ROWS, block_kv), jnp.float32))
-            if not fp8:
+            if k16_smem is None:
                 plgpu.barrier_arrive(k_consumed.at[slot])
-            logits = logits * k_factor
+            logits = logits * (lax.broadcast_in_dim(factor, logits.shape, [0]) if qk8 else factor)
             if logits_soft_cap is not None:
                 logits = jnp.tanh(logits * (1.0 / logits_soft_cap)) * (logits_soft_cap * LOG2E)
             if masked:
@@ -263,7 +304,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                 logits = jnp.where(visible, logits, -jnp.inf)
 
             acc, m_next, l, p = softmax_rescale_exp2(acc, m, l, logits)
-            p16 = p.astype(dtype)
+            p16 = p.astype(pv_dtype)
             if pingpong:
                 acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
                 plgpu.barrier_arrive(schedule)                       # softmax done
@@ -295,6 +336,12 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
             c0 = tok0 + wg * ROWS                        # the consumer's first token
             q_tile = q_smem.at[b, wg]
             plgpu.barrier_wait(q_bars.at[b * num_consumers + wg])
+            if qk8:      # this item's query rows in e4m3 (the previous item's wgmmas were all waited)
+                q_lo = None if q8lo_smem is None else q8lo_smem.at[wg]
+                factor = _quantize_rows(q_tile, q8_smem.at[wg], q_lo) * k_factor
+                q_wgmma = q8_smem.at[wg]
+            else:
+                q_lo, factor, q_wgmma = None, k_factor, q_tile
             if pingpong:
                 pl.when(wg == 1)(schedule_barrier)       # consumer 1 starts half a step behind
             m = plgpu.layout_cast(jnp.full((ROWS,), -jnp.inf, jnp.float32), plgpu.Layout.WGMMA.reduce(1))
@@ -313,7 +360,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                                         jnp.clip((mine.pos_first + 1) // block_kv, my_first, my_end), my_first)
                 else:
                     my_full = my_first
-                run = functools.partial(step, q_tile=q_tile, c0=c0, seg=mine, prog=prog)
+                run = functools.partial(step, q_tile=q_wgmma, q_lo=q_lo, factor=factor, c0=c0, seg=mine, prog=prog)
                 g = lax.fori_loop(prog.first, my_first, skip, g)
                 g, acc, m, l = lax.fori_loop(my_first, my_full, functools.partial(run, masked=False),
                                              (g, acc, m, l))
@@ -375,7 +422,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
 
 def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_start_loc, scales, *, scale,
                                   sliding_window, logits_soft_cap, block_kv, num_stages, num_consumers,
-                                  num_q_buffers, num_programs, pv_from_smem, pingpong, interpret):
+                                  num_q_buffers, num_programs, pv_from_smem, pingpong, fp8_route, interpret):
     num_tokens, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     num_seqs = block_tables.shape[0]
@@ -399,14 +446,21 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     ring = _tile_transforms(head_size, kv_dtype)
     stage_shape = (num_stages, block_kv, head_size)
     converted = (num_consumers, block_kv, head_size)                            # fp8: each consumer's own tiles
+    qk8 = fp8 and fp8_route != "convert"
+    v_dtype = jnp.dtype(jnp.float16) if qk8 else dtype       # "qk8*": fp8 -> f16 is one instruction per pair
+    pv_dtype = v_dtype if fp8 else dtype
+    q8 = _tile_transforms(head_size, jnp.float8_e4m3fn)
     smem = (
         plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_size), dtype, transforms=tile),  # q, then out
         plgpu.SMEM(stage_shape, kv_dtype, transforms=ring),                      # K ring
         plgpu.SMEM(stage_shape, kv_dtype, transforms=ring),                      # V ring
-        plgpu.SMEM((num_consumers, ROWS, block_kv), dtype,
-                   transforms=_tile_transforms(block_kv, dtype)) if pv_from_smem else None,  # P
-        plgpu.SMEM(converted, dtype, transforms=tile) if fp8 else None,          # K in q's dtype
-        plgpu.SMEM(converted, dtype, transforms=tile) if fp8 else None,          # V in q's dtype
+        plgpu.SMEM((num_consumers, ROWS, block_kv), pv_dtype,
+                   transforms=_tile_transforms(block_kv, pv_dtype)) if pv_from_smem else None,  # P
+        plgpu.SMEM(converted, dtype, transforms=tile) if fp8 and not qk8 else None,  # K in q's dtype ("convert")
+        plgpu.SMEM(converted, v_dtype, transforms=_tile_transforms(head_size, v_dtype)) if fp8 else None,  # V
+        plgpu.SMEM((num_consumers, ROWS, head_size), jnp.float8_e4m3fn, transforms=q8) if qk8 else None,  # q e4m3
+        plgpu.SMEM((num_consumers, ROWS, head_size), jnp.float8_e4m3fn, transforms=q8)
+        if qk8 and fp8_route == "qk8lo" else None,                               # its rounding error
     )
     copies = block_kv // tokens_per_copy
     barriers = (plgpu.Barrier(num_barriers=num_q_buffers * num_consumers),
@@ -444,6 +498,22 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     return out[:num_tokens] if pad else out
 
 
+def _fp8_route(fp8_route: str | None, *, kv_dtype) -> str:
+    """The fp8 route a call runs: ``fp8_route``, or :data:`pallas_kernels.tuning.MGPU_PREFILL_FP8_ROUTE` (an e5m2
+    cache: "convert"; a 16-bit cache: "convert", nothing to convert). Raises ``ValueError`` for a route not in
+    :data:`FP8_ROUTES` and for "qk8"/"qk8lo" with an e5m2 cache (the query tile is e4m3)."""
+    if fp8_route is not None and fp8_route not in FP8_ROUTES:
+        raise ValueError(f"fp8_route={fp8_route!r} must be one of {FP8_ROUTES}")
+    if jnp.dtype(kv_dtype) not in FP8_DTYPES:
+        return "convert"
+    e4m3 = jnp.dtype(kv_dtype) == jnp.dtype(jnp.float8_e4m3fn)
+    if fp8_route is None:
+        return tuning.MGPU_PREFILL_FP8_ROUTE if e4m3 else "convert"
+    if fp8_route != "convert" and not e4m3:
+        raise ValueError(f"fp8_route={fp8_route!r} needs a float8_e4m3fn cache, not {jnp.dtype(kv_dtype)}")
+    return fp8_route
+
+
 def _tile_order(query_start_loc, seq_lens, num_tiles: int, tile_tokens: int):
     """``int32[num_tiles]``: the tiles by decreasing key count of their last row (the work of a causal
     tile), ties in reverse tile order; the persistent programs take them in this order."""
@@ -457,7 +527,7 @@ def _tile_order(query_start_loc, seq_lens, num_tiles: int, tile_tokens: int):
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_consumers",
-           "num_q_buffers", "num_programs", "pv_from_smem", "pingpong", "interpret")
+           "num_q_buffers", "num_programs", "pv_from_smem", "pingpong", "fp8_route", "interpret")
 _paged_prefill_attention_mgpu_jit = jax.jit(_paged_prefill_attention_mgpu, static_argnames=_STATIC)
 
 
@@ -482,6 +552,7 @@ def paged_prefill_attention_mgpu(
     pingpong: bool = True,
     persistent: bool = True,
     num_programs: int | None = None,
+    fp8_route: str | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal varlen attention of new tokens over the paged cache on Pallas Mosaic GPU (Hopper).
@@ -520,6 +591,12 @@ def paged_prefill_attention_mgpu(
             above 0.9x cuDNN at all six; docs/benchmarks.md).
         num_programs: programs of the persistent grid (static, >= 1, only with ``persistent``); ``None``:
             the device's SM count (the interpreter: 2).
+        fp8_route: how an fp8 cache is read (:data:`FP8_ROUTES`; ignored for a 16-bit cache): "convert" (K and V
+            converted into q's dtype), "qk8" (the query rows in e4m3 with a scale per row, q·kᵀ an fp8 ``wgmma``
+            from the fp8 K slot, V converted to f16: FlashAttention-3's fp8 accuracy, the query off by up to
+            2**-4 of itself), "qk8lo" (as "qk8" with the query's rounding error as a second e4m3 half: a bf16
+            query's accuracy). e4m3 caches only for "qk8*". ``None``:
+            :data:`pallas_kernels.tuning.MGPU_PREFILL_FP8_ROUTE` (e5m2: "convert").
         interpret: run in the Mosaic GPU interpreter (CPU).
 
     Returns:
@@ -528,7 +605,8 @@ def paged_prefill_attention_mgpu(
     Raises:
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
             that is not a positive multiple of 64, ``num_stages`` or ``num_programs`` < 1, ``num_programs``
-            without ``persistent``, ``num_consumers`` not 1 or 2.
+            without ``persistent``, ``num_consumers`` not 1 or 2, an ``fp8_route`` not in :data:`FP8_ROUTES`
+            or "qk8"/"qk8lo" with an e5m2 cache.
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
@@ -545,6 +623,7 @@ def paged_prefill_attention_mgpu(
     if pv_from_smem is None:
         pv_from_smem = bool(interpret)
     fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
+    fp8_route = _fp8_route(fp8_route, kv_dtype=kv_cache.dtype)
     if block_kv is None:
         block_kv = tuning.mgpu_prefill_block_kv(head_size, fp8=fp8)
     if not _is_int(block_kv) or block_kv < 64 or block_kv % 64:
@@ -561,10 +640,11 @@ def paged_prefill_attention_mgpu(
         if not _is_int(num_programs) or num_programs < 1:
             raise ValueError(f"num_programs={num_programs!r} must be >= 1")
         num_q_buffers = tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
-                                                      pv_from_smem=pv_from_smem, fp8=fp8)
+                                                      pv_from_smem=pv_from_smem, fp8=fp8, fp8_route=fp8_route)
     if num_stages is None:
         num_stages = tuning.mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers,
-                                                    pv_from_smem=pv_from_smem, num_q_buffers=num_q_buffers, fp8=fp8)
+                                                    pv_from_smem=pv_from_smem, num_q_buffers=num_q_buffers, fp8=fp8,
+                                                    fp8_route=fp8_route)
     if not _is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be >= 1")
     return _paged_prefill_attention_mgpu_jit(
@@ -573,5 +653,5 @@ def paged_prefill_attention_mgpu(
         logits_soft_cap=logits_soft_cap, block_kv=int(block_kv), num_stages=int(num_stages),
         num_consumers=int(num_consumers), num_q_buffers=int(num_q_buffers),
         num_programs=None if num_programs is None else int(num_programs), pv_from_smem=bool(pv_from_smem),
-        pingpong=bool(pingpong),
+        pingpong=bool(pingpong), fp8_route=fp8_route,
         interpret=bool(interpret))

@@ -350,30 +350,43 @@ MGPU_PREFILL_MAX_STAGES = 4
 
 def mgpu_prefill_block_kv(head_size: int, *, fp8: bool = False) -> int:
     """Keys per step of the Mosaic prefill kernel: 128 (64 for head size 256, so two stages fit; 64 with an fp8
-    cache, whose consumers each hold a converted 16-bit K and V tile of a step beside the ring)."""
+    cache, whose consumers each hold a converted 16-bit K and/or V tile of a step beside the ring)."""
     return 64 if head_size > 128 or fp8 else 128
 
 
+# fp8 prefill route (paged_prefill_attention_mgpu's ``fp8_route``): "convert" (session 26: each consumer converts K
+# and V into q's dtype), "qk8" / "qk8lo" (session 28: q·kᵀ an fp8 wgmma from the fp8 K slot, V converted to f16).
+MGPU_PREFILL_FP8_ROUTE = "convert"
+
+
+def _prefill_converted_bytes(block_kv: int, head_size: int, fp8_route: str) -> int:
+    """Shared memory of one consumer's fp8 tiles beside the ring: "convert": its 16-bit K and V tiles; "qk8": its
+    16-bit V tile and its e4m3 query tile; "qk8lo": and the query's e4m3 rounding-error tile."""
+    if fp8_route == "convert":
+        return 2 * block_kv * head_size * 2
+    return block_kv * head_size * 2 + 64 * head_size * (2 if fp8_route == "qk8lo" else 1)
+
+
 def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
-                            num_q_buffers: int = 1, fp8: bool = False) -> int:
+                            num_q_buffers: int = 1, fp8: bool = False, fp8_route: str = "convert") -> int:
     """Ring depth: as many K+V stages (16-bit; fp8: 8-bit) as fit ``MGPU_SMEM_BYTES`` beside the consumers'
     64-row Q tiles (``num_q_buffers`` of each), their P tiles when P goes through shared memory and (fp8) their
-    converted 16-bit K and V tiles, at most ``MGPU_PREFILL_MAX_STAGES``, at least 1 (bf16, D 128, 128 keys, two
+    converted tiles (``fp8_route``), at most ``MGPU_PREFILL_MAX_STAGES``, at least 1 (bf16, D 128, 128 keys, two
     consumers, P in registers, one Q buffer: 2 stages, 160 KiB; two Q buffers: 2 stages, 192 KiB; fp8, 64 keys,
-    two Q buffers: 4 stages, 192 KiB)."""
+    two Q buffers: 4 stages, 192 KiB ("convert"), 4 stages, 176 KiB ("qk8"))."""
     fixed = (num_q_buffers * num_consumers * 64 * head_size * 2
              + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0)
-             + (num_consumers * 2 * block_kv * head_size * 2 if fp8 else 0))
+             + (num_consumers * _prefill_converted_bytes(block_kv, head_size, fp8_route) if fp8 else 0))
     per_stage = 2 * block_kv * head_size * (1 if fp8 else 2)
     return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
 
 
 def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
-                           fp8: bool = False) -> int:
+                           fp8: bool = False, fp8_route: str = "convert") -> int:
     """Q tiles per consumer of the persistent Mosaic prefill kernel: 2 (the next item's Q loads while this
     one computes) where two ring stages still fit beside them, else 1 (head size 256)."""
     two = mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers, pv_from_smem=pv_from_smem,
-                                  num_q_buffers=2, fp8=fp8)
+                                  num_q_buffers=2, fp8=fp8, fp8_route=fp8_route)
     return 2 if two >= 2 else 1
 
 

@@ -427,9 +427,18 @@ def _paged_dense(rng, batch, length, key):
     return (q, k, v, *_pages(rng, k, v, BLOCK_SIZE))
 
 
-def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs) -> str:
-    """An fp8 cache (the same K/V in e4m3, scales 1): Triton's and the Mosaic kernel's TF/s, the Mosaic output
-    checked against Triton's on that cache; ``bf16_tfs``: the Triton kernel's bf16 TF/s for the ratio."""
+# fp8 prefill on the Mosaic kernel: its routes (paged_prefill_attention_mgpu's ``fp8_route``) and step sizes
+MOSAIC_PREFILL_FP8 = {"convert": dict(fp8_route="convert"), "qk8": dict(fp8_route="qk8"),
+                      "qk8lo": dict(fp8_route="qk8lo"), "qk8lo bkv128": dict(fp8_route="qk8lo", block_kv=128),
+                      "qk8 bkv128": dict(fp8_route="qk8", block_kv=128)}
+# max abs diff against the Triton kernel on the same fp8 cache: "qk8" rounds the query to e4m3 (FA3's accuracy)
+FP8_Q_DIFF = 1.5e-1
+
+
+def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs, mosaic_bf16_tfs=None) -> str:
+    """An fp8 cache (the same K/V in e4m3, scales 1): Triton's and the Mosaic kernel's TF/s (each route of
+    ``MOSAIC_PREFILL_FP8``), the Mosaic outputs checked against Triton's on that cache; ``bf16_tfs``: the Triton
+    kernel's bf16 TF/s, ``mosaic_bf16_tfs``: the Mosaic kernel's (default variant) bf16 TF/s, for the ratios."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
     from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu
     q, kv, *meta = args
@@ -438,11 +447,17 @@ def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs) -> str:
     triton = jax.jit(functools.partial(paged_prefill_attention, **kw))
     want = triton(*args8).astype(jnp.float32)
     t_tfs = flops / statistics.median(time_calls(triton, [args8], iters)) / 1e12
-    mosaic = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw))
-    m_tfs = _mosaic_prefill_try("mosaic fp8", mosaic, args8, lambda out: jnp.abs(out.astype(jnp.float32) - want).max(),
-                                iters, time_calls, flops)
-    m = f"{m_tfs:.1f} TF/s ({m_tfs / t_tfs:.2f}x Triton fp8)" if m_tfs else "-"
-    return f"      fp8 cache: Triton {t_tfs:.1f} TF/s ({t_tfs / bf16_tfs:.2f}x its bf16), Mosaic {m}"
+    line = f"      fp8 cache: Triton {t_tfs:.1f} TF/s ({t_tfs / bf16_tfs:.2f}x its bf16)"
+    for name, rkw in MOSAIC_PREFILL_FP8.items():
+        mosaic = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw, **rkw))
+        diff = lambda out: jnp.abs(out.astype(jnp.float32) - want).max()
+        if rkw["fp8_route"] == "qk8":   # _mosaic_prefill_try's 5e-2 is for routes that keep q's precision
+            diff = lambda out, d=diff: d(out) * (5e-2 / FP8_Q_DIFF)
+        m_tfs = _mosaic_prefill_try(f"mosaic fp8 {name}", mosaic, args8, diff, iters, time_calls, flops)
+        if m_tfs:
+            vs = f", {m_tfs / mosaic_bf16_tfs:.2f}x Mosaic bf16" if mosaic_bf16_tfs else ""
+            line += f"\n        Mosaic {name}: {m_tfs:.1f} TF/s ({m_tfs / t_tfs:.2f}x Triton fp8{vs})"
+    return line
 
 
 def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, fp8=False) -> int:
@@ -485,6 +500,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, 
             cudnn_tfs = flops / t_cudnn / 1e12
             row = f"{batch:>5} {length:>5} {flops / t_ours / 1e12:>10.1f} {cudnn_tfs:>11.1f} {t_cudnn / t_ours:>6.2f}"
             breakdowns = []
+            mosaic_bf16 = None
             for name, kw in variants.items():
                 kw, vargs = dict(kw), args
                 if "block_size" in kw:  # the same K/V in larger pages
@@ -493,12 +509,14 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, 
                                                **kw))
                 tfs = _mosaic_prefill_try(name, fn, vargs, diff, iters, time_calls, flops)
                 row += f" {tfs:>16.1f} {tfs / cudnn_tfs:>6.2f}" if tfs else f" {'-':>16} {'-':>6}"
+                if name == "mosaic":
+                    mosaic_bf16 = tfs
                 if breakdown and tfs:
                     breakdowns.append((name, fn, vargs))
             print(row, flush=True)
             if fp8:
                 print(_fp8_prefill_line(args, dict(scale=scale, max_query_len=length), iters, time_calls, flops,
-                                        flops / t_ours / 1e12), flush=True)
+                                        flops / t_ours / 1e12, mosaic_bf16), flush=True)
             if breakdown:
                 print_breakdown("cudnn", cudnn, (q, k, v))
                 print_breakdown("ours (Triton)", ours, args)
@@ -538,6 +556,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, 
         flops = 4 * HEAD_SIZE * NUM_HEADS * (chunk * ctx + chunk * (chunk + 1) / 2)
         ours_tfs = flops / statistics.median(time_calls(ours, [args], iters)) / 1e12
         row = f"{ctx:>6} {ours_tfs:>10.1f}"
+        mosaic_bf16 = None
         for name, vkw in variants.items():
             vkw, vargs = dict(vkw), args
             if "block_size" in vkw:  # the same K/V in larger pages
@@ -545,9 +564,11 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, 
             fn = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw, **vkw))
             tfs = _mosaic_prefill_try(name, fn, vargs, diff, iters, time_calls, flops)
             row += f" {tfs:>16.1f} {tfs / ours_tfs:>7.2f}" if tfs else f" {'-':>16} {'-':>7}"
+            if name == "mosaic":
+                mosaic_bf16 = tfs
         print(row, flush=True)
         if fp8:
-            print(_fp8_prefill_line(args, kw, iters, time_calls, flops, ours_tfs), flush=True)
+            print(_fp8_prefill_line(args, kw, iters, time_calls, flops, ours_tfs, mosaic_bf16), flush=True)
     return 0
 
 

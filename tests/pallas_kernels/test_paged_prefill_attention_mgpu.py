@@ -112,6 +112,43 @@ def test_matches_float64_reference(index, persistent):
     assert err <= fuzz.TOLERANCE[case.cls.dtype]
 
 
+FP8_CASES = [i for i, (_, kw, _) in enumerate(CASES) if kw.get("fp8")]
+
+
+@pytest.mark.parametrize("pv_from_smem", [None, True], ids=["default", "p-smem"])
+@pytest.mark.parametrize("route", ["qk8", "qk8lo"])
+@pytest.mark.parametrize("index", FP8_CASES, ids=lambda i: IDS[i])
+def test_fp8_q_routes_match_float64(index, route, pv_from_smem):
+    """An fp8 cache read with q·kᵀ as an fp8 ``wgmma`` from the K slot (the query rows quantized to e4m3 per item,
+    V converted to f16): "qk8lo" (two e4m3 halves) within the query dtype's tolerance, "qk8" (one half: the query
+    off by up to 2**-4 of itself, FlashAttention-3's fp8 accuracy) within :data:`fuzz.FP8_Q_TOLERANCE`. NaN in every
+    unowned slot, as above."""
+    if pv_from_smem and not ON_GPU:
+        pytest.skip("the interpreter always runs P through shared memory")
+    if index != FP8_CASES[1] and not SLOW and not ON_GPU:
+        pytest.skip("set JAXKV_MGPU_FUZZ=N for every case in the interpreter")
+    lengths, kw, nc = CASES[index]
+    err, case, _ = _run(lengths, kw, nc, fp8_route=route, pv_from_smem=pv_from_smem)
+    assert err <= (fuzz.FP8_Q_TOLERANCE if route == "qk8" else fuzz.TOLERANCE[case.cls.dtype])
+
+
+def test_fp8_routes_are_checked():
+    """An ``fp8_route`` outside :data:`FP8_ROUTES` is a ValueError naming it, "qk8"/"qk8lo" with an e5m2 cache too
+    (the query tile is e4m3); the default route of an e5m2 cache is "convert"."""
+    assert mgpu_mod._fp8_route(None, kv_dtype=jnp.float8_e5m2) == "convert"
+    assert mgpu_mod._fp8_route(None, kv_dtype=jnp.bfloat16) == "convert"
+    assert mgpu_mod._fp8_route(None, kv_dtype=jnp.float8_e4m3fn) == tuning.MGPU_PREFILL_FP8_ROUTE
+    q = jnp.zeros((2, 4, 64), jnp.bfloat16)
+    kv = jnp.zeros((2, 4, 1, 16, 64), jnp.float8_e5m2)
+    call = functools.partial(paged_prefill_attention_mgpu, q, kv, jnp.zeros((1, 2), jnp.int32),
+                             jnp.full((1,), 2, jnp.int32), jnp.asarray([0, 2], jnp.int32), scale=0.1, max_query_len=2,
+                             k_scale=1.0, v_scale=1.0, interpret=True)
+    with pytest.raises(ValueError, match="fp8_route='qk9' must be one of"):
+        call(fp8_route="qk9")
+    with pytest.raises(ValueError, match="fp8_route='qk8lo' needs a float8_e4m3fn cache, not float8_e5m2"):
+        call(fp8_route="qk8lo")
+
+
 @pytest.mark.parametrize("num_programs", [1, 5])
 def test_persistent_programs_give_the_per_item_result(num_programs):
     """A persistent program walks its items one after another with the K/V ring, the step counter and
@@ -250,6 +287,17 @@ def test_num_stages_fit_shared_memory():
     assert tuning.mgpu_prefill_num_stages(64, 128, num_consumers=2, pv_from_smem=False, num_q_buffers=2,
                                           fp8=True) == 4
     assert 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 128 * 2 + 4 * 2 * 64 * 128 == 192 * 1024 <= tuning.MGPU_SMEM_BYTES
+    # "qk8": each consumer's converted V tile and e4m3 query tile (176 KiB at 4 stages); "qk8lo": and its low half
+    for route, kib in (("qk8", 176), ("qk8lo", 192)):
+        assert tuning.mgpu_prefill_num_stages(64, 128, num_consumers=2, pv_from_smem=False, num_q_buffers=2, fp8=True,
+                                              fp8_route=route) == 4
+        halves = 2 if route == "qk8lo" else 1
+        assert 2 * 2 * 64 * 128 * 2 + 2 * (64 * 128 * 2 + halves * 64 * 128) + 4 * 2 * 64 * 128 == kib * 1024
+    # 128-key steps with "qk8lo": one Q tile per consumer, 2 stages
+    assert tuning.mgpu_prefill_q_buffers(128, 128, num_consumers=2, pv_from_smem=False, fp8=True,
+                                         fp8_route="qk8lo") == 1
+    assert tuning.mgpu_prefill_num_stages(128, 128, num_consumers=2, pv_from_smem=False, fp8=True,
+                                          fp8_route="qk8lo") == 2
     for d in (64, 128, 256):
         bkv = tuning.mgpu_prefill_block_kv(d)
         for smem_p in (False, True):
@@ -317,10 +365,14 @@ def test_lowers_for_sm90(pv_from_smem):
         cls = _cls(lengths, **kw)
         case = fuzz.make_case(np.random.default_rng(0), cls, lengths)
         arrays, kwargs = case.kernel_args()
-        for persistent in ((False, True) if not pv_from_smem else (False,)):
+        runs = [(persistent, None) for persistent in ((False, True) if not pv_from_smem else (False,))]
+        if kw.get("fp8") and not pv_from_smem:     # the fp8 q·kᵀ routes, persistent
+            runs += [(True, "qk8"), (True, "qk8lo")]
+        for persistent, route in runs:
             fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(*a, **kwargs, num_consumers=nc,
                                                                  pv_from_smem=pv_from_smem, persistent=persistent,
-                                                                 num_programs=132 if persistent else None))
+                                                                 num_programs=132 if persistent else None,
+                                                                 fp8_route=route))
             exported = export.export(fn, platforms=("cuda",))(*arrays)
             assert "mosaic_gpu" in exported.mlir_module()
 
