@@ -163,6 +163,12 @@ def main(argv=None) -> int:
     p.add_argument("--prefill-fp8", action="store_true",
                    help="prefill: also an fp8 e4m3 cache (scales 1): the Triton kernel and the Mosaic kernel (its fp8 "
                         "path), each TF/s, the Mosaic result checked against Triton's on the same fp8 cache")
+    p.add_argument("--prefill-fp8-routes", default=",".join(MOSAIC_PREFILL_FP8),
+                   help="prefill --prefill-fp8: the Mosaic fp8 routes to time, comma-separated names of "
+                        f"MOSAIC_PREFILL_FP8 ({', '.join(MOSAIC_PREFILL_FP8)})")
+    p.add_argument("--prefill-variants", default=None,
+                   help="prefill: the Mosaic bf16 variants to time, comma-separated names of MOSAIC_PREFILL_VARIANTS "
+                        "(default: MOSAIC_PREFILL_QUICK with --quick, all without; 'mosaic' is the fp8 ratios' base)")
     p.add_argument("--no-mosaic", action="store_true",
                    help="leave out the Mosaic GPU kernels (pallas_kernels.paged_attention_mgpu, "
                         "paged_prefill_attention_mgpu)")
@@ -187,8 +193,14 @@ def main(argv=None) -> int:
     if args.mode == "write":
         return bench_write(time_calls, copy_gbs)
     if args.mode == "prefill":
+        unknown = [r for r in args.prefill_fp8_routes.split(",") if r not in MOSAIC_PREFILL_FP8]
+        unknown += [v for v in (args.prefill_variants or "").split(",") if v and v not in MOSAIC_PREFILL_VARIANTS]
+        if unknown:
+            p.error(f"unknown prefill route / variant: {', '.join(unknown)}")
         return bench_prefill(time_calls, args.iters, sweep=not args.quick, mosaic=not args.no_mosaic,
-                             breakdown=args.breakdown, fp8=args.prefill_fp8)
+                             breakdown=args.breakdown, fp8=args.prefill_fp8,
+                             fp8_routes=args.prefill_fp8_routes.split(","),
+                             variant_names=args.prefill_variants.split(",") if args.prefill_variants else None)
 
     ours = {} if args.mosaic_only else {"ours auto": dict(), "ours v1 (s=1)": dict(num_splits=1)}
     if not args.quick and not args.mosaic_only:  # around the tuned rule: half / double its split count, 8 pages per step, 3 stages
@@ -429,16 +441,17 @@ def _paged_dense(rng, batch, length, key):
 
 # fp8 prefill on the Mosaic kernel: its routes (paged_prefill_attention_mgpu's ``fp8_route``) and step sizes
 MOSAIC_PREFILL_FP8 = {"convert": dict(fp8_route="convert"), "qk8": dict(fp8_route="qk8"),
-                      "qk8lo": dict(fp8_route="qk8lo"), "qk8lo bkv128": dict(fp8_route="qk8lo", block_kv=128),
-                      "qk8 bkv128": dict(fp8_route="qk8", block_kv=128)}
+                      "qk8lo": dict(fp8_route="qk8lo"), "qk8lo-bkv128": dict(fp8_route="qk8lo", block_kv=128),
+                      "qk8-bkv128": dict(fp8_route="qk8", block_kv=128)}
 # max abs diff against the Triton kernel on the same fp8 cache: "qk8" rounds the query to e4m3 (FA3's accuracy)
 FP8_Q_DIFF = 1.5e-1
 
 
-def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs, mosaic_bf16_tfs=None) -> str:
+def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs, mosaic_bf16_tfs=None, routes=None) -> str:
     """An fp8 cache (the same K/V in e4m3, scales 1): Triton's and the Mosaic kernel's TF/s (each route of
     ``MOSAIC_PREFILL_FP8``), the Mosaic outputs checked against Triton's on that cache; ``bf16_tfs``: the Triton
-    kernel's bf16 TF/s, ``mosaic_bf16_tfs``: the Mosaic kernel's (default variant) bf16 TF/s, for the ratios."""
+    kernel's bf16 TF/s, ``mosaic_bf16_tfs``: the Mosaic kernel's (default variant) bf16 TF/s, for the ratios;
+    ``routes``: names of ``MOSAIC_PREFILL_FP8`` (``None``: all)."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
     from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu
     q, kv, *meta = args
@@ -449,6 +462,8 @@ def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs, mosaic_bf16_
     t_tfs = flops / statistics.median(time_calls(triton, [args8], iters)) / 1e12
     line = f"      fp8 cache: Triton {t_tfs:.1f} TF/s ({t_tfs / bf16_tfs:.2f}x its bf16)"
     for name, rkw in MOSAIC_PREFILL_FP8.items():
+        if routes is not None and name not in routes:
+            continue
         mosaic = jax.jit(functools.partial(paged_prefill_attention_mgpu, **kw, **rkw))
         diff = lambda out: jnp.abs(out.astype(jnp.float32) - want).max()
         if rkw["fp8_route"] == "qk8":   # _mosaic_prefill_try's 5e-2 is for routes that keep q's precision
@@ -460,13 +475,16 @@ def _fp8_prefill_line(args, kw, iters, time_calls, flops, bf16_tfs, mosaic_bf16_
     return line
 
 
-def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, fp8=False) -> int:
+def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, fp8=False, fp8_routes=None,
+                  variant_names=None) -> int:
     """Paged prefill kernels (Triton; Mosaic GPU) vs cuDNN dense causal attention on the same Q/K/V
-    (TFLOP/s, causal FLOPs), then chunked prefill (a 512-token chunk over a cached context)."""
+    (TFLOP/s, causal FLOPs), then chunked prefill (a 512-token chunk over a cached context). ``fp8``: each row
+    also with an fp8 cache (``fp8_routes``: the Mosaic routes, names of ``MOSAIC_PREFILL_FP8``);
+    ``variant_names``: the Mosaic bf16 variants (``None``: quick or all, by ``sweep``)."""
     from pallas_kernels.paged_prefill_attention import paged_prefill_attention
     from pallas_kernels.paged_prefill_attention_mgpu import paged_prefill_attention_mgpu
-    variants = {} if not mosaic else (dict(MOSAIC_PREFILL_VARIANTS) if sweep
-                                      else {n: MOSAIC_PREFILL_VARIANTS[n] for n in MOSAIC_PREFILL_QUICK})
+    names = variant_names or (list(MOSAIC_PREFILL_VARIANTS) if sweep else MOSAIC_PREFILL_QUICK)
+    variants = {} if not mosaic else {n: MOSAIC_PREFILL_VARIANTS[n] for n in names}
     print("paged prefill (context 0, whole prompts) vs jax.nn.dot_product_attention(implementation='cudnn'),")
     print(f"{NUM_HEADS}q/{NUM_KV_HEADS}kv heads, D {HEAD_SIZE}, bf16, block {BLOCK_SIZE}; "
           "FLOPs = 4 * D * heads * L(L+1)/2 per sequence (unmasked pairs only)")
@@ -516,7 +534,8 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, 
             print(row, flush=True)
             if fp8:
                 print(_fp8_prefill_line(args, dict(scale=scale, max_query_len=length), iters, time_calls, flops,
-                                        flops / t_ours / 1e12, mosaic_bf16), flush=True)
+                                        flops / t_ours / 1e12, mosaic_bf16,
+                                        fp8_routes), flush=True)
             if breakdown:
                 print_breakdown("cudnn", cudnn, (q, k, v))
                 print_breakdown("ours (Triton)", ours, args)
@@ -568,7 +587,7 @@ def bench_prefill(time_calls, iters, sweep=False, mosaic=True, breakdown=False, 
                 mosaic_bf16 = tfs
         print(row, flush=True)
         if fp8:
-            print(_fp8_prefill_line(args, kw, iters, time_calls, flops, ours_tfs, mosaic_bf16), flush=True)
+            print(_fp8_prefill_line(args, kw, iters, time_calls, flops, ours_tfs, mosaic_bf16, fp8_routes), flush=True)
     return 0
 
 
