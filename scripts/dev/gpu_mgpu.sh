@@ -56,10 +56,17 @@ if [[ " $SECTIONS " == *" prefill "* ]]; then
 echo "\$ JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} pytest -q tests/pallas_kernels/test_paged_prefill_attention_mgpu.py" \
   | tee "$OUT/mgpu-prefill-tests.txt"
 JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} timeout ${PREFILL_TESTS_TIMEOUT:-200} python -m pytest -q -p no:cacheprovider \
-  tests/pallas_kernels/test_paged_prefill_attention_mgpu.py \
+  tests/pallas_kernels/test_paged_prefill_attention_mgpu.py ${PREFILL_TESTS_K:+-k "$PREFILL_TESTS_K"} \
   2>&1 | quiet | tail -80 | tee -a "$OUT/mgpu-prefill-tests.txt"
 
-echo '$ python scripts/bench_attention.py --mode prefill --quick' | tee "$OUT/bench-prefill-mgpu.txt"
+echo "\$ python scripts/bench_attention.py --mode prefill --quick ${PREFILL_BENCH_ARGS:-}" | tee "$OUT/bench-prefill-mgpu.txt"
 timeout ${PREFILL_BENCH_TIMEOUT:-180} python scripts/bench_attention.py --mode prefill --quick --iters 10 ${PREFILL_BENCH_ARGS:-} \
   2>&1 | quiet | tee -a "$OUT/bench-prefill-mgpu.txt"
+if [ -n "${PREFILL_TESTS_AFTER_K:-}" ]; then  # more compiled tests after the bench (e.g. the rest of the file)
+  echo "\$ pytest -q tests/pallas_kernels/test_paged_prefill_attention_mgpu.py -k '$PREFILL_TESTS_AFTER_K'" \
+    | tee "$OUT/mgpu-prefill-tests-after.txt"
+  timeout ${PREFILL_TESTS_AFTER_TIMEOUT:-150} python -m pytest -q -p no:cacheprovider \
+    tests/pallas_kernels/test_paged_prefill_attention_mgpu.py -k "$PREFILL_TESTS_AFTER_K" \
+    2>&1 | quiet | tail -40 | tee -a "$OUT/mgpu-prefill-tests-after.txt"
+fi
 fi
