@@ -57,8 +57,11 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     SMI=$!
     trace=""
     # E2E_TRACE_RUNS=1: the timed run itself is the in-process engine's, traced over E2E_WINDOW (START:SECONDS) for
-    # its kernel table (every run alike: the A/B and the tables in one pass each)
+    # its kernel table (every run alike: the A/B and the tables in one pass each); E2E_WINDOW=all: the whole run
+    # traced from its start (a window's trace starts from a timer thread mid-run: the 70B runs of session 28 on
+    # 4xH200 died with it, a segfault and CUDA_ERROR_LAUNCH_FAILED, cause not isolated)
     [ -n "${E2E_TRACE_RUNS:-}" ] && trace="--profile-busy --profile-window ${E2E_WINDOW:-8:4}"
+    [ -n "${E2E_TRACE_RUNS:-}" ] && [ "${E2E_WINDOW:-}" = all ] && trace="--profile-busy"
     JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} JAXKV_PROFILE_TOP=25 XLA_FLAGS="${E2E_XLA_FLAGS:-}" \
       timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
       --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag > $OUT/e2e-$q.log 2>&1
