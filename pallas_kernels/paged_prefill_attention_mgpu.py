@@ -80,7 +80,10 @@ the output, so softmax and the accumulator stay float32 across steps. How the co
   (``e4m3(q / s - hi)``) into the same accumulator (q to ~2**-8 of itself, a bf16 query's precision), "qk8" keeps
   one half (FlashAttention-3's fp8 accuracy: each query element off by up to 2**-4 of itself). V is converted to
   f16 (one ``cvt`` per fp8 pair; bf16 goes through f32) and ``P V`` runs in f16 (P in [0, 1] is finer in f16).
-  An fp8 ``P V`` is not built: V's tile is not K-major for it (the decode kernel's docstring).
+  An fp8 ``P V`` is not built: V's tile is not K-major for it (the decode kernel's docstring). Compiled on the
+  H100 (session 28): "qk8lo" 0.71-0.79x the bf16 cache's speed (1.81-1.93x Triton's fp8 path; the default
+  route), "qk8" 0.78-0.88x (``tuning.MGPU_PREFILL_FP8_ROUTE``). What is left is V's conversion, done by both
+  consumers for the slot they share, and the 64-key steps.
 
 Steps default to 64 keys with an fp8 cache (each consumer's converted tiles beside the ring). The op-level dispatch
 sends fp8 prefill here from ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``'s fp8 entry.

@@ -356,7 +356,13 @@ def mgpu_prefill_block_kv(head_size: int, *, fp8: bool = False) -> int:
 
 # fp8 prefill route (paged_prefill_attention_mgpu's ``fp8_route``): "convert" (session 26: each consumer converts K
 # and V into q's dtype), "qk8" / "qk8lo" (session 28: q·kᵀ an fp8 wgmma from the fp8 K slot, V converted to f16).
-MGPU_PREFILL_FP8_ROUTE = "convert"
+# H100 (docs/logs/session28/mgpu-prefill-fp8, bench_attention.py --mode prefill --quick --prefill-fp8, 32q/8kv heads
+# of 128, block 16, batch 1/8 x 512/2048/8192 and a 512-token chunk over 4k), against the same kernel with a bf16
+# cache: convert 0.53-0.70x, qk8lo 0.71-0.79x (1.81-1.93x the Triton kernel's fp8 path), qk8 0.78-0.88x; 128-key
+# steps: qk8lo 0.66-0.85x, qk8 0.76-0.94x. "qk8lo" keeps the query's bf16 precision (the decode default "qk8t"
+# does too) and is 1.10-1.36x "convert" at every shape: the default. "qk8" is FlashAttention-3's fp8 accuracy
+# (the query off by up to 2**-4 of itself) for another ~1.1x: opt-in.
+MGPU_PREFILL_FP8_ROUTE = "qk8lo"
 
 
 def _prefill_converted_bytes(block_kv: int, head_size: int, fp8_route: str) -> int:

@@ -116,11 +116,12 @@ FP8_CASES = [i for i, (_, kw, _) in enumerate(CASES) if kw.get("fp8")]
 
 
 @pytest.mark.parametrize("pv_from_smem", [None, True], ids=["default", "p-smem"])
-@pytest.mark.parametrize("route", ["qk8", "qk8lo"])
+@pytest.mark.parametrize("route", ["convert", "qk8", "qk8lo"])
 @pytest.mark.parametrize("index", FP8_CASES, ids=lambda i: IDS[i])
-def test_fp8_q_routes_match_float64(index, route, pv_from_smem):
-    """An fp8 cache read with q·kᵀ as an fp8 ``wgmma`` from the K slot (the query rows quantized to e4m3 per item,
-    V converted to f16): "qk8lo" (two e4m3 halves) within the query dtype's tolerance, "qk8" (one half: the query
+def test_fp8_routes_match_float64(index, route, pv_from_smem):
+    """Each way of reading an fp8 cache (the default one runs in the tests above too): "convert" (K and V converted
+    into q's dtype) and, with q·kᵀ an fp8 ``wgmma`` from the K slot (the query rows quantized to e4m3 per item, V
+    converted to f16), "qk8lo" (two e4m3 halves), within the query dtype's tolerance; "qk8" (one half: the query
     off by up to 2**-4 of itself, FlashAttention-3's fp8 accuracy) within :data:`fuzz.FP8_Q_TOLERANCE`. NaN in every
     unowned slot, as above."""
     if pv_from_smem and not ON_GPU:
