@@ -11,7 +11,8 @@
 #     requests (CPU per process role by scripts/dev/proc_cpu.py), 0.9x the offline request rate with 4 client processes, rate inf with 8 client
 #     processes and response_format json_schema on half of the requests.
 #     SERVE_FLAGS: more `jaxkv serve` flags for every server of the stage (e.g. --api-server-count 4);
-#     JSON_AB_FLAGS (set, even empty): a fourth server with these flags instead runs the json_schema half again.
+#     JSON_AB_FLAGS (set, even empty): a fourth server with these flags instead runs the json_schema half again;
+#     SERVER_INF_ONLY=1: offline and the first server's rate-inf run only.
 #   STAGE=n8-8b: Llama-3.1-8B shapes (dummy weights, .dummy/requests-llama3.json): 1000 distinct prompts, then n=8
 #     over the first 125 (1000 sequences sharing their prompt's blocks); output tok/s of each.
 # Usage (device tool, repository root): STAGE=sampling bash scripts/dev/gpu_sampling.sh
@@ -121,10 +122,13 @@ PY
   timeout 150 python3 scripts/dev/proc_cpu.py -- $C --requests /tmp/req-wa.json --warmup-requests 500 \
     --warmup-max-tokens 32 --request-rate inf --client-processes 8 --result-json "$OUT/serve-inf.json" 2>&1 | quiet \
     | tail -22 | tee -a "$OUT/server.txt"
+  if [ -z "${SERVER_INF_ONLY:-}" ]; then  # SERVER_INF_ONLY=1: offline and this rate-inf run only (a short call)
   echo "=== other requests at $RATE req/s (0.9x offline), 4 client processes" | tee -a "$OUT/server.txt"
   timeout 150 $C --requests /tmp/req-b.json --request-rate $RATE --client-processes 4 \
     --result-json "$OUT/serve-09x.json" 2>&1 | quiet | tail -14 | tee -a "$OUT/server.txt"
+  fi
   stop
+  if [ -z "${SERVER_INF_ONLY:-}" ]; then
   start 2
   echo "=== a fresh server, rate inf, 8 client processes, json_schema on half (500 warm-up requests first)" \
     | tee -a "$OUT/server.txt"
@@ -145,6 +149,7 @@ PY
       --warmup-requests 500 --warmup-max-tokens 32 --result-json "$OUT/serve-inf-json-ab.json" 2>&1 | quiet \
       | tail -14 | tee -a "$OUT/server.txt"
     stop
+  fi
   fi
   python3 - "$OUT" <<'PY' | tee -a "$OUT/server.txt"
 import json, pathlib, sys

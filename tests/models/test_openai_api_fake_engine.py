@@ -319,6 +319,14 @@ def test_bench_serving_measures_a_run(server):
     args.client_processes = 2
     runs.append(bench_serving.run_rate_openai(args, reqs, math.inf, seed=0))
     assert runs[-1]["client_processes"] == 2
+    # the same through a pool of client processes kept for the warm-up and every run (their connections stay open)
+    with bench_serving.ClientPool(args, 2) as pool:
+        pids = [proc.pid for proc in pool._procs]
+        warm, _ = pool.run(reqs, [0.0] * len(reqs), max_tokens=5)   # the warm-up's cap on max_tokens
+        assert [r.output_len for r in warm] == [min(4 + i, 5) for i in range(6)]
+        runs.append(bench_serving.run_rate_openai(args, reqs, math.inf, seed=0, pool=pool))
+        assert [proc.pid for proc in pool._procs] == pids and all(proc.is_alive() for proc in pool._procs)
+    assert not any(proc.is_alive() for proc in pool._procs)
     for m in runs:
         assert m["completed"] == 6 and m["failed"] == 0
         assert m["total_output_tokens"] == sum(4 + i for i in range(6)) and m["total_input_tokens"] == 13
@@ -328,7 +336,7 @@ def test_bench_serving_measures_a_run(server):
         # character of "p<i>")
         assert m["prompt_len_mismatches"] == 1
     table = bench_serving.summary_table(runs, markdown=True)
-    assert "| 200 | 6/6 |" in table and table.count("| inf | 6/6 |") == 2
+    assert "| 200 | 6/6 |" in table and table.count("| inf | 6/6 |") == 3
     assert bench_serving.parse_rates("inf, 0.5x,2") == [math.inf, "0.5x", 2.0]
     for text in ("0.5x,inf", "0", "-1", "inf,0x"):
         with pytest.raises(ValueError):
@@ -493,7 +501,7 @@ def test_bench_serving_starts_due_requests_in_the_dataset_order(monkeypatch):
 
     started = []
 
-    async def fake_send(client, model, req, *, ignore_eos):
+    async def fake_send(client, model, req, *, ignore_eos, max_tokens=None):
         started.append(req.prompt)
         await asyncio.sleep(0.001)
         return bench_serving.RequestResult()
