@@ -42,6 +42,8 @@ from jaxkv.worker.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
 from jaxkv.worker.model_runner import ModelFn, ModelRunner
 
 log = logging.getLogger(__name__)
+# the interpreter's thread switch interval once a request's masks come from host callbacks inside the steps
+GIL_SWITCH_INTERVAL_S = 0.0005
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,10 +284,6 @@ class LLMEngine:
         self.structured_outputs = structured_outputs
         if structured_outputs is not None and structured_outputs_in_step:
             self.runner.use_step_masks(structured_outputs.bitmask_words)
-            # a step's callbacks (and the mask worker) need the GIL while this thread may be preparing the next step
-            # in Python: a waiting thread gets the GIL after at most the switch interval (5 ms by default, more
-            # than a SmolLM2 step), so it is shortened for the process
-            sys.setswitchinterval(min(sys.getswitchinterval(), 0.0005))
         self._fsm_waiting: list[Request] = []  # requests whose grammar is compiling (vLLM WAITING_FOR_FSM)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -555,6 +553,11 @@ class LLMEngine:
             req.grammar = self.structured_outputs.grammar(future.result())
             req.grammar_words = self.structured_outputs.bitmask_words
             req.grammar_in_step = self.runner.step_masks is not None  # its masks come from inside the steps
+            if req.grammar_in_step and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+                # a step's callbacks (and the mask worker) need the GIL while this thread may be preparing the next
+                # step in Python: a waiting thread gets it after at most the switch interval (5 ms by default, more
+                # than a SmolLM2 step), so it is shortened for the process once constrained requests run
+                sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         except Exception as e:  # noqa: BLE001 - validated at add_request: a library failure
             log.error("request %s: its grammar did not compile: %s", req.request_id, e)
             self.abort_request(req.request_id)

@@ -99,7 +99,10 @@ class EngineArgs:
             (vLLM ``--structured-outputs-config.disable_any_whitespace``).
         structured_outputs_in_step: a constrained request's masks come from host callbacks inside each step, so
             it decodes in device loops like any request (one device per engine: a ``ValueError`` with
-            ``tensor_parallel_size > 1``; data-parallel ranks are engines of one device each). No vLLM counterpart.
+            ``tensor_parallel_size > 1``; data-parallel ranks are engines of one device each); ``None`` (default):
+            on with one device per engine, else off (masks filled on the host per pass). No vLLM counterpart.
+            Measured on an H100 (session 28, SmolLM2 server, json_schema on half of 1000 requests at rate inf):
+            23,007 out tok/s against 11,143 with host-filled masks.
     """
 
     model: str = "smollm2-135m"
@@ -132,7 +135,7 @@ class EngineArgs:
     scheduling_policy: str = "fcfs"
     max_logprobs: int = 20
     structured_outputs_disable_any_whitespace: bool = False
-    structured_outputs_in_step: bool = False
+    structured_outputs_in_step: bool | None = None
 
     def __post_init__(self):
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("scheduling_policy", SCHEDULING_POLICIES),
@@ -159,6 +162,7 @@ class EngineArgs:
         if self.structured_outputs_in_step and self.tensor_parallel_size > 1:
             raise ValueError(f"structured_outputs_in_step=True needs one device per engine, not "
                              f"tensor_parallel_size={self.tensor_parallel_size} (host callbacks in a partitioned step)")
+
 
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
@@ -243,8 +247,8 @@ class EngineArgs:
             help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
         add("--structured-outputs-in-step", action=argparse.BooleanOptionalAction,
             help="a constrained request's masks come from host callbacks inside each step, so it decodes in "
-            "device loops like any request (one device only) (default: "
-            f"{d['structured_outputs_in_step']})")
+            "device loops like any request (one device per engine) (default: on with one device per engine, "
+            "else off)")
         add("--preemption-mode", choices=PREEMPTION_MODES, help="recompute: a preempted request is prefilled "
             "again; swap: its blocks go to the host tier and back (needs --kv-offloading-size)")
         add("--scheduling-policy", choices=SCHEDULING_POLICIES, help="fcfs: arrival order; priority: by each "
@@ -436,7 +440,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         vocab_size=config.vocab_size, max_logprobs=args.max_logprobs,
         structured_outputs=structured_output_manager(tokenizer, config.vocab_size,
                                                      any_whitespace=not args.structured_outputs_disable_any_whitespace),
-        structured_outputs_in_step=args.structured_outputs_in_step)
+        structured_outputs_in_step=(args.structured_outputs_in_step if args.structured_outputs_in_step is not None
+                                    else tp == 1))
     t_built = time.perf_counter()
     warmup_s = 0.0
     executable_cache = None

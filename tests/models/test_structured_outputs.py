@@ -180,12 +180,15 @@ def test_accept_tokens_equals_accept_row_by_row(llm):
 
 
 def test_a_token_outside_the_grammar_aborts_only_its_request(llm, monkeypatch, caplog):
-    """With the masks taken away (every row left all ones), a noise model soon samples what the regex forbids: the
-    engine aborts that request, logs why, and the unconstrained request beside it finishes as usual."""
+    """With the masks taken away (every row left all ones: by the host fill, or inside the step, ``llm``'s default),
+    a noise model soon samples what the regex forbids: the engine aborts that request, logs why, and the
+    unconstrained request beside it finishes as usual."""
     import logging
 
+    from jaxkv.core import structured_output
     from jaxkv.worker import model_runner
     monkeypatch.setattr(model_runner, "fill_bitmasks", lambda rows, bitmask: None)
+    monkeypatch.setattr(structured_output, "fill_bitmasks", lambda rows, bitmask: None)
     digits = SamplingParams(max_tokens=12, temperature=1.0, seed=11,
                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{12}"))
     plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -197,15 +200,18 @@ def test_a_token_outside_the_grammar_aborts_only_its_request(llm, monkeypatch, c
 
 
 def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
-    """``structured_outputs_in_step``: each step's masks come from a host callback inside the step, the matchers
-    advancing over the tokens the step was fed. Against the host-filled masks (one per pass, one token per pass
-    for a constrained request: the engine of ``llm``), the same requests give the same tokens, while the
-    constrained requests decode in device loops (fewer passes than tokens) and the JSON still validates."""
+    """``structured_outputs_in_step`` (the default with one device: the engine of ``llm``): each step's masks come
+    from a host callback inside the step, the matchers advancing over the tokens the step was fed. Against
+    host-filled masks (``structured_outputs_in_step=False``: one per pass, one token per pass for a constrained
+    request), the same requests give the same tokens, while the constrained requests decode in device loops
+    (fewer passes than tokens) and the JSON still validates."""
     hfc.write_checkpoint(tmp_path, "LlamaForCausalLM", seed=5)
-    in_step = models.LLM(tmp_path, dtype="float32", attention_impl="reference", max_model_len=128,
-                         num_gpu_blocks=512, block_size=8, max_num_seqs=24, max_num_batched_tokens=128,
-                         num_scheduler_steps=4, async_scheduling=True, enable_multiprocessing=False,
-                         structured_outputs_disable_any_whitespace=True, structured_outputs_in_step=True)
+    host = models.LLM(tmp_path, dtype="float32", attention_impl="reference", max_model_len=128,
+                      num_gpu_blocks=512, block_size=8, max_num_seqs=24, max_num_batched_tokens=128,
+                      num_scheduler_steps=4, async_scheduling=True, enable_multiprocessing=False,
+                      structured_outputs_disable_any_whitespace=True, structured_outputs_in_step=False)
+    in_step = llm
+    assert host.engine.runner.step_masks is None and in_step.engine.runner.step_masks is not None
     sps = [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
                           structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(6)]
     sps += [SamplingParams(max_tokens=30, temperature=1.0, seed=7,
@@ -214,7 +220,7 @@ def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
                            structured_outputs=StructuredOutputsParams(choice=["yes", "no", "maybe so"])),
             SamplingParams(max_tokens=40, temperature=0, ignore_eos=True)]
     prompts = [f"Animal {i}:" for i in range(6)] + ["Code:", "Answer:", "Hello world"]
-    want = llm.generate(prompts, sps, use_tqdm=False)
+    want = host.generate(prompts, sps, use_tqdm=False)
     engine = in_step.engine
     before = engine.stats.steps
     got = in_step.generate(prompts, sps, use_tqdm=False)
