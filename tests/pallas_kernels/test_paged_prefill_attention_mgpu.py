@@ -367,8 +367,8 @@ def test_lowers_for_sm90(pv_from_smem):
         case = fuzz.make_case(np.random.default_rng(0), cls, lengths)
         arrays, kwargs = case.kernel_args()
         runs = [(persistent, None) for persistent in ((False, True) if not pv_from_smem else (False,))]
-        if kw.get("fp8") and not pv_from_smem:     # the fp8 q·kᵀ routes, persistent
-            runs += [(True, "qk8"), (True, "qk8lo")]
+        if kw.get("fp8") and kw.get("head") == 128 and not pv_from_smem:   # the other fp8 routes, persistent
+            runs += [(True, r) for r in mgpu_mod.FP8_ROUTES if r != tuning.MGPU_PREFILL_FP8_ROUTE]
         for persistent, route in runs:
             fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(*a, **kwargs, num_consumers=nc,
                                                                  pv_from_smem=pv_from_smem, persistent=persistent,
