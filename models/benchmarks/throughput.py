@@ -411,46 +411,44 @@ class NvmlBusySampler:
 
 
 class TraceWindow:
-    """A JAX profiler trace of ``seconds`` of a run from ``start`` seconds into it (a timer thread starts and stops
-    it), or of the whole run (``seconds`` ``None``): a long run over several GPUs traced whole overflows CUPTI's
-    event buffer (a 70B run over 4 GPUs, session 26). Use as a context manager around the run; ``span_s`` is the
-    traced time (what the busy share divides by)."""
+    """A JAX profiler trace of ``seconds`` of a run from ``start`` seconds into it, or of the whole run (``seconds``
+    ``None``): a long run over several GPUs traced whole overflows CUPTI's event buffer (a 70B run over 4 GPUs,
+    session 26). The window opens and closes in :meth:`poll`, which the run calls on the thread that dispatches its
+    steps, between steps (``run_jaxkv``: as each request finishes): started from a timer thread while the engine
+    thread launched kernels on four GPUs, both 70B runs of session 28 died (a segfault; CUDA_ERROR_LAUNCH_FAILED in a
+    decode loop; cause not isolated). Use as a context manager around the run; ``span_s`` is the traced time (what the
+    busy share divides by)."""
 
     def __init__(self, trace_dir: str, start: float = 0.0, seconds: float | None = None):
         self.trace_dir, self.start, self.seconds = trace_dir, float(start), seconds
-        self._lock = threading.Lock()
         self._state = "idle"            # idle -> tracing -> done
-        self._timers: list[threading.Timer] = []
-        self._t_start = self._t_stop = None
+        self._t0 = self._t_start = self._t_stop = None
 
     def _begin(self):
-        with self._lock:
-            if self._state == "idle":
-                jax.profiler.start_trace(self.trace_dir)
-                self._state, self._t_start = "tracing", time.perf_counter()
+        if self._state == "idle":
+            jax.profiler.start_trace(self.trace_dir)
+            self._state, self._t_start = "tracing", time.perf_counter()
 
     def _end(self):
-        with self._lock:
-            if self._state == "tracing":
-                jax.profiler.stop_trace()
-                self._t_stop = time.perf_counter()
-            self._state = "done"
+        if self._state == "tracing":
+            jax.profiler.stop_trace()
+            self._t_stop = time.perf_counter()
+        self._state = "done"
+
+    def poll(self) -> None:
+        """Open or close the window by the time since ``__enter__`` (call between steps, on their thread)."""
+        elapsed = time.perf_counter() - self._t0
+        if self._state == "idle" and elapsed >= self.start:
+            self._begin()
+        if self._state == "tracing" and self.seconds is not None and elapsed >= self.start + self.seconds:
+            self._end()
 
     def __enter__(self):
-        if self.seconds is None and self.start <= 0:
-            self._begin()
-            return self
-        self._timers = [threading.Timer(self.start, self._begin)]
-        if self.seconds is not None:
-            self._timers.append(threading.Timer(self.start + self.seconds, self._end))
-        for t in self._timers:
-            t.daemon = True
-            t.start()
+        self._t0 = time.perf_counter()
+        self.poll()
         return self
 
     def __exit__(self, *exc):
-        for t in self._timers:
-            t.cancel()
         self._end()
         return False
 
@@ -477,10 +475,12 @@ def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_s
     def on_finish(out, _update=update):  # when each request ends, for --nvml-busy's phases
         finish_times_us.append(int(time.time() * 1e6))
         _update(out)
-    trace_dir = None
+        if trace_window is not None:     # the profiler's window opens and closes between steps, on their thread
+            trace_window.poll()
+    trace_dir = trace_window = None
     if profile_busy:  # GPU busy time from a JAX profiler trace of the timed run (in-process engines only)
         trace_dir = tempfile.mkdtemp(prefix=f"bench-{name}-trace-")
-        prof = TraceWindow(trace_dir, *profile_window)
+        prof = trace_window = TraceWindow(trace_dir, *profile_window)
     else:
         prof = contextlib.nullcontext()
     nvml = NvmlBusySampler() if nvml_busy else contextlib.nullcontext()
@@ -494,7 +494,7 @@ def run_jaxkv(llm: LLM, requests: list[SampledRequest], *, static: bool, batch_s
                 longest = max(r.output_len for r in batch)
                 outs += llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in batch],
                                      [_params(longest, start + i) for i in range(len(batch))], use_tqdm=False,
-                                     on_finished=update)
+                                     on_finished=on_finish)
         else:
             outs = llm.generate([{"prompt_token_ids": r.prompt_token_ids} for r in requests],
                                 [_params(r.output_len, i) for i, r in enumerate(requests)], use_tqdm=False,

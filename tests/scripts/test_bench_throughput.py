@@ -259,26 +259,30 @@ def test_dummy_run_from_a_bare_config_json(tmp_path):
 
 
 def test_trace_window_starts_and_stops_the_profiler_on_time(tmp_path, monkeypatch):
-    """``--profile-window START:SECONDS``: the trace runs from START to START + SECONDS into the run (timer threads);
-    by default the whole run; a window the run never reaches traces nothing. Bad windows are refused by name."""
+    """``--profile-window START:SECONDS``: the trace runs from START to START + SECONDS into the run, opened and
+    closed by ``poll`` (the run calls it between steps, on their thread); by default the whole run from ``__enter__``;
+    a window the run never reaches traces nothing. Bad windows are refused by name."""
     import jax.profiler
     mod = _module()
     calls = []
     monkeypatch.setattr(jax.profiler, "start_trace", lambda d: calls.append(("start", time.perf_counter())))
     monkeypatch.setattr(jax.profiler, "stop_trace", lambda: calls.append(("stop", time.perf_counter())))
-    t0 = time.perf_counter()
-    with mod.TraceWindow(str(tmp_path)) as whole:
-        time.sleep(0.05)
+
+    def run(window, seconds):
+        t0 = time.perf_counter()
+        with window:
+            while time.perf_counter() - t0 < seconds:
+                window.poll()
+                time.sleep(0.005)
+        return t0
+    t0 = run(whole := mod.TraceWindow(str(tmp_path)), 0.05)
     assert [c for c, _ in calls] == ["start", "stop"] and calls[0][1] - t0 < 0.02 and whole.span_s >= 0.05
     calls.clear()
-    t0 = time.perf_counter()
-    with mod.TraceWindow(str(tmp_path), 0.1, 0.15) as win:
-        time.sleep(0.45)
+    t0 = run(win := mod.TraceWindow(str(tmp_path), 0.1, 0.15), 0.45)
     assert [c for c, _ in calls] == ["start", "stop"]
-    assert 0.09 <= calls[0][1] - t0 < 0.2 and 0.24 <= calls[1][1] - t0 < 0.4 and 0.14 <= win.span_s < 0.25
+    assert 0.1 <= calls[0][1] - t0 < 0.2 and 0.25 <= calls[1][1] - t0 < 0.4 and 0.15 <= win.span_s < 0.25
     calls.clear()
-    with mod.TraceWindow(str(tmp_path), 5.0, 1.0) as late:
-        time.sleep(0.01)
+    run(late := mod.TraceWindow(str(tmp_path), 5.0, 1.0), 0.01)
     assert calls == [] and late.span_s is None
     args = mod.parse_args(["--profile-busy", "--profile-window", "20:3", "--backend", "hf"])
     assert args.profile_window_s == (20.0, 3.0)
