@@ -429,21 +429,28 @@ def _store_output_keys(acc_t, m, l, v_scale, io_tile, lse_tile, o_dst, lse_dst) 
     plgpu.copy_smem_to_gmem(lse_tile, lse_dst)
 
 
-def _quantize_q(io_tile, q_hi, q_lo, q_scale) -> None:
-    """The query rows of the plain staging tile ``io_tile`` (``[ROWS, head_size]``, q's dtype) to e4m3 with a
-    scale per row: ``s = absmax / 448`` into ``q_scale`` (``f32[ROWS]``), ``hi = e4m3(q / s)`` into the
-    swizzled fp8 tile ``q_hi``, and with ``q_lo`` the rounding error ``lo = e4m3((q / s - hi) *
-    QK8_LO_SCALE)`` (``q / s = hi + lo / QK8_LO_SCALE`` to ~2**-8 of the row's absmax; ``hi`` alone: 2**-4).
-    Rows past the group are stale and quantized as garbage (their logits are dropped); an all-zero row gets
-    a tiny scale and quantizes to 0."""
-    q = plgpu.load(io_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
+def quantize_q_rows(q_tile, q_hi, q_lo, lo_scale: float = QK8_LO_SCALE):
+    """The query rows of ``q_tile`` (``[ROWS, head_size]`` in q's dtype, shared memory) to e4m3 with a scale per row:
+    ``s = absmax / 448``; ``hi = e4m3(q / s)`` into the swizzled fp8 tile ``q_hi``, and with ``q_lo`` the rounding
+    error ``lo = e4m3((q / s - hi) * lo_scale)`` (``q / s = hi + lo / lo_scale`` to ~2**-8 of each element; ``hi``
+    alone: 2**-4). Returns ``s`` (``f32[ROWS]``, WGMMA row layout); an all-zero row gets a tiny scale and quantizes
+    to 0. The caller commits shared memory. (The decode kernel scales ``lo`` by QK8_LO_SCALE into its own
+    accumulator; the prefill kernel chains it unscaled into the ``hi`` accumulator, ``lo_scale`` 1.)"""
+    q = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
     amax = jnp.maximum(jnp.max(jnp.abs(q), axis=1), QK8_MIN_ABSMAX)
     qs = q * lax.broadcast_in_dim(E4M3_MAX / amax, q.shape, [0])
     hi = qs.astype(q_hi.dtype)
     q_hi[...] = hi
     if q_lo is not None:
-        q_lo[...] = ((qs - hi.astype(jnp.float32)) * QK8_LO_SCALE).astype(q_lo.dtype)
-    q_scale[...] = amax * (1.0 / E4M3_MAX)
+        lo = qs - hi.astype(jnp.float32)
+        q_lo[...] = (lo * lo_scale if lo_scale != 1 else lo).astype(q_lo.dtype)
+    return amax * (1.0 / E4M3_MAX)
+
+
+def _quantize_q(io_tile, q_hi, q_lo, q_scale) -> None:
+    """:func:`quantize_q_rows` of the plain staging tile ``io_tile`` with the row scales into ``q_scale``
+    (``f32[ROWS]``); rows past the group are stale and quantized as garbage (their logits are dropped)."""
+    q_scale[...] = quantize_q_rows(io_tile, q_hi, q_lo)
     plgpu.commit_smem()
 
 

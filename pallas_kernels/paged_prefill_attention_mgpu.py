@@ -119,14 +119,13 @@ from pallas_kernels._reference import kv_scales
 from pallas_kernels.paged_attention import FP8_DTYPES
 from pallas_kernels.paged_attention_mgpu import (
     COMPUTE_DTYPES,
-    E4M3_MAX,
     HEAD_SIZES,  # noqa: F401  (the head sizes this kernel computes too)
     LOG2E,
-    QK8_MIN_ABSMAX,
     ROWS,
     _convert_tile,
     _tile_transforms,
     default_num_programs,
+    quantize_q_rows,
 )
 from pallas_kernels.paged_attention_mgpu import unsupported_reason as decode_unsupported_reason
 from pallas_kernels.paged_prefill_attention import _is_int, check_prefill_call
@@ -183,23 +182,6 @@ class _Segment:
                          else jnp.maximum(self.pos_first - sliding_window + 1, 0))
         self.first = self.kv_start // block_kv
         self.end = jnp.where(self.has_rows, (kv_end + block_kv - 1) // block_kv, self.first)
-
-
-def _quantize_rows(q_tile, q_hi, q_lo):
-    """The consumer's query rows (``q_tile``, ``[ROWS, head_size]`` in q's dtype, swizzled) to e4m3 with a scale per
-    row: ``s = absmax / 448``; ``hi = e4m3(q / s)`` into the swizzled fp8 tile ``q_hi`` and, with ``q_lo``, the
-    rounding error ``e4m3(q / s - hi)`` into ``q_lo`` (so ``q / s = hi + lo`` to ~2**-8 of each element, or 2**-10 of
-    448 where ``lo`` is subnormal). Returns ``s`` (``f32[ROWS]``, WGMMA row layout); an all-zero row (padding, rows of
-    no sequence) gets a tiny scale and quantizes to 0."""
-    q = plgpu.load(q_tile, layout=plgpu.Layout.WGMMA).astype(jnp.float32)
-    amax = jnp.maximum(jnp.max(jnp.abs(q), axis=1), QK8_MIN_ABSMAX)
-    qs = q * lax.broadcast_in_dim(E4M3_MAX / amax, q.shape, [0])
-    hi = qs.astype(q_hi.dtype)
-    q_hi[...] = hi
-    if q_lo is not None:
-        q_lo[...] = (qs - hi.astype(jnp.float32)).astype(q_lo.dtype)
-    plgpu.commit_smem()
-    return amax * (1.0 / E4M3_MAX)
 
 
 def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref,
@@ -341,7 +323,8 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
             plgpu.barrier_wait(q_bars.at[b * num_consumers + wg])
             if qk8:      # this item's query rows in e4m3 (the previous item's wgmmas were all waited)
                 q_lo = None if q8lo_smem is None else q8lo_smem.at[wg]
-                factor = _quantize_rows(q_tile, q8_smem.at[wg], q_lo) * k_factor
+                factor = quantize_q_rows(q_tile, q8_smem.at[wg], q_lo, lo_scale=1.0) * k_factor
+                plgpu.commit_smem()
                 q_wgmma = q8_smem.at[wg]
             else:
                 q_lo, factor, q_wgmma = None, k_factor, q_tile
