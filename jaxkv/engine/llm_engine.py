@@ -84,6 +84,9 @@ class EngineStats:
         kv_offload_write_s: seconds of the host tier's writer thread writing arrived blocks into the pool.
         kv_offload_load_s: seconds of its loader thread gathering host blocks and starting their transfers
             to the device (the requests they are for wait, the others step).
+        step_mask_calls, step_mask_wait_s: structured outputs' masks inside the steps
+            (``structured_outputs_in_step``): the steps whose masks the host computed, and the seconds the
+            second callback waited for them after the forward pass (the fill the device did not hide).
     """
 
     num_running: int
@@ -122,6 +125,8 @@ class EngineStats:
     kv_offload_copy_s: float = 0.0
     kv_offload_write_s: float = 0.0
     kv_offload_load_s: float = 0.0
+    step_mask_calls: int = 0
+    step_mask_wait_s: float = 0.0
 
     @property
     def gpu_idle_share(self) -> float:
@@ -354,7 +359,12 @@ class LLMEngine:
                            kv_cache_usage=kv.usage, num_preemptions=self.scheduler.num_preemptions,
                            prefix_cache_hit_rate=kv.prefix_cache_hit_rate, num_compiles=self.num_compiles,
                            num_buckets=self.num_buckets, transfer_s=self.runner.transfer_s,
-                           call_s=self.runner.call_s, **self._counters, **self._host_tier_stats())
+                           call_s=self.runner.call_s, **self._counters, **self._host_tier_stats(),
+                           **self._step_mask_stats())
+
+    def _step_mask_stats(self) -> dict:
+        masks = self.runner.step_masks
+        return {} if masks is None else dict(step_mask_calls=masks.num_calls, step_mask_wait_s=masks.wait_s)
 
     def _host_tier_stats(self) -> dict:
         host, off = self.host_pool, self.offloader

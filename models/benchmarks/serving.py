@@ -248,7 +248,7 @@ def _server_delta(before: dict, after: dict) -> dict:
     GPU's idle share (host time between device steps / all step time)."""
     keys = ("num_preemptions", "num_compiles", "steps", "model_steps", "decode_steps", "num_generated_tokens",
             "num_prompt_tokens_computed", "step_s", "device_wait_s", "device_idle_s", "schedule_s", "execute_s",
-            "update_s", "num_generation_tokens_total")
+            "update_s", "num_generation_tokens_total", "step_mask_calls", "step_mask_wait_s")
     num = (int, float)
     delta = {k: after[k] - before[k] for k in keys
              if isinstance(after.get(k), num) and isinstance(before.get(k), num)}

@@ -230,6 +230,9 @@ def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
     assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", got[6].outputs[0].text)
     passes = engine.stats.steps - before
     assert engine.runner.step_masks.num_calls > 0 and engine.runner.num_deferred > 0  # on the dispatch thread
+    stats = engine.stats
+    assert stats.step_mask_calls == engine.runner.step_masks.num_calls and stats.step_mask_wait_s >= 0
+    assert host.engine.stats.step_mask_calls == 0
     assert passes < max(len(o.outputs[0].token_ids) for o in got[:6])  # constrained rows took tokens in loops
 
 

@@ -54,7 +54,8 @@ COUNTER_STATS = frozenset({
     "decode_tokens", "schedule_s", "execute_s", "update_s", "transfer_s", "call_s", "num_swaps_out",
     "num_swaps_in", "num_blocks_swapped_out", "num_blocks_swapped_in", "num_swap_recompute_fallbacks",
     "num_blocks_offloaded", "num_host_prefix_hit_tokens", "kv_offload_bytes_to_host",
-    "kv_offload_bytes_to_device", "kv_offload_copy_s", "kv_offload_write_s", "kv_offload_load_s"})
+    "kv_offload_bytes_to_device", "kv_offload_copy_s", "kv_offload_write_s", "kv_offload_load_s", "step_mask_calls",
+    "step_mask_wait_s"})
 # /stats fields each API-server process counts for itself: summed over the processes (multiprocess files)
 PROCESS_COUNTERS = {
     "num_prompt_tokens_total": "Prompt tokens of the requests this server sent to the engine",
@@ -83,6 +84,8 @@ STAT_HELP = {
     "num_generated_tokens": "Tokens the engine generated", "num_prompt_tokens_computed":
     "Prompt tokens run through the model (re-prefills included)", "num_free_blocks": "Free KV-cache blocks",
     "num_gpu_blocks": "KV-cache blocks", "max_model_len": "Longest prompt + completion in tokens",
+    "step_mask_calls": "Steps whose structured-output masks the host computed inside the step",
+    "step_mask_wait_s": "Seconds those steps waited for their masks after the forward pass",
 }
 
 
