@@ -226,10 +226,6 @@ class StepMasks:
         self.wait_s += time.perf_counter() - t0
         return mask
 
-    def __call__(self, dispatch_id, tokens, positions) -> np.ndarray:
-        """:meth:`begin` and :meth:`finish` at once."""
-        return self.finish(self.begin(dispatch_id, tokens, positions))
-
     def _masks(self, rows, tokens: np.ndarray, positions: np.ndarray) -> np.ndarray:
         t0 = time.perf_counter()
         mask = np.full((tokens.shape[0], self.words), -1, np.int32)

@@ -337,8 +337,8 @@ def _client_worker(conn, args) -> None:
 class ClientPool:
     """``--client-processes`` client processes for every run of a benchmark (and its warm-up), each with one
     ``openai`` client kept open: requests of a run go out over the connections earlier runs opened. Fresh processes
-    per run (what ``run_rate_openai`` without a pool does) import the client and open one TCP connection per
-    request at the run's start, whose races reach the server in another order than sent (session 28, H100: the
+    per run (before session 28; ``run_rate_openai`` without a pool still starts a pool for its run alone) open one
+    TCP connection per request at the run's start, whose races reach the server in another order than sent (H100: the
     1000 rate-inf requests reached the engine from +0.30 s to +0.77 s after the client's start, median 217 places
     from their order). Request ``i`` of a run goes to process ``i mod n``. Use as a context manager."""
 
@@ -388,16 +388,10 @@ class ClientPool:
                 proc.terminate()
 
 
-def _client_process(args, requests, arrivals, t0) -> list[RequestResult]:
-    return asyncio.run(_send_scheduled(args, requests, arrivals, t0))
-
-
 def run_rate_openai(args, requests: list[SampleRequest], rate: float, seed: int, pool: ClientPool | None = None
                     ) -> dict:
     """One run through the official ``openai`` client in ``--client-processes`` processes: ``pool``'s (warm,
-    kept between runs), or new ones for this run."""
-    import concurrent.futures
-    import multiprocessing
+    kept between runs), or a pool started for this run alone."""
     import urllib.request
 
     def stats() -> dict:
@@ -411,19 +405,8 @@ def run_rate_openai(args, requests: list[SampleRequest], rate: float, seed: int,
     arrivals = np.concatenate([[0.0], np.cumsum(intervals[:-1])])
     n = max(1, min(pool.n if pool else args.client_processes, len(requests)))
     before = stats()
-    if pool is not None:
-        results, t0 = pool.run(requests, arrivals)
-    elif n == 1:
-        t0 = time.time() + 1.0
-        results = asyncio.run(_send_scheduled(args, requests, arrivals, t0))
-    else:
-        t0 = time.time() + 1.0 + 0.1 * n  # every client process is up before the first arrival
-        ctx = multiprocessing.get_context("fork")  # the workers need this script's functions, not a re-import
-        with concurrent.futures.ProcessPoolExecutor(n, mp_context=ctx) as ex:
-            parts = [ex.submit(_client_process, args, requests[k::n], arrivals[k::n], t0) for k in range(n)]
-            results = [None] * len(requests)
-            for k, fut in enumerate(parts):
-                results[k::n] = fut.result()
+    with contextlib.nullcontext(pool) if pool is not None else ClientPool(args, n) as clients:
+        results, t0 = clients.run(requests, arrivals)
     duration = max(r.finished_at for r in results) - t0
     after = stats()
     metrics = compute_metrics(results, duration)

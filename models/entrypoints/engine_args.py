@@ -163,7 +163,6 @@ class EngineArgs:
             raise ValueError(f"structured_outputs_in_step=True needs one device per engine, not "
                              f"tensor_parallel_size={self.tensor_parallel_size} (host callbacks in a partitioned step)")
 
-
     def replace(self, **changes) -> "EngineArgs":
         return dataclasses.replace(self, **changes)
 

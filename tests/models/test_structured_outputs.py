@@ -274,4 +274,4 @@ def test_step_masks_advance_each_matcher_once_in_device_order(llm):
     step(digit, prompt_len + 2)
     got = step(letter, prompt_len + 3)                  # "777x": the regex wants "-"
     assert g.rejected and (got[1] == -1).all()          # said on the grammar; the row is left all ones
-    assert (masks(np.int32([-1]), tokens, positions) == -1).all()      # a dispatch nobody registered
+    assert (masks.finish(masks.begin(np.int32([-1]), tokens, positions)) == -1).all()   # a dispatch nobody registered
