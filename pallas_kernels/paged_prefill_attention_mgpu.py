@@ -85,6 +85,14 @@ the output, so softmax and the accumulator stay float32 across steps. How the co
   route), "qk8" 0.78-0.88x (``tuning.MGPU_PREFILL_FP8_ROUTE``). What is left is V's conversion, done by both
   consumers for the slot they share, and the 64-key steps.
 
+Who converts V (``v_converter``, :data:`V_CONVERTERS`): "consumers" (each its own 16-bit copy of every step, as above)
+or "memory" (session 29): the memory warpgroup converts each step's fp8 V slot once, into a ring of
+``tuning.MGPU_PREFILL_V_STAGES`` 16-bit slots both consumers read (a "V converted" barrier per slot, released by both
+consumers after their ``P V``), ``lag = num_stages - num_stages16`` steps after issuing its copies, so they have
+landed; it releases the fp8 slot itself. Before it waits for a Q tile to come free it converts every step of the
+item that used it (those consumers wait for that V before they release the tile). It runs with more registers
+(``tuning.mgpu_prefill_memory_registers``), the consumers with 224 instead of 232.
+
 Steps default to 64 keys with an fp8 cache (each consumer's converted tiles beside the ring). The op-level dispatch
 sends fp8 prefill here from ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``'s fp8 entry.
 
@@ -138,6 +146,9 @@ FP8_MAX_HEAD_SIZE = 128
 # "qk8", with the query's rounding error as a second e4m3 tile chained into the same q·kᵀ accumulator: q to ~2**-8
 # of itself, a bf16 query's precision, for twice the fp8 q·kᵀ work).
 FP8_ROUTES = ("convert", "qk8", "qk8lo")
+# Who converts an fp8 cache's V slots to 16 bits (``v_converter``): "consumers" (each consumer its own copy of every
+# step, beside its own work) or "memory" (the memory warpgroup, once per step, into a shared ring of 16-bit slots).
+V_CONVERTERS = ("consumers", "memory")
 
 
 def unsupported_reason(q_dtype, kv_dtype, num_heads: int, num_kv_heads: int, head_size: int,
@@ -189,12 +200,15 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                     scale: float, block_kv: int, tokens_per_copy: int, num_stages: int, num_consumers: int,
                     group: int, num_heads: int, num_tiles: int, num_seqs: int, num_programs: int,
                     num_q_buffers: int, sliding_window: int | None, logits_soft_cap: float | None,
-                    pv_from_smem: bool, pingpong: bool, set_registers: bool):
+                    pv_from_smem: bool, pingpong: bool, set_registers: bool, num_stages16: int,
+                    registers: tuple[int, int]):
     ((q_smem, k_smem, v_smem, p_smem, k16_smem, v16_smem, q8_smem, q8lo_smem), (q_bars, k_bars, v_bars),
-     (k_consumed, v_consumed, q_free), schedule) = scratch
+     (k_consumed, v_consumed, q_free), schedule, v16_bars) = scratch
     block_size, head_size = kv_ref.shape[3], kv_ref.shape[4]
     dtype = q_smem.dtype
-    fp8 = v16_smem is not None           # fp8 ring slots, V (and K: "convert") converted by each consumer
+    fp8 = v16_smem is not None           # fp8 ring slots, V (and K: "convert") converted to 16 bits
+    v_shared = v16_bars is not None      # v_converter="memory": V converted once per step into a shared 16-bit ring
+    v16_ready, v16_consumed = v16_bars if v_shared else (None, None)
     qk8 = q8_smem is not None            # fp8 q·kᵀ from the fp8 K slot (fp8_route "qk8" / "qk8lo")
     pv_dtype = v16_smem.dtype if fp8 else dtype   # P's dtype: V's in the P·V wgmma
     tile_tokens = num_consumers * ROWS
@@ -233,7 +247,7 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
     @pl.when(wg < num_consumers)
     def _consumer():
         if set_registers:
-            plgpu.set_max_registers(232 if num_consumers == 2 else 240, action="increase")
+            plgpu.set_max_registers(registers[0], action="increase")
         k_factor = k_scale_ref[0] * (scale if logits_soft_cap is not None else scale * LOG2E)
         v_scale = v_scale_ref[0]
 
@@ -243,8 +257,12 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
             plgpu.barrier_wait(k_bars.at[slot])
             plgpu.barrier_arrive(k_consumed.at[slot])
             schedule_barrier()
-            plgpu.barrier_wait(v_bars.at[slot])
-            plgpu.barrier_arrive(v_consumed.at[slot])
+            if v_shared:
+                plgpu.barrier_wait(v16_ready.at[lax.rem(g, num_stages16)])
+                plgpu.barrier_arrive(v16_consumed.at[lax.rem(g, num_stages16)])
+            else:
+                plgpu.barrier_wait(v_bars.at[slot])
+                plgpu.barrier_arrive(v_consumed.at[slot])
             schedule_barrier()
             return g + 1
 
@@ -293,15 +311,20 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
             if pingpong:
                 acc, l, m_next, p16 = lax.optimization_barrier((acc, l, m_next, p16))
                 plgpu.barrier_arrive(schedule)                       # softmax done
-            plgpu.barrier_wait(v_bars.at[slot])
-            v_tile = wgmma_tile(v_smem, v16_smem, v_consumed, slot)  # (fp8: converted before the tensor-core turn)
+            if v_shared:                                             # converted by the memory warpgroup
+                slot16 = lax.rem(g, num_stages16)
+                plgpu.barrier_wait(v16_ready.at[slot16])
+                v_tile = v16_smem.at[slot16]
+            else:
+                plgpu.barrier_wait(v_bars.at[slot])
+                v_tile = wgmma_tile(v_smem, v16_smem, v_consumed, slot)  # (fp8: converted before the tensor-core turn)
             if pingpong:
                 plgpu.barrier_wait(schedule)                         # the tensor cores are ours
             if masked:
                 # V rows no row of the program sees and that may hold NaN: at or past seq_len (unowned
                 # slots, block 0) and before the window start of the program's first row of this sequence
                 # (pages a sliding-window model may have freed). The same for both consumers (fp8: each
-                # zeroes its own converted tile).
+                # zeroes its own converted tile, or both the shared one).
                 @pl.when((t0 + block_kv > seg.seq_len) | (t0 < prog.kv_start))
                 def _zero_invisible_rows():
                     vrow = t0 + plgpu.broadcasted_iota(jnp.int32, (block_kv, head_size), 0,
@@ -312,7 +335,9 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
                     plgpu.commit_smem()
 
             acc = accumulate_pv(acc, p16, v_tile, p_smem.at[wg] if pv_from_smem else None)
-            if not fp8:
+            if v_shared:
+                plgpu.barrier_arrive(v16_consumed.at[slot16])
+            elif not fp8:
                 plgpu.barrier_arrive(v_consumed.at[slot])
             return g + 1, acc, m_next, l
 
@@ -376,39 +401,73 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
     @pl.when(wg == num_consumers)
     def _memory():
         if set_registers:
-            plgpu.set_max_registers(40, action="decrease")
+            plgpu.set_max_registers(registers[1], action="decrease")
+        # v_shared: step j's fp8 V slot is converted into 16-bit slot j % num_stages16 `lag` steps after its copies
+        # were issued (they have landed by then), once the consumers released that slot's previous step.
+        lag = min(max(1, num_stages - num_stages16), num_stages - 1)
 
-        def over_item(k, g):
+        def convert_v(j, c):
+            slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
+            plgpu.barrier_wait(v_bars.at[slot])
+            pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, v16_consumed.at[slot16]))
+            _convert_tile(v_smem.at[slot], v16_smem.at[slot16])
+            plgpu.commit_smem()
+            plgpu.barrier_arrive(v16_ready.at[slot16])
+            plgpu.barrier_arrive(v_consumed.at[slot])   # the fp8 slot may take step j + num_stages
+            return c
+
+        def convert_up_to(c, end):
+            """Convert steps ``[c, end)`` (none when ``end <= c``); returns the next step to convert."""
+            lax.fori_loop(c, end, convert_v, jnp.int32(0))
+            return jnp.maximum(c, end)
+
+        def over_item(k, carry):
+            g, c, end_before = carry  # steps issued, steps converted, steps issued before item k - 1
             qh, tok0, tok_end, s_first, s_end, b = item(k)
             h = lax.div(qh, group)                       # the KV head
+            if v_shared:   # item k - num_q_buffers's V first: its consumers wait for it before releasing Q tile b
+                c = convert_up_to(c, g if num_q_buffers == 1 else end_before)
 
             @pl.when(k >= num_q_buffers)                 # the buffer's last item has been stored
             def _():
                 plgpu.barrier_wait(q_free.at[b])
-            for c in range(num_consumers):
-                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + c * ROWS, ROWS), qh], q_smem.at[b, c],
-                                        q_bars.at[b * num_consumers + c])
+            for i in range(num_consumers):
+                plgpu.copy_gmem_to_smem(q_ref.at[pl.ds(tok0 + i * ROWS, ROWS), qh], q_smem.at[b, i],
+                                        q_bars.at[b * num_consumers + i])
 
-            def over_sequence(s, g):
+            def over_sequence(s, gc):
+                g, c = gc
                 prog = segment(s, tok0, tok_end)
                 num_pages = (prog.seq_len + block_size - 1) // block_size
                 issue = functools.partial(issue_kv_step, kv_ref, tables_ref, s, h, num_pages=num_pages,
                                           block_kv=block_kv, tokens_per_copy=tokens_per_copy)
 
-                def one_step(j, g):
-                    return issue_ring_step(g, lambda: j * block_kv, issue, num_stages=num_stages,
-                                           k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
-                                           k_consumed=k_consumed, v_consumed=v_consumed)
-                return lax.fori_loop(prog.first, prog.end, one_step, g)
+                def one_step(j, gc):
+                    g, c = gc
+                    g = issue_ring_step(g, lambda: j * block_kv, issue, num_stages=num_stages,
+                                        k_smem=k_smem, v_smem=v_smem, k_bars=k_bars, v_bars=v_bars,
+                                        k_consumed=k_consumed, v_consumed=v_consumed)
+                    if v_shared:                                 # one earlier step's V, `lag` behind
+                        late = c + lag < g
+                        pl.when(late)(lambda: convert_v(c, None))
+                        c = c + late.astype(jnp.int32)
+                    return g, c
+                return lax.fori_loop(prog.first, prog.end, one_step, (g, c))
 
-            return lax.fori_loop(s_first, s_end, over_sequence, g)
+            g_start = g
+            g, c = lax.fori_loop(s_first, s_end, over_sequence, (g, c))
+            return g, c, g_start
 
-        lax.fori_loop(0, my_items, over_item, jnp.int32(0))
+        zero = jnp.int32(0)
+        g, c, _ = lax.fori_loop(0, my_items, over_item, (zero, zero, zero))
+        if v_shared:
+            convert_up_to(c, g)
 
 
 def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_start_loc, scales, *, scale,
                                   sliding_window, logits_soft_cap, block_kv, num_stages, num_consumers,
-                                  num_q_buffers, num_programs, pv_from_smem, pingpong, fp8_route, interpret):
+                                  num_q_buffers, num_programs, pv_from_smem, pingpong, fp8_route, v_converter,
+                                  num_stages16, memory_registers, interpret):
     num_tokens, num_heads, head_size = q.shape
     _, num_blocks, num_kv_heads, block_size, _ = kv_cache.shape
     num_seqs = block_tables.shape[0]
@@ -435,6 +494,8 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
     qk8 = fp8 and fp8_route != "convert"
     v_dtype = jnp.dtype(jnp.float16) if qk8 else dtype       # "qk8*": fp8 -> f16 is one instruction per pair
     pv_dtype = v_dtype if fp8 else dtype
+    v_shared = fp8 and v_converter == "memory"
+    v16_shape = (num_stages16, block_kv, head_size) if v_shared else converted
     q8 = _tile_transforms(head_size, jnp.float8_e4m3fn)
     smem = (
         plgpu.SMEM((num_q_buffers, num_consumers, ROWS, head_size), dtype, transforms=tile),  # q, then out
@@ -443,7 +504,7 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
         plgpu.SMEM((num_consumers, ROWS, block_kv), pv_dtype,
                    transforms=_tile_transforms(block_kv, pv_dtype)) if pv_from_smem else None,  # P
         plgpu.SMEM(converted, dtype, transforms=tile) if fp8 and not qk8 else None,  # K in q's dtype ("convert")
-        plgpu.SMEM(converted, v_dtype, transforms=_tile_transforms(head_size, v_dtype)) if fp8 else None,  # V
+        plgpu.SMEM(v16_shape, v_dtype, transforms=_tile_transforms(head_size, v_dtype)) if fp8 else None,  # V
         plgpu.SMEM((num_consumers, ROWS, head_size), jnp.float8_e4m3fn, transforms=q8) if qk8 else None,  # q e4m3
         plgpu.SMEM((num_consumers, ROWS, head_size), jnp.float8_e4m3fn, transforms=q8)
         if qk8 and fp8_route == "qk8lo" else None,                               # its rounding error
@@ -453,21 +514,26 @@ def _paged_prefill_attention_mgpu(q, kv_cache, block_tables, seq_lens, query_sta
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages),
                 plgpu.Barrier(num_arrivals=copies, num_barriers=num_stages))
     released = (plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),      # K slot consumed
-                plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages),      # V slot consumed
+                plgpu.Barrier(num_arrivals=1 if v_shared else num_consumers, num_barriers=num_stages),  # V consumed
                 plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_q_buffers))   # Q tile free
     pingpong = pingpong and num_consumers == 2
     schedule = plgpu.Barrier(num_arrivals=num_consumers) if pingpong else None
+    v16_bars = ((plgpu.Barrier(num_barriers=num_stages16),                                    # V converted
+                 plgpu.Barrier(num_arrivals=num_consumers, num_barriers=num_stages16))         # its slot free
+                if v_shared else None)
+    consumer_registers = min(232 if num_consumers == 2 else 240, (512 - memory_registers) // num_consumers // 8 * 8)
     kernel = functools.partial(
         _prefill_kernel, scale=scale, block_kv=block_kv, tokens_per_copy=tokens_per_copy,
         num_stages=num_stages, num_consumers=num_consumers, group=num_heads // num_kv_heads,
         num_heads=num_heads, num_tiles=num_tiles, num_seqs=num_seqs, num_programs=num_programs,
         num_q_buffers=num_q_buffers, sliding_window=sliding_window, logits_soft_cap=logits_soft_cap,
-        pv_from_smem=pv_from_smem, pingpong=pingpong, set_registers=not interpret)
+        pv_from_smem=pv_from_smem, pingpong=pingpong, set_registers=not interpret, num_stages16=num_stages16,
+        registers=(consumer_registers, memory_registers))
 
     def entry(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref, k_scale_ref, v_scale_ref, o_ref):
         pl.run_scoped(lambda *scratch: kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv_ref,
                                               k_scale_ref, v_scale_ref, o_ref, scratch),
-                      smem, barriers, released, schedule, collective_axes="wg")
+                      smem, barriers, released, schedule, v16_bars, collective_axes="wg")
 
     op = plgpu.kernel(
         entry,
@@ -513,7 +579,8 @@ def _tile_order(query_start_loc, seq_lens, num_tiles: int, tile_tokens: int):
 
 
 _STATIC = ("scale", "sliding_window", "logits_soft_cap", "block_kv", "num_stages", "num_consumers",
-           "num_q_buffers", "num_programs", "pv_from_smem", "pingpong", "fp8_route", "interpret")
+           "num_q_buffers", "num_programs", "pv_from_smem", "pingpong", "fp8_route", "v_converter", "num_stages16",
+           "memory_registers", "interpret")
 _paged_prefill_attention_mgpu_jit = jax.jit(_paged_prefill_attention_mgpu, static_argnames=_STATIC)
 
 
@@ -539,6 +606,8 @@ def paged_prefill_attention_mgpu(
     persistent: bool = True,
     num_programs: int | None = None,
     fp8_route: str | None = None,
+    v_converter: str | None = None,
+    memory_registers: int | None = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Causal varlen attention of new tokens over the paged cache on Pallas Mosaic GPU (Hopper).
@@ -583,6 +652,13 @@ def paged_prefill_attention_mgpu(
             2**-4 of itself), "qk8lo" (as "qk8" with the query's rounding error as a second e4m3 half: a bf16
             query's accuracy). e4m3 caches only for "qk8*". ``None``:
             :data:`pallas_kernels.tuning.MGPU_PREFILL_FP8_ROUTE` (e5m2: "convert").
+        v_converter: who converts an fp8 cache's V slots (:data:`V_CONVERTERS`; ignored for a 16-bit cache):
+            "consumers" (each consumer its own 16-bit copy of every step) or "memory" (the memory warpgroup, once
+            per step, into a ring of ``tuning.MGPU_PREFILL_V_STAGES`` 16-bit slots both consumers read); ``None``:
+            :data:`pallas_kernels.tuning.MGPU_PREFILL_V_CONVERTER`.
+        memory_registers: registers per thread of the memory warpgroup (static, a multiple of 8 in [24, 256];
+            the consumers get the rest, at most 232 each with two); ``None``:
+            :func:`pallas_kernels.tuning.mgpu_prefill_memory_registers`. Only the compiled kernel uses it.
         interpret: run in the Mosaic GPU interpreter (CPU).
 
     Returns:
@@ -592,7 +668,8 @@ def paged_prefill_attention_mgpu(
         ValueError: what the Triton op raises (shapes, dtypes, scales, metadata values), a ``block_kv``
             that is not a positive multiple of 64, ``num_stages`` or ``num_programs`` < 1, ``num_programs``
             without ``persistent``, ``num_consumers`` not 1 or 2, an ``fp8_route`` not in :data:`FP8_ROUTES`
-            or "qk8"/"qk8lo" with an e5m2 cache.
+            or "qk8"/"qk8lo" with an e5m2 cache, a ``v_converter`` not in :data:`V_CONVERTERS`, a
+            ``memory_registers`` that is not a multiple of 8 in [24, 256].
         NotImplementedError: a call the kernel does not support, with :func:`unsupported_reason`.
     """
     check_prefill_call(q, kv_cache, block_tables, seq_lens, query_start_loc, max_query_len=max_query_len,
@@ -610,6 +687,16 @@ def paged_prefill_attention_mgpu(
         pv_from_smem = bool(interpret)
     fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
     fp8_route = _fp8_route(fp8_route, kv_dtype=kv_cache.dtype)
+    if v_converter is None:
+        v_converter = tuning.MGPU_PREFILL_V_CONVERTER
+    if v_converter not in V_CONVERTERS:
+        raise ValueError(f"v_converter={v_converter!r} must be one of {V_CONVERTERS}")
+    if not fp8:
+        v_converter = "consumers"                      # nothing to convert
+    if memory_registers is None:
+        memory_registers = tuning.mgpu_prefill_memory_registers(v_converter)
+    if not _is_int(memory_registers) or memory_registers % 8 or not 24 <= memory_registers <= 256:
+        raise ValueError(f"memory_registers={memory_registers!r} must be a multiple of 8 in [24, 256]")
     if block_kv is None:
         block_kv = tuning.mgpu_prefill_block_kv(head_size, fp8=fp8)
     if not _is_int(block_kv) or block_kv < 64 or block_kv % 64:
@@ -626,11 +713,12 @@ def paged_prefill_attention_mgpu(
         if not _is_int(num_programs) or num_programs < 1:
             raise ValueError(f"num_programs={num_programs!r} must be >= 1")
         num_q_buffers = tuning.mgpu_prefill_q_buffers(block_kv, head_size, num_consumers=num_consumers,
-                                                      pv_from_smem=pv_from_smem, fp8=fp8, fp8_route=fp8_route)
+                                                      pv_from_smem=pv_from_smem, fp8=fp8, fp8_route=fp8_route,
+                                                      v_converter=v_converter)
     if num_stages is None:
         num_stages = tuning.mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers,
                                                     pv_from_smem=pv_from_smem, num_q_buffers=num_q_buffers, fp8=fp8,
-                                                    fp8_route=fp8_route)
+                                                    fp8_route=fp8_route, v_converter=v_converter)
     if not _is_int(num_stages) or num_stages < 1:
         raise ValueError(f"num_stages={num_stages!r} must be >= 1")
     return _paged_prefill_attention_mgpu_jit(
@@ -639,5 +727,6 @@ def paged_prefill_attention_mgpu(
         logits_soft_cap=logits_soft_cap, block_kv=int(block_kv), num_stages=int(num_stages),
         num_consumers=int(num_consumers), num_q_buffers=int(num_q_buffers),
         num_programs=None if num_programs is None else int(num_programs), pv_from_smem=bool(pv_from_smem),
-        pingpong=bool(pingpong), fp8_route=fp8_route,
+        pingpong=bool(pingpong), fp8_route=fp8_route, v_converter=v_converter,
+        num_stages16=min(tuning.MGPU_PREFILL_V_STAGES, int(num_stages)), memory_registers=int(memory_registers),
         interpret=bool(interpret))

@@ -365,34 +365,56 @@ def mgpu_prefill_block_kv(head_size: int, *, fp8: bool = False) -> int:
 MGPU_PREFILL_FP8_ROUTE = "qk8lo"
 
 
-def _prefill_converted_bytes(block_kv: int, head_size: int, fp8_route: str) -> int:
+# Who converts an fp8 cache's V in the Mosaic prefill kernel (paged_prefill_attention_mgpu's ``v_converter``):
+# "consumers" (sessions 26-28: each consumer converts every step's V slot into its own 16-bit tile) or "memory" (the
+# memory warpgroup converts each slot once into a ring of MGPU_PREFILL_V_STAGES 16-bit slots both consumers read,
+# with MGPU_PREFILL_CONVERTER_REGISTERS registers per thread).
+MGPU_PREFILL_V_CONVERTER = os.environ.get("JAXKV_MGPU_PREFILL_V_CONVERTER", "consumers")
+MGPU_PREFILL_V_STAGES = 2
+MGPU_PREFILL_MEMORY_REGISTERS = 40
+MGPU_PREFILL_CONVERTER_REGISTERS = 56
+
+
+def mgpu_prefill_memory_registers(v_converter: str = "consumers") -> int:
+    """Registers per thread of the Mosaic prefill kernel's memory warpgroup: it only issues copies (40), or also
+    converts V ("memory": MGPU_PREFILL_CONVERTER_REGISTERS; the two consumers then get 224 each, not 232)."""
+    return MGPU_PREFILL_CONVERTER_REGISTERS if v_converter == "memory" else MGPU_PREFILL_MEMORY_REGISTERS
+
+
+def _prefill_converted_bytes(block_kv: int, head_size: int, fp8_route: str, v_converter: str = "consumers") -> int:
     """Shared memory of one consumer's fp8 tiles beside the ring: "convert": its 16-bit K and V tiles; "qk8": its
-    16-bit V tile and its e4m3 query tile; "qk8lo": and the query's e4m3 rounding-error tile."""
+    16-bit V tile and its e4m3 query tile; "qk8lo": and the query's e4m3 rounding-error tile (``v_converter``
+    "memory": no V tile of its own)."""
+    v_tile = block_kv * head_size * 2 if v_converter == "consumers" else 0
     if fp8_route == "convert":
-        return 2 * block_kv * head_size * 2
-    return block_kv * head_size * 2 + 64 * head_size * (2 if fp8_route == "qk8lo" else 1)
+        return block_kv * head_size * 2 + v_tile
+    return v_tile + 64 * head_size * (2 if fp8_route == "qk8lo" else 1)
 
 
 def mgpu_prefill_num_stages(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
-                            num_q_buffers: int = 1, fp8: bool = False, fp8_route: str = "convert") -> int:
+                            num_q_buffers: int = 1, fp8: bool = False, fp8_route: str = "convert",
+                            v_converter: str = "consumers") -> int:
     """Ring depth: as many K+V stages (16-bit; fp8: 8-bit) as fit ``MGPU_SMEM_BYTES`` beside the consumers'
     64-row Q tiles (``num_q_buffers`` of each), their P tiles when P goes through shared memory and (fp8) their
     converted tiles (``fp8_route``), at most ``MGPU_PREFILL_MAX_STAGES``, at least 1 (bf16, D 128, 128 keys, two
     consumers, P in registers, one Q buffer: 2 stages, 160 KiB; two Q buffers: 2 stages, 192 KiB; fp8, 64 keys,
-    two Q buffers: 4 stages, 192 KiB ("convert"), 4 stages, 176 KiB ("qk8"))."""
+    two Q buffers: 4 stages, 192 KiB ("convert"), 4 stages, 176 KiB ("qk8")). ``v_converter`` "memory" (fp8):
+    the shared ring of ``MGPU_PREFILL_V_STAGES`` 16-bit V slots instead of each consumer's V tile (qk8lo, 64 keys,
+    two Q buffers: 4 stages, 192 KiB)."""
     fixed = (num_q_buffers * num_consumers * 64 * head_size * 2
              + (num_consumers * 64 * block_kv * 2 if pv_from_smem else 0)
-             + (num_consumers * _prefill_converted_bytes(block_kv, head_size, fp8_route) if fp8 else 0))
+             + (num_consumers * _prefill_converted_bytes(block_kv, head_size, fp8_route, v_converter) if fp8 else 0)
+             + (MGPU_PREFILL_V_STAGES * block_kv * head_size * 2 if fp8 and v_converter == "memory" else 0))
     per_stage = 2 * block_kv * head_size * (1 if fp8 else 2)
     return max(1, min(MGPU_PREFILL_MAX_STAGES, (MGPU_SMEM_BYTES - fixed) // per_stage))
 
 
 def mgpu_prefill_q_buffers(block_kv: int, head_size: int, *, num_consumers: int, pv_from_smem: bool,
-                           fp8: bool = False, fp8_route: str = "convert") -> int:
+                           fp8: bool = False, fp8_route: str = "convert", v_converter: str = "consumers") -> int:
     """Q tiles per consumer of the persistent Mosaic prefill kernel: 2 (the next item's Q loads while this
     one computes) where two ring stages still fit beside them, else 1 (head size 256)."""
     two = mgpu_prefill_num_stages(block_kv, head_size, num_consumers=num_consumers, pv_from_smem=pv_from_smem,
-                                  num_q_buffers=2, fp8=fp8, fp8_route=fp8_route)
+                                  num_q_buffers=2, fp8=fp8, fp8_route=fp8_route, v_converter=v_converter)
     return 2 if two >= 2 else 1
 
 

@@ -442,7 +442,14 @@ def _paged_dense(rng, batch, length, key):
 # fp8 prefill on the Mosaic kernel: its routes (paged_prefill_attention_mgpu's ``fp8_route``) and step sizes
 MOSAIC_PREFILL_FP8 = {"convert": dict(fp8_route="convert"), "qk8": dict(fp8_route="qk8"),
                       "qk8lo": dict(fp8_route="qk8lo"), "qk8lo-bkv128": dict(fp8_route="qk8lo", block_kv=128),
-                      "qk8-bkv128": dict(fp8_route="qk8", block_kv=128)}
+                      "qk8-bkv128": dict(fp8_route="qk8", block_kv=128),
+                      # V converted once per step by the memory warpgroup (``v_converter``), its registers per thread
+                      "qk8lo-vmem": dict(fp8_route="qk8lo", v_converter="memory"),
+                      "qk8lo-vmem-r48": dict(fp8_route="qk8lo", v_converter="memory", memory_registers=48),
+                      "qk8lo-vmem-r72": dict(fp8_route="qk8lo", v_converter="memory", memory_registers=72),
+                      "qk8-vmem": dict(fp8_route="qk8", v_converter="memory"),
+                      "convert-vmem": dict(fp8_route="convert", v_converter="memory"),
+                      "qk8lo-vmem-bkv128": dict(fp8_route="qk8lo", v_converter="memory", block_kv=128)}
 # "qk8"'s max abs diff against the Triton kernel on the same fp8 cache (it rounds the query to e4m3: FA3's accuracy;
 # the routes that keep q's precision are held to _mosaic_prefill_try's 5e-2)
 FP8_Q_DIFF = 1.5e-1

@@ -133,6 +133,21 @@ def test_fp8_routes_match_float64(index, route, pv_from_smem):
     assert err <= (fuzz.FP8_Q_TOLERANCE if route == "qk8" else fuzz.TOLERANCE[case.cls.dtype])
 
 
+@pytest.mark.parametrize("persistent", [False, True], ids=["per-item", "persistent"])
+@pytest.mark.parametrize("route", ["convert", "qk8", "qk8lo"])
+@pytest.mark.parametrize("index", FP8_CASES, ids=lambda i: IDS[i])
+def test_v_converted_by_the_memory_warpgroup(index, route, persistent):
+    """``v_converter="memory"``: the memory warpgroup converts each step's fp8 V slot once into a shared ring of
+    16-bit slots, ``lag`` steps behind its copies, and catches up before it waits for a Q tile (items with fewer
+    steps than the lag, padding items with none, the interpreter's 2 persistent programs each looping over items).
+    Every route, within the same tolerances as the consumers' own copies. NaN in every unowned slot."""
+    if (index != FP8_CASES[1] or route != "qk8lo" or not persistent) and not SLOW and not ON_GPU:
+        pytest.skip("set JAXKV_MGPU_FUZZ=N for every case in the interpreter")
+    lengths, kw, nc = CASES[index]
+    err, case, _ = _run(lengths, kw, nc, fp8_route=route, v_converter="memory", persistent=persistent)
+    assert err <= (fuzz.FP8_Q_TOLERANCE if route == "qk8" else fuzz.TOLERANCE[case.cls.dtype])
+
+
 def test_fp8_routes_are_checked():
     """An ``fp8_route`` outside :data:`FP8_ROUTES` is a ValueError naming it, "qk8"/"qk8lo" with an e5m2 cache too
     (the query tile is e4m3); the default route of an e5m2 cache is "convert"."""
@@ -263,7 +278,9 @@ def test_unsupported_calls_say_why(change, match):
                                       (dict(num_consumers=3), "num_consumers=3"),
                                       (dict(persistent=True, num_programs=0), "num_programs=0"),
                                       (dict(persistent=False, num_programs=4), "needs persistent=True"),
-                                      (dict(max_query_len=1), "max_query_len=1")])
+                                      (dict(max_query_len=1), "max_query_len=1"),
+                                      (dict(v_converter="both"), "v_converter='both' must be one of"),
+                                      (dict(memory_registers=44), "memory_registers=44 must be a multiple of 8")])
 def test_bad_knobs_raise(kw, match):
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     kv = jnp.zeros((2, 4, 1, 16, 64), jnp.bfloat16)
@@ -294,6 +311,10 @@ def test_num_stages_fit_shared_memory():
                                               fp8_route=route) == 4
         halves = 2 if route == "qk8lo" else 1
         assert 2 * 2 * 64 * 128 * 2 + 2 * (64 * 128 * 2 + halves * 64 * 128) + 4 * 2 * 64 * 128 == kib * 1024
+    # V converted by the memory warpgroup: no V tile per consumer, a shared ring of 2 16-bit slots (192 KiB)
+    assert tuning.mgpu_prefill_num_stages(64, 128, num_consumers=2, pv_from_smem=False, num_q_buffers=2, fp8=True,
+                                          fp8_route="qk8lo", v_converter="memory") == 4
+    assert 2 * 2 * 64 * 128 * 2 + 2 * 2 * 64 * 128 + 2 * 64 * 128 * 2 + 4 * 2 * 64 * 128 == 192 * 1024
     # 128-key steps with "qk8lo": one Q tile per consumer, 2 stages
     assert tuning.mgpu_prefill_q_buffers(128, 128, num_consumers=2, pv_from_smem=False, fp8=True,
                                          fp8_route="qk8lo") == 1
@@ -370,12 +391,12 @@ def test_lowers_for_sm90(pv_from_smem):
         if kw.get("fp8") and kw.get("head") == 128 and not pv_from_smem:   # the other fp8 routes, persistent
             runs += [(True, r) for r in mgpu_mod.FP8_ROUTES if r != tuning.MGPU_PREFILL_FP8_ROUTE]
         for persistent, route in runs:
-            fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(*a, **kwargs, num_consumers=nc,
-                                                                 pv_from_smem=pv_from_smem, persistent=persistent,
-                                                                 num_programs=132 if persistent else None,
-                                                                 fp8_route=route))
-            exported = export.export(fn, platforms=("cuda",))(*arrays)
-            assert "mosaic_gpu" in exported.mlir_module()
+            for v_converter in (mgpu_mod.V_CONVERTERS if kw.get("fp8") and route is None and persistent else (None,)):
+                fn = jax.jit(lambda *a: paged_prefill_attention_mgpu(
+                    *a, **kwargs, num_consumers=nc, pv_from_smem=pv_from_smem, persistent=persistent,
+                    num_programs=132 if persistent else None, fp8_route=route, v_converter=v_converter))
+                exported = export.export(fn, platforms=("cuda",))(*arrays)
+                assert "mosaic_gpu" in exported.mlir_module()
 
 
 @pytest.mark.skipif(not SLOW, reason="set JAXKV_MGPU_FUZZ=N (slow, ~5 s a case)")
