@@ -82,3 +82,50 @@ def test_gguf_replaces_the_model():
 def test_engine_args_reject_bad_options(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         EngineArgs(**options)
+
+
+
+def test_xla_pool_follows_gpu_memory_utilization(monkeypatch):
+    """``size_xla_pool``: with the variable unset and XLA not started, XLA's pool is sized to
+    ``gpu_memory_utilization`` (vLLM's share of the whole GPU); the user's variable wins; once XLA runs, the pool
+    is XLA's default share. The KV cache then gets ``min(1, utilization / pool share)`` of the pool, less the arrays
+    in use and the activation reserve: a hand count for one rank of Llama-3.1-70B at tp=2 (4 KV heads, bf16 weights
+    in use) on a 143,771 MiB card, against the old rule (0.9 of XLA's default 0.75 pool)."""
+    import os
+    from types import SimpleNamespace
+
+    import jax
+    import jax._src.xla_bridge as xb
+    import jax.numpy as jnp
+
+    from jaxkv.kv_cache.memory import MemorySnapshot
+    from models.decoder_config import LlamaConfig
+    from models.engine_setup import kv_cache_spec
+    from models.entrypoints import engine_args as ea
+
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.setattr(xb, "backends_are_initialized", lambda: True)
+    assert ea.size_xla_pool(0.9) == ea.XLA_DEFAULT_MEM_FRACTION
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in os.environ
+    monkeypatch.setattr(xb, "backends_are_initialized", lambda: False)
+    assert ea.size_xla_pool(0.9) == 0.9 and os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.9"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.5")
+    assert ea.size_xla_pool(0.8) == 0.5
+
+    rank = LlamaConfig(vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_layers=80, num_heads=32,
+                       num_kv_heads=4, head_size=128)                  # one tp=2 rank's heads
+    gpu, weights = 143_771 * 2**20, 70_553_706_496                   # an H200; 70.55 B bf16 parameters / 2 ranks
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(memory_stats=lambda: {"bytes_in_use": weights})])
+    block = 80 * 2 * 4 * 16 * 128 * 2                                  # layers x (K, V) x heads x tokens x head x 2 B
+    activations = 4 * 4 * 256 * 128256 + 64 * 8192 * 8192 * 4
+    blocks = {}
+    for fraction, utilization in ((0.9, 0.9), (0.75, 0.9), (0.75, 0.75)):
+        pool = int(gpu * fraction)
+        got = ea._blocks_from_memory(rank, kv_cache_spec(rank, block_size=16, dtype=jnp.bfloat16),
+                                     MemorySnapshot(total_bytes=pool, free_bytes=pool), None,
+                                     EngineArgs(model="x", gpu_memory_utilization=utilization), 4096, 8192,
+                                     pool_fraction=fraction)
+        assert got == (int(pool * min(1.0, utilization / fraction)) - weights - activations) // block
+        blocks[fraction, utilization] = got
+    old = (int(int(gpu * 0.75) * 0.9) - weights - activations) // block
+    assert blocks[0.9, 0.9] > 1.5 * blocks[0.75, 0.9] and blocks[0.75, 0.9] == blocks[0.75, 0.75] > 1.5 * old
