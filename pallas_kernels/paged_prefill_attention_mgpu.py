@@ -91,9 +91,12 @@ or "memory" (session 29): the memory warpgroup converts each step's fp8 V slot o
 consumers after their ``P V``), ``lag = num_stages - num_stages16`` steps after issuing its copies, so they have
 landed; it releases the fp8 slot itself. Before it waits for a Q tile to come free it converts every step of the
 item that used it (those consumers wait for that V before they release the tile). It runs with more registers
-(``tuning.mgpu_prefill_memory_registers``), the consumers with 224 instead of 232.
+(``tuning.mgpu_prefill_memory_registers``), the consumers with 224 instead of 232. Compiled on the H100 (session 29):
+1.02-1.06x "consumers" with "qk8lo" at 64-key steps; with 128-key steps on long prompts 0.83-0.89x the bf16 cache's
+speed (the default there), against 0.70-0.77x for session 28's "qk8lo".
 
-Steps default to 64 keys with an fp8 cache (each consumer's converted tiles beside the ring). The op-level dispatch
+Steps default to 64 keys with an fp8 cache, 128 with V converted by the memory warpgroup and at least 1024 query
+tokens per sequence (``tuning.mgpu_prefill_block_kv``). The op-level dispatch
 sends fp8 prefill here from ``tuning.MGPU_PREFILL_MIN_QUERY_LEN``'s fp8 entry.
 
 Falls back (``unsupported_reason``): float32 queries (``wgmma`` has no f32 path), an fp8 cache with head size
@@ -631,7 +634,8 @@ def paged_prefill_attention_mgpu(
             (``max_query_len`` is only checked: the grid is sized by ``num_tokens``).
         alibi_slopes: must be ``None`` (see :func:`unsupported_reason`).
         block_kv: keys per inner step (static, a positive multiple of 64); ``None``:
-            :func:`pallas_kernels.tuning.mgpu_prefill_block_kv` (64 with an fp8 cache).
+            :func:`pallas_kernels.tuning.mgpu_prefill_block_kv` (an fp8 cache: 64, or 128 with V converted by the
+            memory warpgroup and >= 1024 query tokens per sequence).
         num_stages: shared-memory ring depth (static, >= 1); ``None``:
             :func:`pallas_kernels.tuning.mgpu_prefill_num_stages`.
         num_consumers: consumer warpgroups per program, 1 or 2 (64 query rows each); ``None``:
@@ -698,7 +702,8 @@ def paged_prefill_attention_mgpu(
     if not _is_int(memory_registers) or memory_registers % 8 or not 24 <= memory_registers <= 256:
         raise ValueError(f"memory_registers={memory_registers!r} must be a multiple of 8 in [24, 256]")
     if block_kv is None:
-        block_kv = tuning.mgpu_prefill_block_kv(head_size, fp8=fp8)
+        block_kv = tuning.mgpu_prefill_block_kv(head_size, fp8=fp8, v_converter=v_converter,
+                                                tokens_per_seq=q.shape[0] // max(1, block_tables.shape[0]))
     if not _is_int(block_kv) or block_kv < 64 or block_kv % 64:
         raise ValueError(f"block_kv={block_kv!r} must be a positive multiple of 64")
     if num_consumers not in (1, MAX_CONSUMERS):

@@ -348,10 +348,26 @@ MGPU_PREFILL_NUM_CONSUMERS = 2
 MGPU_PREFILL_MAX_STAGES = 4
 
 
-def mgpu_prefill_block_kv(head_size: int, *, fp8: bool = False) -> int:
-    """Keys per step of the Mosaic prefill kernel: 128 (64 for head size 256, so two stages fit; 64 with an fp8
-    cache, whose consumers each hold a converted 16-bit K and/or V tile of a step beside the ring)."""
-    return 64 if head_size > 128 or fp8 else 128
+# fp8 cache with V converted by the memory warpgroup: 128-key steps from this many query-token slots per sequence
+# (num_tokens / num_seqs, static). H100 (docs/logs/session29/mgpu-prefill-vmem, qk8lo, 32q/8kv heads of 128, block
+# 16), 128 against 64 keys: 1x2048 +7 %, 1x8192 +15 %, 8x2048 +5 %, 8x8192 +11 %, 512-token chunks over 4k / 16k
+# +12 / +13 %, 1x512 +2 %, 8x512 -12 %.
+MGPU_PREFILL_FP8_BKV128_TOKENS_PER_SEQ = 1024
+
+
+def mgpu_prefill_block_kv(head_size: int, *, fp8: bool = False, tokens_per_seq: int | None = None,
+                          v_converter: str = "consumers") -> int:
+    """Keys per step of the Mosaic prefill kernel: 128 (64 for head size 256, so two stages fit). With an fp8 cache
+    64, unless the memory warpgroup converts V (``v_converter="memory"``) and the call has at least
+    ``MGPU_PREFILL_FP8_BKV128_TOKENS_PER_SEQ`` query tokens per sequence (``tokens_per_seq``: the static
+    ``num_tokens // num_seqs``): then 128 (with "consumers" each consumer holds its converted 16-bit tiles of a step
+    beside the ring, and converts a 128-key V slot on its own critical path)."""
+    if head_size > 128:
+        return 64
+    if fp8:
+        long = tokens_per_seq is not None and tokens_per_seq >= MGPU_PREFILL_FP8_BKV128_TOKENS_PER_SEQ
+        return 128 if v_converter == "memory" and long else 64
+    return 128
 
 
 # fp8 prefill route (paged_prefill_attention_mgpu's ``fp8_route``): "convert" (session 26: each consumer converts K
@@ -369,7 +385,10 @@ MGPU_PREFILL_FP8_ROUTE = "qk8lo"
 # "consumers" (sessions 26-28: each consumer converts every step's V slot into its own 16-bit tile) or "memory" (the
 # memory warpgroup converts each slot once into a ring of MGPU_PREFILL_V_STAGES 16-bit slots both consumers read,
 # with MGPU_PREFILL_CONVERTER_REGISTERS registers per thread).
-MGPU_PREFILL_V_CONVERTER = os.environ.get("JAXKV_MGPU_PREFILL_V_CONVERTER", "consumers")
+# H100 (docs/logs/session29/mgpu-prefill-vmem, same call, 64-key steps): "memory" is 1.02-1.06x "consumers" with
+# "qk8lo" at all eight bench shapes (0.73-0.81x the bf16 cache against 0.70-0.79x), about equal with "qk8"
+# (0.99-1.04x); 72 registers for the memory warpgroup instead of 56: no better (0.98-1.00x).
+MGPU_PREFILL_V_CONVERTER = os.environ.get("JAXKV_MGPU_PREFILL_V_CONVERTER", "memory")
 MGPU_PREFILL_V_STAGES = 2
 MGPU_PREFILL_MEMORY_REGISTERS = 40
 MGPU_PREFILL_CONVERTER_REGISTERS = 56

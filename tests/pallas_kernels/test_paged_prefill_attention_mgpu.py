@@ -133,18 +133,21 @@ def test_fp8_routes_match_float64(index, route, pv_from_smem):
     assert err <= (fuzz.FP8_Q_TOLERANCE if route == "qk8" else fuzz.TOLERANCE[case.cls.dtype])
 
 
+@pytest.mark.parametrize("block_kv", [64, 128])
 @pytest.mark.parametrize("persistent", [False, True], ids=["per-item", "persistent"])
 @pytest.mark.parametrize("route", ["convert", "qk8", "qk8lo"])
 @pytest.mark.parametrize("index", FP8_CASES, ids=lambda i: IDS[i])
-def test_v_converted_by_the_memory_warpgroup(index, route, persistent):
+def test_v_converted_by_the_memory_warpgroup(index, route, persistent, block_kv):
     """``v_converter="memory"``: the memory warpgroup converts each step's fp8 V slot once into a shared ring of
     16-bit slots, ``lag`` steps behind its copies, and catches up before it waits for a Q tile (items with fewer
     steps than the lag, padding items with none, the interpreter's 2 persistent programs each looping over items).
-    Every route, within the same tolerances as the consumers' own copies. NaN in every unowned slot."""
+    Every route, 64- and 128-key steps (the default with >= 1024 query tokens per sequence), within the same
+    tolerances as the consumers' own copies. NaN in every unowned slot."""
     if (index != FP8_CASES[1] or route != "qk8lo" or not persistent) and not SLOW and not ON_GPU:
         pytest.skip("set JAXKV_MGPU_FUZZ=N for every case in the interpreter")
     lengths, kw, nc = CASES[index]
-    err, case, _ = _run(lengths, kw, nc, fp8_route=route, v_converter="memory", persistent=persistent)
+    err, case, _ = _run(lengths, kw, nc, fp8_route=route, v_converter="memory", persistent=persistent,
+                        block_kv=block_kv)
     assert err <= (fuzz.FP8_Q_TOLERANCE if route == "qk8" else fuzz.TOLERANCE[case.cls.dtype])
 
 
@@ -301,6 +304,10 @@ def test_num_stages_fit_shared_memory():
     assert tuning.mgpu_prefill_num_stages(128, 64, num_consumers=2, pv_from_smem=True) == 4
     # fp8, D 128: 64-key steps, two Q tiles, each consumer's converted K and V tiles: 4 fp8 stages, 192 KiB
     assert tuning.mgpu_prefill_block_kv(128, fp8=True) == 64
+    assert tuning.mgpu_prefill_block_kv(128, fp8=True, v_converter="memory", tokens_per_seq=1023) == 64
+    assert tuning.mgpu_prefill_block_kv(128, fp8=True, v_converter="memory", tokens_per_seq=1024) == 128
+    assert tuning.mgpu_prefill_block_kv(128, fp8=True, v_converter="consumers", tokens_per_seq=4096) == 64
+    assert tuning.mgpu_prefill_block_kv(256, fp8=True, v_converter="memory", tokens_per_seq=4096) == 64
     assert tuning.mgpu_prefill_q_buffers(64, 128, num_consumers=2, pv_from_smem=False, fp8=True) == 2
     assert tuning.mgpu_prefill_num_stages(64, 128, num_consumers=2, pv_from_smem=False, num_q_buffers=2,
                                           fp8=True) == 4
