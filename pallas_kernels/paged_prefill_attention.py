@@ -39,9 +39,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels import _checks, tuning
 from pallas_kernels._online_softmax import dot_f32, online_softmax_step, scaled_logits
+from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
 from pallas_kernels._reference import kv_scales, paged_attention_dense
 from pallas_kernels._tiles import query_tiles
-from pallas_kernels._paging import KVStep, kv_step, load_kv_step, padded_head_size
 from pallas_kernels.paged_attention import MIN_DOT_ROWS, _check_extras, _check_head_size, _check_q_and_cache
 
 
