@@ -73,10 +73,7 @@ class EngineArgs:
             vLLM); ``max_num_batched_tokens`` defaults to ``max(8192, max_num_seqs)`` on GPU (vLLM's
             serving default for H100-class GPUs; measured 1.27x the output tok/s of 2048 with SmolLM2 on an
             H200, docs/benchmarks.md) and ``max(2048, max_num_seqs)`` elsewhere.
-        gpu_memory_utilization: share of each GPU's memory for weights, activations and the KV cache (without
-            ``num_gpu_blocks``), vLLM's meaning: XLA's allocator pool is sized to it when this process has not
-            started XLA yet and ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` is unset (:func:`size_xla_pool`); else the
-            engine uses ``min(1, gpu_memory_utilization / pool fraction)`` of the pool.
+        gpu_memory_utilization: share of device memory for weights + cache (without ``num_gpu_blocks``).
         num_gpu_blocks: cache size in blocks (vLLM ``num_gpu_blocks_override``).
         enable_prefix_caching, long_prefill_token_threshold, num_scheduler_steps, max_admission_delay_steps,
             async_scheduling, seed, return_logits: see :class:`jaxkv.LLMEngine`.
@@ -351,31 +348,6 @@ def use_xla_flags(flags: Sequence[str], *, why: str) -> bool:
     return True
 
 
-XLA_DEFAULT_MEM_FRACTION = 0.75
-"""The share of a GPU's memory XLA's allocator pool holds when ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` is unset (JAX 0.11:
-``bytes_limit`` = 59.4 GiB on an H100 80GB, jaxkv/kv_cache/memory.py)."""
-
-
-def size_xla_pool(gpu_memory_utilization: float) -> float:
-    """The share of each GPU's memory that XLA's allocator pool holds in this process (``bytes_limit`` over the
-    GPU's memory), after setting ``$XLA_PYTHON_CLIENT_MEM_FRACTION`` to ``gpu_memory_utilization`` where that is
-    still possible: the variable unset (the user's setting wins) and XLA's backend not started (XLA reads it then).
-    Otherwise the variable's value, or :data:`XLA_DEFAULT_MEM_FRACTION`. vLLM's ``gpu_memory_utilization`` is a
-    share of the whole GPU; left at XLA's default the pool was 0.75 of it and the KV cache got 0.9 of that (0.675 of
-    the GPU: Llama-3.1-70B at tp=2 on two H200s had 4,181 bf16 blocks a rank and 35 preemptions, session 29).
-    Engine-core processes inherit the variable, so they size their pools alike."""
-    import jax._src.xla_bridge as xb
-    value = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
-    if value is not None:
-        return float(value)
-    if getattr(xb, "backends_are_initialized", lambda: False)():
-        return XLA_DEFAULT_MEM_FRACTION
-    os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] = repr(float(gpu_memory_utilization))
-    log.info("gpu_memory_utilization=%s: XLA_PYTHON_CLIENT_MEM_FRACTION=%s", gpu_memory_utilization,
-             os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"])
-    return float(gpu_memory_utilization)
-
-
 def configure_compilation_cache(cache_dir: str | None) -> str | None:
     """Turn on JAX's persistent compilation cache at ``cache_dir`` ("auto": the default directory) unless
     this process already configured one; every program is cached (no minimum compile time). Returns the
@@ -426,7 +398,6 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     quantization = registry.load_quantization(path, args.quantization)
     if quantization is not None:
         use_xla_flags(FP8_XLA_FLAGS, why="fp8 weights")
-    pool_fraction = size_xla_pool(args.gpu_memory_utilization) if args.num_gpu_blocks is None else None
     cache_dir = configure_compilation_cache(args.compilation_cache_dir)
     tp = args.tensor_parallel_size
     mesh = make_mesh(tp, 1) if tp > 1 else None  # one device: exactly the plain program
@@ -451,8 +422,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     num_blocks = args.num_gpu_blocks
     if num_blocks is None:
         spec = kv_cache_spec(config, block_size=args.block_size, dtype=cache_dtype)
-        num_blocks = _blocks_from_memory(config, spec, snapshot, mesh, args, max_model_len, max_num_batched_tokens,
-                                         pool_fraction=pool_fraction)
+        num_blocks = _blocks_from_memory(config, spec, snapshot, mesh, args, max_model_len, max_num_batched_tokens)
     parts = registry.make_engine_caches(model, block_size=args.block_size, num_blocks=num_blocks,
                                         dtype=cache_dtype, attention_impl=attention_impl, mesh=mesh)
     if mesh is not None:
@@ -543,9 +513,7 @@ def _has_memory_stats() -> bool:
 
 
 def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_model_len: int,
-                        max_num_batched_tokens: int, pool_fraction: float | None = None) -> int:
-    """KV-cache blocks per rank: ``min(1, gpu_memory_utilization / pool_fraction)`` of XLA's pool, less every array in
-    use now (the weights) and an activation reserve."""
+                        max_num_batched_tokens: int) -> int:
     import jax
 
     from jaxkv.kv_cache.memory import num_blocks_from_device_memory
@@ -561,11 +529,8 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
     # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
     activations = max(1 << 30, 4 * 4 * max(args.max_num_seqs, 256) * config.vocab_size
                       + 64 * max_num_batched_tokens * config.hidden_size * 4)
-    share = min(1.0, args.gpu_memory_utilization / (pool_fraction or XLA_DEFAULT_MEM_FRACTION))
-    # XLA's pool holds only this process's arrays (all of them in `in_use`), so no other process can hold what is
-    # asked for (vLLM's reason to compare it with the free memory)
-    budget = int(snapshot.total_bytes * share)
     return num_blocks_from_device_memory(
         spec, num_layers=registry.num_cache_tensors(config, hybrid=registry.use_hybrid(mesh)),
-        gpu_memory_utilization=1.0, reserved_bytes=in_use + activations, total_bytes=budget, free_bytes=budget,
+        gpu_memory_utilization=args.gpu_memory_utilization,
+        reserved_bytes=in_use + activations, total_bytes=snapshot.total_bytes, free_bytes=snapshot.free_bytes,
         mesh=mesh)
