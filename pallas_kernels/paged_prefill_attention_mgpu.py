@@ -92,8 +92,8 @@ consumers after their ``P V``), ``lag = num_stages - num_stages16`` steps after 
 landed; it releases the fp8 slot itself. Before it waits for a Q tile to come free it converts every step of the
 item that used it (those consumers wait for that V before they release the tile). It runs with more registers
 (``tuning.mgpu_prefill_memory_registers``), the consumers with 224 instead of 232. Compiled on the H100 (session 29):
-1.02-1.06x "consumers" with "qk8lo" at 64-key steps; with 128-key steps on long prompts 0.83-0.89x the bf16 cache's
-speed (the default there), against 0.70-0.77x for session 28's "qk8lo".
+1.02-1.06x "consumers" with "qk8lo" at 64-key steps; with 128-key steps on prompts of >= 2048 tokens 0.79-0.89x
+the bf16 cache's speed (the default there), against 0.70-0.77x for session 28's "qk8lo".
 
 Steps default to 64 keys with an fp8 cache, 128 with V converted by the memory warpgroup and at least 1024 query
 tokens per sequence (``tuning.mgpu_prefill_block_kv``). The op-level dispatch
