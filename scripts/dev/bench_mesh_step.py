@@ -11,6 +11,10 @@ decode_steps``, as scripts/dev/bench_decode.py). With torch importable (GPU mach
 the rest, per step and per GPU. The greedy tokens of every ``tp`` are compared with ``tp=1``'s (bf16:
 a differing reduction order may flip near-ties; the share of equal tokens is printed).
 
+With ``--model`` the dummy weights are made in each ``tp``'s shards (:func:`models.dummy.dummy_model` with the mesh),
+so a model larger than one GPU runs at the ``tp`` it fits (``--model llama-3.1-70b --tp 2 --quantization fp8
+--kv-cache-dtype fp8`` on two H200s: the all-reduces' share of a 70B decode step, issue 45 item 4).
+
 Random weights because SmolLM2-135M's 9 query heads do not split over 2 ranks. Presets (all shapes
 divisible by 2 and 4): ``llama-1b`` (Llama-3.2-1B shapes: 16 layers, hidden 2048, 32/8 heads of 64,
 MLP 8192, vocab 32000) and ``tiny`` (CPU smoke runs).
@@ -73,31 +77,47 @@ def main(argv=None) -> int:
     p.add_argument("--new-tokens", type=int, default=128)
     p.add_argument("--num-scheduler-steps", type=int, default=1, help="1: one host round trip per step")
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--quantization", choices=("fp8",), default=None, help="online fp8 weights (with --model)")
+    p.add_argument("--kv-cache-dtype", default=None, help="e.g. fp8 (default: the model's dtype)")
     p.add_argument("--attention-impl", default=None)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--top-kernels", type=int, default=0, help="print the N kernels with the most device time")
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
+    if args.quantization and not args.model:
+        p.error("--quantization needs --model")
     if args.model:
         from models import registry
         from models.dummy import dummy_model
+        from models.quantization import Fp8Config
         config = registry.load_config(registry.resolve_model(args.model))
-        model = dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0)
+        quant = Fp8Config() if args.quantization == "fp8" else None
+
+        def model_for(mesh):   # made in the mesh's shards: a model larger than one device never sits on one
+            return dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0, mesh=mesh, quantization=quant)
     else:
         config = LlamaConfig(**PRESETS[args.preset])
-        model = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+        preset = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
+        model_for = lambda mesh: preset  # noqa: E731  (make_engine shards it)
+    cache_dtype = None
+    if args.kv_cache_dtype:
+        from jaxkv.kv_cache.dtypes import resolve_kv_cache_dtype
+        cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, jnp.dtype(args.dtype))
     rng = np.random.default_rng(0)
     sampling = jaxkv.SamplingParams(max_tokens=args.new_tokens, temperature=0.0, ignore_eos=True)
     print(f"device: {jax.devices()[0].device_kind} x{jax.device_count()}  jax {jax.__version__}  "
-          f"model={args.model or args.preset} {args.dtype} attention={impl} num_scheduler_steps={args.num_scheduler_steps}")
+          f"model={args.model or args.preset} {args.dtype} quantization={args.quantization} "
+          f"kv_cache_dtype={args.kv_cache_dtype or args.dtype} attention={impl} "
+          f"num_scheduler_steps={args.num_scheduler_steps}")
     rows, ref = [], {}
     for batch in (int(b) for b in args.batches.split(",")):
         prompts = [list(rng.integers(0, config.vocab_size, args.prompt_len)) for _ in range(batch)]
         max_len = args.prompt_len + args.new_tokens
         for tp in (int(t) for t in args.tp.split(",")):
             mesh = None if tp == 1 else make_mesh(tp, 1)
-            engine = models.make_engine(model, attention_impl=impl, block_size=16,
+            model = model_for(mesh)
+            engine = models.make_engine(model, attention_impl=impl, block_size=16, cache_dtype=cache_dtype,
                                         num_blocks=-(-max_len // 16) * batch, max_model_len=max_len,
                                         max_num_seqs=batch, max_num_batched_tokens=max(batch * args.prompt_len, 16),
                                         num_scheduler_steps=args.num_scheduler_steps,
@@ -124,7 +144,7 @@ def main(argv=None) -> int:
                 line += (f"  device {total / tp:7.1f} us/step/GPU, collectives {coll / tp:6.1f} "
                          f"({100 * coll / total:4.1f} %)  {top}")
             print(line, flush=True)
-            del engine
+            del engine, model
     print("\nbatch  tp  ms/step  speedup-vs-tp1  collective-share")
     base = {b: ms for b, tp, ms, _, _ in rows if tp == 1}
     for b, tp, ms, _, prof in rows:

@@ -3,7 +3,7 @@
 # TP=2 on two GPUs where no x4 is lent: fp8 weights only fit 80 GB cards), one call (carry .whl .dummy): jaxkv bench
 # throughput on 1000 requests of .dummy/requests-llama3.json (the vLLM-rule set), LLM defaults, --nvml-busy;
 # RUNS (default "bf16 fp8kv"; with TP=2 "fp8kv", plus bf16 on cards of >= 120 GB): fp8kv = fp8 weights + fp8 KV
-# cache; PROFILE=1 (default)
+# cache; MESH_STEP (below): the all-reduces' share of a decode step; PROFILE=1 (default)
 # then (or first, PROFILE_FIRST=1) a traced pass of the in-process engine on PROFILE_PROMPTS requests
 # (--profile-busy: the kernel table, NCCL all-reduces included). Each run gets what is left of DEADLINE seconds (default 540: leave room under the call's
 # limit, which shrinks when little device time is left); XLA_FLAGS passes through. Logs go straight to $OUT, so
@@ -27,7 +27,7 @@ summary() {
   grep -e "^jaxkv" -e "start-up" -e nvml -e "unfinished" -e "Error" -e "exit " -e "num_gpu_blocks" \
     -e "profile-busy" -e "^ *[0-9.]* s  " "$OUT/70b-$1.log" | cut -c1-400 | tee -a "$OUT/70b.txt"
 }
-if [ -z "${RUNS:-}" ]; then
+if [ -z "${RUNS+x}" ]; then  # unset: the defaults; RUNS="" runs none
   RUNS="bf16 fp8kv"
   if [ "$TP" = 2 ]; then
     mem=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits | head -1)
@@ -69,4 +69,18 @@ for run in $RUNS; do
   summary "$run"
 done
 [ "${PROFILE_FIRST:-0}" = 1 ] || traced 100000
+# MESH_STEP="fp8kv bf16" (any of them): the all-reduces' share of a decode step from CUPTI, per configuration,
+# scripts/dev/bench_mesh_step.py at tp=$TP (dummy weights made in their shards), batches MESH_BATCHES (64,256);
+# RUNS="" PROFILE=0 MESH_STEP=... runs only this.
+for run in ${MESH_STEP:-}; do
+  left=$(( DEADLINE - SECONDS ))
+  if [ $left -lt 60 ]; then echo "== mesh step $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
+  echo "== decode step and its all-reduces, tp=$TP, $run ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
+  timeout $left python3 scripts/dev/bench_mesh_step.py --model llama-3.1-70b --tp $TP --batches "${MESH_BATCHES:-64,256}" \
+    --new-tokens 32 --repeats 2 --top-kernels 12 $([ "$run" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8") \
+    > "$OUT/70b-mesh-$run.log" 2>&1
+  echo "exit $?" >> "$OUT/70b-mesh-$run.log"
+  grep -e "^batch" -e "^ *[0-9]* *$TP " -e "us/step" -e "Error" -e "^exit" "$OUT/70b-mesh-$run.log" | cut -c1-300 \
+    | tee -a "$OUT/70b.txt"
+done
 echo "done at ${SECONDS} s" | tee -a "$OUT/70b.txt"
