@@ -207,6 +207,17 @@ class _WarmupProgram:
     kwargs: dict = dataclasses.field(default_factory=dict)
 
 
+def _temp_bytes(exe) -> int | None:
+    """An executable's temporary buffers in bytes per device (``memory_analysis().temp_size_in_bytes``), or
+    ``None`` where XLA gives no analysis."""
+    try:
+        stats = exe.memory_analysis()
+    except Exception:  # noqa: BLE001 - a backend without the analysis
+        return None
+    temp = getattr(stats, "temp_size_in_bytes", None)
+    return None if temp is None else int(temp)
+
+
 class _LowerOnly:
     """Stands in for a jitted step during :meth:`ModelRunner.warmup`'s first pass: lowers the call
     (tracing it; nothing runs) into a :class:`_WarmupProgram` and returns the outputs' shapes
@@ -388,6 +399,9 @@ class ModelRunner:
         self._checked = check_kernel_inputs
         # (kind, packed shapes, static arguments) -> the executable warmup() compiled or loaded for it
         self.executables: dict[tuple, jax.stages.Compiled] = {}
+        # the largest temporary buffer (bytes, per device) of the programs warmup() built (XLA's memory analysis);
+        # None before warmup() or where XLA gives no analysis
+        self.warmup_temp_bytes: int | None = None
         # structured outputs' masks computed inside the steps (use_step_masks); None: filled on the host per step
         self.step_masks = None
 
@@ -1047,6 +1061,9 @@ class ModelRunner:
                 self.executables[program.mem_key] = exe
             if program.lowered is not None and program.disk_key is not None:
                 executable_cache.store(program.disk_key, exe)
+            temp = _temp_bytes(exe)
+            if temp is not None:
+                self.warmup_temp_bytes = max(self.warmup_temp_bytes or 0, temp)
         if run is None:
             run = jax.default_backend() != "cpu"
         for flag, words in variants if run else ():

@@ -467,7 +467,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
                 compilation_cache_dir=cache_dir, async_scheduling=args.async_scheduling,
                 prefix_caching=args.enable_prefix_caching, kv_offloading_size=args.kv_offloading_size,
                 num_host_blocks=engine.host_pool.num_blocks if engine.host_pool is not None else 0,
-                preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy)
+                preemption_mode=args.preemption_mode, scheduling_policy=args.scheduling_policy,
+                memory_gib=_memory_report(engine, mesh, config, args, max_num_batched_tokens))
     log.info("engine: %s", " ".join(f"{k}={v}" for k, v in info.items()))
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
 
@@ -512,6 +513,32 @@ def _has_memory_stats() -> bool:
     return bool(stats) and "bytes_limit" in stats
 
 
+def _activation_reserve_bytes(config, max_num_seqs: int, max_num_batched_tokens: int) -> int:
+    """What the KV-cache budget leaves for the steps' activations besides the weights: the widest step's logits of
+    every row (f32, x4 margin) and 64 f32 values per hidden unit of each token of the token budget, at least 1 GiB.
+    A rule of thumb, not a measurement: the engine's info reports it beside the compiled programs' largest
+    temporary size (``memory_gib``)."""
+    return max(1 << 30, 4 * 4 * max(max_num_seqs, 256) * config.vocab_size
+               + 64 * max_num_batched_tokens * config.hidden_size * 4)
+
+
+def _memory_report(engine, mesh, config, args: EngineArgs, max_num_batched_tokens: int) -> dict | None:
+    """GiB per device after the warm-up (the largest over the mesh): XLA's pool (``bytes_limit``), in use, the peak,
+    the activation reserve the cache was sized with and the compiled programs' largest temporary buffers; ``None``
+    on a device without memory statistics (CPU)."""
+    import jax
+    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+    stats = [d.memory_stats() for d in devices]
+    if not all(stats):
+        return None
+    gib = lambda n: None if n is None else round(n / 2**30, 2)  # noqa: E731
+    top = lambda key: max(int(s.get(key, 0)) for s in stats)  # noqa: E731
+    runner = getattr(engine, "runner", None)
+    return dict(limit=gib(top("bytes_limit")), in_use=gib(top("bytes_in_use")), peak=gib(top("peak_bytes_in_use")),
+                activation_reserve=gib(_activation_reserve_bytes(config, args.max_num_seqs, max_num_batched_tokens)),
+                program_temp_max=gib(getattr(runner, "warmup_temp_bytes", None)))
+
+
 def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_model_len: int,
                         max_num_batched_tokens: int) -> int:
     import jax
@@ -526,9 +553,7 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
         return min(max(1024, per_seq), args.max_num_seqs * per_seq)
     devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
     in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
-    # weights (in use now) + activations of the widest step (logits of every row, f32, x4 margin)
-    activations = max(1 << 30, 4 * 4 * max(args.max_num_seqs, 256) * config.vocab_size
-                      + 64 * max_num_batched_tokens * config.hidden_size * 4)
+    activations = _activation_reserve_bytes(config, args.max_num_seqs, max_num_batched_tokens)
     return num_blocks_from_device_memory(
         spec, num_layers=registry.num_cache_tensors(config, hybrid=registry.use_hybrid(mesh)),
         gpu_memory_utilization=args.gpu_memory_utilization,

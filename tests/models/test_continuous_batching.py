@@ -193,6 +193,9 @@ def test_warmup_compiles_concurrently_each_bucket_once():
     compiled = step_compiles(lambda: eng.warmup(max_workers=2))
     assert len(compiled) == eng.num_buckets == eng.num_compiles == 4  # request buckets 2, 4; tokens 16, 32
     assert compiled.count("jit(_packed_mixed_step)") == 2
+    # the largest temporary buffer of the built programs (the engine's memory report), from XLA's own analyses
+    temps = [exe.memory_analysis().temp_size_in_bytes for exe in eng.runner.executables.values()]
+    assert len(temps) == 4 and eng.runner.warmup_temp_bytes == max(temps) > 0
     prompts = [[3, 1, 4, 1, 5, 9, 2, 6], [2, 7, 1, 8], list(range(1, 30))]
     outs = []
     assert step_compiles(lambda: outs.extend(eng.generate(prompts, SamplingParams(max_tokens=6, temperature=0)))) == []

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 
 from jaxkv import config
@@ -82,3 +83,28 @@ def test_gguf_replaces_the_model():
 def test_engine_args_reject_bad_options(options, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         EngineArgs(**options)
+
+
+def test_memory_report_gives_the_largest_device_in_gib(monkeypatch):
+    """The engine's ``memory_gib`` report: per device after the warm-up, the largest over the mesh, in GiB, with the
+    activation reserve the cache was sized with (by hand: the logits of 256 rows x4 and 64 f32 per hidden unit of
+    each batched token) and the programs' largest temporary buffers; ``None`` without memory statistics (CPU)."""
+    from types import SimpleNamespace
+
+    import jax
+
+    from models.entrypoints import engine_args as ea
+
+    config = SimpleNamespace(vocab_size=128256, hidden_size=8192)
+    args = EngineArgs(model="x", max_num_seqs=256)
+    engine = SimpleNamespace(runner=SimpleNamespace(warmup_temp_bytes=3 * 2**30))
+    gib = 2**30
+    stats = [dict(bytes_limit=100 * gib, bytes_in_use=70 * gib, peak_bytes_in_use=80 * gib),
+             dict(bytes_limit=100 * gib, bytes_in_use=72 * gib, peak_bytes_in_use=79 * gib)]
+    mesh = SimpleNamespace(devices=np.array([SimpleNamespace(memory_stats=lambda s=s: s) for s in stats]))
+    report = ea._memory_report(engine, mesh, config, args, 8192)
+    reserve = 4 * 4 * 256 * 128256 + 64 * 8192 * 8192 * 4
+    assert report == dict(limit=100.0, in_use=72.0, peak=80.0, activation_reserve=round(reserve / gib, 2),
+                          program_temp_max=3.0)
+    monkeypatch.setattr(jax, "devices", lambda: [SimpleNamespace(memory_stats=lambda: None)])
+    assert ea._memory_report(engine, None, config, args, 8192) is None
