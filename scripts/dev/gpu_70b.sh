@@ -26,6 +26,7 @@ flags() { [ "$1" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8"; }
 summary() {
   grep -e "^jaxkv" -e "start-up" -e nvml -e "unfinished" -e "Error" -e "exit " -e "num_gpu_blocks" \
     -e "profile-busy" -e "^ *[0-9.]* s  " "$OUT/70b-$1.log" | cut -c1-400 | tee -a "$OUT/70b.txt"
+  grep -o -m1 "memory_gib=[^}]*}" "$OUT/70b-$1.log" | tee -a "$OUT/70b.txt"  # XLA's pool, in use, reserve, temp
 }
 if [ -z "${RUNS+x}" ]; then  # unset: the defaults; RUNS="" runs none
   RUNS="bf16 fp8kv"
