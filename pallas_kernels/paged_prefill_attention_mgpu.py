@@ -659,7 +659,8 @@ def paged_prefill_attention_mgpu(
         v_converter: who converts an fp8 cache's V slots (:data:`V_CONVERTERS`; ignored for a 16-bit cache):
             "consumers" (each consumer its own 16-bit copy of every step) or "memory" (the memory warpgroup, once
             per step, into a ring of ``tuning.MGPU_PREFILL_V_STAGES`` 16-bit slots both consumers read); ``None``:
-            :data:`pallas_kernels.tuning.MGPU_PREFILL_V_CONVERTER`.
+            :func:`pallas_kernels.tuning.mgpu_prefill_v_converter` ("memory" for "qk8"/"qk8lo", "consumers" for
+            "convert").
         memory_registers: registers per thread of the memory warpgroup (static, a multiple of 8 in [24, 256];
             the consumers get the rest, at most 232 each with two); ``None``:
             :func:`pallas_kernels.tuning.mgpu_prefill_memory_registers`. Only the compiled kernel uses it.
@@ -692,7 +693,7 @@ def paged_prefill_attention_mgpu(
     fp8 = jnp.dtype(kv_cache.dtype) in FP8_DTYPES
     fp8_route = _fp8_route(fp8_route, kv_dtype=kv_cache.dtype)
     if v_converter is None:
-        v_converter = tuning.MGPU_PREFILL_V_CONVERTER
+        v_converter = tuning.mgpu_prefill_v_converter(fp8_route)
     if v_converter not in V_CONVERTERS:
         raise ValueError(f"v_converter={v_converter!r} must be one of {V_CONVERTERS}")
     if not fp8:

@@ -388,10 +388,18 @@ MGPU_PREFILL_FP8_ROUTE = "qk8lo"
 # H100 (docs/logs/session29/mgpu-prefill-vmem, same call, 64-key steps): "memory" is 1.02-1.06x "consumers" with
 # "qk8lo" at all eight bench shapes (0.73-0.81x the bf16 cache against 0.70-0.79x), about equal with "qk8"
 # (0.99-1.04x); 72 registers for the memory warpgroup instead of 56: no better (0.98-1.00x).
+# The "convert" route (e5m2 caches; V to bf16 goes through f32, more registers than the memory warpgroup has) was
+# not measured with it and keeps "consumers" by default.
 MGPU_PREFILL_V_CONVERTER = os.environ.get("JAXKV_MGPU_PREFILL_V_CONVERTER", "memory")
 MGPU_PREFILL_V_STAGES = 2
 MGPU_PREFILL_MEMORY_REGISTERS = 40
 MGPU_PREFILL_CONVERTER_REGISTERS = 56
+
+
+def mgpu_prefill_v_converter(fp8_route: str) -> str:
+    """Who converts V by default: MGPU_PREFILL_V_CONVERTER for the "qk8" / "qk8lo" routes (measured), "consumers"
+    for "convert" (not measured with the memory warpgroup converting)."""
+    return MGPU_PREFILL_V_CONVERTER if fp8_route != "convert" else "consumers"
 
 
 def mgpu_prefill_memory_registers(v_converter: str = "consumers") -> int:

@@ -158,6 +158,9 @@ def test_fp8_routes_are_checked():
     assert mgpu_mod._fp8_route(None, kv_dtype=jnp.float8_e5m2) == "convert"
     assert mgpu_mod._fp8_route(None, kv_dtype=jnp.bfloat16) == "convert"
     assert mgpu_mod._fp8_route(None, kv_dtype=jnp.float8_e4m3fn) == tuning.MGPU_PREFILL_FP8_ROUTE
+    # who converts V by default: the memory warpgroup for the measured qk8 routes, the consumers for "convert"
+    assert [tuning.mgpu_prefill_v_converter(r) for r in ("qk8", "qk8lo", "convert")] == \
+        [tuning.MGPU_PREFILL_V_CONVERTER] * 2 + ["consumers"]
     q = jnp.zeros((2, 4, 64), jnp.bfloat16)
     kv = jnp.zeros((2, 4, 1, 16, 64), jnp.float8_e5m2)
     call = functools.partial(paged_prefill_attention_mgpu, q, kv, jnp.zeros((1, 2), jnp.int32),
