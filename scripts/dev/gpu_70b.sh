@@ -60,6 +60,10 @@ for run in $RUNS; do
   if [ $left -lt 90 ]; then echo "== $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   echo "== Llama-3.1-70B dummy, tp=$TP, 1000 requests, LLM defaults, $run: $(flags $run) XLA_FLAGS=${XLA_FLAGS:-}" \
     "($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
+  # each GPU's memory in use every 5 s: its peak less XLA's pool (memory_gib's limit) is what lives outside the pool
+  # (NCCL, CUDA context, kernel modules), the room a larger pool must leave
+  nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 5 > "$OUT/70b-$run-nvsmi.csv" 2>/dev/null &
+  NVSMI=$!
   if [ "${TRACE_RUNS:-0}" = 1 ]; then  # the timed runs themselves traced for a window (in-process engine, both alike)
     JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --num-prompts 1000 --nvml-busy --profile-busy \
       --profile-window "${PROFILE_WINDOW:-10:3}" $(flags $run) > "$OUT/70b-$run.log" 2>&1
@@ -67,7 +71,10 @@ for run in $RUNS; do
     timeout $left $B --num-prompts 1000 --nvml-busy $(flags $run) > "$OUT/70b-$run.log" 2>&1
   fi
   echo "exit $?" >> "$OUT/70b-$run.log"
+  kill $NVSMI 2>/dev/null
   summary "$run"
+  awk -F', ' '$2 > m[$1] {m[$1] = $2} END {for (g in m) printf "GPU %s peak memory.used %d MiB\n", g, m[g]}' \
+    "$OUT/70b-$run-nvsmi.csv" | sort | tee -a "$OUT/70b.txt"
 done
 [ "${PROFILE_FIRST:-0}" = 1 ] || traced 100000
 # MESH_STEP="fp8kv bf16" (any of them): the all-reduces' share of a decode step from CUPTI, per configuration,
