@@ -470,6 +470,11 @@ async def warm_up(args, requests: list[SampleRequest]) -> None:
         results = await asyncio.gather(*[
             send_request(session, url, args.model, r, ignore_eos=True,
                          max_tokens=min(r.output_len, args.warmup_max_tokens)) for r in requests])
+    check_warm_up(results)
+
+
+def check_warm_up(results: list[RequestResult]) -> None:
+    """Stop the benchmark (``SystemExit`` naming the first error) when a warm-up request failed."""
     bad = [r.error for r in results if not r.success]
     if bad:
         raise SystemExit(f"error: warm-up requests failed ({len(bad)}/{len(results)}): {bad[0]}")
@@ -665,10 +670,7 @@ def main(argv=None) -> int:
             if clients is None:
                 asyncio.run(warm_up(args, warm))
             else:
-                done, _ = clients.run(warm, [0.0] * len(warm), max_tokens=args.warmup_max_tokens)
-                bad = [r.error for r in done if not r.success]
-                if bad:
-                    raise SystemExit(f"error: warm-up requests failed ({len(bad)}/{len(done)}): {bad[0]}")
+                check_warm_up(clients.run(warm, [0.0] * len(warm), max_tokens=args.warmup_max_tokens)[0])
             print(f"warm-up: {len(warm)} requests in {time.perf_counter() - t0:.1f} s")
         results = []
         saturation = None

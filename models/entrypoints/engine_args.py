@@ -513,6 +513,12 @@ def _has_memory_stats() -> bool:
     return bool(stats) and "bytes_limit" in stats
 
 
+def _devices(mesh) -> list:
+    """The devices an engine runs on: its mesh's, or the default device."""
+    import jax
+    return [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
+
+
 def _activation_reserve_bytes(config, max_num_seqs: int, max_num_batched_tokens: int) -> int:
     """What the KV-cache budget leaves for the steps' activations besides the weights: the widest step's logits of
     every row (f32, x4 margin) and 64 f32 values per hidden unit of each token of the token budget, at least 1 GiB.
@@ -526,9 +532,7 @@ def _memory_report(engine, mesh, config, args: EngineArgs, max_num_batched_token
     """GiB per device after the warm-up (the largest over the mesh): XLA's pool (``bytes_limit``), in use, the peak,
     the activation reserve the cache was sized with and the compiled programs' largest temporary buffers; ``None``
     on a device without memory statistics (CPU)."""
-    import jax
-    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-    stats = [d.memory_stats() for d in devices]
+    stats = [d.memory_stats() for d in _devices(mesh)]
     if not all(stats):
         return None
     gib = lambda n: None if n is None else round(n / 2**30, 2)  # noqa: E731
@@ -541,8 +545,6 @@ def _memory_report(engine, mesh, config, args: EngineArgs, max_num_batched_token
 
 def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_model_len: int,
                         max_num_batched_tokens: int) -> int:
-    import jax
-
     from jaxkv.kv_cache.memory import num_blocks_from_device_memory
     from models import registry
 
@@ -551,8 +553,7 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
                                                max_num_batched_tokens=max_num_batched_tokens,
                                                hybrid=registry.use_hybrid(mesh))
         return min(max(1024, per_seq), args.max_num_seqs * per_seq)
-    devices = [jax.devices()[0]] if mesh is None else list(mesh.devices.flat)
-    in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in devices)
+    in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in _devices(mesh))
     activations = _activation_reserve_bytes(config, args.max_num_seqs, max_num_batched_tokens)
     return num_blocks_from_device_memory(
         spec, num_layers=registry.num_cache_tensors(config, hybrid=registry.use_hybrid(mesh)),
