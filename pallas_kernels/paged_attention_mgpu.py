@@ -174,6 +174,23 @@ def _convert_tile(src, dst) -> None:
     dst[...] = _upcast(plgpu.load(src, layout=plgpu.Layout.WGMMA_8BIT), dst.dtype)
 
 
+def convert_ring_step(j, slot, slot16, *, src, dst, full, consumed, ready, released, num_stages16: int) -> None:
+    """A converting warpgroup's step ``j``: wait for fp8 ring slot ``slot`` (``j % num_stages``) of ``src`` to fill
+    (``full``) and, from step ``num_stages16`` on, for 16-bit slot ``slot16`` (``j % num_stages16``) of ``dst`` to be
+    released (``released``), convert the one into the other (:func:`_convert_tile`), then arrive on ``ready`` (the
+    16-bit slot holds step ``j``) and ``consumed`` (the fp8 slot may be refilled). The decode kernel's converter
+    warpgroup runs it for K and V, the prefill kernel's memory warpgroup for V."""
+    with jax.named_scope("wait_fp8"):
+        plgpu.barrier_wait(full.at[slot])
+    with jax.named_scope("wait_free"):
+        pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
+    with jax.named_scope("convert"):
+        _convert_tile(src.at[slot], dst.at[slot16])
+        plgpu.commit_smem()
+    plgpu.barrier_arrive(ready.at[slot16])
+    plgpu.barrier_arrive(consumed.at[slot])
+
+
 def _partition(seq_len, part, *, block_size: int, block_kv: int, steps_per_partition: int,
                sliding_window: int | None):
     """The steps of one (sequence, context partition): ``(num_pages, origin, window_start, first_step, n)``;
@@ -737,18 +754,11 @@ def _decode_kernel_persistent(seq_lens_ref, order_ref, tables_ref, q_ref, kv_ref
             """Step ``j``'s fp8 K (not with an fp8 q·kᵀ) and V slots into its 16-bit slots; the fp8 slots are
             then released."""
             slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
-            for src, dst, bars, consumed, ready, released in (
+            for src, dst, full, consumed, ready, released in (
                     (k_smem, k16_smem, k_bars, k_consumed, k16_ready, k16_consumed),
                     (v_smem, v16_smem, v_bars, v_consumed, v16_ready, v16_consumed))[1 if qk8 else 0:]:
-                with jax.named_scope("wait_fp8"):
-                    plgpu.barrier_wait(bars.at[slot])
-                with jax.named_scope("wait_free"):
-                    pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, released.at[slot16]))
-                with jax.named_scope("convert"):
-                    _convert_tile(src.at[slot], dst.at[slot16])
-                    plgpu.commit_smem()
-                plgpu.barrier_arrive(ready.at[slot16])
-                plgpu.barrier_arrive(consumed.at[slot])
+                convert_ring_step(j, slot, slot16, src=src, dst=dst, full=full, consumed=consumed, ready=ready,
+                                  released=released, num_stages16=num_stages16)
 
         def run_item(k, g):
             s, _, part, b = item(k)

@@ -135,6 +135,7 @@ from pallas_kernels.paged_attention_mgpu import (
     ROWS,
     _convert_tile,
     _tile_transforms,
+    convert_ring_step,
     default_num_programs,
     quantize_q_rows,
 )
@@ -410,13 +411,9 @@ def _prefill_kernel(qsl_ref, seq_lens_ref, tables_ref, tile_order_ref, q_ref, kv
         lag = min(max(1, num_stages - num_stages16), num_stages - 1)
 
         def convert_v(j, c):
-            slot, slot16 = lax.rem(j, num_stages), lax.rem(j, num_stages16)
-            plgpu.barrier_wait(v_bars.at[slot])
-            pl.when(j >= num_stages16)(functools.partial(plgpu.barrier_wait, v16_consumed.at[slot16]))
-            _convert_tile(v_smem.at[slot], v16_smem.at[slot16])
-            plgpu.commit_smem()
-            plgpu.barrier_arrive(v16_ready.at[slot16])
-            plgpu.barrier_arrive(v_consumed.at[slot])   # the fp8 slot may take step j + num_stages
+            convert_ring_step(j, lax.rem(j, num_stages), lax.rem(j, num_stages16), src=v_smem, dst=v16_smem,
+                              full=v_bars, consumed=v_consumed, ready=v16_ready, released=v16_consumed,
+                              num_stages16=num_stages16)
             return c
 
         def convert_up_to(c, end):
