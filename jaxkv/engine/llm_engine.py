@@ -28,6 +28,7 @@ from typing import Iterable
 
 import numpy as np
 
+from jaxkv.core.grammar_dfa import DFAGrammar
 from jaxkv.core.host_kv_pool import HostBlockPool
 from jaxkv.core.hybrid_kv_cache_manager import HybridKVCacheManager
 from jaxkv.core.kv_cache_manager import KVCacheManager
@@ -42,8 +43,10 @@ from jaxkv.worker.kv_offload import KVLoad, KVOffloader, num_host_blocks_for
 from jaxkv.worker.model_runner import ModelFn, ModelRunner
 
 log = logging.getLogger(__name__)
-# the interpreter's thread switch interval once a request's masks come from host callbacks inside the steps
-GIL_SWITCH_INTERVAL_S = 0.0005
+# the interpreter's thread switch interval once a request's masks come from host callbacks inside the steps: with
+# one busy Python thread beside them, a callback cost 2.3-2.7 ms a step at 0.5 ms and 0.9-1.2 ms at 0.1 ms (0.4-0.5
+# ms with no other thread; H200, scripts/dev/probe_loop_callback.py, session 30)
+GIL_SWITCH_INTERVAL_S = 0.0001
 
 
 @dataclasses.dataclass(frozen=True)
@@ -289,6 +292,8 @@ class LLMEngine:
         self.structured_outputs = structured_outputs
         if structured_outputs is not None and structured_outputs_in_step:
             self.runner.use_step_masks(structured_outputs.bitmask_words)
+        if structured_outputs is not None and structured_outputs.backend != "guidance":
+            self.runner.use_dfa_tables(structured_outputs.new_tables())
         self._fsm_waiting: list[Request] = []  # requests whose grammar is compiling (vLLM WAITING_FOR_FSM)
         self.block_size = block_size
         self.max_model_len = max_model_len
@@ -560,10 +565,22 @@ class LLMEngine:
         if not future.done():
             return False
         try:
-            req.grammar = self.structured_outputs.grammar(future.result())
+            grammar = self.structured_outputs.grammar(future.result())
+            if isinstance(grammar, DFAGrammar):
+                if not self.runner.hold_dfa(grammar.dfa):
+                    # no room beside the running requests' automata: llguidance's masks for this one
+                    log.info("request %s: the automata's tables are full: llguidance's masks", req.request_id)
+                    self.structured_outputs.num_fallbacks += 1
+                    req.grammar_future = self.structured_outputs.compile(req.sampling_params.structured_outputs,
+                                                                         backend="guidance")
+                    return self._attach_grammar(req)
+                grammar.held = True
+            req.grammar = grammar
             req.grammar_words = self.structured_outputs.bitmask_words
-            req.grammar_in_step = self.runner.step_masks is not None  # its masks come from inside the steps
-            if req.grammar_in_step and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S:
+            # its masks come from inside the steps: an automaton's on the device, llguidance's by callbacks
+            req.grammar_in_step = grammar.on_device or self.runner.step_masks is not None
+            if (not grammar.on_device and req.grammar_in_step
+                    and sys.getswitchinterval() > GIL_SWITCH_INTERVAL_S):
                 # a step's callbacks (and the mask worker) need the GIL while this thread may be preparing the next
                 # step in Python: a waiting thread gets it after at most the switch interval (5 ms by default, more
                 # than a SmolLM2 step), so it is shortened for the process once constrained requests run
@@ -626,9 +643,16 @@ class LLMEngine:
                 if req is None or self._requests.pop(req.request_id, None) is None:
                     continue
                 self.scheduler.finish_request(req, RequestStatus.FINISHED_ABORTED)
-                self.runner.release_slot(req)
+                self._release(req)
                 req.new_token_ids = []
                 self._aborted.append(req)
+
+    def _release(self, req: Request) -> None:
+        """A finished request's device state: its slot, and its automaton's hold on the tables."""
+        self.runner.release_slot(req)
+        if getattr(req.grammar, "held", False):
+            req.grammar.held = False
+            self.runner.dfa_tables.release(req.grammar.dfa)
 
     def has_unfinished_requests(self) -> bool:
         """Requests waiting, loading or running, a dispatched step not fetched, or a cancelled load that has
@@ -806,6 +830,12 @@ class LLMEngine:
                 req.logprobs.add(lp_ids[r, :got, :k], lp_vals[r, :got, :k], lp_ranks[r, :got])
             if got and req.host_grammar:
                 constrained.append((req, req.new_token_ids))
+            elif got and req.grammar is not None and req.grammar.on_device:
+                # the device masked and advanced it: the host follows (to start a slot over after a preemption)
+                if not req.grammar.accept(req.output_token_ids[req.grammar.num_consumed:]) and not req.is_finished:
+                    log.error("request %s: a token outside its grammar (%s): aborted", req.request_id,
+                              req.grammar.rejected)
+                    self.abort_request(req.request_id)
             elif req.grammar_in_step and req.grammar.rejected and not req.is_finished:
                 # (not the matcher's own error: the step masks' worker may be advancing it right now)
                 log.error("request %s: a token outside its grammar (%s): aborted", req.request_id,
@@ -828,7 +858,7 @@ class LLMEngine:
         for req in touched:
             if req.is_finished:
                 self._requests.pop(req.request_id, None)
-                self.runner.release_slot(req)
+                self._release(req)
         if not self.has_unfinished_requests():
             self._busy_until = None  # no work left: idle time until the next request is not the host's
         t1 = time.perf_counter()

@@ -49,6 +49,7 @@ from jax.sharding import PartitionSpec as P
 
 from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.checks import checked, checks_are_enabled, raise_if_error
+from jaxkv.core.grammar_dfa import dfa_advance, dfa_bitmask
 from jaxkv.core.request import Request
 from jaxkv.core.structured_output import fill_bitmasks
 from jaxkv.kv_cache.slot_mapping import slot_mapping_from_positions
@@ -296,6 +297,9 @@ def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: di
     ``int32[1]``, ``features.bitmask_in_step``)."""
     if not rows:
         return features
+    rows = [r for r in rows if not getattr(reqs[r].grammar, "on_device", False)]  # automata: _state_rows
+    if not rows:
+        return features
     if step_masks is not None:
         extras["grammar_id"] = np.array([step_masks.register(
             (r, reqs[r].grammar, reqs[r].num_prompt_tokens) for r in rows)], np.int32)
@@ -392,8 +396,13 @@ class ModelRunner:
         # request's, held from its first step to its end) the counts of its generated tokens and its prompt's
         # tokens, updated by every step on the device, so a request with penalties needs no known history
         self.aux: dict = {}
-        self._free_slots: list[int] = []
+        self._free_slots = list(range(self.request_buckets[-1] - 1, -1, -1))
         self._init_rows = jax.jit(self._packed_init_rows, donate_argnums=(0,))
+        # structured outputs whose automaton is on the device (jaxkv.core.grammar_dfa.DFATables; use_dfa_tables):
+        # a row's state lives in aux["dfa_state"] at its slot, as penalties' counts do
+        self.dfa_tables = None
+        self._init_dfa_rows = jax.jit(lambda states, at, values: states.at[at].set(values, mode="drop"),
+                                      donate_argnums=(0,))
         if check_kernel_inputs:
             self._mixed, self._decode = _raising(self._mixed), _raising(self._decode)
         self._checked = check_kernel_inputs
@@ -439,6 +448,19 @@ class ModelRunner:
         # dispatch thread, in order, so the engine prepares the next step meanwhile
         self._dispatcher = ThreadPoolExecutor(1, thread_name_prefix="jaxkv-dispatch")
         self._defer = True
+
+    def use_dfa_tables(self, tables) -> None:
+        """Structured outputs whose automaton is on the device (:class:`jaxkv.core.grammar_dfa.DFATables`, placed
+        on this runner's device or replicated over its mesh): their rows' masks and states are computed inside
+        the steps, with no host work per token. Call before :meth:`warmup`."""
+        tables.sharding = self._replicated
+        self.dfa_tables = tables
+
+    def hold_dfa(self, dfa) -> bool:
+        """:meth:`DFATables.hold <jaxkv.core.grammar_dfa.DFATables.hold>` ``dfa`` for a request (its tables may be
+        written, donating the old arrays: a step still being dispatched on the dispatch thread goes first)."""
+        self._wait_dispatch()
+        return self.dfa_tables.hold(dfa)
 
     def _begin_step_mask(self, grammar_id, tokens, positions, *inputs):
         """Start the host's masks of a step fed ``tokens`` at ``positions`` (``int32[R]``, ``-1``: the row does not
@@ -544,16 +566,16 @@ class ModelRunner:
     def _slot_mapping(self, block_tables, seq_ids, positions):
         return slot_mapping_from_positions(block_tables, seq_ids, positions, self.block_size)
 
-    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, aux, *, layout, max_query_len,
-                           features, prompt_logprobs):
+    def _packed_mixed_step(self, params, kv_caches, ints, floats, prev_tokens, aux, tables, *, layout,
+                           max_query_len, features, prompt_logprobs):
         inputs, sampling, extras = _split_sampling(_unpack(ints, floats, layout))
-        return self._mixed_step(params, kv_caches, inputs, sampling, extras, prev_tokens, aux,
+        return self._mixed_step(params, kv_caches, inputs, sampling, extras, prev_tokens, aux, tables,
                                 max_query_len=max_query_len, features=features, prompt_logprobs=prompt_logprobs)
 
-    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, aux, *, layout, features):
+    def _packed_decode_loop(self, params, kv_caches, ints, floats, prev_tokens, aux, tables, *, layout, features):
         a, sampling, extras = _split_sampling(_unpack(ints, floats, layout))
         return self._decode_loop(params, kv_caches, a["tokens"], a["src_rows"], prev_tokens, a["positions"],
-                                 a["steps"], a["block_tables"], sampling, extras, aux, features=features)
+                                 a["steps"], a["block_tables"], sampling, extras, aux, tables, features=features)
 
     @staticmethod
     def _packed_init_rows(aux, slots, history, prompt_lens):
@@ -584,6 +606,34 @@ class ModelRunner:
         return dict(aux, counts=counts.at[at, jnp.maximum(tokens, 0)].add(1, mode="drop"))
 
     @staticmethod
+    def _dfa_states(aux, extras):
+        """``int32[R]``: each automaton row's local state, read from its slot (0 for other rows)."""
+        slots = extras["slots"]
+        return jnp.where(extras["dfa_offset"] > 0, aux["dfa_state"][jnp.maximum(slots, 0)], 0)
+
+    @staticmethod
+    def _dfa_bitmask(tables, extras, states, features: SamplerFeatures):
+        """The step's grammar bitmask: each automaton row's allowed tokens (:func:`dfa_bitmask` of its global
+        state ``dfa_offset + state``), and with llguidance rows too, their masks (every other row is all ones)."""
+        offset = extras["dfa_offset"]
+        mask = dfa_bitmask(tables, jnp.where(offset > 0, offset + states, 0))
+        return mask & extras["bitmask"] if features.bitmask_in_step or "bitmask" in extras else mask
+
+    @staticmethod
+    def _dfa_advance(tables, extras, states, tokens, moved):
+        """Local states after the rows sampled ``tokens`` (rows where ``moved`` is False keep theirs)."""
+        offset = extras["dfa_offset"]
+        glob = jnp.where(offset > 0, offset + states, 0)
+        return jnp.where(moved & (offset > 0), dfa_advance(tables, glob, tokens) - offset, states)
+
+    @staticmethod
+    def _store_dfa_states(aux, extras, states):
+        """The automaton rows' local ``states`` back into their slots."""
+        at = jnp.where((extras["slots"] >= 0) & (extras["dfa_offset"] > 0), extras["slots"],
+                       aux["dfa_state"].shape[0])
+        return dict(aux, dfa_state=aux["dfa_state"].at[at].set(states, mode="drop"))
+
+    @staticmethod
     def _bad_tokens(extras: dict, tail: jax.Array) -> jax.Array:
         """``int32[R, NB]``: each bad word's last token where the row's last tokens (``tail``
         ``int32[R, M - 1]``, right-aligned, ``-1`` unknown) end with the word's other tokens, else ``-1``.
@@ -602,7 +652,7 @@ class ModelRunner:
                                     prompt_mask=prompt_mask)
 
     def _mixed_step(self, params, kv_caches, inputs: dict, sampling: SamplingArrays, extras: dict, prev_tokens,
-                    aux, *, max_query_len, features: SamplerFeatures, prompt_logprobs: int):
+                    aux, tables, *, max_query_len, features: SamplerFeatures, prompt_logprobs: int):
         """``inputs``: ``input_ids``/``positions``/``seq_ids``/``src_rows`` ``int32[T]`` (position -1 =
         padding token; ``src_rows >= 0``: the id is ``prev_tokens[src_rows]``, a token the previous step
         sampled), ``seq_lens`` ``int32[R]``, ``query_start_loc`` ``int32[R + 1]``, ``block_tables``
@@ -640,14 +690,21 @@ class ModelRunner:
             tail = extras["bad_tail"]
         if features.bitmask_in_step:
             extras = dict(extras, bitmask=self._finish_step_mask(ticket, logits))
+        states = None
+        if features.grammar_dfa:
+            states = self._dfa_states(aux, extras)
+            extras = dict(extras, bitmask=self._dfa_bitmask(tables, extras, states, features))
         tokens, logprobs = self._sample(logits, sampling, extras, features, counts=counts, prompt_mask=prompt_mask,
                                         tail=tail)
         if features.penalties:
             aux = self._count_sampled(aux, extras, tokens, extras["counted"] > 0)
+        if features.grammar_dfa:
+            aux = self._store_dfa_states(aux, extras, self._dfa_advance(tables, extras, states, tokens,
+                                                                        extras["counted"] > 0))
         return tokens, logprobs, plp, (logits if self.return_logits else None), aux, kv_caches
 
     def _decode_loop(self, params, kv_caches, tokens, src_rows, prev_tokens, positions, steps, block_tables,
-                     sampling: SamplingArrays, extras: dict, aux, *, features: SamplerFeatures):
+                     sampling: SamplingArrays, extras: dict, aux, tables, *, features: SamplerFeatures):
         """Runs ``num_scheduler_steps`` steps; row ``r`` decodes in the first ``steps[r]`` and writes
         nothing after them (every iteration computes: no ``lax.cond``, see the module docstring).
         Returns ``int32[num_scheduler_steps, R]`` tokens (-1 where a row did not run), each row's last
@@ -666,14 +723,16 @@ class ModelRunner:
                 query_start_loc=jnp.arange(num_reqs + 1, dtype=jnp.int32), max_query_len=1,
                 max_seq_len=table.shape[1] * self.block_size))
 
-        counts = prompt_mask = tail = jnp.zeros((), jnp.int32)  # placeholders in the carry when unused
+        counts = prompt_mask = tail = states = jnp.zeros((), jnp.int32)  # placeholders in the carry when unused
         if features.penalties:
             counts, prompt_mask = self._slot_state(aux, extras)
         if features.bad_words:
             tail = extras["bad_tail"]
+        if features.grammar_dfa:
+            states = self._dfa_states(aux, extras)
 
         def run(i, carry):
-            toks, pos, gen, counts, tail, caches = carry
+            toks, pos, gen, counts, tail, states, caches = carry
             active = i < steps
             fed = jnp.where(active, pos, -1)  # -1 → PAD slot: finished and dummy rows write nothing
             _check_fed_tokens(toks, fed)
@@ -684,6 +743,8 @@ class ModelRunner:
             step_extras = extras
             if features.bitmask_in_step:  # ... and are taken once the forward pass is done
                 step_extras = dict(extras, bitmask=self._finish_step_mask(ticket, logits))
+            if features.grammar_dfa:
+                step_extras = dict(step_extras, bitmask=self._dfa_bitmask(tables, step_extras, states, features))
             new, logprobs = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), step_extras, features,
                                          counts=counts if features.penalties else None,
                                          prompt_mask=prompt_mask if features.penalties else None, tail=tail)
@@ -693,16 +754,20 @@ class ModelRunner:
                 counts = counts.at[rows, jnp.where(active, new, counts.shape[-1])].add(1, mode="drop")
             if features.bad_words:
                 tail = jnp.where(active[:, None], jnp.concatenate([tail[:, 1:], new[:, None]], axis=1), tail)
-            return ((jnp.where(active, new, toks), pos + step, gen + step, counts, tail, caches),
+            if features.grammar_dfa:
+                states = self._dfa_advance(tables, extras, states, new, active)
+            return ((jnp.where(active, new, toks), pos + step, gen + step, counts, tail, states, caches),
                     (new, logprobs, logits if self.return_logits else None))
 
-        carry0 = (tokens, positions, sampling.gen_idx, counts, tail, kv_caches)
-        (_, _, _, counts, _, kv_caches), (out_tokens, out_logprobs, out_logits) = lax.scan(
+        carry0 = (tokens, positions, sampling.gen_idx, counts, tail, states, kv_caches)
+        (_, _, _, counts, _, states, kv_caches), (out_tokens, out_logprobs, out_logits) = lax.scan(
             lambda carry, i: run(i, carry), carry0, jnp.arange(self.num_scheduler_steps, dtype=jnp.int32))
         if features.penalties:  # the rows' counts back into their slots
             slots = extras["slots"]
             at = jnp.where(slots >= 0, slots, aux["counts"].shape[0])
             aux = dict(aux, counts=aux["counts"].at[at].set(counts, mode="drop"))
+        if features.grammar_dfa:
+            aux = self._store_dfa_states(aux, extras, states)
         last = jnp.where(steps > 0, out_tokens[jnp.maximum(steps - 1, 0), rows], -1)
         last = jnp.pad(last, (0, self.prev_len - num_reqs), constant_values=-1)
         return out_tokens, last, out_logprobs, out_logits, aux, kv_caches
@@ -766,12 +831,15 @@ class ModelRunner:
             logit_bias=any(sp.logit_bias for sp in sps),
             allowed=any(sp.allowed_token_ids for sp in sps),
             bad_words=any(sp.bad_words_token_ids for sp in sps),
+            grammar_dfa=any(getattr(r.grammar, "on_device", False) for r in reqs),
             num_logprobs=_logprobs_width(max(widths), self.max_logprobs) if widths else -1)
+        if features.grammar_dfa:  # the automata's masks (and llguidance's rows', if any) are applied as one bitmask
+            features = dataclasses.replace(features, bitmask=True)
         if features.min_p:
             extras["min_p"] = np.zeros(num_rows, np.float32)
             extras["min_p"][:n] = [sp.min_p for sp in sps]
-        if features.penalties:
-            extras.update(self._penalty_rows(reqs, sps, num_rows))
+        if features.penalties or features.grammar_dfa:
+            extras.update(self._state_rows(reqs, sps, num_rows, features))
         if features.logit_bias:
             width = _pow2_at_least(max(len(sp.logit_bias or ()) for sp in sps), 8)
             ids = np.full((num_rows, width), -1, np.int32)
@@ -805,24 +873,47 @@ class ModelRunner:
             extras.update(bad_seqs=seqs, bad_tail=tail)
         return sampling, extras, features
 
-    def _penalty_rows(self, reqs: list[Request], sps, num_rows: int) -> dict[str, np.ndarray]:
-        """Each penalty row's slot (a request's first step takes a free one and its counts start from its known
-        tokens: :meth:`_init_rows` runs before the step) and penalties."""
-        if not self.aux:
+    def _state_rows(self, reqs: list[Request], sps, num_rows: int, features: SamplerFeatures) -> dict[str, np.ndarray]:
+        """Each penalty or automaton row's slot (a request's first step takes a free one and its state starts from
+        its known tokens, set before the step: :meth:`_init_rows` counts them, an automaton starts from the host's
+        state after them); penalties; each automaton row's ``dfa_offset`` (its automaton's place in the tables,
+        0 for other rows)."""
+        if features.penalties and "counts" not in self.aux:
             self._allocate_aux()
+        if features.grammar_dfa and "dfa_state" not in self.aux:
+            self.aux["dfa_state"] = self._zeros((self.request_buckets[-1],), jnp.int32)
         slots = np.full(num_rows, -1, np.int32)
         presence = np.zeros(num_rows, np.float32)
         frequency = np.zeros(num_rows, np.float32)
         repetition = np.ones(num_rows, np.float32)
-        fresh = []
+        offsets = np.zeros(num_rows, np.int32)
+        fresh, fresh_dfa = [], []
         for r, (req, sp) in enumerate(zip(reqs, sps)):
-            if not sp.has_penalties:
+            on_device = getattr(req.grammar, "on_device", False)
+            if not (sp.has_penalties or on_device):
                 continue
             if req.penalty_slot is None:
                 req.penalty_slot = self._free_slots.pop()
-                fresh.append(req)
+                if sp.has_penalties:
+                    fresh.append(req)
+                if on_device:
+                    fresh_dfa.append(req)
             slots[r] = req.penalty_slot
             presence[r], frequency[r], repetition[r] = sp.presence_penalty, sp.frequency_penalty, sp.repetition_penalty
+            if on_device:
+                offsets[r] = self.dfa_tables.offset(req.grammar.dfa)
+        if fresh_dfa:  # its tokens are all known (as below): the host's state is the row's
+            at = np.full(_pow2_at_least(len(fresh_dfa), 4), self.request_buckets[-1], np.int32)
+            values = np.zeros(at.shape, np.int32)
+            for i, req in enumerate(fresh_dfa):
+                req.grammar.accept(req.output_token_ids[req.grammar.num_consumed:])
+                at[i], values[i] = req.penalty_slot, req.grammar.state
+            self.aux["dfa_state"] = self._init_dfa_rows(self.aux["dfa_state"], at, values)
+        out = dict(slots=slots)
+        if features.grammar_dfa:
+            out["dfa_offset"] = offsets
+        if not features.penalties:
+            return out
         if fresh:
             width = _pow2_at_least(max(req.num_tokens for req in fresh), 64)
             num = _pow2_at_least(len(fresh), 4)
@@ -833,21 +924,25 @@ class ModelRunner:
                 hist[i, :req.num_tokens] = req.token_array()
                 plen[i] = req.num_prompt_tokens
                 init[i] = req.penalty_slot
-            self.aux = self._init_rows(self.aux, jnp.asarray(init), jnp.asarray(hist), jnp.asarray(plen))
-        return dict(slots=slots, presence=presence, frequency=frequency, repetition=repetition)
+            counts = self._init_rows({k: self.aux[k] for k in ("counts", "prompt_mask")}, jnp.asarray(init),
+                                     jnp.asarray(hist), jnp.asarray(plen))
+            self.aux = {**self.aux, **counts}
+        return dict(out, presence=presence, frequency=frequency, repetition=repetition)
+
+    def _zeros(self, shape, dtype):
+        """Zeros on the runner's device (replicated over its mesh)."""
+        z = jnp.zeros(shape, dtype)
+        return z if self._replicated is None else jax.device_put(z, self._replicated)
 
     def _allocate_aux(self) -> None:
-        vocab = self.vocab_size
-        slots = self.request_buckets[-1]
-        sharding = self._replicated
-        zeros = (lambda shape, dtype: jnp.zeros(shape, dtype) if sharding is None
-                 else jax.device_put(jnp.zeros(shape, dtype), sharding))
-        self.aux = dict(counts=zeros((slots, vocab), jnp.int32), prompt_mask=zeros((slots, vocab), jnp.bool_))
-        self._free_slots = list(range(slots - 1, -1, -1))
+        slots, vocab = self.request_buckets[-1], self.vocab_size
+        self.aux = dict(self.aux, counts=self._zeros((slots, vocab), jnp.int32),
+                        prompt_mask=self._zeros((slots, vocab), jnp.bool_))
 
     def release_slot(self, req: Request) -> None:
-        """A request that finished or was preempted gives its penalty slot back (a later step that takes it
-        starts the row over before using it; steps already dispatched run before that on the device)."""
+        """A request that finished or was preempted gives its slot (penalties' counts, an automaton's state) back
+        (a later step that takes it starts the row over before using it; steps already dispatched run before that
+        on the device)."""
         if req.penalty_slot is not None:
             self._free_slots.append(req.penalty_slot)
             req.penalty_slot = None
@@ -938,7 +1033,7 @@ class ModelRunner:
             inputs["plp_targets"][:len(targets)] = targets
             plp_k = _logprobs_width(plp_k, self.max_logprobs)
         sampling, extras, features = self._sampling_arrays(reqs, num_rows, sched.gen_idx)
-        if features.penalties:  # which rows' sampled tokens are real (a prompt chunk's is not)
+        if features.penalties or features.grammar_dfa:  # which rows' sampled tokens are real (not a prompt chunk's)
             extras["counted"] = np.zeros(num_rows, np.int32)
             extras["counted"][:n] = sched.samples
         features = _with_grammar_bitmask(
@@ -950,21 +1045,33 @@ class ModelRunner:
                    prev_tokens, *, max_query_len: int, prompt_logprobs: int = -1):
         ints, floats, layout = _pack(inputs | _sampling_dict(sampling, extras))
         tokens, logprobs, plp, logits, aux = self._dispatch(
-            "mixed", self._mixed, ints, floats, self._prev(prev_tokens), self.aux if features.penalties else {},
-            layout=layout, max_query_len=max_query_len, features=features, prompt_logprobs=prompt_logprobs)
-        if features.penalties:
-            self.aux = aux
+            "mixed", self._mixed, ints, floats, self._prev(prev_tokens), self._step_aux(features),
+            self._step_tables(features), layout=layout, max_query_len=max_query_len, features=features,
+            prompt_logprobs=prompt_logprobs)
+        if aux:
+            self.aux = {**self.aux, **aux}
         return tokens, logprobs, plp, logits
 
     def _run_decode(self, arrays: dict, sampling: SamplingArrays, extras: dict, features: SamplerFeatures,
                     prev_tokens):
         ints, floats, layout = _pack(arrays | _sampling_dict(sampling, extras))
         out, last, logprobs, logits, aux = self._dispatch(
-            "decode", self._decode, ints, floats, self._prev(prev_tokens), self.aux if features.penalties else {},
-            layout=layout, features=features)
-        if features.penalties:
-            self.aux = aux
+            "decode", self._decode, ints, floats, self._prev(prev_tokens), self._step_aux(features),
+            self._step_tables(features), layout=layout, features=features)
+        if aux:
+            self.aux = {**self.aux, **aux}
         return out, last, logprobs, logits
+
+    def _step_aux(self, features: SamplerFeatures) -> dict:
+        """The device state a step with ``features`` reads and returns (donated): penalties' counts and prompt
+        masks, automata's states."""
+        keys = (("counts", "prompt_mask") if features.penalties else ()) + (
+            ("dfa_state",) if features.grammar_dfa else ())
+        return {k: self.aux[k] for k in keys}
+
+    def _step_tables(self, features: SamplerFeatures) -> dict:
+        """The automata's tables (read only) for a step with ``features.grammar_dfa``, else nothing."""
+        return self.dfa_tables.arrays if features.grammar_dfa else {}
 
     def _put_packed(self, ints: np.ndarray, floats: np.ndarray):
         """The packed host buffers on the device (one batched transfer)."""
@@ -979,6 +1086,7 @@ class ModelRunner:
         come back as :class:`Deferred`."""
         features = static.get("features")
         if (self._defer and features is not None and features.bitmask_in_step and not features.penalties
+                and not features.grammar_dfa
                 and features.num_logprobs < 0 and not self.return_logits and static.get("prompt_logprobs", -1) < 0):
             # one thread, in order: the previous deferred call's caches are this one's input there
             future = self._dispatcher.submit(self._dispatch_now, kind, step, ints, floats, *args, **static)
@@ -1021,7 +1129,9 @@ class ModelRunner:
         programs count); with ``top_k_top_p`` the programs for batches with a top-k/top-p row are
         compiled too (``2 * num_buckets``), and with ``bitmask_words`` (structured outputs: the bitmask's
         ``ceil(vocab / 32)``) each of those again with a grammar bitmask (``x 2``): without them a server's first
-        constrained batches compiled mid-run (3 programs in a json_schema run on an H100, session 26)."""
+        constrained batches compiled mid-run (3 programs in a json_schema run on an H100, session 26). With
+        :meth:`use_dfa_tables` those are the programs of automaton rows (the masks of llguidance's grammars,
+        which automata cannot express, then compile on first use)."""
         variants = [(tkp, words) for tkp in ((False, True) if top_k_top_p else (False,))
                     for words in ((None, bitmask_words) if bitmask_words else (None,))]
         defer, self._defer = self._defer, False  # the warm-up's calls wait for their outputs themselves
@@ -1040,6 +1150,8 @@ class ModelRunner:
                 self._warmup_batches(flag, words)
         finally:
             self._mixed, self._decode, self.kv_caches = saved
+            # the lowered steps returned shapes for the device state they update: keep the arrays
+            self.aux = {k: v for k, v in self.aux.items() if isinstance(v, jax.Array)}
 
         def build(program: _WarmupProgram):
             if program.lowered is None:  # loading releases the GIL: a GPU executable takes ~0.5 s (session 21)
@@ -1074,9 +1186,16 @@ class ModelRunner:
         bucket's decode loop (their top-k/top-p programs if ``top_k_top_p``; with an all-ones grammar bitmask of
         ``bitmask_words`` words per row if given)."""
 
-        def sampling(rows):
+        def sampling(rows, mixed=False):
             sampling, extras, features = self._sampling_arrays([], rows, top_k_top_p=top_k_top_p)
-            if bitmask_words and self.step_masks is not None:  # an id no dispatch has: all-ones masks
+            if bitmask_words and self.dfa_tables is not None:  # automata: no row has one (state 0: all ones)
+                if "dfa_state" not in self.aux:
+                    self.aux["dfa_state"] = self._zeros((self.request_buckets[-1],), jnp.int32)
+                extras.update(slots=np.full(rows, -1, np.int32), dfa_offset=np.zeros(rows, np.int32))
+                if mixed:
+                    extras["counted"] = np.zeros(rows, np.int32)
+                features = dataclasses.replace(features, bitmask=True, grammar_dfa=True)
+            elif bitmask_words and self.step_masks is not None:  # an id no dispatch has: all-ones masks
                 extras["grammar_id"] = np.full(1, -1, np.int32)
                 features = dataclasses.replace(features, bitmask=True, bitmask_in_step=True)
             elif bitmask_words:
@@ -1095,7 +1214,7 @@ class ModelRunner:
                           seq_lens=seq_lens, query_start_loc=qsl,
                           block_tables=self._empty_tables(num_rows),
                           logits_indices=np.zeros(num_rows, np.int32))
-            tokens, *_ = self._run_mixed(inputs, *sampling(num_rows), None, max_query_len=t)
+            tokens, *_ = self._run_mixed(inputs, *sampling(num_rows, mixed=True), None, max_query_len=t)
             jax.block_until_ready(tokens)
         for rows in self.request_buckets:
             zeros = np.zeros(rows, np.int32)

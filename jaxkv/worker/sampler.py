@@ -103,6 +103,9 @@ class SamplerFeatures:
         bitmask_in_step: the model runner computes ``extras["bitmask"]`` inside the step (host callbacks per
             step, :meth:`jaxkv.worker.model_runner.ModelRunner.use_step_masks`) from ``extras["grammar_id"]``;
             the sampler itself reads only ``bitmask``.
+        grammar_dfa: some row's grammar is an automaton on the device (:mod:`jaxkv.core.grammar_dfa`): the model
+            runner computes its ``bitmask`` rows inside the step from the row's state (``extras["slots"]``,
+            ``extras["dfa_offset"]``) and advances the state by the sampled token.
         num_logprobs: ``-1``: no row wants logprobs; else the top this many are returned per row (with the
             sampled token's logprob and rank).
     """
@@ -115,6 +118,7 @@ class SamplerFeatures:
     bad_words: bool = False
     bitmask: bool = False
     bitmask_in_step: bool = False
+    grammar_dfa: bool = False
     num_logprobs: int = -1
 
 

@@ -103,6 +103,11 @@ class EngineArgs:
             on with one device per engine, else off (masks filled on the host per pass). No vLLM counterpart.
             Measured on an H100 (session 28, SmolLM2 server, json_schema on half of 1000 requests at rate inf):
             23,007 out tok/s against 11,143 with host-filled masks.
+        structured_outputs_backend: ``"auto"`` (default), ``"guidance"`` (llguidance) or ``"outlines"``
+            (outlines-core's token automata, on the device) (vLLM ``--structured-outputs-config.backend``; see
+            :mod:`jaxkv.core.structured_output`).
+        structured_outputs_table_mib: device memory for the automata's tables, MiB (reserved beside the KV
+            cache unless the backend is ``"guidance"``). No vLLM counterpart.
     """
 
     model: str = "smollm2-135m"
@@ -136,6 +141,8 @@ class EngineArgs:
     max_logprobs: int = 20
     structured_outputs_disable_any_whitespace: bool = False
     structured_outputs_in_step: bool | None = None
+    structured_outputs_backend: str = "auto"
+    structured_outputs_table_mib: float = 256.0
 
     def __post_init__(self):
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("scheduling_policy", SCHEDULING_POLICIES),
@@ -159,6 +166,11 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
+        if self.structured_outputs_backend not in ("auto", "guidance", "outlines"):
+            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} must be one of "
+                             f"('auto', 'guidance', 'outlines')")
+        if not self.structured_outputs_table_mib >= 1:
+            raise ValueError(f"structured_outputs_table_mib={self.structured_outputs_table_mib!r} must be >= 1")
         if self.structured_outputs_in_step and self.tensor_parallel_size > 1:
             raise ValueError(f"structured_outputs_in_step=True needs one device per engine, not "
                              f"tensor_parallel_size={self.tensor_parallel_size} (host callbacks in a partitioned step)")
@@ -244,6 +256,11 @@ class EngineArgs:
         add("--max-logprobs", type=int, help="most logprobs / prompt_logprobs a request may ask for")
         add("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
             help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
+        add("--structured-outputs-backend", choices=("auto", "guidance", "outlines"),
+            help="auto: a token automaton on the device where one expresses the request exactly, llguidance "
+            "otherwise; guidance: llguidance always; outlines: automata only (default: auto)")
+        add("--structured-outputs-table-mib", type=float, metavar="MIB",
+            help="device memory for the automata's tables (default: 256)")
         add("--structured-outputs-in-step", action=argparse.BooleanOptionalAction,
             help="a constrained request's masks come from host callbacks inside each step, so it decodes in "
             "device loops like any request (one device per engine) (default: on with one device per engine, "
@@ -438,7 +455,9 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         scheduling_policy=args.scheduling_policy,
         vocab_size=config.vocab_size, max_logprobs=args.max_logprobs,
         structured_outputs=structured_output_manager(tokenizer, config.vocab_size,
-                                                     any_whitespace=not args.structured_outputs_disable_any_whitespace),
+                                                     any_whitespace=not args.structured_outputs_disable_any_whitespace,
+                                                     backend=args.structured_outputs_backend,
+                                                     table_mib=args.structured_outputs_table_mib),
         structured_outputs_in_step=(args.structured_outputs_in_step if args.structured_outputs_in_step is not None
                                     else tp == 1))
     t_built = time.perf_counter()
@@ -473,14 +492,25 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     return BuiltEngine(engine, model, config, tokenizer, parts.kv_cache_config, mesh, info)
 
 
-def structured_output_manager(tokenizer, vocab_size: int, *, any_whitespace: bool = True):
+def structured_output_manager(tokenizer, vocab_size: int, *, any_whitespace: bool = True, backend: str = "auto",
+                              table_mib: float = 256.0):
     """The engine's grammar compiler for ``tokenizer`` (``None`` for a tokenizer without a ``tokenizer.json``,
     e.g. dummy weights' byte-level placeholder: structured outputs are then refused)."""
     backend_json = getattr(tokenizer, "backend_json", None)
     if backend_json is None:
         return None
     from jaxkv.core.structured_output import StructuredOutputManager
-    return StructuredOutputManager(backend_json(), vocab_size, tokenizer.stop_token_ids, any_whitespace=any_whitespace)
+    return StructuredOutputManager(backend_json(), vocab_size, tokenizer.stop_token_ids, any_whitespace=any_whitespace,
+                                   backend=backend, table_mib=table_mib)
+
+
+def _dfa_table_bytes(config, args: EngineArgs) -> int:
+    """Device bytes the structured outputs' automata tables take (0 with the ``guidance`` backend)."""
+    if args.structured_outputs_backend == "guidance":
+        return 0
+    from jaxkv.core.grammar_dfa import DFATables, table_sizes
+    words = -(-config.vocab_size // 32)
+    return DFATables.nbytes_for(words, *table_sizes(words, args.structured_outputs_table_mib))
 
 
 def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, cache_dtype, attention_impl):
@@ -555,6 +585,7 @@ def _blocks_from_memory(config, spec, snapshot, mesh, args: EngineArgs, max_mode
         return min(max(1024, per_seq), args.max_num_seqs * per_seq)
     in_use = max(int(d.memory_stats().get("bytes_in_use", 0)) for d in _devices(mesh))
     activations = _activation_reserve_bytes(config, args.max_num_seqs, max_num_batched_tokens)
+    activations += _dfa_table_bytes(config, args)
     return num_blocks_from_device_memory(
         spec, num_layers=registry.num_cache_tensors(config, hybrid=registry.use_hybrid(mesh)),
         gpu_memory_utilization=args.gpu_memory_utilization,

@@ -7,7 +7,7 @@
 set -euo pipefail
 PY=${PY:-.venv/bin/python}
 pkgs="gguf pyzmq msgspec starlette uvicorn httptools pydantic pydantic-core annotated-types typing-inspection
-  typing-extensions prometheus_client llguidance openai httpx2 httpcore2 truststore jiter distro sniffio httpx httpcore
+  typing-extensions prometheus_client llguidance outlines-core openai httpx2 httpcore2 truststore jiter distro sniffio httpx httpcore
   anyio h11 idna certifi tqdm jaxtyping wadler-lindig tokenizers safetensors ml_dtypes jinja2 markupsafe jsonschema
   jsonschema-specifications referencing rpds-py attrs py-spy pynvml nvidia-ml-py"
 specs=()

@@ -116,7 +116,7 @@ def test_parallel_bitmask_fill_equals_row_by_row(llm):
     manager = llm.engine.structured_outputs
     kinds = [StructuredOutputsParams(json=SCHEMA), StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2,12}"),
              StructuredOutputsParams(choice=["yes", "no", "maybe so"])]
-    compiled = [manager.compile(k).result() for k in kinds]
+    compiled = [manager.compile(k, backend="guidance").result() for k in kinds]
     rng = np.random.default_rng(0)
     grammars = [manager.grammar(compiled[i % 3]) for i in range(64)]
     one = manager.new_bitmask(1)
@@ -149,8 +149,8 @@ def test_accept_tokens_equals_accept_row_by_row(llm):
 
     from jaxkv.core.structured_output import accept_tokens
     manager = llm.engine.structured_outputs
-    choice = manager.compile(StructuredOutputsParams(choice=["yes", "no"])).result()
-    regex = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}")).result()
+    choice = manager.compile(StructuredOutputsParams(choice=["yes", "no"]), backend="guidance").result()
+    regex = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}"), backend="guidance").result()
     tok = llm.get_tokenizer()
     digit = tok.encode("7")[-1]
     letter = tok.encode("x")[-1]
@@ -189,6 +189,7 @@ def test_a_token_outside_the_grammar_aborts_only_its_request(llm, monkeypatch, c
     from jaxkv.worker import model_runner
     monkeypatch.setattr(model_runner, "fill_bitmasks", lambda rows, bitmask: None)
     monkeypatch.setattr(structured_output, "fill_bitmasks", lambda rows, bitmask: None)
+    monkeypatch.setattr(llm.engine.structured_outputs, "backend", "guidance")  # llguidance's masks, not automata
     digits = SamplingParams(max_tokens=12, temperature=1.0, seed=11,
                             structured_outputs=StructuredOutputsParams(regex=r"[0-9]{12}"))
     plain = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
@@ -199,17 +200,20 @@ def test_a_token_outside_the_grammar_aborts_only_its_request(llm, monkeypatch, c
     assert len(outs[1].outputs[0].token_ids) == 6 and outs[1].outputs[0].finish_reason == "length"
 
 
-def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
-    """``structured_outputs_in_step`` (the default with one device: the engine of ``llm``): each step's masks come
-    from a host callback inside the step, the matchers advancing over the tokens the step was fed. Against
-    host-filled masks (``structured_outputs_in_step=False``: one per pass, one token per pass for a constrained
-    request), the same requests give the same tokens, while the constrained requests decode in device loops
-    (fewer passes than tokens) and the JSON still validates."""
+def test_masks_inside_the_step_and_automata_against_host_masks(llm, tmp_path, monkeypatch):
+    """llguidance's masks filled on the host (``structured_outputs_in_step=False``: one per pass, one token per pass
+    for a constrained request) against (1) llguidance's masks from host callbacks inside each step
+    (``structured_outputs_in_step``, the default with one device), the matchers advancing over the tokens the step
+    was fed: the same tokens; and (2) token automata on the device (the ``auto`` backend's choice for these
+    grammars: a JSON schema of regular form, a regex, a choice), with no host work per token: outputs of the same
+    languages. Both decode the constrained requests in device loops (fewer passes than tokens)."""
+    from jaxkv.core.grammar_dfa import TokenDFA
     hfc.write_checkpoint(tmp_path, "LlamaForCausalLM", seed=5)
     host = models.LLM(tmp_path, dtype="float32", attention_impl="reference", max_model_len=128,
                       num_gpu_blocks=512, block_size=8, max_num_seqs=24, max_num_batched_tokens=128,
                       num_scheduler_steps=4, async_scheduling=True, enable_multiprocessing=False,
-                      structured_outputs_disable_any_whitespace=True, structured_outputs_in_step=False)
+                      structured_outputs_disable_any_whitespace=True, structured_outputs_in_step=False,
+                      structured_outputs_backend="guidance")
     in_step = llm
     assert host.engine.runner.step_masks is None and in_step.engine.runner.step_masks is not None
     sps = [SamplingParams(max_tokens=120, temperature=1.0, seed=i,
@@ -222,18 +226,30 @@ def test_masks_inside_the_step_give_the_host_masks_tokens(llm, tmp_path):
     prompts = [f"Animal {i}:" for i in range(6)] + ["Code:", "Answer:", "Hello world"]
     want = host.generate(prompts, sps, use_tqdm=False)
     engine = in_step.engine
-    before = engine.stats.steps
-    got = in_step.generate(prompts, sps, use_tqdm=False)
-    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
-    for o in got[:6]:
-        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
-    assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", got[6].outputs[0].text)
-    passes = engine.stats.steps - before
-    assert engine.runner.step_masks.num_calls > 0 and engine.runner.num_deferred > 0  # on the dispatch thread
+    manager = engine.structured_outputs
+    assert all(isinstance(manager.compile(sp.structured_outputs).result(), TokenDFA) for sp in sps[:-1])
+    for backend in ("guidance", "auto"):
+        monkeypatch.setattr(manager, "backend", backend)
+        before, calls = engine.stats.steps, engine.runner.step_masks.num_calls
+        got = in_step.generate(prompts, sps, use_tqdm=False)
+        if backend == "guidance":
+            assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in want]
+        else:  # the same languages, not always the same tokens: llguidance refuses some tokenizations automata take
+            assert got[-1].outputs[0].token_ids == want[-1].outputs[0].token_ids  # the plain row
+            assert got[7].outputs[0].text in ("yes", "no", "maybe so")
+            assert all(o.outputs[0].finish_reason == "stop" for o in got[:8])
+        for o in got[:6]:
+            jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+        assert re.fullmatch(r"[0-9]{3}-[a-z]{2,4}", got[6].outputs[0].text)
+        passes = engine.stats.steps - before
+        assert passes < max(len(o.outputs[0].token_ids) for o in got[:6])  # constrained rows took tokens in loops
+        if backend == "guidance":
+            assert engine.runner.step_masks.num_calls > calls and engine.runner.num_deferred > 0  # dispatch thread
+        else:
+            assert engine.runner.step_masks.num_calls == calls  # no callback: the masks came from the automata
     stats = engine.stats
     assert stats.step_mask_calls == engine.runner.step_masks.num_calls and stats.step_mask_wait_s >= 0
     assert host.engine.stats.step_mask_calls == 0
-    assert passes < max(len(o.outputs[0].token_ids) for o in got[:6])  # constrained rows took tokens in loops
 
 
 def test_step_masks_advance_each_matcher_once_in_device_order(llm):
@@ -245,7 +261,7 @@ def test_step_masks_advance_each_matcher_once_in_device_order(llm):
 
     from jaxkv.core.structured_output import StepMasks
     manager = llm.engine.structured_outputs
-    regex = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}")).result()
+    regex = manager.compile(StructuredOutputsParams(regex=r"[0-9]{3}-[a-z]{2}"), backend="guidance").result()
     digit = llm.get_tokenizer().encode("7")[-1]
     masks = StepMasks(manager.bitmask_words)
     g, twin = manager.grammar(regex), manager.grammar(regex)
@@ -275,3 +291,34 @@ def test_step_masks_advance_each_matcher_once_in_device_order(llm):
     got = step(letter, prompt_len + 3)                  # "777x": the regex wants "-"
     assert g.rejected and (got[1] == -1).all()          # said on the grammar; the row is left all ones
     assert (masks.finish(masks.begin(np.int32([-1]), tokens, positions)) == -1).all()   # a dispatch nobody registered
+
+
+def test_automata_survive_preemption_and_fall_back_when_the_tables_are_full(llm, tmp_path, monkeypatch):
+    """A cache of 24 blocks for 8 constrained requests preempts them (recompute): a resumed request's slot starts
+    from the host's state after its tokens, so every output still validates. With no room in the device tables
+    (``hold_dfa`` refusing), a request takes llguidance's masks instead and still validates. The ``outlines``
+    backend refuses what automata cannot express, naming the backend."""
+    hfc.write_checkpoint(tmp_path, "LlamaForCausalLM", seed=5)
+    small = models.LLM(tmp_path, dtype="float32", attention_impl="reference", max_model_len=128, num_gpu_blocks=24,
+                       block_size=8, max_num_seqs=8, max_num_batched_tokens=64, num_scheduler_steps=4,
+                       async_scheduling=True, enable_multiprocessing=False,
+                       structured_outputs_disable_any_whitespace=True)
+    sps = [SamplingParams(max_tokens=100, temperature=1.0, seed=i,
+                          structured_outputs=StructuredOutputsParams(json=SCHEMA)) for i in range(8)]
+    outs = small.generate([f"Animal number {i} is:" for i in range(8)], sps, use_tqdm=False)
+    assert small.engine.stats.num_preemptions > 0
+    for o in outs:
+        assert o.outputs[0].finish_reason == "stop", o.outputs[0].text
+        jsonschema.validate(json.loads(o.outputs[0].text), SCHEMA)
+
+    manager, runner = llm.engine.structured_outputs, llm.engine.runner
+    fallbacks, calls = manager.num_fallbacks, runner.step_masks.num_calls
+    monkeypatch.setattr(runner, "hold_dfa", lambda dfa: False)
+    out = llm.generate("Pet:", sps[0], use_tqdm=False)[0].outputs[0]
+    jsonschema.validate(json.loads(out.text), SCHEMA)
+    assert manager.num_fallbacks == fallbacks + 1 and runner.step_masks.num_calls > calls
+
+    monkeypatch.setattr(manager, "backend", "outlines")
+    with pytest.raises(ValueError, match="backend 'outlines'"):
+        llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)
+    assert llm.engine.get_num_unfinished_requests() == 0
