@@ -70,6 +70,15 @@ def _regular_schema(schema: Any) -> Any | None:
     or ``None`` when it uses a keyword the regular path does not express exactly."""
     if not isinstance(schema, dict):
         return None
+    if "anyOf" in schema:  # each branch with its siblings' "type" (as tool_choice="required"'s items have it)
+        siblings = {k: v for k, v in schema.items() if k not in _SCHEMA_KEYWORDS[None] or k == "type"}
+        branches = schema["anyOf"]
+        if set(siblings) - {"anyOf", "type"} or not isinstance(branches, list) or not branches:
+            return None
+        base = {"type": schema["type"]} if "type" in schema else {}
+        subs = [_regular_schema({**base, **b}) if isinstance(b, dict) and b.get("type", base.get("type")) ==
+                base.get("type", b.get("type")) else None for b in branches]
+        return None if any(s is None for s in subs) else {"anyOf": subs}
     kind = schema.get("type")
     if kind is not None and (not isinstance(kind, str) or kind not in _SCHEMA_KEYWORDS):
         return None  # a list of types, or an unknown one
@@ -79,11 +88,6 @@ def _regular_schema(schema: Any) -> Any | None:
         values = schema.get(key, ()) if key == "enum" else [schema.get("const")] if key in schema else ()
         if not isinstance(values, list | tuple) or any(isinstance(v, dict | list) for v in values):
             return None
-    if "anyOf" in schema:
-        if set(schema) - _SCHEMA_KEYWORDS[None] or not isinstance(schema["anyOf"], list) or not schema["anyOf"]:
-            return None
-        subs = [_regular_schema(s) for s in schema["anyOf"]]
-        return None if any(s is None for s in subs) else {"anyOf": subs}
     if kind is None:
         return schema if ("enum" in schema or "const" in schema) else None
     out = dict(schema)

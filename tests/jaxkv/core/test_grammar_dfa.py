@@ -148,3 +148,49 @@ def test_compiler_process_gives_the_same_tables():
         assert "exceed" in compiler.compile(r"[a-z]{0,60}").result(timeout=60)
     finally:
         compiler.shutdown()
+
+
+def test_every_complete_walk_validates():
+    """Random walks through automata of JSON schemas (nested objects, enums, bounded integers, arrays, anyOf, a
+    tool_choice="required" schema), over a vocabulary of single ASCII characters: every text the automaton
+    completes parses and validates (``jsonschema``), with and without free whitespace."""
+    jsonschema = pytest.importorskip("jsonschema")
+    pytest.importorskip("pydantic")
+    from models.benchmarks.serving import BENCH_SCHEMA
+    from models.entrypoints.openai.protocol import ChatCompletionRequest
+    from models.entrypoints.openai.tool_parsers import tool_choice_json_schema
+    from tests.models.test_structured_outputs import SCHEMA
+
+    chars = [bytes([c]) for c in range(32, 127)] + [b"\n"]
+    vocab = outlines_core.Vocabulary(0, {c: [i + 1] for i, c in enumerate(chars)})
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
+                                         "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
+        "required": ["city"]}}},
+        {"type": "function", "function": {"name": "get_time", "parameters": {
+            "type": "object", "properties": {"timezone": {"type": "string", "maxLength": 8}},
+            "required": ["timezone"]}}}]
+    request = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools,
+                                                    "tool_choice": "required"})
+    required = tool_choice_json_schema(request.tools, "required")
+    rng = np.random.default_rng(2)
+    for schema in (SCHEMA, BENCH_SCHEMA, required, {"anyOf": [{"type": "null"}, {"type": "number"}]}):
+        for any_ws in (False, True):
+            rx = gd.dfa_regex(SOP(json=schema), any_whitespace=any_ws)
+            assert rx is not None, schema
+            idx = outlines_core.Index(rx, vocab)
+            dfa = gd.tables_from_transitions(idx.get_transitions(), idx.get_initial_state(), idx.get_final_states(),
+                                             len(chars) + 1, [0], rx)
+            done = 0
+            for _ in range(30):
+                s, text = dfa.initial, b""
+                for _ in range(600):
+                    allowed = np.nonzero(np.unpackbits(dfa.allowed(s).view(np.uint8), bitorder="little"))[0]
+                    if dfa.final[s] and (not allowed.size or rng.random() < 0.3):
+                        jsonschema.validate(json.loads(text), schema)
+                        done += 1
+                        break
+                    t = int(rng.choice(allowed))
+                    text += chars[t - 1]
+                    s = dfa.step(s, t)
+            assert done >= 10, (schema, done)
