@@ -462,14 +462,13 @@ class DFATables:
         if self._arrays is None:
             import jax
             import jax.numpy as jnp
-            bits = np.zeros((self.max_states, self.words), np.int32)
-            bits[0] = -1
-            host = dict(bits=bits, prefix=np.zeros((self.max_states, self.words), np.int32),
-                        base=np.zeros(self.max_states, np.int32), final=np.zeros(self.max_states, np.int32),
-                        next=np.zeros(self.max_transitions, np.int32), eos=self._eos)
-            host["final"][0] = 1
-            self._arrays = {k: jax.device_put(jnp.asarray(v), self.sharding) if self.sharding is not None
-                            else jnp.asarray(v) for k, v in host.items()}
+
+            def make():  # state 0: every token, EOS too (final), next state 0
+                s, w = self.max_states, self.words
+                return dict(bits=jnp.zeros((s, w), jnp.int32).at[0].set(-1), prefix=jnp.zeros((s, w), jnp.int32),
+                            base=jnp.zeros(s, jnp.int32), final=jnp.zeros(s, jnp.int32).at[0].set(1),
+                            next=jnp.zeros(self.max_transitions, jnp.int32), eos=jnp.asarray(self._eos))
+            self._arrays = jax.jit(make, out_shardings=self.sharding)() if self.sharding is not None else make()
         return self._arrays
 
     def offset(self, dfa: TokenDFA) -> int:

@@ -10,6 +10,7 @@ with ``XLA_FLAGS=--xla_force_host_platform_device_count=2``; there the tests bel
 
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import re
@@ -114,6 +115,30 @@ def test_tp2_prefill_step_equals_one_device(checkpoints, arch):
     assert len(caches) == len(kv_config.kv_cache_tensors)
     for got, want in zip(caches, want_caches):  # tp=2 heads = the 2 KV heads: the same global array
         np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+@needs_mesh
+def test_tp2_automaton_structured_outputs_equal_one_device(checkpoints):
+    """Structured outputs as token automata (their tables replicated over the mesh, each row's state in its slot):
+    tp=2 gives the single-device tokens, greedy and sampled, and the JSON validates."""
+    from jaxkv.sampling_params import StructuredOutputsParams
+    schema = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 20},
+                                               "b": {"type": "string", "enum": ["x", "yz"]}}, "required": ["a", "b"]}
+    so = StructuredOutputsParams(json=schema)
+    sps = [SamplingParams(max_tokens=30, temperature=0, structured_outputs=so),
+           SamplingParams(max_tokens=30, temperature=1.0, seed=4, structured_outputs=so)]
+    kw = dict(dtype="float32", attention_impl="reference", max_model_len=64, num_gpu_blocks=32, block_size=BLOCK,
+              max_num_seqs=2, max_num_batched_tokens=32, num_scheduler_steps=4, enable_multiprocessing=False,
+              structured_outputs_disable_any_whitespace=True, structured_outputs_table_mib=4)
+    prompts = ["Animal:", "Pet:"]
+    solo = models.LLM(checkpoints / "LlamaForCausalLM", **kw).generate(prompts, sps, use_tqdm=False)
+    tp = models.LLM(checkpoints / "LlamaForCausalLM", tensor_parallel_size=2, **kw)
+    outs = tp.generate(prompts, sps, use_tqdm=False)
+    assert tp.engine.runner.dfa_tables.num_held == 0 and tp.engine.runner.dfa_tables.num_writes > 0
+    assert [o.outputs[0].token_ids for o in outs] == [o.outputs[0].token_ids for o in solo]
+    for o in outs:
+        value = json.loads(o.outputs[0].text)
+        assert set(value) == {"a", "b"} and 0 <= value["a"] <= 20 and value["b"] in ("x", "yz")
 
 
 @needs_mesh
