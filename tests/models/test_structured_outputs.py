@@ -322,3 +322,15 @@ def test_automata_survive_preemption_and_fall_back_when_the_tables_are_full(llm,
     with pytest.raises(ValueError, match="backend 'outlines'"):
         llm.generate("x", SamplingParams(structured_outputs=StructuredOutputsParams(json_object=True)), use_tqdm=False)
     assert llm.engine.get_num_unfinished_requests() == 0
+
+
+def test_a_repeated_grammar_is_looked_up_not_validated_again(llm, monkeypatch):
+    """A request repeating a grammar (equal content, a new dict) gets the cached future without llguidance's
+    validation or the regex building on the engine's thread; another backend or schema is compiled anew."""
+    manager = llm.engine.structured_outputs
+    first = manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA))))
+    monkeypatch.setattr(manager, "validate", lambda params: pytest.fail("validated again"))
+    assert manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA)))) is first
+    assert manager.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True))) is first
+    with pytest.raises(pytest.fail.Exception):
+        manager.compile(StructuredOutputsParams(json=SCHEMA), backend="guidance")
