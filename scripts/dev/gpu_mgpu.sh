@@ -17,7 +17,8 @@
 #                         (batch 1/8 x 512/2048/8192), then a 512-token chunk over a 4k / 16k cached context
 # Each stage has its own timeout, so a hang or a compile failure in one still leaves the others' logs.
 # PREFILL_BENCH_ARGS / DECODE_BENCH_ARGS add bench_attention.py flags (e.g. --breakdown: each kernel's time per
-# call); DECODE_SKIP_TESTS=1 runs only the decode bench.
+# call); DECODE_SKIP_TESTS=1 runs only the decode bench;
+# PREFILL_TESTS_FROM=N runs the prefill tests from the N-th collected id on.
 # Usage (device tool, repository root): SECTIONS=prefill OUT=... bash scripts/dev/gpu_mgpu.sh
 set -uo pipefail
 export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
@@ -55,8 +56,15 @@ if [[ " $SECTIONS " == *" prefill "* ]]; then
 # the bench reports a failing or wrong Mosaic variant and goes on with the others.
 echo "\$ JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} pytest -q tests/pallas_kernels/test_paged_prefill_attention_mgpu.py" \
   | tee "$OUT/mgpu-prefill-tests.txt"
+# PREFILL_TESTS_FROM=N: only the N-th collected test id on (a call cut short before them; ids hold spaces)
+ids=(tests/pallas_kernels/test_paged_prefill_attention_mgpu.py)
+if [ -n "${PREFILL_TESTS_FROM:-}" ]; then
+  mapfile -t ids < <(python -m pytest --co -q -p no:cacheprovider tests/pallas_kernels/test_paged_prefill_attention_mgpu.py \
+    2>/dev/null | grep :: | tail -n +"$PREFILL_TESTS_FROM")
+  echo "${#ids[@]} test ids from number $PREFILL_TESTS_FROM" | tee -a "$OUT/mgpu-prefill-tests.txt"
+fi
 JAXKV_MGPU_FUZZ=${JAXKV_MGPU_FUZZ:-24} timeout ${PREFILL_TESTS_TIMEOUT:-200} python -m pytest -q -p no:cacheprovider \
-  tests/pallas_kernels/test_paged_prefill_attention_mgpu.py ${PREFILL_TESTS_K:+-k "$PREFILL_TESTS_K"} \
+  "${ids[@]}" ${PREFILL_TESTS_K:+-k "$PREFILL_TESTS_K"} \
   2>&1 | quiet | tail -80 | tee -a "$OUT/mgpu-prefill-tests.txt"
 
 echo "\$ python scripts/bench_attention.py --mode prefill --quick ${PREFILL_BENCH_ARGS:-}" | tee "$OUT/bench-prefill-mgpu.txt"
