@@ -41,6 +41,7 @@ import struct
 import subprocess
 import sys
 import threading
+import weakref
 from typing import Any, Iterable
 
 import numpy as np
@@ -370,6 +371,7 @@ class DFACompiler:
         if self._proc is None or self._proc.poll() is not None:
             self._proc = subprocess.Popen([sys.executable, "-m", "jaxkv.core.grammar_dfa"], stdin=subprocess.PIPE,
                                           stdout=subprocess.PIPE)
+            weakref.finalize(self, _stop, self._proc)  # an engine dropped without shutdown() ends its worker too
             eos = self.eos_ids[0] if self.eos_ids else self.vocab_size
             _send(self._proc.stdin, (token_bytes(self._ll_tokenizer, self.vocab_size, self.eos_ids), eos))
         _send(self._proc.stdin, (regex, self.vocab_size, self.eos_ids, self.max_states, self.max_transitions))
@@ -379,11 +381,18 @@ class DFACompiler:
         self._thread.shutdown(wait=False, cancel_futures=True)
         proc, self._proc = self._proc, None
         if proc is not None:
-            proc.stdin.close()
-            try:
-                proc.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+            _stop(proc)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    """End a worker: its stdin closed, it returns; killed if it has not within 5 s."""
+    if proc.poll() is not None:
+        return
+    try:
+        proc.stdin.close()
+        proc.wait(timeout=5)
+    except (OSError, subprocess.TimeoutExpired):
+        proc.kill()
 
 
 # -- the device side ---------------------------------------------------------------------------------------------

@@ -4,6 +4,7 @@ device tables' placement (full, released, compacted)."""
 
 from __future__ import annotations
 
+import gc
 import json
 import re
 
@@ -127,7 +128,7 @@ def test_grammar_accept_names_the_token_it_refuses():
 
 def test_compiler_process_gives_the_same_tables():
     """The worker process (``python -m jaxkv.core.grammar_dfa``) compiles what the in-process path builds; a
-    regex over the size limits comes back as the reason."""
+    regex over the size limits comes back as the reason; the worker ends with its compiler."""
 
     class Tok:  # the two llguidance tokenizer calls token_bytes makes
         vocab_size = VOCAB
@@ -147,7 +148,10 @@ def test_compiler_process_gives_the_same_tables():
             np.testing.assert_array_equal(getattr(got, k), getattr(want, k))
         assert "exceed" in compiler.compile(r"[a-z]{0,60}").result(timeout=60)
     finally:
-        compiler.shutdown()
+        proc = compiler._proc
+        del compiler  # dropped without shutdown(): its worker ends too (weakref.finalize)
+        gc.collect()
+    assert proc.wait(timeout=10) == 0
 
 
 def test_every_complete_walk_validates():
