@@ -369,8 +369,10 @@ class DFACompiler:
 
     def _remote(self, regex: str) -> TokenDFA | str:
         if self._proc is None or self._proc.poll() is not None:
-            self._proc = subprocess.Popen([sys.executable, "-m", "jaxkv.core.grammar_dfa"], stdin=subprocess.PIPE,
-                                          stdout=subprocess.PIPE)
+            # -P: the working directory is not put first on sys.path (a folder named jaxkv there, as tests/ has,
+            # would shadow the package)
+            self._proc = subprocess.Popen([sys.executable, "-P", "-m", "jaxkv.core.grammar_dfa"],
+                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             weakref.finalize(self, _stop, self._proc)  # an engine dropped without shutdown() ends its worker too
             eos = self.eos_ids[0] if self.eos_ids else self.vocab_size
             _send(self._proc.stdin, (token_bytes(self._ll_tokenizer, self.vocab_size, self.eos_ids), eos))

@@ -328,9 +328,10 @@ def test_a_repeated_grammar_is_looked_up_not_validated_again(llm, monkeypatch):
     """A request repeating a grammar (equal content, a new dict) gets the cached future without llguidance's
     validation or the regex building on the engine's thread; another backend or schema is compiled anew."""
     manager = llm.engine.structured_outputs
-    first = manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA))))
+    schema = dict(SCHEMA, title="seen once before this test")  # no other test compiled it
+    first = manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(schema))))
     monkeypatch.setattr(manager, "validate", lambda params: pytest.fail("validated again"))
-    assert manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(SCHEMA)))) is first
-    assert manager.compile(StructuredOutputsParams(json=json.dumps(SCHEMA, sort_keys=True))) is first
+    assert manager.compile(StructuredOutputsParams(json=json.loads(json.dumps(schema)))) is first
+    assert manager.compile(StructuredOutputsParams(json=json.dumps(schema, sort_keys=True))) is first
     with pytest.raises(pytest.fail.Exception):
-        manager.compile(StructuredOutputsParams(json=SCHEMA), backend="guidance")
+        manager.compile(StructuredOutputsParams(json=schema), backend="guidance")
