@@ -96,6 +96,8 @@ def _regular_schema(schema: Any) -> Any | None:
         props = schema.get("properties", {})
         if not isinstance(props, dict) or schema.get("additionalProperties", False) is not False:
             return None
+        if any(name not in props for name in schema.get("required", ())):
+            return None  # a required property the regex could not write
         subs = {name: _regular_schema(s) for name, s in props.items()}
         if any(s is None for s in subs.values()):
             return None
@@ -107,18 +109,19 @@ def _regular_schema(schema: Any) -> Any | None:
         if out["items"] is None:
             return None
     elif kind == "integer" and any(k in schema for k in _SCHEMA_KEYWORDS["integer"]):
-        lo = schema.get("minimum", -math.inf)
-        hi = schema.get("maximum", math.inf)
-        if "exclusiveMinimum" in schema:
-            lo = max(lo, schema["exclusiveMinimum"] + 1) if isinstance(schema["exclusiveMinimum"], int | float) \
-                else math.inf
-        if "exclusiveMaximum" in schema:
-            hi = min(hi, schema["exclusiveMaximum"] - 1) if isinstance(schema["exclusiveMaximum"], int | float) \
-                else -math.inf
+        bounds = [schema.get(k) for k in ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")]
+        if any(b is not None and (isinstance(b, bool) or not isinstance(b, int | float) or not math.isfinite(b))
+               for b in bounds):
+            return None
+        lo, hi, xlo, xhi = bounds
+        lo = max(v for v in (-math.inf, None if lo is None else math.ceil(lo),
+                             None if xlo is None else math.floor(xlo) + 1) if v is not None)
+        hi = min(v for v in (math.inf, None if hi is None else math.floor(hi),
+                             None if xhi is None else math.ceil(xhi) - 1) if v is not None)
         if not (math.isfinite(lo) and math.isfinite(hi)) or hi - lo + 1 > MAX_INTEGER_RANGE or hi < lo:
             return None
         out = {k: v for k, v in schema.items() if k not in _SCHEMA_KEYWORDS["integer"] and k != "type"}
-        out["enum"] = list(range(math.ceil(lo), math.floor(hi) + 1))
+        out["enum"] = list(range(int(lo), int(hi) + 1))
     return out
 
 

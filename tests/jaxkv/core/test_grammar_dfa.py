@@ -45,9 +45,14 @@ def test_regexes_of_choices_and_schemas():
               "required": ["n"]}
     rx = gd.dfa_regex(SOP(json=schema), any_whitespace=False)
     assert [n for n in range(-2, 12) if re.fullmatch(rx, json.dumps({"n": n}, separators=(",", ":")))] == [3, 4, 5, 6]
+    halves = {"type": "integer", "exclusiveMinimum": 2.5, "maximum": 6.5}  # 3..6, as jsonschema counts them
+    rx = gd.dfa_regex(SOP(json=halves), any_whitespace=False)
+    assert [n for n in range(-2, 12) if re.fullmatch(rx, str(n))] == [3, 4, 5, 6]
     for unsupported in ({"type": "integer", "minimum": 0}, {"type": "string", "pattern": "a+"},
                         {"type": "object", "properties": {"a": {"$ref": "#"}}}, {"oneOf": [{"type": "null"}]},
-                        {"type": ["string", "null"]}, {"type": "integer", "minimum": 0, "maximum": 10**6}):
+                        {"type": ["string", "null"]}, {"type": "integer", "minimum": 0, "maximum": 10**6},
+                        {"type": "integer", "minimum": "0", "maximum": 3},
+                        {"type": "object", "properties": {}, "required": ["a"]}):
         assert gd.dfa_regex(SOP(json=unsupported)) is None, unsupported
 
 
