@@ -31,5 +31,9 @@ SCHEDULING_POLICIES = ("fcfs", "priority")
 """``scheduling_policy`` (vLLM ``--scheduling-policy``): arrival order, or the requests' ``priority`` (smaller first,
 ties by arrival; the running request with the largest is preempted first)."""
 
+STRUCTURED_OUTPUTS_BACKENDS = ("auto", "guidance", "outlines")
+"""``structured_outputs_backend`` (vLLM ``--structured-outputs-config.backend``): a token automaton on the device
+where one expresses the request exactly, llguidance otherwise; llguidance always; automata only."""
+
 COMPILE_AHEAD_MODES = ("auto", "on", "off")
 """``compile_ahead``: compile every step bucket before the engine reports ready (``auto``: on GPU only)."""

@@ -66,6 +66,14 @@ _REGEX_META = set("\\.+*?()|[]{}^$#&-~ ")
 WHITESPACE_ANY = r"[ \t\n\r]*"
 
 
+def pack_tokens(tokens, words: int) -> np.ndarray:
+    """``int32[words]``: bit ``t % 32`` of word ``t // 32`` set for each token ``t`` of ``tokens`` (the grammar
+    bitmask's packing)."""
+    allowed = np.zeros(words * 32, bool)
+    allowed[np.asarray(tokens, np.int64)] = True
+    return np.packbits(allowed, bitorder="little").view("<u4").view(np.int32)
+
+
 def _regular_schema(schema: Any) -> Any | None:
     """``schema`` rewritten for outlines-core's regex builder (a bounded integer becomes the enum of its values),
     or ``None`` when it uses a keyword the regular path does not express exactly."""
@@ -206,8 +214,8 @@ def tables_from_transitions(transitions: dict[int, dict[int, int]], initial: int
     eos = np.array(sorted(set(int(e) for e in eos_ids)), np.int64)
     ids = np.array(sorted(set(transitions) | set(finals) | {initial}), np.int64)
     num = len(ids)
-    bits = np.zeros((num, words), np.uint32)
-    rows_tok, rows_dst = [], []
+    bits = np.zeros((num, words), np.int32)
+    rows_dst = []
     for i, s in enumerate(ids.tolist()):
         row = transitions.get(s, {})
         toks = np.fromiter(row.keys(), np.int64, len(row))
@@ -217,20 +225,15 @@ def tables_from_transitions(transitions: dict[int, dict[int, int]], initial: int
         if toks.size and (toks.min() < 0 or toks.max() >= vocab_size):
             raise ValueError(f"token {int(toks.max() if toks.max() >= vocab_size else toks.min())} outside the "
                              f"vocabulary [0, {vocab_size})")
-        order = np.argsort(toks, kind="stable")
-        toks, dst = toks[order], dst[order]
-        allowed = np.zeros(words * 32, bool)
-        allowed[toks] = True
-        bits[i] = np.packbits(allowed, bitorder="little").view("<u4")
-        rows_tok.append(toks)
-        rows_dst.append(np.searchsorted(ids, dst))
-    counts = np.bitwise_count(bits).astype(np.int64)
+        bits[i] = pack_tokens(toks, words)
+        rows_dst.append(np.searchsorted(ids, dst[np.argsort(toks, kind="stable")]))  # in token order
+    counts = np.bitwise_count(bits.view(np.uint32)).astype(np.int64)
     prefix = np.cumsum(counts, axis=1) - counts
     per_state = counts.sum(axis=1)
     base = np.cumsum(per_state) - per_state
     nxt = np.concatenate(rows_dst) if rows_dst else np.zeros(0, np.int64)
     final = np.isin(ids, np.array(sorted(finals), np.int64))
-    return TokenDFA(bits=bits.view(np.int32), prefix=prefix.astype(np.int32), base=base.astype(np.int32),
+    return TokenDFA(bits=bits, prefix=prefix.astype(np.int32), base=base.astype(np.int32),
                     final=final.astype(np.int32), next=nxt.astype(np.int32),
                     initial=int(np.searchsorted(ids, initial)), regex=regex)
 
@@ -455,9 +458,7 @@ class DFATables:
         self.words = int(words)
         self.max_states, self.max_transitions = int(max_states), int(max_transitions)
         self.sharding = sharding
-        eos_row = np.zeros(self.words * 32, bool)
-        eos_row[[e for e in eos_ids if 0 <= e < self.words * 32]] = True
-        self._eos = np.packbits(eos_row, bitorder="little").view("<u4").view(np.int32)
+        self._eos = pack_tokens([e for e in eos_ids if 0 <= e < self.words * 32], self.words)
         self._placed: dict[int, _Placed] = {}
         self._state_top, self._transition_top = 1, 0
         self._arrays: dict | None = None
@@ -485,6 +486,10 @@ class DFATables:
             self._arrays = jax.jit(make, out_shardings=self.sharding)() if self.sharding is not None else make()
         return self._arrays
 
+    def is_placed(self, dfa: TokenDFA) -> bool:
+        """``dfa`` is in the tables (held, or cached from an earlier holder)."""
+        return id(dfa) in self._placed
+
     def offset(self, dfa: TokenDFA) -> int:
         """The global state of ``dfa``'s state 0 (it must be held)."""
         return self._placed[id(dfa)].state_offset
@@ -495,7 +500,7 @@ class DFATables:
         placed = self._placed.get(id(dfa))
         if placed is None:
             if not self._fits(dfa):
-                self._compact(drop_unheld=True)
+                self._compact()
                 if not self._fits(dfa):
                     return False
             placed = self._place(dfa)
@@ -523,8 +528,9 @@ class DFATables:
         self._upload(placed)
         return placed
 
-    def _compact(self, drop_unheld: bool) -> None:
-        kept = [p for p in self._placed.values() if p.refs > 0 or not drop_unheld]
+    def _compact(self) -> None:
+        """Drop the automata no request holds and place the held ones again from the tables' start."""
+        kept = [p for p in self._placed.values() if p.refs > 0]
         self._placed, self._state_top, self._transition_top = {}, 1, 0
         for p in kept:
             self._place(p.dfa).refs = p.refs

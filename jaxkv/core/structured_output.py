@@ -38,11 +38,11 @@ from typing import Any, Iterable, Sequence
 
 import numpy as np
 
+from jaxkv.config import STRUCTURED_OUTPUTS_BACKENDS as BACKENDS
 from jaxkv.core.grammar_dfa import DFACompiler, DFAGrammar, DFATables, TokenDFA, dfa_regex, table_sizes
 from jaxkv.sampling_params import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "guidance", "outlines")
 
 
 def _import_llguidance():

@@ -295,8 +295,6 @@ def _with_grammar_bitmask(reqs: list, rows: list[int], num_rows: int, extras: di
     ``rows`` is empty. With ``step_masks`` (a :class:`~jaxkv.core.structured_output.StepMasks`) the rows are
     registered with it instead and the step computes its masks by callback (``extras["grammar_id"]``
     ``int32[1]``, ``features.bitmask_in_step``)."""
-    if not rows:
-        return features
     rows = [r for r in rows if not getattr(reqs[r].grammar, "on_device", False)]  # automata: _state_rows
     if not rows:
         return features
@@ -457,9 +455,11 @@ class ModelRunner:
         self.dfa_tables = tables
 
     def hold_dfa(self, dfa) -> bool:
-        """:meth:`DFATables.hold <jaxkv.core.grammar_dfa.DFATables.hold>` ``dfa`` for a request (its tables may be
-        written, donating the old arrays: a step still being dispatched on the dispatch thread goes first)."""
-        self._wait_dispatch()
+        """:meth:`DFATables.hold <jaxkv.core.grammar_dfa.DFATables.hold>` ``dfa`` for a request. Placing it writes
+        the tables, donating the old arrays: a step still being dispatched on the dispatch thread goes first (an
+        automaton already placed only gains a holder, and waits for nothing)."""
+        if not self.dfa_tables.is_placed(dfa):
+            self._wait_dispatch()
         return self.dfa_tables.hold(dfa)
 
     def _begin_step_mask(self, grammar_id, tokens, positions, *inputs):
@@ -612,12 +612,13 @@ class ModelRunner:
         return jnp.where(extras["dfa_offset"] > 0, aux["dfa_state"][jnp.maximum(slots, 0)], 0)
 
     @staticmethod
-    def _dfa_bitmask(tables, extras, states, features: SamplerFeatures):
+    def _dfa_bitmask(tables, extras, states):
         """The step's grammar bitmask: each automaton row's allowed tokens (:func:`dfa_bitmask` of its global
-        state ``dfa_offset + state``), and with llguidance rows too, their masks (every other row is all ones)."""
+        state ``dfa_offset + state``), and with llguidance rows too (``extras["bitmask"]``, from the host or the
+        step's callback), their masks (every other row is all ones)."""
         offset = extras["dfa_offset"]
         mask = dfa_bitmask(tables, jnp.where(offset > 0, offset + states, 0))
-        return mask & extras["bitmask"] if features.bitmask_in_step or "bitmask" in extras else mask
+        return mask & extras["bitmask"] if "bitmask" in extras else mask
 
     @staticmethod
     def _dfa_advance(tables, extras, states, tokens, moved):
@@ -693,7 +694,7 @@ class ModelRunner:
         states = None
         if features.grammar_dfa:
             states = self._dfa_states(aux, extras)
-            extras = dict(extras, bitmask=self._dfa_bitmask(tables, extras, states, features))
+            extras = dict(extras, bitmask=self._dfa_bitmask(tables, extras, states))
         tokens, logprobs = self._sample(logits, sampling, extras, features, counts=counts, prompt_mask=prompt_mask,
                                         tail=tail)
         if features.penalties:
@@ -744,7 +745,7 @@ class ModelRunner:
             if features.bitmask_in_step:  # ... and are taken once the forward pass is done
                 step_extras = dict(extras, bitmask=self._finish_step_mask(ticket, logits))
             if features.grammar_dfa:
-                step_extras = dict(step_extras, bitmask=self._dfa_bitmask(tables, step_extras, states, features))
+                step_extras = dict(step_extras, bitmask=self._dfa_bitmask(tables, step_extras, states))
             new, logprobs = self._sample(logits, dataclasses.replace(sampling, gen_idx=gen), step_extras, features,
                                          counts=counts if features.penalties else None,
                                          prompt_mask=prompt_mask if features.penalties else None, tail=tail)

@@ -29,6 +29,7 @@ from jaxkv.config import (
     PREEMPTION_MODES,
     QUANTIZATIONS,
     SCHEDULING_POLICIES,
+    STRUCTURED_OUTPUTS_BACKENDS,
 )
 
 log = logging.getLogger(__name__)
@@ -148,7 +149,8 @@ class EngineArgs:
         for name, choices in (("preemption_mode", PREEMPTION_MODES), ("scheduling_policy", SCHEDULING_POLICIES),
                               ("compile_ahead", COMPILE_AHEAD_MODES),
                               ("dtype", MODEL_DTYPES), ("kv_cache_dtype", KV_CACHE_DTYPES),
-                              ("load_format", LOAD_FORMATS)):
+                              ("load_format", LOAD_FORMATS),
+                              ("structured_outputs_backend", STRUCTURED_OUTPUTS_BACKENDS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} is not one of {choices}")
         if self.quantization not in QUANTIZATIONS:
@@ -166,9 +168,6 @@ class EngineArgs:
         for name in ("block_size", "max_num_seqs", "num_scheduler_steps", "tensor_parallel_size", "max_logprobs"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name}={getattr(self, name)} must be >= 1")
-        if self.structured_outputs_backend not in ("auto", "guidance", "outlines"):
-            raise ValueError(f"structured_outputs_backend={self.structured_outputs_backend!r} must be one of "
-                             f"('auto', 'guidance', 'outlines')")
         if not self.structured_outputs_table_mib >= 1:
             raise ValueError(f"structured_outputs_table_mib={self.structured_outputs_table_mib!r} must be >= 1")
         if self.structured_outputs_in_step and self.tensor_parallel_size > 1:
@@ -256,7 +255,7 @@ class EngineArgs:
         add("--max-logprobs", type=int, help="most logprobs / prompt_logprobs a request may ask for")
         add("--structured-outputs-disable-any-whitespace", action=argparse.BooleanOptionalAction,
             help="JSON grammars generate the compact form only (default: any whitespace, as vLLM)")
-        add("--structured-outputs-backend", choices=("auto", "guidance", "outlines"),
+        add("--structured-outputs-backend", choices=STRUCTURED_OUTPUTS_BACKENDS,
             help="auto: a token automaton on the device where one expresses the request exactly, llguidance "
             "otherwise; guidance: llguidance always; outlines: automata only (default: auto)")
         add("--structured-outputs-table-mib", type=float, metavar="MIB",
