@@ -32,6 +32,7 @@ from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.kv_cache.dtypes import FP8_DTYPES
 from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
 from models.decoder_config import DecoderConfig
+from models.fused import split_fused
 from models.parallel import row_parallel
 from models.quantization import Fp8Config, Fp8Linear, make_linear
 
@@ -118,9 +119,14 @@ class Attention(nnx.Module):
     def _qkv(self, x, positions):
         c = self.config
         lead = x.shape[:-1]
-        q = self.q_proj(x).reshape(*lead, c.num_heads, c.head_size)
-        k = self.k_proj(x).reshape(*lead, c.num_kv_heads, c.head_size)
-        v = self.v_proj(x).reshape(*lead, c.num_kv_heads, c.head_size)
+        fused = getattr(self, "fused_qkv", None)  # (tp, per-rank sizes): models.fused
+        if fused is None:
+            q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        else:
+            q, k, v = split_fused(self.qkv_proj(x), fused)
+        q = q.reshape(*lead, c.num_heads, c.head_size)
+        k = k.reshape(*lead, c.num_kv_heads, c.head_size)
+        v = v.reshape(*lead, c.num_kv_heads, c.head_size)
         if c.arch.qk_norm:
             q = self.q_norm(q).astype(x.dtype)
             k = self.k_norm(k).astype(x.dtype)
@@ -175,9 +181,13 @@ class MLP(nnx.Module):
             self.down_proj = make_linear(f, d, name="down_proj", **linear)
 
     def __call__(self, x, *, mesh=None):
-        g = self.gate_proj(x)
+        fused = getattr(self, "fused_gate_up", None)  # (tp, per-rank sizes): models.fused
+        if fused is None:
+            g, u = self.gate_proj(x), self.up_proj(x)
+        else:
+            g, u = split_fused(self.gate_up_proj(x), fused)
         g = jax.nn.gelu(g, approximate=True) if self.gelu else jax.nn.silu(g)
-        return row_parallel(self.down_proj, g * self.up_proj(x), mesh)
+        return row_parallel(self.down_proj, g * u, mesh)
 
 
 class DecoderLayer(nnx.Module):

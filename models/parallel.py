@@ -9,6 +9,7 @@ inserts the collectives (docs/serving.md, "The mesh", lists what the compiled st
 weight                                      spec                   parallel style
 ==========================================  =====================  ===========================
 q_proj, gate_proj, up_proj ``[hidden, out]``  ``P(None, "tp")``      column (heads / intermediate)
+qkv_proj, gate_up_proj (:mod:`models.fused`)  ``P(None, "tp")``      column (stacked rank-major)
 k_proj, v_proj                              ``P(None, "tp")``      column; replicated ``P()`` when
                                                                    ``num_kv_heads < tp``
 q/k/v_proj bias ``[out]`` (Qwen 2)          ``P("tp")``            as its kernel's columns
@@ -45,7 +46,7 @@ from jaxkv.parallel.mesh import DP, TP, check_tensor_parallel, mesh_sizes
 from models.decoder_config import DecoderConfig
 from models.quantization import Fp8Linear, fp8_linear
 
-_COLUMN = {"q_proj", "gate_proj", "up_proj"}
+_COLUMN = {"q_proj", "gate_proj", "up_proj", "qkv_proj", "gate_up_proj"}  # the last two: models.fused
 _ROW = {"o_proj", "down_proj"}
 
 

@@ -27,10 +27,12 @@ the norms (vLLM's ``ignore: ["lm_head"]``). Two sources:
   ``weight_scale`` (``[out, 1]`` per channel, or a scalar per tensor) and, for static activations,
   ``input_scale``; ``config.json``'s ``quantization_config`` says which (:func:`fp8_config_from_hf`).
 
-Where jaxkv differs from vLLM's kernels (same formula): the projections are not fused, so q/k/v (and gate/up)
-keep their own static ``input_scale`` (vLLM's fused ``QKVParallelLinear`` takes the largest of the three) and
-their own per-tensor weight scale (vLLM requantizes a fused layer's shards to one); XLA computes one per-token
-quantization of a shared input for all of them (CSE). On a tensor-parallel mesh a row-parallel layer (o_proj,
+Where jaxkv differs from vLLM's kernels (same formula): q/k/v (and gate/up) are fused after loading
+(:mod:`models.fused`) with each member's per-channel (or per-tensor, held per channel) weight scales stacked
+beside its channels, so a fused layer is exact (vLLM requantizes a fused layer's per-tensor shards to one scale);
+static-scale checkpoints keep their projections separate, each with its own ``input_scale`` (vLLM's fused
+``QKVParallelLinear`` takes the largest of the three), and XLA computes one quantization of their shared input
+(CSE). On a tensor-parallel mesh a row-parallel layer (o_proj,
 down_proj) scales each rank's slice of the row on its own and all-reduces its partial sums in the model dtype, as
 vLLM's ``RowParallelLinear`` does (:func:`models.parallel.row_parallel`).
 """

@@ -38,6 +38,8 @@ from jaxkv.kv_cache.specs import SlidingWindowSpec
 from jaxkv.parallel.mesh import mesh_sizes
 from models import engine_setup
 from models.decoder_config import DecoderConfig
+from models.fused import fuse_projections as fuse
+from models.fused import fusion_enabled
 from models.gemma3 import Gemma3ForCausalLM
 from models.gemma3 import from_weights as gemma3_from_weights
 from models.gemma3_config import Gemma3Config
@@ -293,7 +295,8 @@ def model_class(config: DecoderConfig):
     return Gemma3ForCausalLM if isinstance(config, Gemma3Config) else LlamaForCausalLM
 
 
-def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=None, quantization=None):
+def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=None, quantization=None,
+                fuse_projections: bool = True):
     """The NNX model of ``config``'s family with ``weights``: a GGUF's dict (host arrays), an
     :class:`HFCheckpoint` (read onto the devices, sharded over ``mesh``), or ``None``: random weights from
     ``seed`` made on the device(s) (:func:`models.dummy.dummy_model`).
@@ -302,9 +305,20 @@ def build_model(config: DecoderConfig, weights, *, dtype, seed: int = 0, mesh=No
     :func:`load_quantization`, which also reads an fp8 checkpoint's own): fp8 projections. An HF checkpoint's own
     fp8 config is read here too, so ``None`` loads an fp8 checkpoint as fp8.
 
+    ``fuse_projections``: each layer's q/k/v and gate/up Linears become one Linear each, laid out for ``mesh``'s
+    ``tp`` (:func:`models.fused.fuse_projections`, vLLM's ``QKVParallelLinear``); ``$JAXKV_FUSED_PROJECTIONS=0``
+    keeps them separate too.
+
     Raises:
         ValueError: an unknown ``quantization``; what the loaders raise.
     """
+    model = _build(config, weights, dtype=dtype, seed=seed, mesh=mesh, quantization=quantization)
+    if fuse_projections and fusion_enabled():
+        fuse(model, tensor_parallel_size=mesh_sizes(mesh)[1])
+    return model
+
+
+def _build(config, weights, *, dtype, seed, mesh, quantization):
     cls = model_class(config)
     if isinstance(weights, HFCheckpoint):
         quantization = resolve_quantization(quantization, checkpoint_quantization(weights.directory))

@@ -520,8 +520,9 @@ def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, ca
     if not cache_dir or os.environ.get("JAXKV_EXECUTABLE_CACHE", "1") == "0":
         return None
     from jaxkv.worker.executable_cache import ExecutableCache
+    from models.fused import fusion_enabled
 
-    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl))
+    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, f"fused={fusion_enabled()}"))
     return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
 
 

@@ -213,7 +213,8 @@ class LLM:
 
     def update_weights(self, params) -> None:
         """Generate with new weights (vLLM's weight-sync hook, in JAX form): ``params`` is a pytree of the
-        model's structure (:meth:`get_params`, or ``nnx.state(model)`` of a decoder of the same config), e.g. a
+        model's structure (:meth:`get_params`, or a decoder of the same config or its ``nnx.state``, whose separate
+        q/k/v and gate/up weights are fused here as the engine's are: :func:`models.fused.fused_params`), e.g. a
         JAX trainer's arrays in this process; they are used where they are (moved device to device onto the
         engine's shardings if needed), nothing is traced or compiled again, and the prefix cache is reset.
         In-process engine only (``enable_multiprocessing=False``): arrays of this process cannot reach an
@@ -223,10 +224,8 @@ class LLM:
             ValueError: engine-core processes, requests still running, or another structure, shape or dtype.
         """
         self._need_in_process("update_weights")
-        from flax import nnx
-        if isinstance(params, nnx.Module):
-            params = nnx.state(params)
-        self.engine.update_weights(params)
+        from models.fused import fused_params
+        self.engine.update_weights(fused_params(params, self.model))
 
     def sleep(self, level: int = 1) -> None:
         """Free the KV cache's device memory (level 1 also moves the weights to host memory; level 2 discards

@@ -11,7 +11,7 @@ decode_steps``, as scripts/dev/bench_decode.py). With torch importable (GPU mach
 the rest, per step and per GPU. The greedy tokens of every ``tp`` are compared with ``tp=1``'s (bf16:
 a differing reduction order may flip near-ties; the share of equal tokens is printed).
 
-With ``--model`` the dummy weights are made in each ``tp``'s shards (:func:`models.dummy.dummy_model` with the mesh),
+With ``--model`` the dummy weights are made in each ``tp``'s shards (:func:`models.registry.build_model`, fused),
 so a model larger than one GPU runs at the ``tp`` it fits (``--model llama-3.1-70b --tp 2 --quantization fp8
 --kv-cache-dtype fp8`` on two H200s: the all-reduces' share of a 70B decode step, issue 45 item 4).
 
@@ -89,13 +89,11 @@ def main(argv=None) -> int:
         p.error("--quantization needs --model")
     if args.model:
         from models import registry
-        from models.dummy import dummy_model
-        from models.quantization import Fp8Config
         config = registry.load_config(registry.resolve_model(args.model))
-        quant = Fp8Config() if args.quantization == "fp8" else None
 
-        def model_for(mesh):   # made in the mesh's shards: a model larger than one device never sits on one
-            return dummy_model(config, dtype=jnp.dtype(args.dtype), seed=0, mesh=mesh, quantization=quant)
+        def model_for(mesh):  # made in the mesh's shards (a model larger than one device never sits on one), fused
+            return registry.build_model(config, None, dtype=jnp.dtype(args.dtype), seed=0, mesh=mesh,
+                                        quantization=args.quantization)
     else:
         config = LlamaConfig(**PRESETS[args.preset])
         preset = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))

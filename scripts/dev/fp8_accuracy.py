@@ -43,6 +43,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from models.fused import member
+
 PROMPTS = [
     "The capital of France is", "The largest planet in the solar system is", "Water boils at a temperature of",
     "def fibonacci(n):", "import numpy as np\n\ndef mean(xs):", "Once upon a time, in a land far away,",
@@ -232,7 +234,7 @@ def main(argv=None) -> int:
             d = write_fp8_checkpoint_from_gguf(path, pathlib.Path(tempfile.mkdtemp(prefix="fp8-smollm2-")))
             c2, w2, _ = registry.load_checkpoint(d)
             candidate = registry.build_model(c2, w2, dtype="bfloat16")
-            q = candidate.layers[0].self_attn.q_proj
+            q = member(candidate.layers[0].self_attn, "q_proj")
             say(f"checkpoint {d}: layer 0 q_proj {q.weight[...].dtype}{list(q.weight[...].shape)}, "
                 f"weight_scale {q.weight_scale[...].dtype}{list(q.weight_scale[...].shape)}")
         else:

@@ -28,6 +28,7 @@ from jaxkv import SamplingParams
 from models import engine_setup, registry
 from models.decoder import from_weights
 from models.entrypoints.engine_args import EngineArgs
+from models.fused import member
 from models.parallel import partition_spec
 from models.quantization import (
     FP8_MIN_SCALE,
@@ -280,7 +281,7 @@ def test_fp8_checkpoint_loads_and_matches_the_reference(tmp_path, tokenizer, arc
     for i in range(hfc.LAYERS):
         for stem in hfc.PROJECTIONS:
             parent, proj = stem.split(".")
-            lin = getattr(getattr(model.layers[i], parent), proj)
+            lin = member(getattr(model.layers[i], parent), proj)  # q/k/v and gate/up are fused (models.fused)
             p = f"model.layers.{i}.{stem}."
             got = np.asarray(lin.weight[...])
             assert got.dtype == F8
@@ -321,13 +322,13 @@ def test_online_fp8_of_a_float_checkpoint(tmp_path, tokenizer):
     assert model.quantization == Fp8Config()
     for stem in hfc.PROJECTIONS:
         parent, proj = stem.split(".")
-        lin = getattr(getattr(model.layers[1], parent), proj)
+        lin = member(getattr(model.layers[1], parent), proj)
         want_q, want_s = np_quantize_rows(stored[f"model.layers.1.{stem}.weight"].astype(np.float32))
         assert_fp8_match(np.asarray(lin.weight[...]), want_q)
         np.testing.assert_allclose(np.asarray(lin.weight_scale[...]), want_s, rtol=3e-7)
     assert model.layers[0].self_attn.q_norm.scale[...].dtype == jnp.float32
     plain = registry.build_model(config, weights, dtype="bfloat16")
-    assert not hasattr(plain, "quantization") and plain.layers[0].mlp.up_proj.kernel[...].dtype == jnp.bfloat16
+    assert not hasattr(plain, "quantization") and member(plain.layers[0].mlp, "up_proj").kernel[...].dtype == jnp.bfloat16
 
 
 def test_bad_fp8_checkpoints_name_the_tensor(tmp_path, tokenizer):

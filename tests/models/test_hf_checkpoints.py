@@ -24,6 +24,7 @@ from jaxkv import SamplingParams
 from models import engine_setup, registry
 from models.decoder import from_weights
 from models.decoder_config import GEMMA3, LLAMA, QWEN2, QWEN3, LlamaConfig, RopeScaling
+from models.fused import member
 from models.gemma3_config import Gemma3Config
 from tests.models import hf_checkpoints as hfc
 
@@ -135,7 +136,7 @@ def test_bf16_checkpoint_into_bf16_model_keeps_the_bits(tmp_path, tokenizer):
     stored = hfc.write_checkpoint(tmp_path, "Qwen3ForCausalLM", cfg=cfg, tokenizer=tokenizer, num_shards=2)
     config, weights, _ = registry.load_checkpoint(tmp_path)
     model = registry.build_model(config, weights, dtype="bfloat16")
-    q = model.layers[1].self_attn.q_proj.kernel[...]
+    q = member(model.layers[1].self_attn, "q_proj").kernel[...]  # its columns of the fused q/k/v
     assert q.dtype == jnp.bfloat16
     np.testing.assert_array_equal(np.asarray(q), stored["model.layers.1.self_attn.q_proj.weight"].T)
     kn = model.layers[0].self_attn.k_norm.scale[...]

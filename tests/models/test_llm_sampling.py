@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 import models
+from models import registry
 from jaxkv.sampling_params import BeamSearchParams, SamplingParams
 from tests.conftest import step_compiles
 from tests.models import hf_checkpoints as hfc
@@ -128,6 +129,13 @@ def test_update_weights_changes_outputs_without_a_compile(llm):
         x = np.asarray(models.dense_logits(noisy_model, np.array([ids + after[:k]])))[0, -1]
         assert x[t] >= x.max() - 1e-4
     llm.update_weights(params)
+    assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before
+    # a trainer's model of the same checkpoint with separate q/k/v and gate/up Linears, fused on its way in
+    config, weights, _ = registry.load_checkpoint(llm.engine_args.model)
+    trainer = registry.build_model(config, weights, dtype="float32", fuse_projections=False)
+    llm.update_weights(jax.tree.map(lambda x: x + 1.0 if x.ndim == 2 else x, nnx.state(trainer)))
+    assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids != before
+    llm.update_weights(trainer)
     assert llm.generate(prompt, greedy(8), use_tqdm=False)[0].outputs[0].token_ids == before
     with pytest.raises(ValueError, match="another structure"):
         llm.update_weights({"w": np.zeros(3)})

@@ -97,7 +97,7 @@ def _step(directory, mesh):
 @needs_mesh
 @pytest.mark.parametrize("arch", [a for a in hfc.ARCHS if a != "LlamaForCausalLM"])  # Llama: test_mesh.py
 def test_tp2_prefill_step_equals_one_device(checkpoints, arch):
-    """Each parameter lands in its tp shard (q_proj columns / o_proj rows split, Qwen 2's biases with their
+    """Each parameter lands in its tp shard (fused q/k/v columns / o_proj rows split, Qwen 2's biases with their
     columns, q/k norms replicated); the step's logits and every written K/V (Mistral: one sliding-window group;
     Gemma 3: a sliding and a full group sharing one tensor) equal the single-device run."""
     d = checkpoints / arch
@@ -105,12 +105,13 @@ def test_tp2_prefill_step_equals_one_device(checkpoints, arch):
     model, logits, caches, kv_config = _step(d, mesh)
     _, want_logits, want_caches, _ = _step(d, None)
     attn = model.layers[0].self_attn
-    assert attn.q_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
+    assert attn.fused_qkv[0] == 2  # q/k/v fused rank-major for tp=2 (models.fused)
+    assert attn.qkv_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec(None, "tp")
     assert attn.o_proj.kernel[...].sharding.spec == jax.sharding.PartitionSpec("tp", None)
-    assert {s.data.shape for s in attn.q_proj.kernel[...].addressable_shards} == {
-        (hfc.HIDDEN, attn.q_proj.kernel[...].shape[1] // 2)}
+    assert {s.data.shape for s in attn.qkv_proj.kernel[...].addressable_shards} == {
+        (hfc.HIDDEN, attn.qkv_proj.kernel[...].shape[1] // 2)}
     if arch == "Qwen2ForCausalLM":
-        assert attn.k_proj.bias[...].sharding.spec == jax.sharding.PartitionSpec("tp")
+        assert attn.qkv_proj.bias[...].sharding.spec == jax.sharding.PartitionSpec("tp")
     np.testing.assert_allclose(logits, want_logits, rtol=1e-5, atol=1e-5)
     assert len(caches) == len(kv_config.kv_cache_tensors)
     for got, want in zip(caches, want_caches):  # tp=2 heads = the 2 KV heads: the same global array
