@@ -43,14 +43,18 @@ if [ $stage = all ] || [ $stage = e2e ]; then
   TOK=""
   [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer .dummy/llama3-tokenizer"
   B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
-  # E2E_RUNS: which runs, in order (fp8 = fp8 weights, fp8kv = fp8 weights + fp8 KV cache, none = bf16);
+  # E2E_RUNS: which runs, in order (fp8 = fp8 weights, fp8kv = fp8 weights + fp8 KV cache, none = bf16; a -sep
+  # suffix keeps the projections separate);
   # E2E_XLA_FLAGS: XLA_FLAGS for every run (an A/B of the flags is two calls); E2E_PROFILE=1: --profile-busy
   # (a second pass, traced, of the in-process engine: the kernel table); E2E_TRACE_RUNS=1 instead traces a window
   # of each timed run (below). GPU memory in use is sampled every 2 s (mem-RUN.csv).
   for q in ${E2E_RUNS:-fp8 none}; do
     left=$(( ${DEADLINE:-590} - SECONDS ))
     if [ $left -lt 60 ]; then echo "== (c) $q: skipped, ${left} s left" | tee -a $OUT/e2e.txt; continue; fi
-    case $q in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
+    # a "-sep" suffix (fp8kv-sep, none-sep): the projections kept separate (JAXKV_FUSED_PROJECTIONS=0), the A/B of
+    # models.fused
+    fused=1; [ "${q%-sep}" != "$q" ] && fused=0
+    case ${q%-sep} in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
     echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
       "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
     nvidia-smi --query-gpu=timestamp,memory.used,memory.total --format=csv,noheader -lms 2000 > $OUT/mem-$q.csv &
@@ -62,8 +66,8 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     # 4xH200 died with it, a segfault and CUDA_ERROR_LAUNCH_FAILED, cause not isolated)
     [ -n "${E2E_TRACE_RUNS:-}" ] && trace="--profile-busy --profile-window ${E2E_WINDOW:-8:4}"
     [ -n "${E2E_TRACE_RUNS:-}" ] && [ "${E2E_WINDOW:-}" = all ] && trace="--profile-busy"
-    JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} JAXKV_PROFILE_TOP=25 XLA_FLAGS="${E2E_XLA_FLAGS:-}" \
-      timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
+    JAXKV_FUSED_PROJECTIONS=$fused JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} JAXKV_PROFILE_TOP=25 \
+      XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
       --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag > $OUT/e2e-$q.log 2>&1
     echo "exit $?" >> $OUT/e2e-$q.log
     left=$(( ${DEADLINE:-590} - SECONDS ))
