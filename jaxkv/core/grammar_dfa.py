@@ -46,6 +46,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
+from jaxkv._subprocess import python_module
 from jaxkv.sampling_params import StructuredOutputsParams
 
 # JSON-schema keywords the regular path expresses exactly (with outlines-core's regex builder); a schema using
@@ -375,10 +376,8 @@ class DFACompiler:
 
     def _remote(self, regex: str) -> TokenDFA | str:
         if self._proc is None or self._proc.poll() is not None:
-            # -P: the working directory is not put first on sys.path (a folder named jaxkv there, as tests/ has,
-            # would shadow the package)
-            self._proc = subprocess.Popen([sys.executable, "-P", "-m", "jaxkv.core.grammar_dfa"],
-                                          stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+            argv, env = python_module("jaxkv.core.grammar_dfa")  # -P: no folder of the cwd shadows jaxkv
+            self._proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, env=env)
             weakref.finalize(self, _stop, self._proc)  # an engine dropped without shutdown() ends its worker too
             eos = self.eos_ids[0] if self.eos_ids else self.vocab_size
             _send(self._proc.stdin, (token_bytes(self._ll_tokenizer, self.vocab_size, self.eos_ids), eos))
@@ -485,6 +484,20 @@ class DFATables:
                             next=jnp.zeros(self.max_transitions, jnp.int32), eos=jnp.asarray(self._eos))
             self._arrays = jax.jit(make, out_shardings=self.sharding)() if self.sharding is not None else make()
         return self._arrays
+
+    def free(self) -> None:
+        """Delete the device arrays and forget every placed automaton (``LLM.sleep``); the next :meth:`hold`
+        allocates the arrays again and places its automaton anew.
+
+        Raises:
+            ValueError: a request still holds an automaton.
+        """
+        if self.num_held:
+            raise ValueError(f"{self.num_held} automata are still held by requests")
+        arrays, self._arrays = self._arrays, None
+        for a in (arrays or {}).values():
+            a.delete()
+        self._placed, self._state_top, self._transition_top = {}, 1, 0
 
     def is_placed(self, dfa: TokenDFA) -> bool:
         """``dfa`` is in the tables (held, or cached from an earlier holder)."""

@@ -34,7 +34,6 @@ import queue
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -44,6 +43,7 @@ from typing import Any, Callable, Sequence
 import zmq
 import zmq.asyncio
 
+from jaxkv._subprocess import python_module
 from jaxkv.engine import protocol
 from jaxkv.engine.core import EngineCoreLaunch, as_tuple, routing_id
 from jaxkv.engine.load_balancer import LoadBalancer
@@ -198,8 +198,8 @@ def launch_engine_cores(factory: Callable[[], tuple[Any, dict]], dp: DataParalle
             child_env.update(device_env(i, dp.devices_per_rank, visible))
         launch = EngineCoreLaunch(rank, as_tuple(input_address), as_tuple(output_address), factory,
                                   parent_pid=os.getpid() if parent_pid is None else parent_pid)
-        proc = subprocess.Popen([sys.executable, "-m", "jaxkv.engine.core"], stdin=subprocess.PIPE,
-                                env=child_env)
+        argv, child_env = python_module("jaxkv.engine.core", child_env)
+        proc = subprocess.Popen(argv, stdin=subprocess.PIPE, env=child_env)
         proc.stdin.write(pickle.dumps(launch))
         proc.stdin.close()
         procs[rank] = proc
@@ -327,7 +327,9 @@ class _MPClient:
             return False
         if isinstance(msg, Ready):
             self.engine_info[msg.engine_index] = dict(msg.info)
-            logger.info("engine core %d ready: %s", msg.engine_index, msg.info)
+            # every API-server process gets the message; the first one's log line stands for all
+            logger.log(logging.INFO if self.client_index == 0 else logging.DEBUG, "engine core %d ready: %s",
+                       msg.engine_index, msg.info)
         elif isinstance(msg, EngineCoreOutputs):
             if msg.stats is not None:
                 self.engine_stats[msg.engine_index] = msg.stats

@@ -514,8 +514,9 @@ class ModelRunner:
         self.params = new
 
     def sleep(self, level: int = 1) -> None:
-        """Free the KV cache's device memory (level 1 and 2) and the weights' (level 1: copied to host
-        memory first; level 2: discarded, :meth:`set_params` must give new ones). vLLM ``LLM.sleep``.
+        """Free the KV cache's device memory (level 1 and 2), the structured outputs' automata tables, and the
+        weights' (level 1: copied to host memory first; level 2: discarded, :meth:`set_params` must give new
+        ones). vLLM ``LLM.sleep``.
 
         Raises:
             ValueError: ``level`` not 1 or 2, or already asleep.
@@ -529,6 +530,8 @@ class ModelRunner:
         meta = [jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding) for a in self.params]
         for a in [*self.kv_caches, *self.params]:
             a.delete()
+        if self.dfa_tables is not None:  # the structured outputs' automata (allocated again on the next hold)
+            self.dfa_tables.free()
         self.kv_caches = []
         self.params = meta
         self._asleep = (specs, host)

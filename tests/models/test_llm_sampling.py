@@ -10,8 +10,8 @@ import pytest
 from flax import nnx
 
 import models
+from jaxkv.sampling_params import BeamSearchParams, SamplingParams, StructuredOutputsParams
 from models import registry
-from jaxkv.sampling_params import BeamSearchParams, SamplingParams
 from tests.conftest import step_compiles
 from tests.models import hf_checkpoints as hfc
 
@@ -144,10 +144,16 @@ def test_update_weights_changes_outputs_without_a_compile(llm):
 def test_sleep_frees_the_cache_and_wake_up_restores_it(llm):
     prompt = "Once upon a time"
     before = llm.generate(prompt, greedy(6), use_tqdm=False)[0].outputs[0].token_ids
-    caches = list(llm.engine.kv_caches)
+    choice = greedy(6, structured_outputs=StructuredOutputsParams(choice=["yes", "no"]))
+    assert llm.generate(prompt, choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    tables = llm.engine.runner.dfa_tables  # the automata's device tables (grammar_dfa.DFATables)
+    caches, automata, writes = list(llm.engine.kv_caches), list(tables.arrays.values()), tables.num_writes
+    assert writes >= 1  # the choice ran as an automaton on the device
     llm.sleep(level=1)
-    assert all(c.is_deleted() for c in caches) and llm.engine.is_sleeping
+    assert all(c.is_deleted() for c in caches + automata) and llm.engine.is_sleeping
     with pytest.raises(ValueError, match="asleep"):
         llm.generate(prompt, greedy(6), use_tqdm=False)
     llm.wake_up()
     assert llm.generate(prompt, greedy(6), use_tqdm=False)[0].outputs[0].token_ids == before
+    assert llm.generate(prompt, choice, use_tqdm=False)[0].outputs[0].text in ("yes", "no")
+    assert tables.num_writes > writes  # placed anew in the tables allocated again

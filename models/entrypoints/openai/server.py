@@ -163,9 +163,10 @@ def build_server(args: argparse.Namespace, attach: dict | None = None):
         if attach is not None:
             info.update(api_server_index=attach["client_index"], api_server_count=args.api_server_count)
 
-        def ready():
-            log.info("jaxkv server: %s", " ".join(f"{k}={v}" for k, v in (client.engine_info[0] or {}).items()))
-            log.info("engine ready: %d data-parallel rank(s), pids %s", dp.data_parallel_size, client.pids)
+        def ready():  # logged by the first API-server process only: every one of them gets here
+            level = logging.INFO if client.client_index == 0 else logging.DEBUG
+            log.log(level, "jaxkv server: %s", " ".join(f"{k}={v}" for k, v in (client.engine_info[0] or {}).items()))
+            log.log(level, "engine ready: %d data-parallel rank(s), pids %s", dp.data_parallel_size, client.pids)
 
         client.ready_handler = ready
     else:

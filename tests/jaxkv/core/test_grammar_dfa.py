@@ -123,6 +123,21 @@ def test_tables_full_release_and_compaction():
         np.testing.assert_array_equal(arrays["final"][o:o + dfa.num_states], dfa.final)
 
 
+def test_tables_free_their_device_memory_and_place_again():
+    a = dfa_of(r"[0-9]{2,3}-[a-z]{1,4}")
+    tables = gd.DFATables(-(-VOCAB // 32), [EOS], max_states=64, max_transitions=4096)
+    assert tables.hold(a)
+    with pytest.raises(ValueError, match="1 automata are still held"):
+        tables.free()
+    tables.release(a)
+    old = list(tables.arrays.values())
+    tables.free()  # LLM.sleep: no request runs
+    assert all(x.is_deleted() for x in old) and not tables.is_placed(a)
+    assert tables.hold(a) and tables.offset(a) == 1
+    o = tables.offset(a)
+    np.testing.assert_array_equal(np.asarray(tables.arrays["bits"])[o:o + a.num_states], a.bits)
+
+
 def test_grammar_accept_names_the_token_it_refuses():
     g = gd.DFAGrammar(dfa_of(r"[0-9]{2}"), [EOS])
     assert g.accept([PIECES.index(b"1") + 1, PIECES.index(b"2") + 1]) and g.is_terminated
