@@ -202,17 +202,14 @@ def fused_params(params, model):
     if isinstance(params, nnx.Module):
         graphdef, state = nnx.split(params)
     elif isinstance(params, nnx.State):
-        state = params
-        try:
-            first = state["layers"][0]
-            separate = any(n in first[parent] for parent, names in FUSED.values() for n in names[:1])
-        except (KeyError, TypeError, IndexError):
-            separate = False
-        if not separate or tp is None:
+        if tp is None or jax.tree.structure(params) == jax.tree.structure(nnx.state(model)):
             return params
         quant = {"quantization": model.quantization} if hasattr(model, "quantization") else {}
         abstract = nnx.eval_shape(lambda: type(model)(model.config, dtype=model.dtype, rngs=nnx.Rngs(0), **quant))
-        graphdef = nnx.split(abstract)[0]
+        graphdef, unfused = nnx.split(abstract)
+        if jax.tree.structure(params) != jax.tree.structure(unfused):
+            return params  # neither layout: the engine's check names the first leaf that differs
+        state = params
     else:
         return params
     if tp is None:

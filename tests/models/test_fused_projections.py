@@ -113,3 +113,11 @@ def test_fused_params_of_a_trainers_unfused_model():
     assert hasattr(trainer.layers[0].self_attn, "q_proj")
     same = nnx.state(engine_model)
     assert fused_params(same, engine_model) is same
+    # k/v replicated over tp: only gate/up fused; the model's own state passes, a trainer's is fused alike
+    config1 = config.replace(num_kv_heads=1)
+    partly = fuse_projections(dummy_model(config1, dtype=jnp.float32, seed=2), tensor_parallel_size=2)
+    own = nnx.state(partly)
+    assert fused_params(own, partly) is own
+    state = fused_params(nnx.state(dummy_model(config1, dtype=jnp.float32, seed=4)), partly)
+    assert jax.tree.structure(state) == jax.tree.structure(nnx.state(partly))
+    assert fused_params({"w": 1}, engine_model) == {"w": 1}
