@@ -228,7 +228,12 @@ class StepMasks:
             rows = self._rows.get(int(np.asarray(dispatch_id).reshape(-1)[0]), ())
             self._next_ticket = (self._next_ticket + 1) % (1 << 30)
             ticket = self._next_ticket
-            self._pending[ticket] = self._worker.submit(self._masks, rows, tokens, positions)
+            try:
+                self._pending[ticket] = self._worker.submit(self._masks, rows, tokens, positions)
+                return np.int32(ticket)
+            except RuntimeError:  # the worker is shut down: a step still in flight at interpreter exit
+                done = self._pending[ticket] = concurrent.futures.Future()
+        done.set_result(self._masks(rows, tokens, positions))  # on this thread, in the same order
         return np.int32(ticket)
 
     def finish(self, ticket, *after) -> np.ndarray:

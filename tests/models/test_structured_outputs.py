@@ -256,7 +256,7 @@ def test_step_masks_advance_each_matcher_once_in_device_order(llm):
     """``StepMasks`` (the host side of masks inside the step): a registered row's matcher advances over a fed token
     only when it is its next output token (a re-fed token, e.g. a resumed request's, is not consumed twice), rows
     that do not run or are not registered stay all ones, an unknown dispatch (the warm-up's) gets all-ones masks;
-    the masks equal ``Grammar.fill_bitmask`` of a copy advanced by hand."""
+    the masks equal ``Grammar.fill_bitmask`` of a copy advanced by hand, also once the worker is shut down."""
     import numpy as np
 
     from jaxkv.core.structured_output import StepMasks
@@ -287,7 +287,11 @@ def test_step_masks_advance_each_matcher_once_in_device_order(llm):
     np.testing.assert_array_equal(got[1], want[0])
     assert g.num_consumed == 2 and masks.num_calls == 4 and g.rejected is None
     letter = llm.get_tokenizer().encode("x")[-1]
-    step(digit, prompt_len + 2)
+    masks._worker.shutdown()  # as at interpreter exit with a step in flight: begin fills on its own thread
+    got = step(digit, prompt_len + 2)
+    twin.accept([digit])
+    twin.fill_bitmask(want, 0)
+    np.testing.assert_array_equal(got[1], want[0])
     got = step(letter, prompt_len + 3)                  # "777x": the regex wants "-"
     assert g.rejected and (got[1] == -1).all()          # said on the grammar; the row is left all ones
     assert (masks.finish(masks.begin(np.int32([-1]), tokens, positions)) == -1).all()   # a dispatch nobody registered
