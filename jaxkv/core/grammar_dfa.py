@@ -46,7 +46,7 @@ from typing import Any, Iterable
 
 import numpy as np
 
-from jaxkv._subprocess import python_module
+from jaxkv._lazy import python_module
 from jaxkv.sampling_params import StructuredOutputsParams
 
 # JSON-schema keywords the regular path expresses exactly (with outlines-core's regex builder); a schema using

@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 import zmq
 import zmq.asyncio
 
-from jaxkv._subprocess import python_module
+from jaxkv._lazy import python_module
 from jaxkv.engine import protocol
 from jaxkv.engine.core import EngineCoreLaunch, as_tuple, routing_id
 from jaxkv.engine.load_balancer import LoadBalancer

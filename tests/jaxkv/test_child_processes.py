@@ -1,4 +1,5 @@
-"""Child processes (engine cores, the automata compiler) import the parent's jaxkv from any working directory."""
+"""Child processes (engine cores, the automata compiler) import the parent's jaxkv from any working directory
+(:func:`jaxkv._lazy.python_module`)."""
 
 from __future__ import annotations
 
@@ -6,7 +7,7 @@ import os
 import pathlib
 import subprocess
 
-from jaxkv._subprocess import PACKAGE_ROOT, python_module
+from jaxkv._lazy import PACKAGE_ROOT, python_module
 
 
 def test_child_imports_the_parents_jaxkv_from_a_directory_that_shadows_it(tmp_path):
