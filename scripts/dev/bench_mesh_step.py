@@ -132,13 +132,13 @@ def main(argv=None) -> int:
             tokens = [o.outputs[0].token_ids for o in outs]
             if tp == 1:
                 ref[batch] = tokens
-            same = (np.mean([a == b for x, y in zip(tokens, ref[batch]) for a, b in zip(x, y)])
-                    if batch in ref else float("nan"))  # nan: tp=1 not run in this process
+            same = (f"{np.mean([a == b for x, y in zip(tokens, ref[batch]) for a, b in zip(x, y)]):.3f}"
+                    if batch in ref else "-")  # -: tp=1 not run in this process
             prof = None if args.no_profile else collective_share(engine, prompts, sampling, args.new_tokens,
                                                                     args.top_kernels)
             ms = statistics.median(times) if times else float("nan")
             rows.append((batch, tp, ms, same, prof))
-            line = f"batch {batch:4d} tp {tp}: {ms:7.3f} ms/step  tokens equal to tp=1: {same:.3f}"
+            line = f"batch {batch:4d} tp {tp}: {ms:7.3f} ms/step  tokens equal to tp=1: {same}"
             if prof:
                 total, coll, top = prof
                 line += (f"  device {total / tp:7.1f} us/step/GPU, collectives {coll / tp:6.1f} "
@@ -149,7 +149,8 @@ def main(argv=None) -> int:
     base = {b: ms for b, tp, ms, _, _ in rows if tp == 1}
     for b, tp, ms, _, prof in rows:
         share = f"{100 * prof[1] / prof[0]:.1f} %" if prof else "n/a (no torch)"
-        print(f"{b:5d} {tp:3d} {ms:8.3f} {base.get(b, float('nan')) / ms:10.2f}x    {share}")
+        speedup = f"{base[b] / ms:10.2f}x" if b in base else f"{'-':>11}"
+        print(f"{b:5d} {tp:3d} {ms:8.3f} {speedup}    {share}")
     return 0
 
 
