@@ -111,6 +111,9 @@ class Attention(nnx.Module):
         if c.arch.qk_norm:
             self.q_norm = _rms_norm(c.head_size, c.rms_norm_eps, rngs)
             self.k_norm = _rms_norm(c.head_size, c.rms_norm_eps, rngs)
+        if quantization is not None and quantization.kv_cache_scales:  # the checkpoint's calibrated fp8 cache
+            self.k_scale = nnx.Param(jnp.ones((), jnp.float32))
+            self.v_scale = nnx.Param(jnp.ones((), jnp.float32))
 
     @property
     def scale(self) -> float:
@@ -139,10 +142,13 @@ class Attention(nnx.Module):
         c = self.config
         q, k, v = self._qkv(x, positions)
         extras = {}
-        # An fp8 cache (kv_cache_dtype "fp8*") is quantised on write and dequantised on read with
-        # k_scale = v_scale = 1, vLLM's default when a checkpoint ships no calibrated scales.
+        # An fp8 cache (kv_cache_dtype "fp8*") is quantised on write and dequantised on read with the checkpoint's
+        # calibrated k_scale / v_scale, or 1 (vLLM's default when a checkpoint ships none).
         if jnp.dtype(kv_cache.dtype) in FP8_DTYPES:
-            extras.update(k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
+            if getattr(self, "k_scale", None) is not None:
+                extras.update(k_scale=self.k_scale[...], v_scale=self.v_scale[...])
+            else:
+                extras.update(k_scale=jnp.float32(1.0), v_scale=jnp.float32(1.0))
         if self.sliding_window is not None:
             extras["sliding_window"] = self.sliding_window
         # write + attend; on a mesh per shard (local heads, local rows and blocks: jaxkv.parallel)

@@ -69,7 +69,8 @@ def hf_tensor_plan(config: DecoderConfig, quantization: Fp8Config | None = None)
     """Checkpoint tensor name -> :class:`HFTensor` for every parameter of ``config``'s model (HF names:
     ``model.layers.{i}.self_attn.q_proj.weight``, ...). With ``quantization`` the fp8 projections' entries:
     ``weight`` (+ ``weight_scale``, + ``input_scale`` for static activations) of an fp8 checkpoint, or the
-    float ``weight`` to quantize (online)."""
+    float ``weight`` to quantize (online); with its ``kv_cache_scales`` each attention layer's ``self_attn.k_scale``
+    and ``self_attn.v_scale``."""
     offset = config.arch.rms_norm_unit_offset
     plan = {}
 
@@ -107,6 +108,10 @@ def hf_tensor_plan(config: DecoderConfig, quantization: Fp8Config | None = None)
                 add(p + f"self_attn.{n}.bias", ("layers", i, "self_attn", n, "bias"))
         for n in ("gate_proj", "up_proj", "down_proj"):
             linear(i, p + f"mlp.{n}", ("layers", i, "mlp", n), n)
+        if quantization is not None and quantization.kv_cache_scales:  # kv_cache_scheme: a scalar each
+            for n in ("k_scale", "v_scale"):
+                plan[p + f"self_attn.{n}"] = HFTensor(p + f"self_attn.{n}", ("layers", i, "self_attn", n), False,
+                                                      kind="input_scale")
     return plan
 
 

@@ -73,6 +73,10 @@ class Fp8Config:
             float weights are quantized at load time (online).
         ignore: module names left unquantized besides the embedding, norms and LM head (compressed-tensors'
             ``ignore``: exact names such as ``"model.layers.0.mlp.down_proj"`` or ``"re:<regex>"``).
+        kv_cache_scales: the checkpoint calibrated the KV cache (compressed-tensors' ``kv_cache_scheme``): each
+            attention layer loads its ``self_attn.k_scale`` / ``v_scale`` (``f32[]``), which an fp8 cache
+            (``kv_cache_dtype="fp8"``) quantizes and dequantizes with; other caches leave them unused, as vLLM
+            does.
 
     Raises:
         ValueError: an unknown strategy or scheme, or a static scheme without a checkpoint (names the field).
@@ -84,6 +88,7 @@ class Fp8Config:
     activation_scheme: str = "dynamic"
     checkpoint_fp8: bool = False
     ignore: tuple[str, ...] = ()
+    kv_cache_scales: bool = False
 
     def __post_init__(self):
         object.__setattr__(self, "ignore", tuple(self.ignore))
@@ -309,7 +314,8 @@ def fp8_config_from_hf(qc: dict, *, source: str = "config.json") -> Fp8Config:
     Accepted: ``quant_method: "compressed-tensors"`` with one config group targeting ``Linear``, its
     ``weights`` ``{type: float, num_bits: 8, strategy: channel|tensor, symmetric: true, dynamic: false}`` and
     ``input_activations`` ``{type: float, num_bits: 8}`` either ``dynamic: true`` (strategy ``token``) or
-    static (``dynamic: false``, strategy ``tensor``); ``ignore`` (``["lm_head"]``); no ``kv_cache_scheme``.
+    static (``dynamic: false``, strategy ``tensor``); ``ignore`` (``["lm_head"]``); ``kv_cache_scheme`` null or
+    static per-tensor fp8 scales (:attr:`Fp8Config.kv_cache_scales`).
     Also ``quant_method: "fp8"`` (AutoFP8 / vLLM's serialized ``Fp8Config``: per-tensor weights,
     ``activation_scheme`` dynamic or static, no ``weight_block_size``).
 
@@ -328,7 +334,7 @@ def fp8_config_from_hf(qc: dict, *, source: str = "config.json") -> Fp8Config:
                              ignore=_ignore(qc.get("ignored_layers") or (), f"{where}.ignored_layers"))
         _check(method, ("compressed-tensors", "fp8"), f"{where}.quant_method")
         _check(qc.get("format", "float-quantized"), ("float-quantized", "naive-quantized"), f"{where}.format")
-        _check(qc.get("kv_cache_scheme"), (None,), f"{where}.kv_cache_scheme")
+        kv_scales = _kv_cache_scheme(qc.get("kv_cache_scheme"), f"{where}.kv_cache_scheme")
         groups = _need(qc, "config_groups", where)
         if not isinstance(groups, dict) or len(groups) != 1:
             raise ValueError(f"{where}.config_groups has {len(groups) if isinstance(groups, dict) else groups!r} "
@@ -359,9 +365,26 @@ def fp8_config_from_hf(qc: dict, *, source: str = "config.json") -> Fp8Config:
         else:
             _check(a.get("strategy", "tensor"), ("tensor",), f"{g}.input_activations.strategy")
         return Fp8Config(weight_strategy=w["strategy"], activation_scheme="dynamic" if a["dynamic"] else "static",
-                         checkpoint_fp8=True, ignore=_ignore(qc.get("ignore") or (), f"{where}.ignore"))
+                         checkpoint_fp8=True, ignore=_ignore(qc.get("ignore") or (), f"{where}.ignore"),
+                         kv_cache_scales=kv_scales)
     except ValueError as e:
         raise ValueError(f"{source}: {e}") from None
+
+
+def _kv_cache_scheme(scheme, field: str) -> bool:
+    """Whether a compressed-tensors ``kv_cache_scheme`` calibrated the KV cache: ``None`` (no) or static per-tensor
+    fp8 scales (``{type: float, num_bits: 8, strategy: tensor, dynamic: false, symmetric: true}``, vLLM's
+    ``CompressedTensorsKVCacheMethod``); anything else raises ``ValueError`` naming the field and the value."""
+    if scheme is None:
+        return False
+    if not isinstance(scheme, dict):
+        raise ValueError(f"{field}={scheme!r} is not supported (supported: null or an fp8 per-tensor scheme)")
+    _check(scheme.get("type"), ("float",), f"{field}.type")
+    _check(scheme.get("num_bits"), (8,), f"{field}.num_bits")
+    _check(scheme.get("strategy", "tensor"), ("tensor",), f"{field}.strategy")
+    _check(scheme.get("dynamic", False), (False,), f"{field}.dynamic")
+    _check(scheme.get("symmetric", True), (True,), f"{field}.symmetric")
+    return True
 
 
 def _ignore(names, field: str) -> tuple[str, ...]:

@@ -401,7 +401,7 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
 
     from jaxkv.attention.dispatch import check_attention_impl, default_attention_impl
     from jaxkv.engine.llm_engine import LLMEngine
-    from jaxkv.kv_cache.dtypes import resolve_kv_cache_dtype
+    from jaxkv.kv_cache.dtypes import FP8_DTYPES, resolve_kv_cache_dtype
     from jaxkv.kv_cache.memory import memory_snapshot
     from jaxkv.parallel.mesh import make_mesh
     from models import registry
@@ -435,6 +435,10 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     max_model_len = resolve_max_model_len(args, config)
     max_num_batched_tokens = args.max_num_batched_tokens or default_max_num_batched_tokens(on_gpu, args.max_num_seqs)
     cache_dtype = resolve_kv_cache_dtype(args.kv_cache_dtype, dtype)
+    if getattr(quantization, "kv_cache_scales", False) and jnp.dtype(cache_dtype) not in FP8_DTYPES:
+        log.warning("the checkpoint's kv_cache_scheme (calibrated k_scale / v_scale) is used by an fp8 cache only: "
+                    "kv_cache_dtype=%r gives a %s cache (as vLLM, pass kv_cache_dtype='fp8')", args.kv_cache_dtype,
+                    jnp.dtype(cache_dtype).name)
     num_blocks = args.num_gpu_blocks
     if num_blocks is None:
         spec = kv_cache_spec(config, block_size=args.block_size, dtype=cache_dtype)
@@ -463,7 +467,8 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
     warmup_s = 0.0
     executable_cache = None
     if args.compile_ahead == "on" or (args.compile_ahead == "auto" and on_gpu):
-        executable_cache = _executable_cache(cache_dir, args, config, dtype, cache_dtype, attention_impl)
+        executable_cache = _executable_cache(cache_dir, args, config, dtype, cache_dtype, attention_impl,
+                                             quantization)
         engine.warmup(top_k_top_p=args.compile_top_k_top_p, executable_cache=executable_cache,
                       structured_outputs=args.compile_structured_outputs and engine.structured_outputs is not None)
         warmup_s = time.perf_counter() - t_built
@@ -512,7 +517,8 @@ def _dfa_table_bytes(config, args: EngineArgs) -> int:
     return DFATables.nbytes_for(words, *table_sizes(words, args.structured_outputs_table_mib))
 
 
-def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, cache_dtype, attention_impl):
+def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, cache_dtype, attention_impl,
+                      quantization=None):
     """The warm-up's executable cache (:mod:`jaxkv.worker.executable_cache`) in ``cache_dir``'s
     ``jaxkv-executables`` folder, keyed by everything ``args`` and the model config decide; ``None`` when the
     compilation cache is off or ``$JAXKV_EXECUTABLE_CACHE`` is ``0``. A SmolLM2 server's warm start with its
@@ -522,7 +528,8 @@ def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, ca
     from jaxkv.worker.executable_cache import ExecutableCache
     from models.fused import fusion_enabled
 
-    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, f"fused={fusion_enabled()}"))
+    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, quantization,
+                        f"fused={fusion_enabled()}"))
     return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
 
 

@@ -224,16 +224,28 @@ def write_checkpoint(directory: pathlib.Path, arch: str, *, seed: int = 0, num_s
     return stored
 
 
+KV_CACHE_SCHEME = dict(num_bits=8, type="float", symmetric=True, dynamic=False, strategy="tensor")
+"""llm-compressor's calibrated fp8 KV cache (``quantization_config.kv_cache_scheme``)."""
+
+
 def write_fp8_checkpoint(directory: pathlib.Path, arch: str, *, strategy: str = "channel",
                          input_scale: float | None = None, seed: int = 0, num_shards: int = 2,
-                         tokenizer: tokenizers.Tokenizer | None = None) -> tuple[dict[str, np.ndarray], dict]:
+                         tokenizer: tokenizers.Tokenizer | None = None,
+                         kv_scales: tuple[float, float] | None = None) -> tuple[dict[str, np.ndarray], dict]:
     """A compressed-tensors fp8 checkpoint of ``arch``'s tiny random model (projections quantized by
     :func:`fp8_tensors`, ``quantization_config`` of :func:`fp8_quantization_config`; static activations when
-    ``input_scale`` is given). Returns ``(stored tensors, config.json object)``."""
+    ``input_scale`` is given; with ``kv_scales = (k, v)`` a :data:`KV_CACHE_SCHEME` and every layer's
+    ``self_attn.k_scale`` (stored ``[]``) and ``v_scale`` (stored ``[1]``)). Returns ``(stored tensors, config.json
+    object)``."""
     tok = tokenizer or build_tokenizer()
     cfg = hf_config(arch, tok.get_vocab_size())
     cfg["quantization_config"] = fp8_quantization_config(strategy, static=input_scale is not None)
     tensors = fp8_tensors(as_stored(random_hf_tensors(cfg, seed), cfg["torch_dtype"]), strategy, input_scale)
+    if kv_scales is not None:
+        cfg["quantization_config"]["kv_cache_scheme"] = dict(KV_CACHE_SCHEME)
+        for i in range(cfg["num_hidden_layers"]):
+            tensors[f"model.layers.{i}.self_attn.k_scale"] = np.asarray(kv_scales[0], np.float32)
+            tensors[f"model.layers.{i}.self_attn.v_scale"] = np.asarray([kv_scales[1]], np.float32)
     stored = write_checkpoint(directory, arch, num_shards=num_shards, tensors=tensors, cfg=cfg, tokenizer=tok)
     return stored, cfg
 

@@ -172,7 +172,8 @@ def test_quantization_configs_and_their_errors():
     bad(lambda q: q["config_groups"]["group_0"]["weights"].update(type="int"), rf"{g}.weights.type='int'")
     bad(lambda q: q["config_groups"]["group_0"].update(input_activations=None),
         rf"{g}.input_activations=None is not supported \(weight-only")
-    bad(lambda q: q.update(kv_cache_scheme={"num_bits": 8}), "quantization_config.kv_cache_scheme=")
+    bad(lambda q: q.update(kv_cache_scheme={"num_bits": 8}),
+        "quantization_config.kv_cache_scheme.type=None is not supported")
     bad(lambda q: q.update(quant_method="gptq"), "quantization_config.quant_method='gptq' is not supported")
     bad(lambda q: q.update(quant_method="fp8", weight_block_size=[128, 128]),
         r"quantization_config.weight_block_size=\[128, 128\]")
@@ -328,7 +329,59 @@ def test_online_fp8_of_a_float_checkpoint(tmp_path, tokenizer):
         np.testing.assert_allclose(np.asarray(lin.weight_scale[...]), want_s, rtol=3e-7)
     assert model.layers[0].self_attn.q_norm.scale[...].dtype == jnp.float32
     plain = registry.build_model(config, weights, dtype="bfloat16")
-    assert not hasattr(plain, "quantization") and member(plain.layers[0].mlp, "up_proj").kernel[...].dtype == jnp.bfloat16
+    assert not hasattr(plain, "quantization")
+    assert member(plain.layers[0].mlp, "up_proj").kernel[...].dtype == jnp.bfloat16
+
+
+def test_fp8_checkpoint_kv_cache_scales(tmp_path, tokenizer, caplog):
+    """A ``kv_cache_scheme`` checkpoint: each layer's ``k_scale`` / ``v_scale`` load, and an fp8 cache holds
+    e4m3(k / k_scale), e4m3(v / v_scale). Against the same checkpoint without the scheme (scales 1): with k_scale 0.5
+    and v_scale 0.25 every cached value in e4m3's normal range is exactly 2x / 4x the unscaled cache's, and the
+    logits agree (dequantized with the scales; only values below e4m3's normal range round differently). A bf16
+    cache leaves the scales unused, with a warning. A scheme jaxkv does not run names its field."""
+    common = dict(dtype="float32", attention_impl="reference", max_model_len=64, num_gpu_blocks=16, block_size=8,
+                  max_num_seqs=2, max_num_batched_tokens=32, return_logits=True, enable_multiprocessing=False)
+    stored, cfg = hfc.write_fp8_checkpoint(tmp_path / "kv", "LlamaForCausalLM", tokenizer=tokenizer,
+                                           kv_scales=(0.5, 0.25))
+    hfc.write_fp8_checkpoint(tmp_path / "plain", "LlamaForCausalLM", tokenizer=tokenizer)
+    prompts = ["The capital of France is", "Hello"]
+    greedy = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    runs = {}
+    for name in ("kv", "plain"):
+        llm = models.LLM(tmp_path / name, kv_cache_dtype="fp8", **common)
+        outs = llm.generate(prompts, greedy, use_tqdm=False)
+        runs[name] = (llm, outs, [np.asarray(c).astype(np.float32) for c in llm.engine.kv_caches])
+    attn = runs["kv"][0].model.layers[1].self_attn
+    assert float(attn.k_scale[...]) == 0.5 and float(attn.v_scale[...]) == 0.25
+    assert runs["kv"][0].model.quantization.kv_cache_scales
+    normal = 2.0 ** -6  # e4m3's smallest normal magnitude
+    # layer 0's K and V are the same in both runs (the embeddings' projections; later layers see attention outputs
+    # that subnormal rounding moved a little)
+    scaled, plain = runs["kv"][2][0], runs["plain"][2][0]
+    for kv, factor in ((0, 2.0), (1, 4.0)):   # the cache's leading axis: K, V
+        a, b = scaled[kv], plain[kv]
+        ok = (np.abs(b) >= normal) & (np.abs(b) * factor <= 448.0)
+        assert ok.sum() > 300
+        np.testing.assert_array_equal(a[ok], factor * b[ok])
+    # against the dense forward (no cache, K/V unquantized) along each run's own tokens: both runs carry the same
+    # e4m3 rounding error (power-of-two scales move exponents only), while a scale missing on either side of the
+    # cache would put a factor of 2 or 4 into K or V
+    errs = {}
+    for name, (llm, outs, _) in runs.items():
+        seqs = [o.prompt_token_ids + o.outputs[0].token_ids for o in outs]
+        width = max(map(len, seqs))
+        dense = np.asarray(engine_setup.dense_logits(llm.model, np.array([q + [0] * (width - len(q)) for q in seqs])))
+        errs[name] = max(np.abs(o.outputs[0].logits - d[len(o.prompt_token_ids) - 1:][:4]).max()
+                         for o, d in zip(outs, dense))
+    between = max(np.abs(a.outputs[0].logits - b.outputs[0].logits).max()
+                  for a, b in zip(runs["kv"][1], runs["plain"][1]))
+    assert errs["kv"] < 1.25 * errs["plain"] and between < 0.5 * errs["plain"], (errs, between)
+    with caplog.at_level("WARNING"):
+        models.LLM(tmp_path / "kv", **common)
+    assert "kv_cache_scheme" in caplog.text and "kv_cache_dtype='fp8'" in caplog.text
+    bad = cfg["quantization_config"] | {"kv_cache_scheme": dict(hfc.KV_CACHE_SCHEME, dynamic=True)}
+    with pytest.raises(ValueError, match=r"quantization_config.kv_cache_scheme.dynamic=True is not supported"):
+        fp8_config_from_hf(bad)
 
 
 def test_bad_fp8_checkpoints_name_the_tensor(tmp_path, tokenizer):
