@@ -35,8 +35,10 @@ from jax.sharding import PartitionSpec as P
 from jaxkv.parallel.mesh import TP
 from models.quantization import Fp8Linear
 
-FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up_proj": ("mlp", ("gate_proj", "up_proj"))}
-"""Fused Linear name -> (the decoder layer's submodule, the Linears it stacks, in order)."""
+FUSED = {"qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj"), "fused_qkv"),
+         "gate_up_proj": ("mlp", ("gate_proj", "up_proj"), "fused_gate_up")}
+"""Fused Linear name -> (the decoder layer's submodule, the Linears it stacks in order, the submodule's static
+attribute holding the layout ``(tp, per-rank sizes)`` that :func:`split_fused` reads)."""
 
 FUSE_ENV = "JAXKV_FUSED_PROJECTIONS"
 """``0`` in the environment keeps the projections separate (a maintainer's A/B; fused is the default)."""
@@ -90,23 +92,30 @@ def _stack(arrays: list, axis: int, tp: int, spec: P) -> jax.Array:
     return _stack_program(axis, tp, len(arrays), out)(*arrays)
 
 
+def _out_features(linear) -> int:
+    return linear.out_features if isinstance(linear, Fp8Linear) else linear.kernel[...].shape[1]
+
+
+def _empty_like(linear, out_features: int) -> nnx.Module:
+    """An abstract Linear (shapes only, no arrays) of ``linear``'s kind, input size and dtypes with
+    ``out_features`` outputs: its parameters are set by the caller."""
+    use_bias = linear.bias is not None
+    if isinstance(linear, Fp8Linear):
+        return nnx.eval_shape(lambda: Fp8Linear(linear.in_features, out_features, use_bias=use_bias))
+    kernel = linear.kernel[...]
+    return nnx.eval_shape(lambda: nnx.Linear(kernel.shape[0], out_features, use_bias=use_bias, dtype=linear.dtype,
+                                             param_dtype=kernel.dtype, rngs=nnx.Rngs(0)))
+
+
 def _fused_linear(members: list, tp: int) -> nnx.Module:
     """One Linear of ``members``' kind whose outputs are theirs, stacked rank-major over ``tp``."""
     first = members[0]
+    fused = _empty_like(first, sum(_out_features(m) for m in members))
     if isinstance(first, Fp8Linear):
-        out = sum(m.out_features for m in members)
-        fused = nnx.eval_shape(lambda: Fp8Linear(first.in_features, out, use_bias=first.bias is not None,
-                                                 dtype=first.bias[...].dtype if first.bias is not None else
-                                                 jnp.float32))
         fused.weight = nnx.Param(_stack([m.weight[...] for m in members], 0, tp, P(TP, None)))
         fused.weight_scale = nnx.Param(_stack([m.weight_scale[...] for m in members], 0, tp, P(TP)))
     else:
-        kernels = [m.kernel[...] for m in members]
-        out = sum(k.shape[1] for k in kernels)
-        fused = nnx.eval_shape(lambda: nnx.Linear(kernels[0].shape[0], out, use_bias=first.bias is not None,
-                                                  dtype=first.dtype, param_dtype=kernels[0].dtype,
-                                                  rngs=nnx.Rngs(0)))
-        fused.kernel = nnx.Param(_stack(kernels, 1, tp, P(None, TP)))
+        fused.kernel = nnx.Param(_stack([m.kernel[...] for m in members], 1, tp, P(None, TP)))
     if first.bias is not None:
         fused.bias = nnx.Param(_stack([m.bias[...] for m in members], 0, tp, P(TP)))
     return fused
@@ -126,7 +135,7 @@ def fuse_projections(model, *, tensor_parallel_size: int = 1):
     tp = tensor_parallel_size
     config = model.config
     for layer in model.layers:
-        for fused_name, (parent_name, names) in FUSED.items():
+        for fused_name, (parent_name, names, layout) in FUSED.items():
             parent = getattr(layer, parent_name)
             if getattr(parent, fused_name, None) is not None:
                 continue  # fused already
@@ -136,12 +145,12 @@ def fuse_projections(model, *, tensor_parallel_size: int = 1):
                 continue
             if fused_name == "qkv_proj" and config.num_kv_heads < tp:
                 continue  # k/v replicated over tp: the stacked columns would not split per rank
-            outs = [m.out_features if isinstance(m, Fp8Linear) else m.kernel[...].shape[1] for m in members]
+            outs = [_out_features(m) for m in members]
             if any(o % tp for o in outs):
                 raise ValueError(f"tensor_parallel_size={tp} does not divide {fused_name}'s members' output "
                                  f"features {outs}")
             setattr(parent, fused_name, _fused_linear(members, tp))
-            setattr(parent, "fused_" + fused_name.removesuffix("_proj"), (tp, tuple(o // tp for o in outs)))
+            setattr(parent, layout, (tp, tuple(o // tp for o in outs)))
             for n in names:
                 delattr(parent, n)
     return model
@@ -159,24 +168,20 @@ def member(parent, name: str) -> nnx.Module:
     """Linear ``name`` (``"q_proj"``, ``"up_proj"``, ...) of a decoder layer's ``parent`` (``self_attn`` or
     ``mlp``): the module itself when not fused, else a new Linear of its kind holding its columns of the fused
     one (copies, on one device). For tests and tools that read one projection's weights."""
-    for fused_name, (_, names) in FUSED.items():
-        fused = getattr(parent, "fused_" + fused_name.removesuffix("_proj"), None)
+    for fused_name, (_, names, layout) in FUSED.items():
+        fused = getattr(parent, layout, None)
         if name in names and fused is not None:
             break
     else:
         return getattr(parent, name)
     index, whole = names.index(name), getattr(parent, fused_name)
     tp, sizes = fused
-    out = tp * sizes[index]
+    lin = _empty_like(whole, tp * sizes[index])
     if isinstance(whole, Fp8Linear):
-        lin = nnx.eval_shape(lambda: Fp8Linear(whole.in_features, out, use_bias=whole.bias is not None))
         lin.weight = nnx.Param(_unstack(whole.weight[...], 0, fused, index))
         lin.weight_scale = nnx.Param(_unstack(whole.weight_scale[...], 0, fused, index))
     else:
-        kernel = whole.kernel[...]
-        lin = nnx.eval_shape(lambda: nnx.Linear(kernel.shape[0], out, use_bias=whole.bias is not None,
-                                                dtype=whole.dtype, param_dtype=kernel.dtype, rngs=nnx.Rngs(0)))
-        lin.kernel = nnx.Param(_unstack(kernel, 1, fused, index))
+        lin.kernel = nnx.Param(_unstack(whole.kernel[...], 1, fused, index))
     if whole.bias is not None:
         lin.bias = nnx.Param(_unstack(whole.bias[...], 0, fused, index))
     return lin
@@ -185,8 +190,8 @@ def member(parent, name: str) -> nnx.Module:
 def _tensor_parallel_size(model) -> int | None:
     """The ``tp`` ``model``'s layers were fused for, or ``None`` when none is fused."""
     for layer in model.layers:
-        for fused_name, (parent_name, _) in FUSED.items():
-            fused = getattr(getattr(layer, parent_name), "fused_" + fused_name.removesuffix("_proj"), None)
+        for parent_name, _, layout in FUSED.values():
+            fused = getattr(getattr(layer, parent_name), layout, None)
             if fused is not None:
                 return fused[0]
     return None

@@ -41,7 +41,7 @@ def _linears(model):
     """Every (layer, parent, name) -> its weights as NumPy (fp8 as uint8 bits), from the unfused model."""
     out = {}
     for i, layer in enumerate(model.layers):
-        for parent_name, names in FUSED.values():
+        for parent_name, names, _ in FUSED.values():
             for n in names:
                 lin = member(getattr(layer, parent_name), n)
                 leaves = ({"weight": lin.weight[...], "weight_scale": lin.weight_scale[...]}
