@@ -458,11 +458,15 @@ class DFATables:
         self.max_states, self.max_transitions = int(max_states), int(max_transitions)
         self.sharding = sharding
         self._eos = pack_tokens([e for e in eos_ids if 0 <= e < self.words * 32], self.words)
-        self._placed: dict[int, _Placed] = {}
-        self._state_top, self._transition_top = 1, 0
+        self._empty()
         self._arrays: dict | None = None
         self._write = None
         self.num_writes = 0
+
+    def _empty(self) -> None:
+        """No automaton placed: the next one goes right after the reserved state 0."""
+        self._placed: dict[int, _Placed] = {}
+        self._state_top, self._transition_top = 1, 0
 
     @staticmethod
     def nbytes_for(words: int, max_states: int, max_transitions: int) -> int:
@@ -497,7 +501,7 @@ class DFATables:
         arrays, self._arrays = self._arrays, None
         for a in (arrays or {}).values():
             a.delete()
-        self._placed, self._state_top, self._transition_top = {}, 1, 0
+        self._empty()
 
     def is_placed(self, dfa: TokenDFA) -> bool:
         """``dfa`` is in the tables (held, or cached from an earlier holder)."""
@@ -544,7 +548,7 @@ class DFATables:
     def _compact(self) -> None:
         """Drop the automata no request holds and place the held ones again from the tables' start."""
         kept = [p for p in self._placed.values() if p.refs > 0]
-        self._placed, self._state_top, self._transition_top = {}, 1, 0
+        self._empty()
         for p in kept:
             self._place(p.dfa).refs = p.refs
 
