@@ -34,7 +34,7 @@ from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
 from models.decoder_config import DecoderConfig
 from models.fused import split_fused
 from models.parallel import row_parallel
-from models.quantization import Fp8Config, Fp8Linear, make_linear
+from models.quantization import Fp8Config, Fp8Linear, make_linear, norm_quant_enabled, rms_norm_quantize_per_token
 
 
 def rope_cos_sin_from_inv_freq(positions: Int[Array, "..."], inv_freq: np.ndarray
@@ -83,6 +83,16 @@ def _rms_norm(size: int, eps: float, rngs: nnx.Rngs) -> nnx.RMSNorm:
     return nnx.RMSNorm(size, epsilon=eps, dtype=jnp.float32, param_dtype=jnp.float32, rngs=rngs)
 
 
+def _norm_into(norm: nnx.RMSNorm, x: jax.Array, linears: Sequence[nnx.Module]):
+    """``norm(x)`` in ``x``'s dtype for ``linears``, the Linears it feeds. When they are all fp8 with dynamic
+    activation scales (and ``$JAXKV_FP8_NORM_QUANT`` is not ``0``), the norm quantizes for them in the same pass
+    instead (:func:`models.quantization.rms_norm_quantize_per_token`: an
+    :class:`~models.quantization.Fp8Activation`, which each of them takes as it is)."""
+    if norm_quant_enabled() and all(isinstance(p, Fp8Linear) and p.input_scale is None for p in linears):
+        return rms_norm_quantize_per_token(x, norm.scale[...], norm.epsilon)
+    return norm(x).astype(x.dtype)
+
+
 class Attention(nnx.Module):
     """q/k/v projections (+ bias), optional per-head q/k RMSNorm, RoPE, paged write + paged attention
     (sliding window on sliding layers), o projection. With ``quantization`` the projections are
@@ -118,6 +128,12 @@ class Attention(nnx.Module):
     @property
     def scale(self) -> float:
         return self.config.softmax_scale
+
+    def input_linears(self) -> list[nnx.Module]:
+        """The Linears that take the layer's normed input (q/k/v, or their fused Linear)."""
+        if getattr(self, "fused_qkv", None) is not None:
+            return [self.qkv_proj]
+        return [self.q_proj, self.k_proj, self.v_proj]
 
     def _qkv(self, x, positions):
         c = self.config
@@ -186,6 +202,12 @@ class MLP(nnx.Module):
             self.up_proj = make_linear(d, f, name="up_proj", **linear)
             self.down_proj = make_linear(f, d, name="down_proj", **linear)
 
+    def input_linears(self) -> list[nnx.Module]:
+        """The Linears that take the MLP's input (gate/up, or their fused Linear)."""
+        if getattr(self, "fused_gate_up", None) is not None:
+            return [self.gate_up_proj]
+        return [self.gate_proj, self.up_proj]
+
     def __call__(self, x, *, mesh=None):
         fused = getattr(self, "fused_gate_up", None)  # (tp, per-rank sizes): models.fused
         if fused is None:
@@ -215,20 +237,22 @@ class DecoderLayer(nnx.Module):
         self.mlp = MLP(config, dtype=dtype, rngs=rngs, **quant, **({"layer": layer} if quant else {}))
 
     def _after_attention(self, x, h, mesh=None):
+        mlp_in = self.mlp.input_linears()
         if not self.sandwich:
             x = x + h
-            return x + self.mlp(self.post_attention_layernorm(x).astype(x.dtype), mesh=mesh)
+            return x + self.mlp(_norm_into(self.post_attention_layernorm, x, mlp_in), mesh=mesh)
         x = x + self.post_attention_layernorm(h).astype(x.dtype)
-        h = self.mlp(self.pre_feedforward_layernorm(x).astype(x.dtype), mesh=mesh)
+        h = self.mlp(_norm_into(self.pre_feedforward_layernorm, x, mlp_in), mesh=mesh)
         return x + self.post_feedforward_layernorm(h).astype(x.dtype)
 
     def __call__(self, x, positions, kv_cache, metadata, *, attention_impl, mesh=None):
-        h, kv_cache = self.self_attn(self.input_layernorm(x).astype(x.dtype), positions, kv_cache, metadata,
-                                     attention_impl=attention_impl, mesh=mesh)
+        h, kv_cache = self.self_attn(_norm_into(self.input_layernorm, x, self.self_attn.input_linears()),
+                                     positions, kv_cache, metadata, attention_impl=attention_impl, mesh=mesh)
         return self._after_attention(x, h, mesh), kv_cache
 
     def dense(self, x, valid):
-        return self._after_attention(x, self.self_attn.dense(self.input_layernorm(x).astype(x.dtype), valid))
+        h = self.self_attn.dense(_norm_into(self.input_layernorm, x, self.self_attn.input_linears()), valid)
+        return self._after_attention(x, h)
 
 
 @functools.partial(jax.jit, static_argnums=0, static_argnames=("attention_impl", "mesh"))

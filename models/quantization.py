@@ -41,7 +41,9 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -162,6 +164,71 @@ def quantize_per_token(x: Float[Array, "... k"]) -> tuple[jax.Array, Float[Array
     return _to_fp8(x32, scale[..., None]), scale
 
 
+NORM_QUANT_ENV = "JAXKV_FP8_NORM_QUANT"
+"""``0`` in the environment quantizes a norm's output for its fp8 Linears as its own pass (a maintainer's A/B;
+the fused :func:`rms_norm_quantize_per_token` is the default)."""
+
+
+def norm_quant_enabled() -> bool:
+    """Whether an RMSNorm feeding dynamic fp8 Linears quantizes its output itself (``JAXKV_FP8_NORM_QUANT``
+    unset or not ``0``)."""
+    return os.environ.get(NORM_QUANT_ENV, "1") != "0"
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Fp8Activation:
+    """Activations already quantized per token, for :class:`Fp8Linear` s with dynamic activation scales.
+
+    ``q`` ``f8e4m3[..., k]``, ``scale`` ``f32[...]`` (one per token, :func:`quantize_per_token`'s), ``dtype``
+    (static) the activations' own dtype, which the Linear returns. ``shape`` / ``ndim`` are ``q``'s, so layer code
+    that reads only those takes it where it took the array. vLLM: the fp8 output of its fused
+    ``rms_norm_dynamic_per_token_quant`` kernel, which the next ``scaled_mm`` takes with its scales.
+    """
+
+    q: jax.Array
+    scale: jax.Array
+    dtype: Any = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.q.shape
+
+    @property
+    def ndim(self) -> int:
+        return self.q.ndim
+
+
+def rms_norm_quantize_per_token(x: Float[Array, "... k"], weight: Float[Array, "k"], eps: float
+                                ) -> Fp8Activation:
+    """``quantize_per_token(rms_norm(x))`` in one pass over ``x``, without the normed activations in between.
+
+    ``rms_norm(x) = x * (r * weight)`` with ``r = rsqrt(mean(x², axis=-1) + eps)`` in f32 (``nnx.RMSNorm``'s
+    formula). Since ``r > 0``, the row's absmax is ``r * max(|x * weight|)``. Both reductions read ``x`` alone, so
+    XLA computes them in one multi-output fusion with the residual add before them. Then one elementwise pass
+    writes the e4m3 values. The result equals :func:`quantize_per_token` of the f32 norm up to f32 rounding (a
+    scale's last bit, and so an e4m3 value on a rounding tie). The normed activations are not rounded to ``x``'s
+    dtype on the way, where the separate path rounds them.
+
+    Args:
+        x: ``[..., k]`` activations, any float dtype (the residual stream).
+        weight: ``[k]`` the norm's scale.
+        eps: the norm's epsilon.
+
+    Returns:
+        :class:`Fp8Activation` with ``x``'s dtype.
+
+    vLLM: ``rms_norm_dynamic_per_token_quant`` (the kernel its compile pass fuses RMSNorm + per-token fp8
+    quantization into).
+    """
+    x32 = x.astype(jnp.float32)
+    r = jax.lax.rsqrt(jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + eps)
+    w32 = weight.astype(jnp.float32)
+    amax = r[..., 0] * jnp.max(jnp.abs(x32 * w32), axis=-1)
+    scale = _scale(amax)
+    return Fp8Activation(_to_fp8(x32 * (r * w32), scale[..., None]), scale, jnp.dtype(x.dtype))
+
+
 def quantize_static(x: Float[Array, "... k"], input_scale: Float[Array, ""]) -> jax.Array:
     """Static per-tensor activation quantization: ``f8e4m3[..., k] = e4m3(clip(x / input_scale, ±448))``
     (``input_scale``: the checkpoint's calibrated ``f32[]``). vLLM: ``scaled_fp8_quant(x, input_scale)``."""
@@ -189,7 +256,8 @@ def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float
     """vLLM's W8A8 fp8 Linear: ``y = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :] + bias``.
 
     Args:
-        x: activations, ``[..., in]`` (bf16/f16/f32).
+        x: activations, ``[..., in]`` (bf16/f16/f32), or an :class:`Fp8Activation` already quantized per token
+            (dynamic scheme only).
         weight: ``f8e4m3[out, in]``.
         weight_scale: ``f32[out]`` per output channel.
         input_scale: ``f32[]`` static per-tensor activation scale, or ``None``: dynamic per-token scales
@@ -200,9 +268,16 @@ def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float
     Returns:
         ``[..., out]`` in ``out_dtype``.
 
+    Raises:
+        ValueError: an :class:`Fp8Activation` with a static ``input_scale``.
+
     vLLM: ``Fp8LinearOp.apply`` (``cutlass_scaled_mm`` / ``torch._scaled_mm`` with row-wise scales).
     """
-    if input_scale is None:
+    if isinstance(x, Fp8Activation):
+        if input_scale is not None:
+            raise ValueError("an Fp8Activation (dynamic per-token scales) fed a Linear with a static input_scale")
+        x_q, s_x = x.q, x.scale[..., None]
+    elif input_scale is None:
         x_q, s_x = quantize_per_token(x)
         s_x = s_x[..., None]
     else:
