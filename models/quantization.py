@@ -243,11 +243,22 @@ def dequantize(q: jax.Array, scale: jax.Array) -> Float[Array, "..."]:
 
 
 # -- the scaled fp8 GEMM ------------------------------------------------------------------------------------
-def fp8_matmul(x_q: jax.Array, w_q: jax.Array) -> Float[Array, "... out"]:
-    """``f32[..., out] = x_q @ w_q^T`` for ``x_q: f8e4m3[..., in]`` and ``w_q: f8e4m3[out, in]``: one fp8
-    ``dot_general`` contracting both operands' minor dimension with an f32 result (cuBLASLt's fp8 GEMM on
-    Hopper: ``__cublas$lt$matmul$f8``; an upcast f32 GEMM on CPU)."""
-    return jax.lax.dot_general(x_q, w_q, (((x_q.ndim - 1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+GEMM_OUT_ENV = "JAXKV_FP8_GEMM_OUT"
+"""``out`` in the environment makes the fp8 GEMM write the Linear's output dtype (bf16: half the bytes, one more
+rounding before the scales) instead of f32 (the default); a maintainer's A/B."""
+
+
+def gemm_out_dtype(out_dtype) -> jnp.dtype:
+    """The dtype the fp8 GEMM of a Linear returning ``out_dtype`` writes: f32, or ``out_dtype`` itself when
+    ``$JAXKV_FP8_GEMM_OUT`` is ``out``."""
+    return jnp.dtype(out_dtype if os.environ.get(GEMM_OUT_ENV, "f32") == "out" else jnp.float32)
+
+
+def fp8_matmul(x_q: jax.Array, w_q: jax.Array, out_dtype=jnp.float32) -> Float[Array, "... out"]:
+    """``[..., out] = x_q @ w_q^T`` for ``x_q: f8e4m3[..., in]`` and ``w_q: f8e4m3[out, in]``: one fp8
+    ``dot_general`` contracting both operands' minor dimension, accumulated in f32 and written as ``out_dtype``
+    (default f32; cuBLASLt's fp8 GEMM on Hopper: ``__cublas$lt$matmul$f8``; an upcast f32 GEMM on CPU)."""
+    return jax.lax.dot_general(x_q, w_q, (((x_q.ndim - 1,), (1,)), ((), ())), preferred_element_type=out_dtype)
 
 
 def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float[Array, "out"], *,
@@ -282,10 +293,11 @@ def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float
         s_x = s_x[..., None]
     else:
         x_q, s_x = quantize_static(x, input_scale), input_scale.astype(jnp.float32)
-    y = fp8_matmul(x_q, weight) * s_x * weight_scale.astype(jnp.float32)
+    out_dtype = out_dtype or x.dtype
+    y = fp8_matmul(x_q, weight, gemm_out_dtype(out_dtype)).astype(jnp.float32) * s_x * weight_scale.astype(jnp.float32)
     if bias is not None:
         y = y + bias.astype(jnp.float32)
-    return y.astype(out_dtype or x.dtype)
+    return y.astype(out_dtype)
 
 
 def fp8_linear_reference(x, weight, weight_scale, *, input_scale=None, bias=None, out_dtype=None):

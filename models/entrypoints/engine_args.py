@@ -527,10 +527,11 @@ def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, ca
         return None
     from jaxkv.worker.executable_cache import ExecutableCache
     from models.fused import fusion_enabled
-    from models.quantization import norm_quant_enabled
+    from models.quantization import gemm_out_dtype, norm_quant_enabled
 
     description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, quantization,
-                        f"fused={fusion_enabled()}", f"norm_quant={norm_quant_enabled()}"))
+                        f"fused={fusion_enabled()}", f"norm_quant={norm_quant_enabled()}",
+                        f"fp8_gemm_out={gemm_out_dtype(dtype)}"))
     return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
 
 

@@ -56,6 +56,8 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     # A/B of models.quantization.rms_norm_quantize_per_token
     fused=1; [ "${q%-sep}" != "$q" ] && fused=0
     nq=1; [ "${q%-nnq}" != "$q" ] && nq=0
+    # "-b16o" (fp8kv-b16o): the fp8 GEMMs write bf16, not f32 (JAXKV_FP8_GEMM_OUT=out)
+    go=f32; [ "${q%-b16o}" != "$q" ] && go=out
     case ${q%-*} in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
     echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
       "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
@@ -68,7 +70,7 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     # 4xH200 died with it, a segfault and CUDA_ERROR_LAUNCH_FAILED, cause not isolated)
     [ -n "${E2E_TRACE_RUNS:-}" ] && trace="--profile-busy --profile-window ${E2E_WINDOW:-8:4}"
     [ -n "${E2E_TRACE_RUNS:-}" ] && [ "${E2E_WINDOW:-}" = all ] && trace="--profile-busy"
-    JAXKV_FUSED_PROJECTIONS=$fused JAXKV_FP8_NORM_QUANT=$nq JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} \
+    JAXKV_FUSED_PROJECTIONS=$fused JAXKV_FP8_NORM_QUANT=$nq JAXKV_FP8_GEMM_OUT=$go JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} \
       JAXKV_PROFILE_TOP=${PROFILE_TOP:-25} \
       XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
       --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag > $OUT/e2e-$q.log 2>&1

@@ -177,6 +177,27 @@ def test_fp8_linear_matches_float64_formula(rng, static):
             np.testing.assert_allclose(np.asarray(got.astype(jnp.float32))[1, 2], bias, rtol=tol)  # zero token
 
 
+def test_fp8_gemm_writing_the_output_dtype(rng, monkeypatch):
+    """``$JAXKV_FP8_GEMM_OUT=out``: the GEMM writes bf16 (one more rounding before the scales) and the Linear stays
+    within two bf16 roundings of the float64 formula; f32 activations keep an f32 GEMM output either way."""
+    w = _weights(rng, 24, 64)
+    w_q, s_w = np_quantize_rows(w)
+    x = rng.standard_normal((7, 64)).astype(np.float32)
+    x_q, s_x = np_quantize_rows(np.asarray(jnp.asarray(x, jnp.bfloat16).astype(jnp.float32), np.float64))
+    want = (x_q.astype(np.float64) @ w_q.astype(np.float64).T) * s_x[:, None] * s_w
+    args = (jnp.asarray(x, jnp.bfloat16), jnp.asarray(w_q), jnp.asarray(s_w))
+    lower_text = lambda: jax.jit(lambda *a: fp8_linear(*a)).lower(*args).as_text()  # noqa: E731 (a new trace)
+    monkeypatch.setenv("JAXKV_FP8_GEMM_OUT", "out")
+    hlo = lower_text()
+    dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+    assert len(dots) == 1 and dots[0].endswith("-> tensor<7x24xbf16>")  # the dot itself writes bf16
+    got = np.asarray(fp8_linear(*args), np.float32)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
+    monkeypatch.delenv("JAXKV_FP8_GEMM_OUT")
+    hlo = lower_text()
+    assert [line for line in hlo.splitlines() if "stablehlo.dot_general" in line][0].endswith("-> tensor<7x24xf32>")
+
+
 # -- configs and errors ------------------------------------------------------------------------------------------
 def test_quantization_configs_and_their_errors():
     assert fp8_config_from_hf(hfc.fp8_quantization_config("channel")) == Fp8Config(checkpoint_fp8=True)
