@@ -9,10 +9,13 @@ weight strategy and dynamic ``token`` activations):
   ``s_w = amax(|w|, axis=in) / 448`` (``f32[out]``);
 * activations quantized per token when the layer runs: ``s_x = amax(|x|, axis=-1) / 448``,
   ``x_q = e4m3(clip(x / s_x, -448, 448))``; or, for a checkpoint with a static ``input_scale``, one calibrated
-  per-tensor scale;
-* ``y = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :]``: an fp8 ``dot_general`` with an f32 result
-  (``preferred_element_type``; on Hopper XLA lowers it to cuBLASLt's ``__cublas$lt$matmul$f8``, on CPU it
-  upcasts), the scales applied to the f32 product, then the bias, then the activation dtype.
+  per-tensor scale. When the activations come from an RMSNorm, the norm quantizes them in the same pass
+  (:func:`rms_norm_quantize_per_token`, vLLM's fused ``rms_norm_dynamic_per_token_quant``);
+* ``y = (x_q @ w_q^T) * s_x[:, None] * s_w[None, :]``: an fp8 ``dot_general`` accumulated in f32 and written in
+  the activation dtype (``preferred_element_type``; on Hopper XLA lowers it to cuBLASLt's
+  ``__cublas$lt$matmul$f8``, on CPU it upcasts), the scales applied in f32 to that product, then the bias, then
+  the activation dtype. vLLM's CUTLASS kernel applies the scales to the f32 accumulator; writing bf16 first is
+  one more rounding (2^-9 relative) and half the bytes (``$JAXKV_FP8_GEMM_OUT=f32`` writes f32).
 
 Scales are floored at ``1 / (448 * 512)`` (vLLM's ``min_scaling_factor`` of its per-token quant kernel), so an
 all-zero row or channel quantizes to zeros instead of dividing by zero.
@@ -244,14 +247,15 @@ def dequantize(q: jax.Array, scale: jax.Array) -> Float[Array, "..."]:
 
 # -- the scaled fp8 GEMM ------------------------------------------------------------------------------------
 GEMM_OUT_ENV = "JAXKV_FP8_GEMM_OUT"
-"""``out`` in the environment makes the fp8 GEMM write the Linear's output dtype (bf16: half the bytes, one more
-rounding before the scales) instead of f32 (the default); a maintainer's A/B."""
+"""``f32`` in the environment makes the fp8 GEMM write f32, the scales then applied to the f32 product; by default
+(``out``) it writes the Linear's output dtype: bf16 is half the bytes, and one more rounding before the scales.
+8B on an H200, fp8 weights + fp8 KV: 1.032x the f32 output's tok/s in one call (docs/perf-notes.md, session 32)."""
 
 
 def gemm_out_dtype(out_dtype) -> jnp.dtype:
-    """The dtype the fp8 GEMM of a Linear returning ``out_dtype`` writes: f32, or ``out_dtype`` itself when
-    ``$JAXKV_FP8_GEMM_OUT`` is ``out``."""
-    return jnp.dtype(out_dtype if os.environ.get(GEMM_OUT_ENV, "f32") == "out" else jnp.float32)
+    """The dtype the fp8 GEMM of a Linear returning ``out_dtype`` writes: ``out_dtype`` itself, or f32 when
+    ``$JAXKV_FP8_GEMM_OUT`` is ``f32``."""
+    return jnp.dtype(jnp.float32 if os.environ.get(GEMM_OUT_ENV, "out") == "f32" else out_dtype)
 
 
 def fp8_matmul(x_q: jax.Array, w_q: jax.Array, out_dtype=jnp.float32) -> Float[Array, "... out"]:

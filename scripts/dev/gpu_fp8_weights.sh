@@ -56,8 +56,8 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     # A/B of models.quantization.rms_norm_quantize_per_token
     fused=1; [ "${q%-sep}" != "$q" ] && fused=0
     nq=1; [ "${q%-nnq}" != "$q" ] && nq=0
-    # "-b16o" (fp8kv-b16o): the fp8 GEMMs write bf16, not f32 (JAXKV_FP8_GEMM_OUT=out)
-    go=f32; [ "${q%-b16o}" != "$q" ] && go=out
+    # "-f32o" (fp8kv-f32o): the fp8 GEMMs write f32, not bf16 (JAXKV_FP8_GEMM_OUT=f32; session 32 A/B: "-b16o")
+    go=out; [ "${q%-f32o}" != "$q" ] && go=f32
     case ${q%-*} in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
     echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
       "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt

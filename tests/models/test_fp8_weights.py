@@ -178,8 +178,8 @@ def test_fp8_linear_matches_float64_formula(rng, static):
 
 
 def test_fp8_gemm_writing_the_output_dtype(rng, monkeypatch):
-    """``$JAXKV_FP8_GEMM_OUT=out``: the GEMM writes bf16 (one more rounding before the scales) and the Linear stays
-    within two bf16 roundings of the float64 formula; f32 activations keep an f32 GEMM output either way."""
+    """By default (``$JAXKV_FP8_GEMM_OUT=out``) the GEMM writes bf16 for bf16 activations (one more rounding before
+    the scales) and the Linear stays within two bf16 roundings of the float64 formula; ``f32`` writes f32."""
     w = _weights(rng, 24, 64)
     w_q, s_w = np_quantize_rows(w)
     x = rng.standard_normal((7, 64)).astype(np.float32)
@@ -193,7 +193,7 @@ def test_fp8_gemm_writing_the_output_dtype(rng, monkeypatch):
     assert len(dots) == 1 and dots[0].endswith("-> tensor<7x24xbf16>")  # the dot itself writes bf16
     got = np.asarray(fp8_linear(*args), np.float32)
     np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=2 ** -7 * np.abs(want).max())
-    monkeypatch.delenv("JAXKV_FP8_GEMM_OUT")
+    monkeypatch.setenv("JAXKV_FP8_GEMM_OUT", "f32")
     hlo = lower_text()
     assert [line for line in hlo.splitlines() if "stablehlo.dot_general" in line][0].endswith("-> tensor<7x24xf32>")
 
