@@ -23,6 +23,7 @@ MLP 8192, vocab 32000) and ``tiny`` (CPU smoke runs).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 
 import jax
@@ -85,6 +86,9 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-profile", action="store_true")
     p.add_argument("--top-kernels", type=int, default=0, help="print the N kernels with the most device time")
+    p.add_argument("--num-layers", type=int, default=None,
+                   help="keep only the first N decoder layers (a step's kernels per layer: calls/step / N; with "
+                        "XLA_FLAGS=--xla_dump_to=DIR the optimized HLO stays small enough to read)")
     args = p.parse_args(argv)
     impl = args.attention_impl or jaxkv.default_attention_impl()
     if args.quantization and not args.model:
@@ -92,12 +96,14 @@ def main(argv=None) -> int:
     if args.model:
         from models import registry
         config = registry.load_config(registry.resolve_model(args.model))
+        if args.num_layers:
+            config = dataclasses.replace(config, num_layers=args.num_layers)
 
         def model_for(mesh):  # made in the mesh's shards (a model larger than one device never sits on one), fused
             return registry.build_model(config, None, dtype=jnp.dtype(args.dtype), seed=0, mesh=mesh,
                                         quantization=args.quantization)
     else:
-        config = LlamaConfig(**PRESETS[args.preset])
+        config = LlamaConfig(**{**PRESETS[args.preset], **({"num_layers": args.num_layers} if args.num_layers else {})})
         preset = LlamaForCausalLM(config, dtype=jnp.dtype(args.dtype), rngs=nnx.Rngs(0))
         model_for = lambda mesh: preset  # noqa: E731  (make_engine shards it)
     cache_dtype = None
