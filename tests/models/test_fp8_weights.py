@@ -598,3 +598,35 @@ def test_fp8_engines_turn_xla_triton_gemm_off_before_the_backend_starts():
     before = os.environ.get("XLA_FLAGS")
     assert not engine_args.use_xla_flags(("--xla_gpu_enable_triton_gemm=false",), why="fp8 weights")
     assert os.environ.get("XLA_FLAGS") == before
+
+
+def test_norms_quantize_for_dynamic_fp8_linears_only(monkeypatch):
+    """The decoder's norms hand their fp8 Linears quantized activations (two norms a layer) only when every Linear
+    they feed is fp8 with dynamic scales and ``$JAXKV_FP8_NORM_QUANT`` is not ``0``; the logits match the path that
+    quantizes the norm's output on its own."""
+    from models import decoder
+    from models.dummy import dummy_model
+    c = hfc_config()
+    calls = []
+    real = decoder.rms_norm_quantize_per_token
+    monkeypatch.setattr(decoder, "rms_norm_quantize_per_token", lambda *a: calls.append(a[0].shape) or real(*a))
+    ids = jnp.asarray(np.arange(24).reshape(2, 12) * 5 % c.vocab_size)
+    valid = jnp.ones(ids.shape, bool)
+
+    def logits(model):
+        calls.clear()
+        return np.asarray(model.forward_dense(ids, valid))
+
+    fp8 = dummy_model(c, dtype=jnp.float32, seed=5, quantization=Fp8Config())
+    fused = logits(fp8)
+    assert len(calls) == 2 * c.num_layers  # input_layernorm and post_attention_layernorm
+    monkeypatch.setenv("JAXKV_FP8_NORM_QUANT", "0")
+    separate = logits(fp8)
+    assert not calls
+    np.testing.assert_allclose(fused, separate, rtol=1e-3, atol=1e-3 * np.abs(separate).max())
+    assert (fused.argmax(-1) == separate.argmax(-1)).mean() >= 0.9
+    monkeypatch.delenv("JAXKV_FP8_NORM_QUANT")
+    # up_proj left in float: the MLP's norm feeds a float Linear, so it keeps its output; the attention's quantizes
+    partial = dummy_model(c, dtype=jnp.float32, seed=5, quantization=Fp8Config(ignore=("re:.*mlp.up_proj",)))
+    logits(partial)
+    assert len(calls) == c.num_layers
