@@ -527,11 +527,12 @@ def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, ca
         return None
     from jaxkv.worker.executable_cache import ExecutableCache
     from models.fused import fusion_enabled
+    from models.parallel import tp_all_reduce_mode
     from models.quantization import gemm_out_dtype, norm_quant_enabled
 
     description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, quantization,
                         f"fused={fusion_enabled()}", f"norm_quant={norm_quant_enabled()}",
-                        f"fp8_gemm_out={gemm_out_dtype(dtype)}"))
+                        f"fp8_gemm_out={gemm_out_dtype(dtype)}", f"tp_all_reduce={tp_all_reduce_mode()}"))
     return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
 
 

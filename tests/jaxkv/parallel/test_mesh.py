@@ -191,6 +191,35 @@ def test_compiled_step_has_one_all_reduce_per_row_parallel_matmul():
 
 
 @needs_mesh
+def test_two_shot_all_reduce_is_a_reduce_scatter_and_an_all_gather(monkeypatch):
+    """``$JAXKV_TP_ALL_REDUCE=two-shot``: each row-parallel layer's sum is one reduce-scatter over the rows and one
+    all-gather (4 decode rows over tp=2); a float and an fp8 layer give what one all-reduce gives, on 4 rows and on
+    3 (which do not split over 2 ranks and take the all-reduce)."""
+    from models.parallel import row_parallel
+    from models.quantization import Fp8Linear, quantize_weight
+
+    config, mesh = _config(2), make_mesh(2, 1)
+    rng = np.random.default_rng(4)
+    x = jnp.asarray(rng.standard_normal((4, 128)), jnp.float32)
+    fp8 = Fp8Linear(128, 64, dtype=jnp.float32)
+    w_q, s_w = quantize_weight(jnp.asarray(rng.standard_normal((64, 128)), jnp.float32))
+    fp8.weight.set_value(w_q)
+    fp8.weight_scale.set_value(s_w)
+    projs = (fp8, nnx.Linear(128, 64, rngs=nnx.Rngs(4)))
+    one = [[np.asarray(row_parallel(p, rows, mesh)) for rows in (x, x[:3])] for p in projs]
+    monkeypatch.setenv("JAXKV_TP_ALL_REDUCE", "two-shot")
+    for p, want in zip(projs, one):
+        for rows, w in zip((x, x[:3]), want):
+            np.testing.assert_allclose(np.asarray(row_parallel(p, rows, mesh)), w, rtol=1e-6, atol=1e-6)
+    counts, shapes = _collectives(2, 1)
+    assert counts == {"reduce-scatter": 2 * config.num_layers, "all-gather": 2 * config.num_layers}, counts
+    assert set(shapes) == {"f32[2,64]{1,0}", "f32[4,64]{1,0}"}, shapes  # each rank's 2 rows, then all 4
+    monkeypatch.setenv("JAXKV_TP_ALL_REDUCE", "ring")
+    with pytest.raises(ValueError, match="JAXKV_TP_ALL_REDUCE='ring' is not one of"):
+        row_parallel(projs[1], x, mesh)
+
+
+@needs_mesh
 def test_fp8_row_parallel_layers_scale_each_rank_and_all_reduce_in_the_model_dtype():
     """fp8 weights on tp=2 (vLLM's ``RowParallelLinear`` with ``Fp8LinearMethod``): o_proj / down_proj quantize
     each rank's slice of the row with its own per-token scales (float64 NumPy per shard; a whole-row scale would
