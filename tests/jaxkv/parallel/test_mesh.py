@@ -190,8 +190,17 @@ def test_compiled_step_has_one_all_reduce_per_row_parallel_matmul():
     assert counts == {"all-reduce": 2 * layers} and set(shapes) == {"f32[4,64]{1,0}"}
 
 
+@pytest.fixture
+def fresh_traces():
+    """JAX's trace caches emptied before and after: the environment a layer reads when it is traced is not in the
+    key of ``models.decoder._layer_step``'s cache, so a step traced by another test would be reused."""
+    jax.clear_caches()
+    yield
+    jax.clear_caches()
+
+
 @needs_mesh
-def test_two_shot_all_reduce_is_a_reduce_scatter_and_an_all_gather(monkeypatch):
+def test_two_shot_all_reduce_is_a_reduce_scatter_and_an_all_gather(monkeypatch, fresh_traces):
     """``$JAXKV_TP_ALL_REDUCE=two-shot``: each row-parallel layer's sum is one reduce-scatter over the rows and one
     all-gather (4 decode rows over tp=2); a float and an fp8 layer give what one all-reduce gives, on 4 rows and on
     3 (which do not split over 2 ranks and take the all-reduce)."""
@@ -217,6 +226,7 @@ def test_two_shot_all_reduce_is_a_reduce_scatter_and_an_all_gather(monkeypatch):
     monkeypatch.setenv("JAXKV_TP_ALL_REDUCE", "ring")
     with pytest.raises(ValueError, match="JAXKV_TP_ALL_REDUCE='ring' is not one of"):
         row_parallel(projs[1], x, mesh)
+    monkeypatch.delenv("JAXKV_TP_ALL_REDUCE")
 
 
 @needs_mesh
