@@ -22,7 +22,19 @@ TOK=""
 TP=${TP:-4}
 B="python3 scripts/bench_throughput.py --model llama-3.1-70b --load-format dummy $TOK \
   --requests .dummy/requests-llama3.json --backend jaxkv -tp $TP --no-progress"
-flags() { [ "$1" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8"; }
+flags() { [ "${1%%-*}" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8"; }
+# A/B switches named by a run's suffixes (RUNS="fp8kv fp8kv-2shot", MESH_STEP likewise): -2shot sums the row-parallel
+# layers as a reduce-scatter + all-gather (JAXKV_TP_ALL_REDUCE=two-shot); -cbc puts collectives into XLA's command
+# buffers (its default list plus COLLECTIVES)
+with_switches() {  # $1: the run's name; the rest: the command, run in a subshell with the switches set
+  local run=$1; shift
+  (
+    case $run in *-2shot*) export JAXKV_TP_ALL_REDUCE=two-shot;; esac
+    case $run in *-cbc*) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,\
+CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES";; esac
+    "$@"
+  )
+}
 summary() {
   grep -e "^jaxkv" -e "start-up" -e nvml -e "unfinished" -e "Error" -e "exit " -e "num_gpu_blocks" \
     -e "profile-busy" -e "^ *[0-9.]* s  " "$OUT/70b-$1.log" | cut -c1-400 | tee -a "$OUT/70b.txt"
@@ -65,10 +77,10 @@ for run in $RUNS; do
   nvidia-smi --query-gpu=index,memory.used --format=csv,noheader,nounits -l 5 > "$OUT/70b-$run-nvsmi.csv" 2>/dev/null &
   NVSMI=$!
   if [ "${TRACE_RUNS:-0}" = 1 ]; then  # the timed runs themselves traced for a window (in-process engine, both alike)
-    JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 timeout $left $B --num-prompts 1000 --nvml-busy --profile-busy \
-      --profile-window "${PROFILE_WINDOW:-10:3}" $(flags $run) > "$OUT/70b-$run.log" 2>&1
+    JAXKV_ENABLE_MULTIPROCESSING=0 JAXKV_PROFILE_TOP=30 with_switches $run timeout $left $B --num-prompts 1000 \
+      --nvml-busy --profile-busy --profile-window "${PROFILE_WINDOW:-10:3}" $(flags $run) > "$OUT/70b-$run.log" 2>&1
   else
-    timeout $left $B --num-prompts 1000 --nvml-busy $(flags $run) > "$OUT/70b-$run.log" 2>&1
+    with_switches $run timeout $left $B --num-prompts 1000 --nvml-busy $(flags $run) > "$OUT/70b-$run.log" 2>&1
   fi
   echo "exit $?" >> "$OUT/70b-$run.log"
   kill $NVSMI 2>/dev/null
@@ -84,8 +96,8 @@ for run in ${MESH_STEP:-}; do
   left=$(( DEADLINE - SECONDS ))
   if [ $left -lt 60 ]; then echo "== mesh step $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   echo "== decode step and its all-reduces, tp=$TP, $run ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
-  timeout $left python3 scripts/dev/bench_mesh_step.py --model llama-3.1-70b --tp $TP --batches "${MESH_BATCHES:-64,256}" \
-    --new-tokens 32 --repeats 2 --top-kernels 12 $([ "$run" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8") \
+  with_switches $run timeout $left python3 scripts/dev/bench_mesh_step.py --model llama-3.1-70b --tp $TP \
+    --batches "${MESH_BATCHES:-64,256}" --new-tokens 32 --repeats 2 --top-kernels 12 $(flags $run) \
     > "$OUT/70b-mesh-$run.log" 2>&1
   echo "exit $?" >> "$OUT/70b-mesh-$run.log"
   grep -e "^batch" -e "^ *[0-9]* *$TP " -e "us/step" -e "Error" -e "^exit" "$OUT/70b-mesh-$run.log" | cut -c1-300 \
