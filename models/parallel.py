@@ -154,25 +154,25 @@ def row_parallel(proj, x: jax.Array, mesh: Mesh | None) -> jax.Array:
     """
     _, tp = mesh_sizes(mesh)
     mode = tp_all_reduce_mode()
-    fp8 = isinstance(proj, Fp8Linear)
-    if tp == 1 or x.ndim != 2 or not (fp8 or mode == "two-shot"):
+    if tp == 1 or x.ndim != 2:
         return proj(x)
-    if not fp8:  # a float nnx.Linear, kernel [in, out] split over its rows
-        def local_float(x, kernel):
-            return _sum_over_tp(jnp.dot(x, kernel.astype(x.dtype)), tp, mode)
+    if isinstance(proj, Fp8Linear):
+        static = proj.input_scale is not None
 
-        y = jax.shard_map(local_float, mesh=mesh, in_specs=(P(DP, TP), P(TP, None)), out_specs=P(DP, None),
-                          check_vma=False)(x, proj.kernel[...])
-        return y if proj.bias is None else y + proj.bias[...].astype(y.dtype)
-    static = proj.input_scale is not None
+        def product(x, weight, weight_scale, *input_scale):
+            return fp8_linear(x, weight, weight_scale, input_scale=input_scale[0] if static else None)
 
-    def local(x, weight, weight_scale, *input_scale):
-        y = fp8_linear(x, weight, weight_scale, input_scale=input_scale[0] if static else None)
-        return _sum_over_tp(y, tp, mode)
+        args = (x, proj.weight[...], proj.weight_scale[...]) + ((proj.input_scale[...],) if static else ())
+        specs = (P(DP, TP), P(None, TP), P()) + ((P(),) if static else ())
+    elif mode == "two-shot":  # a float nnx.Linear, kernel [in, out] split over its rows
+        def product(x, kernel):
+            return jnp.dot(x, kernel.astype(x.dtype))
 
-    args = (x, proj.weight[...], proj.weight_scale[...]) + ((proj.input_scale[...],) if static else ())
-    specs = (P(DP, TP), P(None, TP), P()) + ((P(),) if static else ())
-    y = jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=P(DP, None), check_vma=False)(*args)
+        args, specs = (x, proj.kernel[...]), (P(DP, TP), P(TP, None))
+    else:
+        return proj(x)
+    y = jax.shard_map(lambda *a: _sum_over_tp(product(*a), tp, mode), mesh=mesh, in_specs=specs,
+                      out_specs=P(DP, None), check_vma=False)(*args)
     if proj.bias is not None:
         y = (y.astype(jnp.float32) + proj.bias[...].astype(jnp.float32)).astype(x.dtype)
     return y

@@ -209,8 +209,9 @@ def rms_norm_quantize_per_token(x: Float[Array, "... k"], weight: Float[Array, "
     ``rms_norm(x) = x * (r * weight)`` with ``r = rsqrt(mean(x², axis=-1) + eps)`` in f32 (``nnx.RMSNorm``'s
     formula). Since ``r > 0``, the row's absmax is ``r * max(|x * weight|)``. Both reductions read ``x`` alone, so
     XLA may compute them in one multi-output fusion with the residual add before them (8B on an H200: one kernel
-    fewer a layer than quantizing the norm's output on its own). Then one elementwise pass writes the e4m3 values. The result equals :func:`quantize_per_token` of the f32 norm up to f32 rounding (a
-    scale's last bit, and so an e4m3 value on a rounding tie). The normed activations are not rounded to ``x``'s
+    fewer a layer than quantizing the norm's output on its own). Then one elementwise pass writes the e4m3 values.
+    The result equals :func:`quantize_per_token` of the f32 norm up to f32 rounding (a scale's last bit, and so an
+    e4m3 value on a rounding tie). The normed activations are not rounded to ``x``'s
     dtype on the way, where the separate path rounds them.
 
     Args:

@@ -1,6 +1,6 @@
 """Time of one tensor-parallel all-reduce of a decode step's activations, as XLA runs it (issue 45 item 4).
 
-    python scripts/dev/bench_allreduce.py [--rows 64,256,1024,8192] [--hidden 8192] [--iters 200]
+    PYTHONPATH=. python scripts/dev/bench_allreduce.py [--rows 64,256,1024,8192] [--hidden 8192] [--iters 200]
 
 ``models.parallel.row_parallel`` sums each rank's partial ``[rows, hidden]`` bf16 output over the ``tp`` axis
 (``shard_map`` + ``psum``). This times that psum alone on all local GPUs: ``--iters`` dependent psums inside one
@@ -25,6 +25,9 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from jaxkv.parallel.mesh import TP
+from models.parallel import _sum_over_tp  # what row_parallel runs inside its shard_map
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -35,24 +38,20 @@ def main() -> None:
     a = p.parse_args()
     devs = jax.devices()
     n = len(devs)
-    mesh = Mesh(np.array(devs), ("tp",))
+    mesh = Mesh(np.array(devs), (TP,))
     print(f"{n} x {devs[0].device_kind}; XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}")
-
-    def all_reduce(y, mode):
-        if mode == "psum":
-            return jax.lax.psum(y, "tp")
-        part = jax.lax.psum_scatter(y, "tp", scatter_dimension=0, tiled=True)  # this rank's rows, summed
-        return jax.lax.all_gather(part, "tp", axis=0, tiled=True)
 
     def loop(x, mode):
         def body(_, y):  # each rank's partial sum in, the total out (scaled so values stay bounded)
-            return all_reduce(y, mode) * jnp.asarray(1.0 / n, y.dtype)
+            return _sum_over_tp(y, n, mode) * jnp.asarray(1.0 / n, y.dtype)
         return jax.lax.fori_loop(0, a.iters, body, x)
 
     for mode in ("psum", "two-shot") if a.mode == "both" else (a.mode,):
-        f = jax.jit(jax.shard_map(lambda x: loop(x, mode), mesh=mesh, in_specs=P("tp"), out_specs=P("tp"),
+        f = jax.jit(jax.shard_map(lambda x: loop(x, mode), mesh=mesh, in_specs=P(TP), out_specs=P(TP),
                                   check_vma=False))
         for rows in (int(r) for r in a.rows.split(",")):
+            if mode == "two-shot" and rows % n:  # _sum_over_tp would fall back to the psum
+                raise SystemExit(f"--rows {rows} does not split over {n} devices for --mode two-shot")
             x = jax.device_put(jnp.ones((n * rows, a.hidden), jnp.bfloat16), NamedSharding(mesh, P("tp")))
             got = f(x)
             assert float(got[0, 0]) == 1.0, f"{mode}: the sum of {n} ones / {n} is {float(got[0, 0])}"
