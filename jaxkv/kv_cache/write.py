@@ -105,14 +105,18 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
 def _scatter(kv_cache, key, value, slot_mapping, k_scale, v_scale):
     num_blocks, block_size = kv_cache.shape[1], kv_cache.shape[3]
     slot_mapping = slot_mapping.astype(jnp.int32)
-    # Negative slots (PAD_SLOT_ID = -1) are sent out of range and dropped by the scatter; a negative index
-    # would otherwise wrap around to the last block.
-    block = jnp.where(slot_mapping < 0, num_blocks, slot_mapping // block_size)
-    offset = jnp.where(slot_mapping < 0, 0, slot_mapping % block_size)
+    # Slots outside the cache (PAD_SLOT_ID = -1; a negative index would otherwise wrap around to the last block)
+    # go to blocks past its end, a different one per token, and the scatter drops them. Every index is then
+    # unique (the scheduler gives each token of a step its own slot), which XLA is told: its GPU scatter then
+    # stores each element once instead of taking the path for colliding indices.
+    outside = (slot_mapping < 0) | (slot_mapping >= num_blocks * block_size)
+    block = jnp.where(outside, num_blocks + jnp.arange(slot_mapping.shape[0], dtype=jnp.int32),
+                      slot_mapping // block_size)
+    offset = jnp.where(outside, 0, slot_mapping % block_size)
     if k_scale is not None:  # fp8 cache: quantise each half with its own scale
         key = quantize_to_cache(key, k_scale, kv_cache.dtype)
         value = quantize_to_cache(value, v_scale, kv_cache.dtype)
     update = jnp.stack([key, value], axis=1).astype(kv_cache.dtype)  # [num_tokens, 2, kvh, hs]
     # Advanced indices separated by slices: the indexed dims come first → [num_tokens, 2, kvh, hs].
-    return kv_cache.at[:, block, :, offset, :].set(update, mode="drop")
+    return kv_cache.at[:, block, :, offset, :].set(update, mode="drop", unique_indices=True)
 

@@ -24,14 +24,14 @@ B="python3 scripts/bench_throughput.py --model llama-3.1-70b --load-format dummy
   --requests .dummy/requests-llama3.json --backend jaxkv -tp $TP --no-progress"
 flags() { [ "${1%%-*}" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8"; }
 # A/B switches named by a run's suffixes (RUNS="fp8kv fp8kv-2shot", MESH_STEP likewise): -2shot sums the row-parallel
-# layers as a reduce-scatter + all-gather (JAXKV_TP_ALL_REDUCE=two-shot); -cbc puts collectives into XLA's command
-# buffers (its default list plus COLLECTIVES)
+# layers as a reduce-scatter + all-gather (JAXKV_TP_ALL_REDUCE=two-shot); -nocbc leaves collectives out of XLA's
+# command buffers (XLA's default; the engine adds them at tp > 1 since session 33: models.entrypoints.engine_args
+# TP_XLA_FLAGS)
 with_switches() {  # $1: the run's name; the rest: the command, run in a subshell with the switches set
   local run=$1; shift
   (
     case $run in *-2shot*) export JAXKV_TP_ALL_REDUCE=two-shot;; esac
-    case $run in *-cbc*) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=FUSION,CUBLAS,CUBLASLT,\
-CUSTOM_CALL,CUDNN,DYNAMIC_SLICE_FUSION,COLLECTIVES";; esac
+    case $run in *-nocbc*) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=-COLLECTIVES";; esac
     "$@"
   )
 }
@@ -91,13 +91,14 @@ done
 [ "${PROFILE_FIRST:-0}" = 1 ] || traced 100000
 # MESH_STEP="fp8kv bf16" (any of them): the all-reduces' share of a decode step from CUPTI, per configuration,
 # scripts/dev/bench_mesh_step.py at tp=$TP (dummy weights made in their shards), batches MESH_BATCHES (64,256);
-# RUNS="" PROFILE=0 MESH_STEP=... runs only this.
+# RUNS="" PROFILE=0 MESH_STEP=... runs only this. MESH_ARGS passes more options (MESH_ARGS="--num-layers 20": a
+# shorter model, the same layers, for A/Bs of a layer's kernels and all-reduces in less device time).
 for run in ${MESH_STEP:-}; do
   left=$(( DEADLINE - SECONDS ))
   if [ $left -lt 60 ]; then echo "== mesh step $run: skipped, ${left} s left" | tee -a "$OUT/70b.txt"; continue; fi
   echo "== decode step and its all-reduces, tp=$TP, $run ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a "$OUT/70b.txt"
   with_switches $run timeout $left python3 scripts/dev/bench_mesh_step.py --model llama-3.1-70b --tp $TP \
-    --batches "${MESH_BATCHES:-64,256}" --new-tokens 32 --repeats 2 --top-kernels 12 $(flags $run) \
+    --batches "${MESH_BATCHES:-64,256}" --new-tokens 32 --repeats 2 --top-kernels 12 $(flags $run) ${MESH_ARGS:-} \
     > "$OUT/70b-mesh-$run.log" 2>&1
   echo "exit $?" >> "$OUT/70b-mesh-$run.log"
   grep -e "^batch" -e "^ *[0-9]* *$TP " -e "us/step" -e "Error" -e "^exit" "$OUT/70b-mesh-$run.log" | cut -c1-300 \

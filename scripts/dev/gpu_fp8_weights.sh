@@ -41,7 +41,8 @@ fi
 
 if [ $stage = all ] || [ $stage = e2e ]; then
   TOK=""
-  [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer .dummy/llama3-tokenizer"
+  ROOT=$PWD
+  [ -d .dummy/llama3-tokenizer ] && TOK="--tokenizer $ROOT/.dummy/llama3-tokenizer"
   B="python3 scripts/bench_throughput.py --load-format dummy --no-progress"
   # E2E_RUNS: which runs, in order (fp8 = fp8 weights, fp8kv = fp8 weights + fp8 KV cache, none = bf16; a -sep
   # suffix keeps the projections separate);
@@ -58,6 +59,10 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     nq=1; [ "${q%-nnq}" != "$q" ] && nq=0
     # "-f32o" (fp8kv-f32o): the fp8 GEMMs write f32, not bf16 (JAXKV_FP8_GEMM_OUT=f32; session 32 A/B: "-b16o")
     go=out; [ "${q%-f32o}" != "$q" ] && go=f32
+    # "-base" (fp8kv-base): the same run from .base/, a snapshot of an earlier commit's code (carry it: `rm -rf .base
+    # && mkdir .base && git archive REV jaxkv models pallas_kernels scripts | tar -x -C .base`), the A/B of a code
+    # change without a switch in the code
+    dir=$PWD; [ "${q%-base}" != "$q" ] && dir=$PWD/.base
     case ${q%-*} in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
     echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
       "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
@@ -70,10 +75,10 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     # 4xH200 died with it, a segfault and CUDA_ERROR_LAUNCH_FAILED, cause not isolated)
     [ -n "${E2E_TRACE_RUNS:-}" ] && trace="--profile-busy --profile-window ${E2E_WINDOW:-8:4}"
     [ -n "${E2E_TRACE_RUNS:-}" ] && [ "${E2E_WINDOW:-}" = all ] && trace="--profile-busy"
-    JAXKV_FUSED_PROJECTIONS=$fused JAXKV_FP8_NORM_QUANT=$nq JAXKV_FP8_GEMM_OUT=$go JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} \
-      JAXKV_PROFILE_TOP=${PROFILE_TOP:-25} \
-      XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests .dummy/requests-llama3.json \
-      --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag > $OUT/e2e-$q.log 2>&1
+    (cd $dir && PYTHONPATH=/tmp/site:$dir JAXKV_FUSED_PROJECTIONS=$fused JAXKV_FP8_NORM_QUANT=$nq JAXKV_FP8_GEMM_OUT=$go \
+      JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} JAXKV_PROFILE_TOP=${PROFILE_TOP:-25} \
+      XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests $ROOT/.dummy/requests-llama3.json \
+      --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag) > $OUT/e2e-$q.log 2>&1
     echo "exit $?" >> $OUT/e2e-$q.log
     left=$(( ${DEADLINE:-590} - SECONDS ))
     if [ -n "${E2E_PROFILE:-}" ] && [ $left -gt 90 ]; then  # the kernel table: a traced pass of the in-process engine

@@ -276,3 +276,57 @@ def test_static_filter_flag_gives_the_device_decided_tokens():
     for step in range(8):
         rows = _rows(logits, gen_idx=np.full(5, step, np.int32), **plain)
         np.testing.assert_array_equal(np.asarray(both(logits, rows)), np.asarray(off(logits, rows)))
+
+
+def _chunky_logits(vocab: int, chunk: int) -> np.ndarray:
+    """A row whose chunks' masses differ from their maxima: one chunk with a single likely token, one with many
+    medium ones (the same total), one fully masked, one half masked, and a last partial chunk."""
+    rng = np.random.default_rng(3)
+    logits = rng.uniform(-4.0, -2.0, vocab).astype(np.float32)
+    logits[5] = 2.0                                              # chunk 0: one token of mass e^2
+    logits[chunk:2 * chunk] = np.log(np.exp(2.0) / chunk)        # chunk 1: e^2 spread over `chunk` tokens
+    logits[2 * chunk:3 * chunk] = -np.inf                        # chunk 2: masked
+    logits[3 * chunk:3 * chunk + chunk // 2] = -np.inf           # chunk 3: half masked
+    logits[-3:] = [1.0, 0.5, 1.5]                                # the last, partial chunk
+    return logits
+
+
+def test_categorical_by_chunks_draws_the_softmax():
+    """Two-level Gumbel-max against the float64 softmax, per token (the module docstring's 5-sigma bound), with
+    distinct keys a row; picking a chunk by its largest logit instead of its logsumexp would move the masses of
+    chunks 0 and 1 apart (equal here) by far more than the bound."""
+    from jaxkv.worker.sampler import categorical_by_chunks
+    vocab, chunk, n = 203, 16, 20000
+    logits = _chunky_logits(vocab, chunk)
+    keys = jax.random.split(jax.random.key(11), n)
+    got = np.asarray(jax.jit(categorical_by_chunks, static_argnums=2)(keys, jnp.tile(logits, (n, 1)), chunk))
+    assert got.dtype == np.int32 and got.min() >= 0 and got.max() < vocab
+    probs = softmax64(np.where(np.isfinite(logits), logits, -np.inf))
+    assert not np.any(np.isin(got, np.flatnonzero(probs == 0)))  # masked tokens never drawn
+    assert_freqs_close(got, probs, n)
+    chunk0, chunk1 = np.mean(got // chunk == 0), np.mean(got // chunk == 1)
+    assert abs(chunk0 - chunk1) < 5 * np.sqrt(2 * probs[:chunk].sum() / n)
+
+
+def test_per_row_sampler_on_a_large_vocabulary():
+    """Past 2 * SAMPLE_CHUNK tokens the per-row sampler draws by chunks: still each row's own distribution
+    (top-k 3 stays in the top 3, a peaked row gives its peak), and a row's token depends on its seed and index
+    only, not on its place in the batch."""
+    from jaxkv.worker.sampler import SAMPLE_CHUNK, sample_tokens_per_row
+    vocab = 2 * SAMPLE_CHUNK + 77
+    rng = np.random.default_rng(4)
+    logits = np.asarray(rng.standard_normal((3, vocab)), np.float32)
+    logits[2, vocab - 5] = 40.0                                   # a peak in the last, partial chunk
+    fn = jax.jit(sample_tokens_per_row, static_argnames="top_k_top_p")
+    order = np.argsort(-logits, axis=-1)
+    seen = set()
+    for seed in range(12):
+        rows = _rows(logits, seeds=np.array([seed, seed, seed], np.uint32), top_k=np.array([-1, 3, -1], np.int32))
+        got = np.asarray(fn(logits, rows, top_k_top_p=True))
+        seen.add(int(got[0]))
+        assert got[1] in order[1, :3] and got[2] == vocab - 5
+        swapped = logits[[2, 0, 1]]
+        rows_swapped = _rows(swapped, seeds=np.array([seed, seed, seed], np.uint32),
+                             top_k=np.array([-1, -1, 3], np.int32))
+        np.testing.assert_array_equal(np.asarray(fn(swapped, rows_swapped, top_k_top_p=True)), got[[2, 0, 1]])
+    assert len(seen) > 6  # row 0 is sampled over ~600 tokens, not stuck on one
