@@ -343,15 +343,6 @@ failed with ``CUDA_ERROR_OUT_OF_MEMORY`` loading a kernel module (H100, session 
 docs/perf-notes.md). No effect on CPU."""
 
 
-TP_XLA_FLAGS = ("--xla_gpu_enable_command_buffer=+COLLECTIVES",)
-"""XLA flags of an engine with ``tensor_parallel_size > 1``: XLA's default command buffers (CUDA graphs) leave
-collectives out, so each all-reduce of a step (two a layer) split the step's graph into pieces launched one by one;
-with ``+COLLECTIVES`` the NCCL calls are recorded into the graphs too. The Llama-3.1-70B decode step (20 of its 80
-layers, fp8 weights + fp8 KV, tp=4 on 4x H200) took 7.02 / 12.16 ms at batch 64 / 256 with them, 7.70 / 12.92
-without (1.098x / 1.062x; the same device time: the gaps between kernels closed; docs/perf-notes.md, session 33).
-No effect on CPU."""
-
-
 def use_xla_flags(flags: Sequence[str], *, why: str) -> bool:
     """Add ``flags`` (``--name=value``) to ``$XLA_FLAGS`` for this process's XLA backend, unless ``$XLA_FLAGS``
     already names them (the user's setting wins). XLA reads the variable when its backend starts, so this works
@@ -364,9 +355,6 @@ def use_xla_flags(flags: Sequence[str], *, why: str) -> bool:
     if not missing:
         return True
     if getattr(xb, "backends_are_initialized", lambda: False)():
-        import jax
-        if jax.default_backend() != "gpu":  # the flags are XLA's GPU options: nothing is lost
-            return False
         log.warning("%s: XLA's backend already started in this process, so XLA_FLAGS cannot take %s; set "
                     "XLA_FLAGS before the first JAX computation (or run the engine in engine-core processes)",
                     why, " ".join(missing))
@@ -428,8 +416,6 @@ def build_engine(args: EngineArgs) -> BuiltEngine:
         use_xla_flags(FP8_XLA_FLAGS, why="fp8 weights")
     cache_dir = configure_compilation_cache(args.compilation_cache_dir)
     tp = args.tensor_parallel_size
-    if tp > 1:
-        use_xla_flags(TP_XLA_FLAGS, why="tensor parallel")
     mesh = make_mesh(tp, 1) if tp > 1 else None  # one device: exactly the plain program
     on_gpu = jax.default_backend() == "gpu"
     dtype = jnp.dtype(("bfloat16" if on_gpu else "float32") if args.dtype == "auto" else args.dtype)

@@ -24,14 +24,14 @@ B="python3 scripts/bench_throughput.py --model llama-3.1-70b --load-format dummy
   --requests .dummy/requests-llama3.json --backend jaxkv -tp $TP --no-progress"
 flags() { [ "${1%%-*}" = fp8kv ] && echo "--quantization fp8 --kv-cache-dtype fp8"; }
 # A/B switches named by a run's suffixes (RUNS="fp8kv fp8kv-2shot", MESH_STEP likewise): -2shot sums the row-parallel
-# layers as a reduce-scatter + all-gather (JAXKV_TP_ALL_REDUCE=two-shot); -nocbc leaves collectives out of XLA's
-# command buffers (XLA's default; the engine adds them at tp > 1 since session 33: models.entrypoints.engine_args
-# TP_XLA_FLAGS)
+# layers as a reduce-scatter + all-gather (JAXKV_TP_ALL_REDUCE=two-shot); -cbc puts collectives into XLA's command
+# buffers (+COLLECTIVES: its defaults and them; session 33: the mesh step 1.06-1.10x, the 1000-request run 0.999x
+# with 13 GiB more peak memory, so not the engine's default)
 with_switches() {  # $1: the run's name; the rest: the command, run in a subshell with the switches set
   local run=$1; shift
   (
     case $run in *-2shot*) export JAXKV_TP_ALL_REDUCE=two-shot;; esac
-    case $run in *-nocbc*) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=-COLLECTIVES";; esac
+    case $run in *-cbc*) export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer=+COLLECTIVES";; esac
     "$@"
   )
 }
