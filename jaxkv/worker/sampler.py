@@ -130,16 +130,6 @@ def _set_at(logits: jax.Array, ids: jax.Array, value) -> jax.Array:
     return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[-1])].set(value, mode="drop")
 
 
-def _mask_ids(logits: jax.Array, ids: jax.Array, value) -> jax.Array:
-    """``logits[r, ids[r, j]] = value`` for every ``ids >= 0`` (``ids`` ``int32[R, S]``, S small) as an elementwise
-    comparison: unlike :func:`_set_at`'s scatter it fuses into the logits' consumers, so the ``f32[R, vocab]``
-    logits are never written out for it (the always-on ``min_tokens`` mask)."""
-    token = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :]
-    hit = functools.reduce(jnp.logical_or, [token == ids[:, j:j + 1] for j in range(ids.shape[1])],
-                           jnp.zeros(logits.shape, bool))
-    return jnp.where(hit, value, logits)
-
-
 SAMPLE_CHUNK = 256
 """Tokens per chunk of :func:`categorical_by_chunks` (~sqrt of a 128k vocabulary: ~500 chunk draws + 256 token
 draws a row)."""
@@ -276,10 +266,14 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
                    output_counts: jax.Array | None = None, prompt_mask: jax.Array | None = None) -> jax.Array:
     """The logits a row samples from before its temperature: the structured-output bitmask, ``allowed_token_ids``,
     bad words, the ``min_tokens`` mask, ``logit_bias``, then the penalties (vLLM V1's order; masked tokens are
-    ``-inf``).
+    ``-inf``). The ``min_tokens`` mask is applied first, in the logits' own dtype (a ``-inf`` stays ``-inf`` under
+    every later step, so the order is vLLM's in effect): a scatter of ``R * S`` elements into the model's output
+    buffer, in place, after which the conversion to f32 fuses into the reductions that read it rather than being
+    written out (an elementwise comparison with the ``S`` ids instead took 39.5 us a batch-256 step at a 128k
+    vocabulary on an H200, a scatter into the f32 copy ~50 us with the copy's write; docs/perf-notes.md, session 33).
 
     Args:
-        logits: ``f32[R, vocab]`` raw logits.
+        logits: ``[R, vocab]`` raw logits (any float dtype).
         params, extras, features: as :func:`sample_with_features`.
         output_counts, prompt_mask: with ``features.penalties`` (required): ``int32[R, vocab]`` /
             ``bool[R, vocab]`` (:func:`token_counts` of the rows' output and prompt tokens).
@@ -290,7 +284,8 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
     Returns:
         ``f32[R, vocab]``.
     """
-    logits = logits.astype(jnp.float32)
+    masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
+    logits = _set_at(jnp.asarray(logits), jnp.where(masked, params.stop_ids, -1), -jnp.inf).astype(jnp.float32)
     vocab = logits.shape[-1]
     if features.bitmask:
         token = jnp.arange(vocab)
@@ -302,8 +297,6 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
         logits = jnp.where((extras["has_allowed"][:, None] > 0) & ~allowed, -jnp.inf, logits)
     if features.bad_words:
         logits = _set_at(logits, extras["bad_ids"], -jnp.inf)
-    masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
-    logits = _mask_ids(logits, jnp.where(masked, params.stop_ids, -1), -jnp.inf)
     if features.logit_bias:
         rows = jnp.arange(logits.shape[0])[:, None]
         ids = extras["bias_ids"]
@@ -331,7 +324,8 @@ def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict
     """One token per row (vLLM V1 ``Sampler.forward``; the order is the module docstring's).
 
     Args:
-        logits: ``f32[R, vocab]`` raw logits.
+        logits: ``[R, vocab]`` raw logits, any float dtype (the model's bf16 output as it is: see
+            :func:`process_logits`).
         params: :class:`SamplingArrays` with ``R`` rows.
         extras: the per-row arrays ``features`` names (:class:`SamplerFeatures`).
         features: static.
@@ -343,8 +337,8 @@ def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict
         ``(tokens int32[R], logprobs)``: ``logprobs`` is :func:`raw_logprobs`' dict when
         ``features.num_logprobs >= 0``, else ``None``.
     """
-    raw = logits.astype(jnp.float32)
-    logits = process_logits(raw, params, extras, features, output_counts=output_counts, prompt_mask=prompt_mask)
+    raw = logits.astype(jnp.float32)  # read only for logprobs: the model's own distribution
+    logits = process_logits(logits, params, extras, features, output_counts=output_counts, prompt_mask=prompt_mask)
     greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     temperature = jnp.where(params.temperature > 0, params.temperature, 1.0)
     scaled = logits / temperature[:, None]
