@@ -526,13 +526,11 @@ def _executable_cache(cache_dir: str | None, args: EngineArgs, config, dtype, ca
     if not cache_dir or os.environ.get("JAXKV_EXECUTABLE_CACHE", "1") == "0":
         return None
     from jaxkv.worker.executable_cache import ExecutableCache
-    from models.fused import fusion_enabled
-    from models.parallel import tp_all_reduce_mode
-    from models.quantization import gemm_out_dtype, norm_quant_enabled
 
-    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, quantization,
-                        f"fused={fusion_enabled()}", f"norm_quant={norm_quant_enabled()}",
-                        f"fp8_gemm_out={gemm_out_dtype(dtype)}", f"tp_all_reduce={tp_all_reduce_mode()}"))
+    # the model code's switches read at trace time ($JAXKV_FUSED_PROJECTIONS, $JAXKV_FP8_NORM_QUANT,
+    # $JAXKV_FP8_GEMM_OUT, $JAXKV_TP_ALL_REDUCE and any later one) are in the cache's environment fingerprint,
+    # which holds every JAXKV_* variable, so they need no entry here
+    description = repr((args, config, str(dtype), str(cache_dtype), attention_impl, quantization))
     return ExecutableCache(os.path.join(cache_dir, "jaxkv-executables"), description)
 
 

@@ -243,6 +243,23 @@ def test_executable_cache_warm_start_traces_nothing_and_generates_the_same(tmp_p
     assert (again.hits, again.misses) == (3, 1) and pickle.loads(victim.read_bytes())[0] != b"not an executable"
 
 
+def test_executable_cache_key_holds_the_model_switches(monkeypatch):
+    """The model code's trace-time switches change the executable cache's key through its environment fingerprint
+    (every ``JAXKV_*`` variable), so an A/B of one never loads the other's executables."""
+    from jaxkv.worker.executable_cache import environment_fingerprint
+    from models.fused import FUSE_ENV
+    from models.parallel import TP_ALL_REDUCE_ENV
+    from models.quantization import GEMM_OUT_ENV, NORM_QUANT_ENV
+    for name in (FUSE_ENV, TP_ALL_REDUCE_ENV, GEMM_OUT_ENV, NORM_QUANT_ENV):
+        monkeypatch.delenv(name, raising=False)
+    base = environment_fingerprint()
+    for name, value in ((FUSE_ENV, "0"), (TP_ALL_REDUCE_ENV, "two-shot"), (GEMM_OUT_ENV, "f32"), (NORM_QUANT_ENV, "0")):
+        monkeypatch.setenv(name, value)
+        assert environment_fingerprint() != base, name
+        monkeypatch.delenv(name)
+    assert environment_fingerprint() == base
+
+
 def test_step_programs_hold_no_device_predicated_control_flow():
     """On GPU, XLA runs a ``lax.cond`` by waiting on the host for its predicate, so a step holding one
     blocks the dispatching thread until the device is nearly done (session 8, H100: 11.8 of 15.7 ms of
