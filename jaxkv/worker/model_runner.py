@@ -825,10 +825,13 @@ class ModelRunner:
                     stop_ids[r, :len(ids)] = ids
         sampling = SamplingArrays(temperature, top_p, top_k, seeds, gen_idx, min_tokens, stop_ids)
         extras: dict[str, np.ndarray] = {}
+        under_min_tokens = bool(np.any(min_tokens > 0))  # the stop-id mask: only when a row needs it
         if not any(r.sampling_special for r in reqs):  # the common batch: no per-feature pass
-            return sampling, extras, SamplerFeatures(top_k_top_p=needs_top_k_top_p(temperature, top_p, top_k))
+            return sampling, extras, SamplerFeatures(min_tokens=under_min_tokens,
+                                                     top_k_top_p=needs_top_k_top_p(temperature, top_p, top_k))
         widths = [sp.logprobs for sp in sps if sp.logprobs is not None]
         features = SamplerFeatures(
+            min_tokens=under_min_tokens,
             top_k_top_p=needs_top_k_top_p(temperature, top_p, top_k),
             min_p=any(sp.min_p > 0 for sp in sps),
             penalties=any(sp.has_penalties for sp in sps),

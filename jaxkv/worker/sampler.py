@@ -8,7 +8,8 @@ and draw with their own key (``fold_in(key(seed), gen_idx)``: a request's tokens
 chunk then a token within it (:func:`categorical_by_chunks`, the same distribution with ~1/170 of the random draws
 at a 128k vocabulary).
 
-Every extra (``min_p``, penalties, bias, allow list, bad words, logprobs) is a static :class:`SamplerFeatures`
+Every extra (the ``min_tokens`` mask, ``min_p``, penalties, bias, allow list, bad words, logprobs) is a static
+:class:`SamplerFeatures`
 flag of the step: a batch without one compiles and runs none of its code.
 """
 
@@ -87,10 +88,14 @@ class SamplingArrays:
 
 @dataclasses.dataclass(frozen=True)
 class SamplerFeatures:
-    """What one step's sampler does beyond temperature and the ``min_tokens`` mask (static: each combination
-    is its own program).
+    """What one step's sampler does beyond temperature (static: each combination is its own program).
 
     Attributes:
+        min_tokens: some row is still under its ``min_tokens`` (``SamplingArrays.min_tokens`` > its ``gen_idx``
+            when the step is dispatched): its stop ids are masked while ``gen_idx < min_tokens``. Without it the
+            step has no mask at all: at a 128k vocabulary and batch 256 the mask cost 39.5 us a step on an H200 as
+            a comparison (written out as a bool mask) and 47 us as a scatter into the logits (their f32 copy then
+            written out), against 72 us for the draw's two passes over the logits (docs/perf-notes.md, session 33).
         top_k_top_p: some row filters by top-k or top-p.
         min_p: some row has ``min_p > 0``; ``extras["min_p"]`` ``f32[R]``.
         penalties: some row has a penalty; ``extras``: ``presence``, ``frequency``, ``repetition`` ``f32[R]``,
@@ -112,6 +117,7 @@ class SamplerFeatures:
             sampled token's logprob and rank).
     """
 
+    min_tokens: bool = False
     top_k_top_p: bool = False
     min_p: bool = False
     penalties: bool = False
@@ -128,6 +134,16 @@ def _set_at(logits: jax.Array, ids: jax.Array, value) -> jax.Array:
     """``logits[r, ids[r, j]] = value`` for every ``ids >= 0``."""
     rows = jnp.arange(logits.shape[0])[:, None]
     return logits.at[rows, jnp.where(ids >= 0, ids, logits.shape[-1])].set(value, mode="drop")
+
+
+def _mask_ids(logits: jax.Array, ids: jax.Array, value) -> jax.Array:
+    """``logits[r, ids[r, j]] = value`` for every ``ids >= 0`` (``ids`` ``int32[R, S]``, S small) as an elementwise
+    comparison with each of the ``S`` ids, which XLA fuses into the logits' consumers (or writes out as a bool mask);
+    :func:`_set_at`'s scatter would need the f32 logits written out first."""
+    token = jnp.arange(logits.shape[-1], dtype=jnp.int32)[None, :]
+    hit = functools.reduce(jnp.logical_or, [token == ids[:, j:j + 1] for j in range(ids.shape[1])],
+                           jnp.zeros(logits.shape, bool))
+    return jnp.where(hit, value, logits)
 
 
 SAMPLE_CHUNK = 256
@@ -239,8 +255,8 @@ def needs_top_k_top_p(temperature, top_p, top_k) -> bool:
 
 def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
                           top_k_top_p: bool | None = None) -> jax.Array:
-    """One token per row, each row with its own temperature, top-p, top-k and PRNG key (no extras:
-    :func:`sample_with_features` with only ``top_k_top_p``).
+    """One token per row, each row with its own temperature, top-p, top-k, ``min_tokens`` and PRNG key (no extras:
+    :func:`sample_with_features` with the ``min_tokens`` mask and ``top_k_top_p``).
 
     Args:
         logits: ``f32[R, vocab]``.
@@ -256,21 +272,18 @@ def sample_tokens_per_row(logits: jax.Array, params: SamplingArrays, *,
     """
     if top_k_top_p is None:
         needs_filter = jnp.any(_rows_filter(params.temperature, params.top_p, params.top_k))
+        filtered, plain = SamplerFeatures(min_tokens=True, top_k_top_p=True), SamplerFeatures(min_tokens=True)
         return lax.cond(needs_filter,
-                        lambda x: sample_with_features(x, params, {}, SamplerFeatures(top_k_top_p=True))[0],
-                        lambda x: sample_with_features(x, params, {}, SamplerFeatures())[0], logits)
-    return sample_with_features(logits, params, {}, SamplerFeatures(top_k_top_p=top_k_top_p))[0]
+                        lambda x: sample_with_features(x, params, {}, filtered)[0],
+                        lambda x: sample_with_features(x, params, {}, plain)[0], logits)
+    return sample_with_features(logits, params, {}, SamplerFeatures(min_tokens=True, top_k_top_p=top_k_top_p))[0]
 
 
 def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, features: SamplerFeatures, *,
                    output_counts: jax.Array | None = None, prompt_mask: jax.Array | None = None) -> jax.Array:
     """The logits a row samples from before its temperature: the structured-output bitmask, ``allowed_token_ids``,
     bad words, the ``min_tokens`` mask, ``logit_bias``, then the penalties (vLLM V1's order; masked tokens are
-    ``-inf``). The ``min_tokens`` mask is applied first, in the logits' own dtype (a ``-inf`` stays ``-inf`` under
-    every later step, so the order is vLLM's in effect): a scatter of ``R * S`` elements into the model's output
-    buffer, in place, after which the conversion to f32 fuses into the reductions that read it rather than being
-    written out (an elementwise comparison with the ``S`` ids instead took 39.5 us a batch-256 step at a 128k
-    vocabulary on an H200, a scatter into the f32 copy ~50 us with the copy's write; docs/perf-notes.md, session 33).
+    ``-inf``); the ``min_tokens`` mask only with ``features.min_tokens``.
 
     Args:
         logits: ``[R, vocab]`` raw logits (any float dtype).
@@ -284,8 +297,7 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
     Returns:
         ``f32[R, vocab]``.
     """
-    masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
-    logits = _set_at(jnp.asarray(logits), jnp.where(masked, params.stop_ids, -1), -jnp.inf).astype(jnp.float32)
+    logits = jnp.asarray(logits).astype(jnp.float32)
     vocab = logits.shape[-1]
     if features.bitmask:
         token = jnp.arange(vocab)
@@ -297,6 +309,9 @@ def process_logits(logits: jax.Array, params: SamplingArrays, extras: dict, feat
         logits = jnp.where((extras["has_allowed"][:, None] > 0) & ~allowed, -jnp.inf, logits)
     if features.bad_words:
         logits = _set_at(logits, extras["bad_ids"], -jnp.inf)
+    if features.min_tokens:
+        masked = (params.gen_idx < params.min_tokens)[:, None] & (params.stop_ids >= 0)
+        logits = _mask_ids(logits, jnp.where(masked, params.stop_ids, -1), -jnp.inf)
     if features.logit_bias:
         rows = jnp.arange(logits.shape[0])[:, None]
         ids = extras["bias_ids"]
@@ -324,8 +339,7 @@ def sample_with_features(logits: jax.Array, params: SamplingArrays, extras: dict
     """One token per row (vLLM V1 ``Sampler.forward``; the order is the module docstring's).
 
     Args:
-        logits: ``[R, vocab]`` raw logits, any float dtype (the model's bf16 output as it is: see
-            :func:`process_logits`).
+        logits: ``[R, vocab]`` raw logits, any float dtype (the model's bf16 output as it is).
         params: :class:`SamplingArrays` with ``R`` rows.
         extras: the per-row arrays ``features`` names (:class:`SamplerFeatures`).
         features: static.

@@ -332,9 +332,10 @@ def test_per_row_sampler_on_a_large_vocabulary():
     assert len(seen) > 6  # row 0 is sampled over ~600 tokens, not stuck on one
 
 
-def test_min_tokens_mask_on_bf16_logits_leaves_raw_logprobs_alone():
-    """The ``min_tokens`` mask is scattered into the model's bf16 logits in place; the raw logprobs (vLLM's
-    ``raw_logprobs``: before any processing) still see the masked stop token, as float64 log-softmax does."""
+def test_min_tokens_mask_is_a_feature_and_leaves_raw_logprobs_alone():
+    """``features.min_tokens`` masks the stop ids of rows under their ``min_tokens`` (bf16 logits, as the model
+    gives them); the raw logprobs (vLLM's ``raw_logprobs``: before any processing) still see the masked stop token,
+    as float64 log-softmax does. Without the feature the step has no mask (the engine sets it when a row needs it)."""
     from jaxkv.worker.sampler import SamplerFeatures, sample_with_features
     logits = np.zeros((2, 700), np.float32)
     logits[:, 4] = 10.0
@@ -343,9 +344,11 @@ def test_min_tokens_mask_on_bf16_logits_leaves_raw_logprobs_alone():
               gen_idx=np.array([2, 3], np.int32), stop_ids=np.array([[4, -1], [4, -1]], np.int32))
     fn = jax.jit(sample_with_features, static_argnames="features")
     tokens, lp = fn(jnp.asarray(logits, jnp.bfloat16), _rows(logits, **kw), {},
-                    features=SamplerFeatures(num_logprobs=1))
+                    features=SamplerFeatures(min_tokens=True, num_logprobs=1))
     np.testing.assert_array_equal(np.asarray(tokens), [9, 4])   # row 0 may not stop yet
     ref = np.log(softmax64(logits))
     np.testing.assert_allclose(np.asarray(lp["top_logprobs"])[:, 0], ref[:, 4], atol=1e-5)
     np.testing.assert_array_equal(np.asarray(lp["top_ids"])[:, 0], [4, 4])
     np.testing.assert_allclose(np.asarray(lp["logprob"]), [ref[0, 9], ref[1, 4]], atol=1e-5)
+    tokens, _ = fn(jnp.asarray(logits, jnp.bfloat16), _rows(logits, **kw), {}, features=SamplerFeatures())
+    np.testing.assert_array_equal(np.asarray(tokens), [4, 4])
