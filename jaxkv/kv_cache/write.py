@@ -73,7 +73,8 @@ def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,
         kv_cache: ``[2, num_blocks, num_kv_heads, block_size, head_size]`` (Pallas backend layout).
         key: ``[num_tokens, num_kv_heads, head_size]``; cast (or quantised) to the cache dtype.
         value: ``[num_tokens, num_kv_heads, head_size]``; cast (or quantised) to the cache dtype.
-        slot_mapping: ``int32/int64[num_tokens]`` slot of each token, ``PAD_SLOT_ID`` to skip.
+        slot_mapping: ``int32/int64[num_tokens]`` slot of each token, ``PAD_SLOT_ID`` to skip; no slot twice
+            (the scatter is declared to have unique indices, as a scheduler's step has).
         k_scale: ``f32[]`` key scale (``real ≈ stored * k_scale``); required for an fp8 cache.
         v_scale: ``f32[]`` value scale; required for an fp8 cache.
 
