@@ -8,7 +8,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from jaxkv.checks import as_checked, below, check_mode, require
+from jaxkv.checks import as_checked, below, check_mode, require, xp
 from jaxkv.kv_cache.dtypes import check_scale, is_fp8_dtype, quantize_to_cache
 from jaxkv.kv_cache.slot_mapping import PAD_SLOT_ID
 
@@ -37,13 +37,14 @@ def check_new_tokens(key, value, slot_mapping, *, num_kv_heads: int, head_size: 
 
 
 def check_slots(slot_mapping, capacity: int, name: str = "slot_mapping") -> None:
-    """Every entry of ``slot_mapping`` is ``PAD_SLOT_ID`` (-1) or a slot in ``[0, capacity)``.
+    """Every entry of ``slot_mapping`` is ``PAD_SLOT_ID`` (-1) or a slot in ``[0, capacity)``, and no slot occurs
+    twice (the write's scatter is declared to have unique indices).
 
     Host check when concrete, checkify when traced and the check mode is on (:mod:`jaxkv.checks`).
 
     Raises:
         ValueError: (host) ``slot_mapping[i]=-5 is neither PAD_SLOT_ID=-1 nor a slot in [0,
-            num_blocks*block_size=...)``.
+            num_blocks*block_size=...)``; ``slot_mapping[i]=7 is an earlier token's slot too``.
     """
     mode = check_mode(slot_mapping)
     if mode is None:
@@ -52,6 +53,13 @@ def check_slots(slot_mapping, capacity: int, name: str = "slot_mapping") -> None
     ok = (slots == PAD_SLOT_ID) | ((slots >= 0) & below(slots, capacity))
     require(mode, ok, f"{name}[{{i}}]={{value}} is neither PAD_SLOT_ID={PAD_SLOT_ID} nor a slot in "
             f"[0, num_blocks*block_size={capacity})", index_names=("i",), value=slots)
+    if slots.shape[0] > 1:  # sorted stably, a valid slot equal to its predecessor repeats an earlier token's
+        np_ = xp(mode)
+        order = np_.argsort(slots, stable=True)
+        ordered = slots[order]
+        repeat = np_.concatenate([np_.zeros(1, bool), (ordered[1:] == ordered[:-1]) & (ordered[1:] >= 0)])
+        require(mode, ~repeat[np_.argsort(order)], f"{name}[{{i}}]={{value}} is an earlier token's slot too",
+                index_names=("i",), value=slots)
 
 
 def write_to_paged_cache(kv_cache: jax.Array, key: jax.Array, value: jax.Array,

@@ -242,3 +242,21 @@ def test_last_valid_slot_is_accepted(small):
     got = write_to_paged_cache(cache, key, 2 * key, jnp.asarray(slots))
     want = ref_write(np.asarray(cache), np.asarray(key), 2 * np.asarray(key), slots)
     np.testing.assert_array_equal(bits(got), bits(want))
+
+
+@pytest.mark.parametrize("slots,first", [([3, 9, 3], 2), ([9, 9, -1], 1)])
+def test_a_slot_twice_raises_on_the_host_and_under_checkify(small, slots, first):
+    """The scatter is declared to have unique indices, so a step may not give two tokens one slot: the later
+    token is named, on the host and staged with checkify under jit; PAD_SLOT_ID may repeat."""
+    from jaxkv.checks import checked
+    cache, key, _ = small
+    before = np.asarray(cache).copy()
+    msg = rf"slot_mapping\[{first}\]={slots[first]} is an earlier token's slot too"
+    with pytest.raises(ValueError, match=msg):
+        write_to_paged_cache(cache, key, key, jnp.asarray(slots, jnp.int32))
+    np.testing.assert_array_equal(bits(cache), bits(before))
+    run = jax.jit(checked(lambda s: write_to_paged_cache(cache, key, key, s)))
+    err, _ = run(jnp.asarray(slots, jnp.int32))
+    assert err.get() is not None and err.get().startswith(f"slot_mapping[{first}]={slots[first]} is an earlier")
+    err, _ = run(jnp.asarray([-1, 5, -1], jnp.int32))
+    assert err.get() is None
