@@ -30,11 +30,20 @@ from jaxtyping import Array, Float, Int
 
 from jaxkv.attention.metadata import AttentionMetadata
 from jaxkv.kv_cache.dtypes import FP8_DTYPES
+from jaxkv.ops.activation import silu_and_mul_quant, swiglu_kernel_enabled
 from jaxkv.parallel.attention import gather_logits_rows, paged_attention_layer
 from models.decoder_config import DecoderConfig
 from models.fused import split_fused
 from models.parallel import row_parallel
-from models.quantization import Fp8Config, Fp8Linear, make_linear, norm_quant_enabled, rms_norm_quantize_per_token
+from models.quantization import (
+    Fp8Activation,
+    Fp8Config,
+    Fp8Linear,
+    fp8_gemm_unscaled,
+    make_linear,
+    norm_quant_enabled,
+    rms_norm_quantize_per_token,
+)
 
 
 def rope_cos_sin_from_inv_freq(positions: Int[Array, "..."], inv_freq: np.ndarray
@@ -208,8 +217,22 @@ class MLP(nnx.Module):
             return [self.gate_up_proj]
         return [self.gate_proj, self.up_proj]
 
+    def _swiglu_quantizes(self, mesh) -> bool:
+        """Whether the SwiGLU and ``down_proj``'s activation quantization run as one op
+        (:func:`jaxkv.ops.activation.silu_and_mul_quant`): fused gate/up and ``down_proj`` both dynamic fp8 without
+        bias, one device, SiLU, ``$JAXKV_FP8_SWIGLU_KERNEL=1``."""
+        dynamic = lambda p: isinstance(p, Fp8Linear) and p.input_scale is None and p.bias is None  # noqa: E731
+        return (mesh is None and not self.gelu and getattr(self, "fused_gate_up", None) is not None
+                and dynamic(self.gate_up_proj) and dynamic(self.down_proj) and swiglu_kernel_enabled())
+
     def __call__(self, x, *, mesh=None):
         fused = getattr(self, "fused_gate_up", None)  # (tp, per-rank sizes): models.fused
+        if self._swiglu_quantizes(mesh):
+            product, s_x = fp8_gemm_unscaled(self.gate_up_proj, x)
+            lead = product.shape[:-1]
+            q, scale = silu_and_mul_quant(product.reshape(-1, product.shape[-1]), s_x.reshape(-1),
+                                          self.gate_up_proj.weight_scale[...])
+            return self.down_proj(Fp8Activation(q.reshape(*lead, -1), scale.reshape(lead), x.dtype))
         if fused is None:
             g, u = self.gate_proj(x), self.up_proj(x)
         else:

@@ -305,6 +305,21 @@ def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float
     return y.astype(out_dtype)
 
 
+def fp8_gemm_unscaled(linear: "Fp8Linear", x) -> tuple[jax.Array, jax.Array]:
+    """A dynamic-scale :class:`Fp8Linear`'s GEMM without its scales: ``(x_q @ w_q^T, s_x)`` with the product in
+    :func:`gemm_out_dtype` and ``s_x`` ``f32[...]`` the activations' per-token scales (``x`` an
+    :class:`Fp8Activation` or float activations, quantized here). The Linear's output is ``product * s_x[..., None] *
+    linear.weight_scale``: the caller applies the scales itself (:func:`jaxkv.ops.activation.silu_and_mul_quant`).
+
+    Raises:
+        ValueError: a static ``input_scale`` or a bias.
+    """
+    if linear.input_scale is not None or linear.bias is not None:
+        raise ValueError("fp8_gemm_unscaled takes an Fp8Linear with dynamic scales and no bias")
+    x_q, s_x = (x.q, x.scale) if isinstance(x, Fp8Activation) else quantize_per_token(x)
+    return fp8_matmul(x_q, linear.weight[...], gemm_out_dtype(x.dtype)), s_x
+
+
 def fp8_linear_reference(x, weight, weight_scale, *, input_scale=None, bias=None, out_dtype=None):
     """The same product computed the plain way (tests): activations quantized as :func:`fp8_linear` does, then
     both operands dequantized to f32 and multiplied at ``Precision.HIGHEST``."""

@@ -4,7 +4,7 @@ Packages: ``pallas_kernels`` <- ``jaxkv`` <- ``models`` <- ``scripts`` (an arrow
 imported to its importer); ``models`` reaches the kernels only through ``jaxkv``. Inside ``jaxkv`` the
 folders are layers, each importing only lower ones (docs/architecture.md):
 
-    flat modules (checks, config, sampling_params, outputs) <- kv_cache <- attention, core <- parallel
+    flat modules (checks, config, sampling_params, outputs) <- kv_cache, ops <- attention, core <- parallel
     <- worker <- engine;  vllm_parity imports what it needs and nothing imports it
 
 ``attention`` and ``core`` are siblings (the device's read of the cache, the host's bookkeeping): neither
@@ -25,7 +25,7 @@ PACKAGES = ("pallas_kernels", "jaxkv", "models", "scripts")
 # jaxkv's layers: a module may import its own folder and lower layers only
 JAXKV_LAYERS = {
     "jaxkv._lazy": 0, "jaxkv.checks": 0, "jaxkv.config": 0, "jaxkv.sampling_params": 0, "jaxkv.outputs": 0,
-    "jaxkv.kv_cache": 1,
+    "jaxkv.kv_cache": 1, "jaxkv.ops": 1,
     "jaxkv.attention": 2, "jaxkv.core": 2,
     "jaxkv.parallel": 3,
     "jaxkv.worker": 4,

@@ -63,6 +63,8 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     # && mkdir .base && git archive REV jaxkv models pallas_kernels scripts | tar -x -C .base`), the A/B of a code
     # change without a switch in the code
     dir=$PWD; [ "${q%-base}" != "$q" ] && dir=$PWD/.base
+    # "-swk" (fp8kv-swk): the SwiGLU + down_proj's quantization as one Mosaic GPU kernel (JAXKV_FP8_SWIGLU_KERNEL=1)
+    swk=0; [ "${q%-swk}" != "$q" ] && swk=1
     case ${q%-*} in fp8) flag="--quantization fp8";; fp8kv) flag="--quantization fp8 --kv-cache-dtype fp8";; *) flag="";; esac
     echo "== (c) Llama-3.1-8B dummy, .dummy/requests-llama3.json, 1000 requests, LLM defaults, $q: $flag" \
       "XLA_FLAGS=${E2E_XLA_FLAGS:-} ($(date +%T), ${SECONDS} s; timeout $left s)" | tee -a $OUT/e2e.txt
@@ -76,6 +78,7 @@ if [ $stage = all ] || [ $stage = e2e ]; then
     [ -n "${E2E_TRACE_RUNS:-}" ] && trace="--profile-busy --profile-window ${E2E_WINDOW:-8:4}"
     [ -n "${E2E_TRACE_RUNS:-}" ] && [ "${E2E_WINDOW:-}" = all ] && trace="--profile-busy"
     (cd $dir && PYTHONPATH=/tmp/site:$dir JAXKV_FUSED_PROJECTIONS=$fused JAXKV_FP8_NORM_QUANT=$nq JAXKV_FP8_GEMM_OUT=$go \
+      JAXKV_FP8_SWIGLU_KERNEL=$swk \
       JAXKV_ENABLE_MULTIPROCESSING=${E2E_TRACE_RUNS:+0} JAXKV_PROFILE_TOP=${PROFILE_TOP:-25} \
       XLA_FLAGS="${E2E_XLA_FLAGS:-}" timeout $left $B --model llama-3.1-8b $TOK --requests $ROOT/.dummy/requests-llama3.json \
       --num-prompts 1000 --backend jaxkv --nvml-busy $trace $flag) > $OUT/e2e-$q.log 2>&1

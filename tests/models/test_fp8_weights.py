@@ -601,6 +601,39 @@ def test_fp8_engines_turn_xla_triton_gemm_off_before_the_backend_starts():
     assert os.environ.get("XLA_FLAGS") == before
 
 
+def test_swiglu_and_its_quantization_as_one_op_when_asked(monkeypatch):
+    """With ``$JAXKV_FP8_SWIGLU_KERNEL=1`` a fused fp8 MLP hands ``down_proj`` the quantized SwiGLU of its gate/up
+    GEMM's raw output (:func:`jaxkv.ops.activation.silu_and_mul_quant`, once a layer; its ``jnp`` form on CPU); the
+    logits match the default path's (the same math, the scales applied in the other order). Not without the switch,
+    and not with the projections separate."""
+    from models import decoder
+    from models.dummy import dummy_model
+    from models.fused import fuse_projections
+    c = hfc_config()
+    calls = []
+    real = decoder.silu_and_mul_quant
+    monkeypatch.setattr(decoder, "silu_and_mul_quant", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    ids = jnp.asarray(np.arange(24).reshape(2, 12) * 7 % c.vocab_size)
+    valid = jnp.ones(ids.shape, bool)
+
+    def logits(model):
+        calls.clear()
+        return np.asarray(model.forward_dense(ids, valid))
+
+    fp8 = dummy_model(c, dtype=jnp.float32, seed=6, quantization=Fp8Config())
+    fuse_projections(fp8)
+    default = logits(fp8)
+    assert not calls
+    monkeypatch.setenv("JAXKV_FP8_SWIGLU_KERNEL", "1")
+    one_op = logits(fp8)
+    assert calls == [(24, 2 * c.intermediate_size)] * c.num_layers
+    np.testing.assert_allclose(one_op, default, rtol=1e-3, atol=1e-3 * np.abs(default).max())
+    assert (one_op.argmax(-1) == default.argmax(-1)).mean() >= 0.9
+    separate = dummy_model(c, dtype=jnp.float32, seed=6, quantization=Fp8Config())
+    logits(separate)
+    assert not calls
+
+
 def test_norms_quantize_for_dynamic_fp8_linears_only(monkeypatch):
     """The decoder's norms hand their fp8 Linears quantized activations (two norms a layer) only when every Linear
     they feed is fp8 with dynamic scales and ``$JAXKV_FP8_NORM_QUANT`` is not ``0``; the logits match the path that
