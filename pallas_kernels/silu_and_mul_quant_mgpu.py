@@ -13,8 +13,9 @@ One CUDA block per token row (grid ``(rows,)``, one warpgroup). A row's gate and
 (``plgpu.emit_pipeline``, two stages). Each chunk's product goes to a bf16 row buffer in shared memory (rounded to
 bf16, as XLA's form rounds it) and into a running elementwise absmax; then the row's scale, one pass over the buffer
 writing e4m3, and one TMA copy of the row out. The scale goes out as a ``[rows, 128]`` f32 row of copies (one TMA
-box; the caller reads column 0). Shared memory a block: two stages of 2 x 2 bf16/f32 chunks, the bf16 row and
-the e4m3 row (~94 KB at F = 14,336 with 16-row chunks: two blocks an SM).
+box; the caller reads column 0). Shared memory a block: two pipeline stages of the four chunks (gate and up in
+bf16, their column scales in f32), the bf16 row and the e4m3 row (~94 KB at F = 14,336 with 16-row chunks: two blocks
+an SM).
 
 Tested in the Mosaic GPU interpreter on CPU and lowered for sm_90 on CPU; the compiled kernel runs only on a
 Hopper GPU. Not measured compiled yet: :mod:`jaxkv.ops.activation` uses it only when asked
