@@ -601,25 +601,32 @@ def test_fp8_engines_turn_xla_triton_gemm_off_before_the_backend_starts():
     assert os.environ.get("XLA_FLAGS") == before
 
 
-def test_swiglu_and_its_quantization_as_one_op_when_asked(monkeypatch):
-    """With ``$JAXKV_FP8_SWIGLU_KERNEL=1`` a fused fp8 MLP hands ``down_proj`` the quantized SwiGLU of its gate/up
-    GEMM's raw output (:func:`jaxkv.ops.activation.silu_and_mul_quant`, once a layer; its ``jnp`` form on CPU); the
-    logits match the default path's (the same math, the scales applied in the other order). Not without the switch,
-    and not with the projections separate."""
+def _spied_logits(monkeypatch, name: str, config, *, stride: int):
+    """``(calls, logits)``: ``models.decoder.<name>`` appends its first argument's shape to ``calls`` at each call;
+    ``logits(model)`` empties ``calls`` and returns ``model.forward_dense`` of a fixed 2 x 12 batch of token ids."""
     from models import decoder
-    from models.dummy import dummy_model
-    from models.fused import fuse_projections
-    c = hfc_config()
     calls = []
-    real = decoder.silu_and_mul_quant
-    monkeypatch.setattr(decoder, "silu_and_mul_quant", lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
-    ids = jnp.asarray(np.arange(24).reshape(2, 12) * 7 % c.vocab_size)
+    real = getattr(decoder, name)
+    monkeypatch.setattr(decoder, name, lambda *a, **kw: calls.append(a[0].shape) or real(*a, **kw))
+    ids = jnp.asarray(np.arange(24).reshape(2, 12) * stride % config.vocab_size)
     valid = jnp.ones(ids.shape, bool)
 
     def logits(model):
         calls.clear()
         return np.asarray(model.forward_dense(ids, valid))
 
+    return calls, logits
+
+
+def test_swiglu_and_its_quantization_as_one_op_when_asked(monkeypatch):
+    """With ``$JAXKV_FP8_SWIGLU_KERNEL=1`` a fused fp8 MLP hands ``down_proj`` the quantized SwiGLU of its gate/up
+    GEMM's raw output (:func:`jaxkv.ops.activation.silu_and_mul_quant`, once a layer; its ``jnp`` form on CPU); the
+    logits match the default path's (the same math, the scales applied in the other order). Not without the switch,
+    and not with the projections separate."""
+    from models.dummy import dummy_model
+    from models.fused import fuse_projections
+    c = hfc_config()
+    calls, logits = _spied_logits(monkeypatch, "silu_and_mul_quant", c, stride=7)
     fp8 = dummy_model(c, dtype=jnp.float32, seed=6, quantization=Fp8Config())
     fuse_projections(fp8)
     default = logits(fp8)
@@ -638,19 +645,9 @@ def test_norms_quantize_for_dynamic_fp8_linears_only(monkeypatch):
     """The decoder's norms hand their fp8 Linears quantized activations (two norms a layer) only when every Linear
     they feed is fp8 with dynamic scales and ``$JAXKV_FP8_NORM_QUANT`` is not ``0``; the logits match the path that
     quantizes the norm's output on its own."""
-    from models import decoder
     from models.dummy import dummy_model
     c = hfc_config()
-    calls = []
-    real = decoder.rms_norm_quantize_per_token
-    monkeypatch.setattr(decoder, "rms_norm_quantize_per_token", lambda *a: calls.append(a[0].shape) or real(*a))
-    ids = jnp.asarray(np.arange(24).reshape(2, 12) * 5 % c.vocab_size)
-    valid = jnp.ones(ids.shape, bool)
-
-    def logits(model):
-        calls.clear()
-        return np.asarray(model.forward_dense(ids, valid))
-
+    calls, logits = _spied_logits(monkeypatch, "rms_norm_quantize_per_token", c, stride=5)
     fp8 = dummy_model(c, dtype=jnp.float32, seed=5, quantization=Fp8Config())
     fused = logits(fp8)
     assert len(calls) == 2 * c.num_layers  # input_layernorm and post_attention_layernorm
