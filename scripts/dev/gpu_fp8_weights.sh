@@ -11,8 +11,11 @@
 #   (c) e2e : jaxkv bench throughput, Llama-3.1-8B shape with dummy weights, 1000 requests of
 #             .dummy/requests-llama3.json (session 23's vLLM-rule set), --quantization fp8 first, then bf16 (the
 #             baseline, rerun on the same card), LLM defaults, --nvml-busy; with .dummy/llama3-tokenizer when carried.
+#   (d) kern: the fused SwiGLU + e4m3 kernel's tests compiled (tests/pallas_kernels/test_silu_and_mul_quant_mgpu.py),
+#             then a 2-layer 8B fp8 step's kernel table at batch 256 without and with it (JAXKV_FP8_SWIGLU_KERNEL=1;
+#             scripts/dev/bench_mesh_step.py), ~3 min; not part of "all".
 # Each stage has its own timeout; (c) takes what is left of DEADLINE (default 590) s. Usage:
-#   bash scripts/dev/gpu_fp8_weights.sh [all|hlo|gemm|e2e]        (default all; expected ~8-9 min for all)
+#   bash scripts/dev/gpu_fp8_weights.sh [all|hlo|gemm|e2e|kern]   (default all; expected ~8-9 min for all)
 set -uo pipefail
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 JAX_COMPILATION_CACHE_DIR=/tmp/jaxcache NCCL_NVLS_ENABLE=0
 OUT=${OUT:-/tmp/out}
@@ -37,6 +40,18 @@ if [ $stage = all ] || [ $stage = gemm ]; then
   echo "== (b) bf16 vs fp8 GEMM stacks, 8B layer shapes ($(date +%T), ${SECONDS} s)" | tee $OUT/gemm.txt
   timeout 240 python3 scripts/dev/bench_fp8_gemm.py --skip-hlo --rows 1,16,64,256,1024,4096,8192 --layers 8 \
     --variants bf16,fp8,fp8-bf16out --kernel-rows 16,1024 2>&1 | quiet | tee -a $OUT/gemm.txt
+fi
+
+if [ $stage = kern ]; then
+  echo "== (d) the SwiGLU + e4m3 kernel compiled ($(date +%T), ${SECONDS} s)" | tee $OUT/kern.txt
+  timeout 150 python3 -m pytest -q -p no:cacheprovider tests/pallas_kernels/test_silu_and_mul_quant_mgpu.py 2>&1 \
+    | quiet | tail -15 | tee -a $OUT/kern.txt
+  for swk in 0 1; do
+    echo "== 2-layer 8B fp8 step, batch 256, JAXKV_FP8_SWIGLU_KERNEL=$swk ($(date +%T), ${SECONDS} s)" | tee -a $OUT/kern.txt
+    JAXKV_FP8_SWIGLU_KERNEL=$swk timeout 150 python3 scripts/dev/bench_mesh_step.py --model llama-3.1-8b --num-layers 2 \
+      --tp 1 --batches 256 --prompt-len 8 --new-tokens 16 --quantization fp8 --kv-cache-dtype fp8 --top-kernels 30 \
+      --repeats 2 2>&1 | quiet | grep -v -i warn | tee -a $OUT/kern.txt
+  done
 fi
 
 if [ $stage = all ] || [ $stage = e2e ]; then
