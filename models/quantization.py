@@ -289,12 +289,10 @@ def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float
 
     vLLM: ``Fp8LinearOp.apply`` (``cutlass_scaled_mm`` / ``torch._scaled_mm`` with row-wise scales).
     """
-    if isinstance(x, Fp8Activation):
-        if input_scale is not None:
-            raise ValueError("an Fp8Activation (dynamic per-token scales) fed a Linear with a static input_scale")
-        x_q, s_x = x.q, x.scale[..., None]
-    elif input_scale is None:
-        x_q, s_x = quantize_per_token(x)
+    if isinstance(x, Fp8Activation) and input_scale is not None:
+        raise ValueError("an Fp8Activation (dynamic per-token scales) fed a Linear with a static input_scale")
+    if input_scale is None:
+        x_q, s_x = _per_token(x)
         s_x = s_x[..., None]
     else:
         x_q, s_x = quantize_static(x, input_scale), input_scale.astype(jnp.float32)
@@ -303,6 +301,11 @@ def fp8_linear(x: Float[Array, "... in"], weight: jax.Array, weight_scale: Float
     if bias is not None:
         y = y + bias.astype(jnp.float32)
     return y.astype(out_dtype)
+
+
+def _per_token(x) -> tuple[jax.Array, jax.Array]:
+    """``(x_q, s_x[...])``: an :class:`Fp8Activation` as it is, float activations through :func:`quantize_per_token`."""
+    return (x.q, x.scale) if isinstance(x, Fp8Activation) else quantize_per_token(x)
 
 
 def fp8_gemm_unscaled(linear: "Fp8Linear", x) -> tuple[jax.Array, jax.Array]:
@@ -316,7 +319,7 @@ def fp8_gemm_unscaled(linear: "Fp8Linear", x) -> tuple[jax.Array, jax.Array]:
     """
     if linear.input_scale is not None or linear.bias is not None:
         raise ValueError("fp8_gemm_unscaled takes an Fp8Linear with dynamic scales and no bias")
-    x_q, s_x = (x.q, x.scale) if isinstance(x, Fp8Activation) else quantize_per_token(x)
+    x_q, s_x = _per_token(x)
     return fp8_matmul(x_q, linear.weight[...], gemm_out_dtype(x.dtype)), s_x
 
 
